@@ -1,0 +1,275 @@
+"""The `pdcluster` command line.
+
+Subcommands:
+  make-tiny-model OUT_DIR   build a small random HF-format model with a real tokenizer
+  generate --model DIR      run the engine offline on one prompt
+  bench engine              run the engine benchmark; the last stdout line is its JSON result
+
+`pdcluster --help` must stay fast and torch-free, so `engine` and `benchmarks` are imported only
+inside the handlers that need them. API: `main(argv) -> int` (exit status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Mirrors engine.tiny_model.ARCHS / PRESETS; repeated here so that --help never imports torch.
+TINY_ARCHS = ("llama", "qwen2", "mistral")
+TINY_PRESETS = ("tiny", "bench")
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class UsageError(Exception):
+    """A user mistake found after parsing: reported as one line on stderr, exit status 2."""
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """Parse "1,2,3" into [1, 2, 3]; argparse reports a bad value as a usage error."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("expected comma-separated token ids, e.g. 1,2,3")
+    try:
+        ids = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"token ids must be >= 0: {text!r}")
+    return ids
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the uninformative None and False."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return _HelpFormatter(prog, max_help_position=32)
+
+
+def _add_command(
+    subparsers: argparse._SubParsersAction, name: str, help_text: str, handler: Handler
+) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        name, help=help_text, description=help_text, formatter_class=_formatter
+    )
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
+    parser = _add_command(
+        subparsers,
+        "make-tiny-model",
+        "Build a small random-weight HF-format model (safetensors + a real SentencePiece "
+        "tokenizer) for tests and the default run. Needs no network.",
+        _cmd_make_tiny_model,
+    )
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write the model into")
+    parser.add_argument("--arch", choices=TINY_ARCHS, default="llama", help="model family")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the random weights")
+    parser.add_argument(
+        "--preset", choices=TINY_PRESETS, default="tiny",
+        help="size: 'tiny' for tests, 'bench' for benchmarks",
+    )
+
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    parser = _add_command(
+        subparsers,
+        "generate",
+        "Generate a completion for one prompt with the local engine (no cluster).",
+        _cmd_generate,
+    )
+    parser.add_argument("--model", required=True, help="HF-format model folder")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
+    prompt.add_argument(
+        "--prompt-ids", type=parse_token_ids, metavar="IDS",
+        help='prompt as comma-separated token ids, e.g. "1,2,3"',
+    )
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="0 means no top-k cut")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
+    parser.add_argument(
+        "--num-blocks", type=int, default=None,
+        help="KV cache blocks (default: the engine sizes the cache itself)",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser(
+        "bench",
+        help="Run a benchmark; each prints one JSON object as its last line.",
+        description="Run a benchmark. Each prints one JSON object (with its own baseline, "
+        "measured in the same run) as the last line of stdout.",
+        formatter_class=_formatter,
+    )
+    benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    # Built here rather than by benchmarks.engine_bench so that parsing never imports it.
+    engine = _add_command(
+        benchmarks,
+        "engine",
+        "Engine throughput and latency on a tiny random model, against a baseline "
+        "measured in the same run.",
+        _cmd_bench_engine,
+    )
+    engine.add_argument("--json", action="store_true", help="print only the JSON line")
+    engine.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    engine.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+    engine.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdcluster",
+        description="pdcluster: a disaggregated prefill/decode LLM serving cluster.",
+        formatter_class=_formatter,
+    )
+    parser.add_argument(
+        "--log-level", default="WARNING",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_make_tiny_model(subparsers)
+    _add_generate(subparsers)
+    _add_bench(subparsers)
+    return parser
+
+
+def _require_device(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda given but no CUDA device is available")
+
+
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from engine.tiny_model import make_tiny_model
+
+    path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, preset=args.preset)
+    print(path)
+    return 0
+
+
+def _check_model_dir(model: str) -> None:
+    path = Path(model)
+    if not path.is_dir():
+        raise UsageError(f"model folder not found: {model}")
+    if not (path / "config.json").is_file():
+        raise UsageError(f"not an HF-format model folder (no config.json): {model}")
+
+
+@contextmanager
+def _config_errors_as_usage() -> Iterator[None]:
+    """Configs validate user values with ValueError at construction: report those as usage."""
+    try:
+        yield
+    except ValueError as exc:
+        logger.debug("invalid configuration", exc_info=True)
+        raise UsageError(str(exc)) from exc
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    _check_model_dir(args.model)
+    _require_device(args.device)
+    from engine import LLM, SamplingParams
+
+    extra = {} if args.num_blocks is None else {"num_gpu_blocks": args.num_blocks}
+    started = time.perf_counter()
+    with _config_errors_as_usage():
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        )
+        llm = LLM(
+            args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+            **extra,
+        )
+    loaded = time.perf_counter()
+    prompt = args.prompt if args.prompt is not None else args.prompt_ids
+    out = llm.generate([prompt], params)[0]
+    done = time.perf_counter()
+    print(f"prompt: {prompt}")
+    print(f"output: {out.text}")
+    print(
+        f"generated {len(out.token_ids)} tokens in {done - loaded:.3f} s "
+        f"(model load {loaded - started:.3f} s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _flatten(result: dict, prefix: str = "") -> list[tuple[str, object]]:
+    rows: list[tuple[str, object]] = []
+    for key in sorted(result):
+        value = result[key]
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            rows.extend(_flatten(value, f"{name}."))
+        else:
+            rows.append((name, value))
+    return rows
+
+
+def format_table(result: dict) -> str:
+    """Two aligned columns, nested keys dotted: a human view of a benchmark result."""
+    rows = _flatten(result)
+    if not rows:
+        return ""
+    width = max(len(name) for name, _ in rows)
+    lines = []
+    for name, value in rows:
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        lines.append(f"{name:<{width}}  {shown}")
+    return "\n".join(lines)
+
+
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    _require_device(args.device)
+    from benchmarks.engine_bench import run
+
+    result = run(args)
+    if not args.json:
+        print(format_table(result))
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.handler(args)
+    except UsageError as exc:
+        prog = f"pdcluster {args.command}"
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Paged attention over the KV cache, in plain torch (scaled_dot_product_attention).
+
+A step's tokens are laid out decode-first: the first `num_decodes` tokens are one query each
+from sequences in decode, then each prefill chunk's tokens in turn. Per layer, new keys and
+values are written into their cache slots first, then:
+- all decode queries run as one batched SDPA call over their gathered block tables, padded to
+  the longest context with a key mask;
+- each prefill chunk attends to its context through its block table. A chunk that starts at
+  position 0 uses its own keys with a plain causal mask; a chunk after a cached prefix or an
+  earlier chunk gets an explicit mask `key_pos <= query_pos` so chunk boundaries (even
+  mid-block) change nothing.
+`AttentionMetadata` is built once per step by the model runner and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int  # first token of the chunk in the flattened batch
+    end: int
+    context_len: int  # tokens attended to: cached/earlier tokens + this chunk
+    block_ids: torch.Tensor  # [ceil(context_len / block_size)]
+    mask: torch.Tensor | None  # [chunk_len, context_len] bool, None when the chunk starts at 0
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_blocks: torch.Tensor  # [T] block id of each new token's cache slot
+    slot_offsets: torch.Tensor  # [T] offset within that block
+    num_decodes: int
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]."""
+    k_cache[meta.slot_blocks, meta.slot_offsets] = k
+    v_cache[meta.slot_blocks, meta.slot_offsets] = v
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        out[: meta.num_decodes] = _decode_attention(q[: meta.num_decodes], k_cache, v_cache, meta, scale)
+    for chunk in meta.prefills:
+        out[chunk.start : chunk.end] = _prefill_attention(q, k, v, k_cache, v_cache, chunk, scale)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[..., n_blocks] ids -> [..., Hkv, n_blocks * block_size, D]."""
+    blocks = cache[block_ids]  # [..., n, bs, Hkv, D]
+    merged = blocks.flatten(-4, -3)  # [..., n * bs, Hkv, D]
+    return merged.transpose(-3, -2)
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    keys = _gather(k_cache, meta.decode_block_table)
+    values = _gather(v_cache, meta.decode_block_table)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+    )
+    return out.squeeze(2)
+
+
+def _prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float):
+    queries = q[chunk.start : chunk.end].transpose(0, 1)
+    if chunk.mask is None:
+        keys = k[chunk.start : chunk.end].transpose(0, 1)
+        values = v[chunk.start : chunk.end].transpose(0, 1)
+    else:
+        keys = _gather(k_cache, chunk.block_ids)[:, : chunk.context_len]
+        values = _gather(v_cache, chunk.block_ids)[:, : chunk.context_len]
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+        scale=scale, enable_gqa=True,
+    )
+    return out.transpose(0, 1)

@@ -1,0 +1,50 @@
+"""`EngineConfig`: every engine option, validated once at construction. Values derived at run
+time (the number of KV blocks, the resolved dtype and device) are returned by the engine, not
+written back here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.hashing import HashConfig
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # float32 on CPU; the checkpoint's half type (else bfloat16) on CUDA
+    device: str = "auto"  # cuda when available, else cpu
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib
+    kv_cache_memory_gib: float | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
+    max_model_len: int | None = None  # None: the model's own limit
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_kv_events: bool = False
+    hash_algorithm: str = "sha256"
+    hash_seed: str = "pdcluster-v1"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
+            raise ValueError("kv_cache_memory_gib must be > 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        HashConfig(self.hash_algorithm, self.hash_seed)  # validates both
+
+    @property
+    def hash_config(self) -> HashConfig:
+        return HashConfig(self.hash_algorithm, self.hash_seed)

@@ -1,0 +1,68 @@
+"""The paged KV cache tensor and its byte layout.
+
+Layout: one tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`. Block b of
+every layer, keys and values, is the single contiguous byte range
+`[b * block_nbytes, (b + 1) * block_nbytes)` of one region, and n consecutive blocks are one
+range: a transfer of a request's blocks is a handful of large descriptors, never one per
+(layer, block). Per-layer views (`layer_kv(l)`) are strided views into that region, which is
+what attention writes and gathers through block tables.
+
+`KVCacheSpec` (torch-free sizes) lets the connector and the scheduler reason about bytes
+without touching torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    num_blocks: int
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_nbytes: int
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across all layers, keys and values."""
+        return (
+            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+        ) * self.dtype_nbytes
+
+    @property
+    def total_nbytes(self) -> int:
+        return self.num_blocks * self.block_nbytes
+
+    def block_range(self, block_id: int, num_blocks: int = 1) -> tuple[int, int]:
+        """(offset, length) in bytes of `num_blocks` consecutive blocks from `block_id`."""
+        return block_id * self.block_nbytes, num_blocks * self.block_nbytes
+
+
+class PagedKVCache:
+    """Owns the KV region. Zero-filled: padding slots read during batched decode must be
+    finite, since a NaN times a zero attention weight is still NaN."""
+
+    def __init__(self, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device) -> None:
+        self.spec = spec
+        self.tensor = torch.zeros(
+            (spec.num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim),
+            dtype=dtype,
+            device=device,
+        )
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Strided views `[num_blocks, block_size, num_kv_heads, head_dim]` for one layer."""
+        return self.tensor[:, layer, 0], self.tensor[:, layer, 1]
+
+    def data_ptr(self) -> int:
+        return self.tensor.data_ptr()
+
+    def block_bytes(self, block_id: int) -> bytes:
+        """A copy of one block's bytes (tests and debugging; transfers use `data_ptr`)."""
+        flat = self.tensor[block_id].contiguous().view(torch.uint8)
+        return bytes(flat.cpu().numpy().tobytes())

@@ -1,0 +1,85 @@
+"""Per-request block tables on top of the shared `BlockPool` (torch-free).
+
+- `get_computed_blocks(req)`: the longest cached prefix of the request's block-hash chain,
+  stopping at the first miss. At least one token is always left to compute, because the
+  sampler needs the last position's logits.
+- `allocate_slots(req, num_new_tokens, computed_blocks)`: takes the prefix-hit blocks and
+  enough fresh blocks for the new tokens, then hashes every block that these tokens fill
+  (prompt or generated), so it becomes a cache hit for later requests. Returns None — nothing
+  changed — when the pool cannot supply the blocks: the scheduler decides what to preempt.
+- `free(req)`: returns the request's blocks in reverse order, so an evicted chain loses its
+  tail before its head.
+"""
+
+from __future__ import annotations
+
+from core.types import BlockHash, ReqId
+from engine.block_pool import BlockPool, KVCacheBlock
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, enable_caching: bool = True) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.enable_caching = enable_caching
+        self.req_blocks: dict[ReqId, list[KVCacheBlock]] = {}
+        self._num_hashed: dict[ReqId, int] = {}
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request_id: ReqId) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
+        """Prefix-hit blocks and the number of tokens they hold."""
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits = self.pool.find_longest_prefix(req.block_hashes[:max_blocks])
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(computed_blocks)
+        # A prefix-hit block with no other user sits in the free queue: touching it uses one.
+        num_reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_reclaimed:
+            if not blocks:
+                del self.req_blocks[req.request_id]
+            return None
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+            self._num_hashed[req.request_id] = len(blocks)
+        new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(req, blocks, total_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, req: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        hashes = req.block_hashes
+        start = self._num_hashed.get(req.request_id, 0)
+        end = min(num_tokens // self.block_size, len(hashes))
+        if end <= start:
+            return
+        parent: BlockHash | None = hashes[start - 1] if start else None
+        self.pool.cache_blocks(blocks[start:end], hashes[start:end], parent)
+        self._num_hashed[req.request_id] = end
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, None)
+        self._num_hashed.pop(req.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))

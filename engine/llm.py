@@ -1,0 +1,44 @@
+"""`LLM`: offline batch generation on top of `LLMEngine`.
+
+    llm = LLM("path/to/model", dtype="float32")
+    outs = llm.generate(["Hello", [1, 15043]], SamplingParams(temperature=0, max_tokens=16))
+    outs[0].text, outs[0].token_ids
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams, as_params_list
+
+
+class LLM:
+    def __init__(self, model: str, **options) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), **options))
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = as_params_list(sampling_params, len(prompts))
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, p)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]

@@ -1,0 +1,220 @@
+"""`LLMEngine`: the step-level engine that nodes drive.
+
+    engine = LLMEngine(EngineConfig(model="path/to/model"))
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step():      # new tokens of every request that advanced
+            ...
+    engine.abort_request("r1")         # frees its blocks at once
+
+It owns the tokenizer, the scheduler and KV cache manager (bookkeeping, torch-free) and the
+model runner (torch). Bad requests raise ValueError at `add_request`, before any state changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from core.hashing import BlockExtra
+from core.types import ReqId
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheSpec, PagedKVCache
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.models.loader import load_model
+from engine.outputs import RequestOutput, StopStringChecker
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+_CPU_KV_GIB = 1.0
+_CUDA_MEMORY_FRACTION = 0.9
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device, self.model_config)
+        self.max_model_len = _resolve_max_len(config, self.model_config)
+        self.tokenizer = _load_tokenizer(config.model)
+        model = load_model(config.model, self.model_config, self.dtype, self.device,
+                           self.max_model_len)
+        self.kv_spec = self._kv_spec()
+        self.runner = ModelRunner(model, PagedKVCache(self.kv_spec, self.dtype, self.device),
+                                  self.device, config.seed)
+        pool = BlockPool(self.kv_spec.num_blocks, config.block_size,
+                         enable_caching=config.enable_prefix_caching,
+                         enable_events=config.enable_kv_events)
+        self.kv_manager = KVCacheManager(pool, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                            self.max_model_len), self.kv_manager)
+        self._stops = StopStringChecker(self.tokenizer)
+        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens",
+                    self.model_config.architecture, self.device, self.dtype,
+                    self.kv_spec.num_blocks, config.block_size)
+
+    @classmethod
+    def from_model(cls, model: str | Path, **options) -> LLMEngine:
+        return cls(EngineConfig(model=str(model), **options))
+
+    @property
+    def block_pool(self) -> BlockPool:
+        return self.kv_manager.pool
+
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        return self.runner.kv_cache
+
+    def _kv_spec(self) -> KVCacheSpec:
+        cfg, mc = self.config, self.model_config
+        spec = KVCacheSpec(1, mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
+                           torch.finfo(self.dtype).bits // 8)
+        num_blocks = cfg.num_kv_blocks or self._blocks_for_memory(spec.block_nbytes)
+        return KVCacheSpec(num_blocks, mc.num_layers, cfg.block_size, mc.num_kv_heads,
+                           mc.head_dim, spec.dtype_nbytes)
+
+    def _blocks_for_memory(self, block_nbytes: int) -> int:
+        gib = self.config.kv_cache_memory_gib
+        if gib is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * _CUDA_MEMORY_FRACTION)
+        else:
+            budget = int((gib or _CPU_KV_GIB) * 2**30)
+        # Never more than every sequence slot at full length needs.
+        useful = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size)
+        num_blocks = min(budget // block_nbytes, useful)
+        if num_blocks < 1:
+            raise ValueError("the KV cache memory budget is smaller than one block")
+        return num_blocks
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer: pass token ids")
+            return self.tokenizer(prompt).input_ids
+        return list(prompt)
+
+    def add_request(self, request_id: ReqId, prompt: str | list[int],
+                    params: SamplingParams | None = None, *, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> Request:
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        self._validate(token_ids, params)
+        extra = BlockExtra(cache_salt=cache_salt) if cache_salt else None
+        req = Request(request_id, token_ids, params, self.config.block_size,
+                      self.model_config.eos_token_ids, extra, self.config.hash_config,
+                      arrival_time)
+        self.scheduler.add_request(req)
+        return req
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the maximum model length {self.max_model_len}")
+        if cdiv(total, self.config.block_size) > self.kv_spec.num_blocks:
+            raise ValueError(f"this request needs more KV blocks than the cache has "
+                             f"({self.kv_spec.num_blocks})")
+
+    def abort_request(self, request_id: ReqId) -> bool:
+        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.runner.sampler.forget(request_id)
+        return req is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        started = time.perf_counter()
+        sampled = self.runner.execute(sched)
+        updated = self.scheduler.update_from_output(sched, sampled)
+        elapsed = time.perf_counter() - started
+        return [self._output(req, elapsed) for req in updated]
+
+    def _output(self, req: Request, step_s: float) -> RequestOutput:
+        text = ""
+        if req.params.stop and not req.is_finished:
+            text = self._stops.decode(req)
+            hit = self._stops.find(req, text)
+            if hit is not None:
+                req.stop_reason, text = hit
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        if req.is_finished:
+            self.runner.sampler.forget(req.request_id)
+            if not (req.params.stop and isinstance(req.stop_reason, str)):
+                text = self._stops.decode(req) if self.tokenizer else ""
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids), new_token_ids=req.output_token_ids[-1:],
+            finished=req.is_finished,
+            finish_reason=req.status.value if req.is_finished else None,
+            stop_reason=req.stop_reason, text=text,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
+            num_cached_tokens=max(req.num_cached_tokens, 0), metrics={"step_s": step_s})
+
+    def stats(self) -> dict[str, float]:
+        pool = self.block_pool
+        return {"num_waiting": self.scheduler.num_waiting,
+                "num_running": len(self.scheduler.running),
+                "num_free_blocks": pool.num_free_blocks, "kv_usage": pool.usage}
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, device: torch.device, mc: ModelConfig) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if mc.torch_dtype == "float16" else torch.bfloat16
+
+
+def _resolve_max_len(config: EngineConfig, mc: ModelConfig) -> int:
+    if config.max_model_len is None:
+        return mc.max_model_len
+    if config.max_model_len > mc.max_model_len:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit "
+                         f"{mc.max_model_len}")
+    return config.max_model_len
+
+
+def _load_tokenizer(path: str):
+    folder = Path(path)
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+__all__ = ["LLMEngine", "SchedulerOutput"]

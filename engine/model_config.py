@@ -1,0 +1,142 @@
+"""The model's shape, parsed once from a Hugging Face `config.json`.
+
+`ModelConfig.from_pretrained(path)` reads the checkpoint folder's config and normalises the
+fields that differ across architectures and transformers versions (legacy `rope_scaling` +
+`rope_theta` versus transformers-5 `rope_parameters`; `head_dim` present or derived; Qwen2's
+always-on qkv bias). Torch-free: the scheduler and the CLI may read it without loading weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """RoPE parameters in transformers-5 form (`rope_parameters`)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+            )
+        if self.rope_type != "default" and self.factor is None and self.rope_type != "yarn":
+            raise ValueError(f"rope type {self.rope_type!r} needs a 'factor'")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
+        params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+        params.pop("type", None)
+        theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
+        if rope_type in ("llama3", "yarn"):
+            params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        known = {f for f in cls.__dataclass_fields__ if f not in ("theta", "rope_type")}
+        unknown = set(params) - known - {"partial_rotary_factor"}
+        if unknown:
+            raise ValueError(f"unknown rope parameters {sorted(unknown)} for type {rope_type!r}")
+        if params.pop("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1.0 is not supported")
+        return cls(theta=float(theta), rope_type=rope_type, **params)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    rope: RopeConfig
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None
+    torch_dtype: str | None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence the engine will serve: Mistral's sliding window caps it, because
+        the engine attends to the whole context and would diverge beyond the window."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {path}")
+        return cls.from_hf(json.loads(config_file.read_text()))
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architectures {archs}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        num_heads = hf["num_attention_heads"]
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", not is_qwen2) else None
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            rope=RopeConfig.from_hf(hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=window,
+            torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            extra=hf,
+        )

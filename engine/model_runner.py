@@ -1,0 +1,98 @@
+"""Runs one scheduled step on the model: builds the flattened batch and attention metadata
+from the scheduler's plan, runs the forward pass, and samples one token for every request
+whose chunk reached its last known token.
+
+Tokens are ordered decode-first (every single-token chunk, including a prompt whose only
+uncached token is its last), then prefill chunks; see `engine.attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillChunk
+from engine.kv_cache import PagedKVCache
+from engine.models.llama import CausalLM
+from engine.sampler import SampledToken, Sampler
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device: torch.device,
+                 seed: int = 0) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.spec.block_size
+        self.device = device
+        self.sampler = Sampler(device, seed)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[SampledToken | None]:
+        """One entry per `out.scheduled` item, in that order; None where nothing is sampled."""
+        order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_tokens > 1)
+        items = [out.scheduled[i] for i in order]
+        input_ids, positions, meta, last_rows = self._prepare(items)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        sampling = [k for k, item in enumerate(items) if item.samples]
+        results: list[SampledToken | None] = [None] * len(items)
+        if sampling:
+            rows = torch.tensor([last_rows[k] for k in sampling], device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            tokens = self.sampler.sample(logits, [items[k].request for k in sampling])
+            for k, token in zip(sampling, tokens):
+                results[k] = token
+        unordered: list[SampledToken | None] = [None] * len(items)
+        for k, i in enumerate(order):
+            unordered[i] = results[k]
+        return unordered
+
+    def _prepare(self, items: list[ScheduledRequest]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        slot_blocks: list[torch.Tensor] = []
+        last_rows: list[int] = []
+        decodes = [it for it in items if it.num_tokens == 1]
+        prefills: list[PrefillChunk] = []
+        for it in items:
+            start, end = it.start, it.start + it.num_tokens
+            ids.extend(it.request.all_token_ids[start:end])
+            p = torch.arange(start, end)
+            table = torch.tensor(it.block_ids[: -(-end // bs)])
+            pos.append(p)
+            slot_blocks.append(table[p // bs])
+            if it.num_tokens > 1:
+                prefills.append(self._prefill_chunk(len(ids) - it.num_tokens, p, table))
+            last_rows.append(len(ids) - 1)
+        positions = torch.cat(pos)
+        meta = AttentionMetadata(
+            slot_blocks=torch.cat(slot_blocks).to(self.device),
+            slot_offsets=(positions % bs).to(self.device),
+            num_decodes=len(decodes),
+            decode_block_table=None,
+            decode_mask=None,
+            prefills=prefills,
+        )
+        if decodes:
+            meta.decode_block_table, meta.decode_mask = self._decode_tables(decodes)
+        input_ids = torch.tensor(ids, device=self.device)
+        return input_ids, positions.to(self.device), meta, last_rows
+
+    def _prefill_chunk(self, offset: int, positions: torch.Tensor, table: torch.Tensor):
+        n, context_len = len(positions), int(positions[-1]) + 1
+        mask = None
+        if int(positions[0]) > 0:
+            mask = (torch.arange(context_len)[None, :] <= positions[:, None]).to(self.device)
+        return PrefillChunk(offset, offset + n, context_len, table.to(self.device), mask)
+
+    def _decode_tables(self, decodes: list[ScheduledRequest]):
+        bs = self.block_size
+        context_lens = [it.start + 1 for it in decodes]
+        max_blocks = -(-max(context_lens) // bs)
+        table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
+        for row, (it, ctx) in enumerate(zip(decodes, context_lens)):
+            n = -(-ctx // bs)
+            table[row, :n] = torch.tensor(it.block_ids[:n])
+        lens = torch.tensor(context_lens)
+        mask = torch.arange(max_blocks * bs)[None, :] < lens[:, None]
+        return table.to(self.device), mask[:, None, None, :].to(self.device)

@@ -1,0 +1,104 @@
+"""The decoder used for Llama, Mistral and Qwen2 checkpoints (they differ only in config:
+GQA ratio, head_dim, RoPE scaling, Qwen2's qkv bias, tied embeddings).
+
+Forward takes a flattened batch of tokens (`[T]` ids and positions) plus the step's
+`AttentionMetadata`, and returns hidden states `[T, hidden]`; `compute_logits` projects only
+the rows the sampler needs. q/k/v and gate/up projections are fused at load time (one matmul
+each); RMSNorm follows the reference formula (float32 statistics) so outputs match exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.kv_cache import PagedKVCache
+from engine.model_config import ModelConfig
+from engine.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.scale = cfg.head_dim**-0.5
+        self.rope = rope
+
+    def forward(self, x, positions, kv_cache: PagedKVCache, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        k_cache, v_cache = kv_cache.layer_kv(self.layer)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, kv_cache: PagedKVCache, meta: AttentionMetadata):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, kv_cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,106 @@
+"""Rotary position embeddings: inverse frequencies for each supported `rope_type`, a cos/sin
+table over all positions, and the rotation itself (rotate-half convention, as in HF Llama).
+
+The frequency formulas follow the published definitions (Llama 3 frequency smoothing, YaRN's
+ramp between interpolation and extrapolation); they are computed in float32 exactly as the
+reference implementation does, so greedy outputs match token for token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.model_config import RopeConfig
+
+
+def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+    return 1.0 / (theta**exponents)
+
+
+def _llama3_inv_freq(cfg: RopeConfig, dim: int) -> torch.Tensor:
+    inv_freq = _default_inv_freq(cfg.theta, dim)
+    factor, low, high = cfg.factor, cfg.low_freq_factor, cfg.high_freq_factor
+    old_len = cfg.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(cfg: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    base, old_len = cfg.theta, cfg.original_max_position_embeddings
+    factor = cfg.factor if cfg.factor is not None else max_positions / old_len
+    attention_factor = cfg.attention_factor
+    if attention_factor is None:
+        if cfg.mscale and cfg.mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, cfg.mscale) / _yarn_mscale(
+                factor, cfg.mscale_all_dim
+            )
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(cfg.beta_fast or 32), correction_dim(cfg.beta_slow or 1)
+    if cfg.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float) / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (
+        1.0 / pos_freqs
+    ) * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+def inv_freq_and_scale(cfg: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (float32, length dim/2) and the factor applied to cos/sin."""
+    if cfg.rope_type == "default":
+        return _default_inv_freq(cfg.theta, dim), 1.0
+    if cfg.rope_type == "linear":
+        return _default_inv_freq(cfg.theta, dim) / cfg.factor, 1.0
+    if cfg.rope_type == "llama3":
+        return _llama3_inv_freq(cfg, dim), 1.0
+    if cfg.rope_type == "yarn":
+        return _yarn_inv_freq(cfg, dim, max_positions)
+    raise ValueError(f"unsupported rope type {cfg.rope_type!r}")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Holds cos/sin for every position up to `max_positions`; `forward` rotates q and k."""
+
+    def __init__(self, cfg: RopeConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scale = inv_freq_and_scale(cfg, head_dim, max_positions)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, Hkv, D], positions: [T]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,53 @@
+"""What the engine returns per request per step, and the text side of stopping.
+
+`RequestOutput.new_token_ids` are the tokens produced by this step (streaming); `token_ids` all
+output tokens so far. `text` is decoded when the request finishes, or every step for requests
+with stop strings (which need it to stop); other streaming consumers detokenize themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.types import ReqId
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: ReqId
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    text: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class StopStringChecker:
+    """Finds the first stop string in a request's decoded output and where to cut the text."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, req: Request) -> str:
+        return self.tokenizer.decode(req.output_token_ids,
+                                     skip_special_tokens=req.params.skip_special_tokens)
+
+    def find(self, req: Request, text: str) -> tuple[str, str] | None:
+        """(stop string, truncated text) for the earliest stop string in `text`, else None."""
+        best: tuple[int, str] | None = None
+        for stop in req.params.stop:
+            idx = text.find(stop)
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        cut = idx + len(stop) if req.params.include_stop_str_in_output else idx
+        return stop, text[:cut]

@@ -1,0 +1,98 @@
+"""A request's state inside the engine (torch-free): its tokens, progress and status.
+
+`num_computed_tokens` counts tokens whose KV is in the cache. The newest sampled token is in
+`all_token_ids` but not yet computed, so a request in decode has
+`num_computed_tokens == num_tokens - 1`. Block hashes of full blocks grow incrementally with
+the tokens (`core.hashing.BlockHasher`).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from core.hashing import BlockExtra, BlockHasher, HashConfig
+from core.types import ReqId
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED}
+
+
+class Request:
+    def __init__(self, request_id: ReqId, prompt_token_ids: list[int], params: SamplingParams,
+                 block_size: int, eos_token_ids: tuple[int, ...] = (),
+                 extra: BlockExtra | None = None, hash_config: HashConfig | None = None,
+                 arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        hasher_args = {"extra": extra} if extra else {}
+        if hash_config:
+            hasher_args["config"] = hash_config
+        self.hasher = BlockHasher(block_size, **hasher_args)
+        self.hasher.extend(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return self.hasher.block_hashes
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the newest token awaits computing (prompt or recompute)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def append_output_token(self, token_id: int, logprob: float | None = None,
+                            top: list[tuple[int, float]] | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.hasher.extend((token_id,))
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

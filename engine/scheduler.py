@@ -1,0 +1,195 @@
+"""Continuous-batching scheduler with chunked prefill and preemption (torch-free).
+
+Each step has a token budget (`max_num_batched_tokens`) and a cap on running requests.
+Algorithm, per step:
+1. Running requests, decodes first, then unfinished prefills, each in arrival order. A request
+   gets `min(tokens left to compute, budget left)` tokens, so a long prompt is split into
+   chunks across steps (chunks may end mid-block). If its blocks cannot be allocated, the
+   latest-arrived running request not yet scheduled this step is preempted (blocks freed,
+   progress reset: it will be recomputed, largely from the prefix cache) until allocation
+   succeeds or the request itself is the one preempted.
+2. Waiting requests in FCFS order (preempted ones go back to the front), each starting from
+   its longest prefix-cache hit, while budget, sequence slots and blocks last. FCFS is strict:
+   a request that does not fit blocks the ones behind it. Nothing is admitted in a step that
+   had to preempt.
+`update_from_output` advances progress, appends sampled tokens for requests whose scheduled
+chunk reached their last token, applies stop conditions and frees finished requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from core.types import ReqId
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampler import SampledToken
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    start: int  # first position computed this step
+    num_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the request's last known token (so a token is drawn)."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[ReqId] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[ReqId, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled_ids: set[ReqId] = set()
+        for req in sorted(self.running, key=lambda r: (r.is_prefilling, r.arrival_time)):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, num_new, scheduled_ids, out):
+                continue
+            scheduled_ids.add(req.request_id)
+            out.scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, scheduled_ids: set[ReqId],
+                             out: SchedulerOutput) -> bool:
+        while self.kv.allocate_slots(req, num_new) is None:
+            victim = self._pick_victim(scheduled_ids) or req
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _pick_victim(self, scheduled_ids: set[ReqId]) -> Request | None:
+        candidates = [r for r in self.running if r.request_id not in scheduled_ids]
+        return max(candidates, key=lambda r: r.arrival_time, default=None)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        self.running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(req, req.num_computed_tokens, num_new,
+                                self.kv.block_ids(req.request_id))
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: list[SampledToken | None]) -> list[Request]:
+        """Apply one step's results; returns the requests that produced a token or finished."""
+        updated = []
+        for item, token in zip(out.scheduled, sampled):
+            req = item.request
+            if req.is_finished:
+                continue  # aborted while the step ran
+            req.num_computed_tokens = item.start + item.num_tokens
+            if token is None:
+                continue
+            req.append_output_token(token.token_id, token.logprob, token.top_logprobs)
+            status = self._check_stop(req)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        token, p = req.output_token_ids[-1], req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids):
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: ReqId, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request wherever it is and free its blocks. Idempotent."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        return req

@@ -1,0 +1,71 @@
+"""Fixtures for engine tests: tiny random models built on the fly, and a memoised
+`transformers` greedy reference to compare against token for token."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+torch = pytest.importorskip("torch")
+
+from engine.tiny_model import make_tiny_model  # noqa: E402
+
+# Variants cover: GQA ratios (MHA, GQA, MQA), head_dim != hidden/heads, rope_theta, the
+# supported rope_scaling types, tied embeddings and Qwen2's qkv bias.
+MODEL_VARIANTS = {
+    "llama-gqa": dict(arch="llama"),
+    "llama-mqa-headdim-llama3rope": dict(
+        arch="llama", hidden_size=96, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 64}),
+    "qwen2-tied-bias-mha": dict(arch="qwen2", num_key_value_heads=4, rope_theta=1000000.0),
+    "mistral-linear-rope": dict(arch="mistral", num_attention_heads=8, num_key_value_heads=2,
+                                rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama-yarn-tied": dict(arch="llama", tie_word_embeddings=True, num_hidden_layers=3,
+                            rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                          "original_max_position_embeddings": 256}),
+}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for seed, (name, spec) in enumerate(MODEL_VARIANTS.items()):
+        spec = dict(spec)
+        dirs[name] = str(make_tiny_model(root / name, arch=spec.pop("arch"), seed=seed, **spec))
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """hf_reference(model_dir, prompt_ids, max_new_tokens) -> greedy continuation (no EOS stop)."""
+    from transformers import AutoModelForCausalLM
+
+    models, memo = {}, {}
+
+    def generate(model_dir: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = (model_dir, tuple(prompt), max_new_tokens)
+        if key not in memo:
+            if model_dir not in models:
+                m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+                m.generation_config.eos_token_id = None
+                models[model_dir] = m
+            ids = torch.tensor([prompt])
+            out = models[model_dir].generate(ids, attention_mask=torch.ones_like(ids),
+                                             max_new_tokens=max_new_tokens, do_sample=False)
+            memo[key] = out[0, len(prompt):].tolist()
+        return memo[key]
+
+    return generate
+
+
+def random_prompts(n: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 32000) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(n)]

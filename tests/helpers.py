@@ -1,0 +1,32 @@
+"""Shared test helpers: leak checks that scenario tests run after freeing everything."""
+
+from __future__ import annotations
+
+import itertools
+
+from engine.block_pool import BlockPool
+
+
+def assert_pool_clean(pool: BlockPool) -> None:
+    """Assert that no block is held and that the free queue and prefix cache are consistent."""
+    held = [block for block in pool.blocks if block.ref_cnt != 0]
+    assert not held, f"blocks still referenced: {held}"
+    assert pool.num_free_blocks == pool.num_blocks, (
+        f"{pool.num_free_blocks} free blocks, expected {pool.num_blocks}")
+    free = pool.free_block_queue.get_all_free_blocks()
+    free_ids = sorted(block.block_id for block in free)
+    assert free_ids == list(range(pool.num_blocks)), f"free queue ids: {free_ids}"
+    _assert_links_consistent(free)
+    cached = pool.cached_block_map
+    for block in pool.blocks:
+        if block.block_hash is not None:
+            assert cached.get(block.block_hash) is block, f"{block} missing from the hash map"
+    for block_hash, block in cached.items():
+        assert block.block_hash == block_hash, (
+            f"hash map entry {block_hash.hex()} points to {block}")
+
+
+def _assert_links_consistent(free: list) -> None:
+    # get_all_free_blocks walks next pointers only; check the prev pointers agree.
+    for prev_block, block in itertools.pairwise(free):
+        assert block.prev_free is prev_block, f"broken prev link at {block}"

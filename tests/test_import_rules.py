@@ -1,0 +1,172 @@
+"""The import rules of ARCHITECTURE.md, checked two ways.
+
+Statically: every .py file of a room is parsed with `ast`, and each import (module level or
+lazy, including `importlib.import_module("x")` / `__import__("x")` with a literal name) is
+checked against the room's forbidden top-level names. At run time: a fresh interpreter imports
+the torch-free rooms and reports whether torch, ray or engine got loaded along the way.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+ROOMS = frozenset({
+    "core", "engine", "transfer", "metadata_service", "prefill_node", "decode_node",
+    "router", "cluster", "proto", "benchmarks",
+})
+HEAVY = frozenset({"torch", "ray"})
+RUNTIME_FORBIDDEN = frozenset({"torch", "ray", "engine"})
+
+
+def _all_rooms_but(*allowed: str) -> frozenset[str]:
+    return ROOMS - set(allowed)
+
+
+# room -> top-level names it must never import (from the arrows in ARCHITECTURE.md). A room
+# importing itself is always fine. `cluster` and `benchmarks` are launchers: not restricted here.
+FORBIDDEN: dict[str, frozenset[str]] = {
+    "core": HEAVY | _all_rooms_but("core"),
+    "engine": {"ray"} | _all_rooms_but("engine", "core"),
+    "transfer": {"ray"} | _all_rooms_but("transfer", "core"),
+    "router": HEAVY | _all_rooms_but("router", "core", "proto"),
+    "metadata_service": HEAVY | _all_rooms_but("metadata_service", "core", "proto"),
+    "prefill_node": _all_rooms_but("prefill_node", "engine", "transfer", "core", "proto"),
+    "decode_node": _all_rooms_but("decode_node", "engine", "transfer", "core", "proto"),
+}
+
+
+def _imported_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, dotted module name) for every absolute import in the tree."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Call) and _is_dynamic_import(node.func):
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.append((node.lineno, arg.value))
+    return found
+
+
+def _is_dynamic_import(func: ast.expr) -> bool:
+    if isinstance(func, ast.Name):
+        return func.id in {"__import__", "import_module"}
+    return isinstance(func, ast.Attribute) and func.attr == "import_module"
+
+
+def find_violations(source: str, filename: str, forbidden: frozenset[str]) -> list[str]:
+    """'file:line imports name' for each import of a forbidden top-level name."""
+    tree = ast.parse(source, filename=filename)
+    return [
+        f"{filename}:{line} imports {name}"
+        for line, name in _imported_names(tree)
+        if name.split(".")[0] in forbidden
+    ]
+
+
+def _room_files(room: str) -> list[Path]:
+    return sorted(p for p in (REPO_ROOT / room).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_room_imports_follow_the_architecture(room: str) -> None:
+    violations = []
+    for path in _room_files(room):
+        rel = str(path.relative_to(REPO_ROOT))
+        violations += find_violations(path.read_text(encoding="utf-8"), rel, FORBIDDEN[room])
+    assert not violations, "forbidden imports:\n" + "\n".join(violations)
+
+
+OFFENDING_SOURCE = textwrap.dedent("""
+    import os
+    import torch.nn as nn
+    from engine.model import Model
+    from . import sibling
+    from .engine import local_thing
+
+    def lazy():
+        import ray
+        import importlib
+        return importlib.import_module("engine.sampler"), __import__("torch")
+""")
+
+
+def test_checker_flags_synthetic_offender() -> None:
+    violations = find_violations(OFFENDING_SOURCE, "fake.py", FORBIDDEN["router"])
+    assert violations == [
+        "fake.py:3 imports torch.nn",
+        "fake.py:4 imports engine.model",
+        "fake.py:9 imports ray",
+        "fake.py:11 imports engine.sampler",
+        "fake.py:11 imports torch",
+    ]
+
+
+def test_checker_ignores_lookalikes_and_relative_imports() -> None:
+    source = "import torchvision\nimport core.types\nfrom .engine import x\nimport rayon\n"
+    assert find_violations(source, "ok.py", FORBIDDEN["core"] - {"core"}) == []
+
+
+def test_core_may_not_import_other_rooms() -> None:
+    assert find_violations("from transfer import x\n", "c.py", FORBIDDEN["core"])
+    assert find_violations("import proto.foo_pb2\n", "c.py", FORBIDDEN["core"])
+
+
+def test_engine_may_not_import_ray_or_services() -> None:
+    for name in ("ray", "router", "metadata_service", "transfer", "prefill_node",
+                 "decode_node", "cluster"):
+        assert find_violations(f"import {name}\n", "e.py", FORBIDDEN["engine"]), name
+    assert find_violations("import torch\nimport core\n", "e.py", FORBIDDEN["engine"]) == []
+
+
+def _room_modules(room: str) -> list[str]:
+    """The room's package plus every module in it, except `__main__` entry points."""
+    modules = [room]
+    for path in _room_files(room):
+        parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts[-1] != "__main__" and len(parts) > 1:
+            modules.append(".".join(parts))
+    return modules
+
+
+def loaded_forbidden_modules(modules: list[str], cwd: Path = REPO_ROOT) -> list[str]:
+    """Import `modules` in a fresh interpreter; return the torch/ray/engine modules it loaded."""
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {set(RUNTIME_FORBIDDEN)!r}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, f"importing {modules} failed:\n{proc.stderr}"
+    return ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("room", ["core", "router", "metadata_service"])
+def test_torch_free_room_imports_no_torch(room: str) -> None:
+    assert loaded_forbidden_modules(_room_modules(room)) == []
+
+
+def test_cli_module_imports_no_torch() -> None:
+    assert loaded_forbidden_modules(["cluster", "cluster.cli"]) == []
+
+
+def test_runtime_check_catches_an_offender(tmp_path: Path) -> None:
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "__init__.py").write_text("")
+    (tmp_path / "offender.py").write_text("import engine\n")
+    assert loaded_forbidden_modules(["offender"], cwd=tmp_path) == ["engine"]
