@@ -196,7 +196,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     _require_device(args.device)
     from engine import LLM, SamplingParams
 
-    extra = {} if args.num_blocks is None else {"num_gpu_blocks": args.num_blocks}
+    extra = {} if args.num_blocks is None else {"num_kv_blocks": args.num_blocks}
     started = time.perf_counter()
     with _config_errors_as_usage():
         params = SamplingParams(

@@ -2,7 +2,7 @@
 
 A step's tokens are laid out decode-first: the first `num_decodes` tokens are one query each
 from sequences in decode, then each prefill chunk's tokens in turn. Per layer, new keys and
-values are written into their cache slots first, then:
+values are written into their cache slots first (`PagedKVCache.write`), then:
 - all decode queries run as one batched SDPA call over their gathered block tables, padded to
   the longest context with a key mask;
 - each prefill chunk attends to its context through its block table. A chunk that starts at
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kv_cache import PagedKVCache
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -31,8 +33,7 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    slot_blocks: torch.Tensor  # [T] block id of each new token's cache slot
-    slot_offsets: torch.Tensor  # [T] offset within that block
+    slot_rows: torch.Tensor  # [T] each new token's cache slot, see PagedKVCache.slot_rows
     num_decodes: int
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
@@ -43,14 +44,14 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv_cache: PagedKVCache,
+    layer: int,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]."""
-    k_cache[meta.slot_blocks, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, meta.slot_offsets] = v
+    """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H, D]."""
+    kv_cache.write(layer, meta.slot_rows, k, v)
+    k_cache, v_cache = kv_cache.layer_kv(layer)
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[: meta.num_decodes] = _decode_attention(q[: meta.num_decodes], k_cache, v_cache, meta, scale)
@@ -60,8 +61,10 @@ def paged_attention(
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[..., n_blocks] ids -> [..., Hkv, n_blocks * block_size, D]."""
-    blocks = cache[block_ids]  # [..., n, bs, Hkv, D]
+    """[..., n_blocks] ids -> [..., Hkv, n_blocks * block_size, D]. index_select, not
+    `cache[block_ids]`: advanced indexing of this strided view is ~500x slower on CPU."""
+    blocks = cache.index_select(0, block_ids.reshape(-1))  # [B * n, bs, Hkv, D]
+    blocks = blocks.view(*block_ids.shape, *cache.shape[1:])
     merged = blocks.flatten(-4, -3)  # [..., n * bs, Hkv, D]
     return merged.transpose(-3, -2)
 

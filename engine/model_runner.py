@@ -65,9 +65,9 @@ class ModelRunner:
                 prefills.append(self._prefill_chunk(len(ids) - it.num_tokens, p, table))
             last_rows.append(len(ids) - 1)
         positions = torch.cat(pos)
+        slot_rows = self.kv_cache.slot_rows(torch.cat(slot_blocks), positions % bs)
         meta = AttentionMetadata(
-            slot_blocks=torch.cat(slot_blocks).to(self.device),
-            slot_offsets=(positions % bs).to(self.device),
+            slot_rows=slot_rows.to(self.device),
             num_decodes=len(decodes),
             decode_block_table=None,
             decode_mask=None,

@@ -151,7 +151,7 @@ def test_generate_wiring(fake_engine, model_dir: Path, capsys: pytest.CaptureFix
 def test_generate_passes_num_blocks_and_prompt_ids(fake_engine, model_dir: Path) -> None:
     cli.main(["generate", "--model", str(model_dir), "--prompt-ids", "1,2", "--num-blocks", "9"])
     (_, _, kwargs), (_, prompts, _) = fake_engine.calls
-    assert kwargs["num_gpu_blocks"] == 9
+    assert kwargs["num_kv_blocks"] == 9
     assert prompts == [[1, 2]]
 
 

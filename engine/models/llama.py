@@ -50,8 +50,7 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
-        k_cache, v_cache = kv_cache.layer_kv(self.layer)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

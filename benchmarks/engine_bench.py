@@ -1,0 +1,189 @@
+"""Engine benchmark: `pdcluster bench engine [--json] [--quick] [--threads N] [--device D]`.
+
+Measures, in one run and on one random model big enough that compute dominates on CPU (the
+`bench` preset of `engine.tiny_model`: hidden 512, 8 layers, 8 heads / 4 KV heads, 32k vocab):
+
+- throughput: output tokens/s of `LLM.generate` over N concurrent requests (prompt 256,
+  output 64, EOS ignored) against transformers' `generate` run one request at a time (the
+  baseline, on a subset of the same prompts: one at a time its rate does not depend on N);
+- TTFT of a 2,048-token prompt whose first 90% is already in the prefix cache, against the same
+  length uncached (median of 3 each, fresh random prompts);
+- batch-1 decode step time, ours (`LLMEngine.step`) and transformers' (one forward with
+  `past_key_values`), medians over the same number of steps.
+
+Returns a flat dict; the CLI prints it as the last line of stdout. Torch is imported lazily so
+the CLI's parser never loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSizes:
+    num_requests: int = 32
+    prompt_len: int = 256
+    output_len: int = 64
+    hf_requests: int = 4
+    ttft_prompt_len: int = 2048
+    cached_fraction: float = 0.9
+    decode_steps: int = 32
+    repeats: int = 3
+
+
+QUICK = BenchSizes(num_requests=8, prompt_len=64, output_len=16, hf_requests=2,
+                   ttft_prompt_len=512, decode_steps=8, repeats=2)
+
+
+def _prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(3, 32000) for _ in range(length)] for _ in range(n)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = QUICK if args.quick else BenchSizes()
+    device = getattr(args, "device", "cpu") or "cpu"
+    with tempfile.TemporaryDirectory(prefix="pdcluster-bench-") as tmp:
+        from engine.tiny_model import make_tiny_model
+
+        model_dir = str(make_tiny_model(tmp, arch="llama", seed=0, preset="bench"))
+        result = {"device": device, "threads": torch.get_num_threads(),
+                  **_model_facts(model_dir), **asdict(sizes)}
+        result.update(_throughput(model_dir, sizes, device))
+        result.update(_ttft(model_dir, sizes, device))
+        result.update(_decode_step(model_dir, sizes, device))
+    return result
+
+
+def _model_facts(model_dir: str) -> dict:
+    from engine.model_config import ModelConfig
+
+    mc = ModelConfig.from_pretrained(model_dir)
+    per_layer = (mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)
+                 + 3 * mc.hidden_size * mc.intermediate_size)
+    params = mc.num_layers * per_layer + 2 * mc.vocab_size * mc.hidden_size
+    return {"model_params_m": round(params / 1e6, 1), "model_hidden": mc.hidden_size,
+            "model_layers": mc.num_layers}
+
+
+def _llm(model_dir: str, device: str, sizes: BenchSizes):
+    from engine import LLM
+
+    return LLM(model_dir, device=device, dtype="float32", max_num_seqs=sizes.num_requests,
+               max_num_batched_tokens=2048)
+
+
+def _hf_model(model_dir: str, device: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _throughput(model_dir: str, sizes: BenchSizes, device: str) -> dict:
+    import torch
+
+    from engine import SamplingParams
+
+    rng = random.Random(1)
+    prompts = _prompts(sizes.num_requests, sizes.prompt_len, rng)
+    params = SamplingParams(temperature=0.0, max_tokens=sizes.output_len, ignore_eos=True)
+    llm = _llm(model_dir, device, sizes)
+    llm.generate(_prompts(2, sizes.prompt_len, rng), SamplingParams(max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    ours_s = time.perf_counter() - start
+    ours_tps = sum(len(o.token_ids) for o in outs) / ours_s
+    del llm
+
+    hf = _hf_model(model_dir, device)
+    with torch.inference_mode():
+        warm = torch.tensor([prompts[0][:16]], device=device)
+        hf.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False)
+        start = time.perf_counter()
+        for prompt in prompts[: sizes.hf_requests]:
+            ids = torch.tensor([prompt], device=device)
+            hf.generate(ids, attention_mask=torch.ones_like(ids),
+                        max_new_tokens=sizes.output_len, do_sample=False)
+        _sync(device)
+        hf_s = time.perf_counter() - start
+    hf_tps = sizes.hf_requests * sizes.output_len / hf_s
+    return {"ours_output_tokens_per_s": round(ours_tps, 1), "hf_output_tokens_per_s": round(hf_tps, 1),
+            "throughput_ratio_vs_hf": round(ours_tps / hf_tps, 2)}
+
+
+def _time_first_token(llm, prompt: list[int]) -> float:
+    from engine import SamplingParams
+
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    return time.perf_counter() - start
+
+
+def _ttft(model_dir: str, sizes: BenchSizes, device: str) -> dict:
+    rng = random.Random(2)
+    llm = _llm(model_dir, device, sizes)
+    n, cached = sizes.ttft_prompt_len, int(sizes.ttft_prompt_len * sizes.cached_fraction)
+    _time_first_token(llm, _prompts(1, n, rng)[0])  # warm-up at full length
+    uncached, hit = [], []
+    for _ in range(sizes.repeats):
+        uncached.append(_time_first_token(llm, _prompts(1, n, rng)[0]))
+        prefix = _prompts(1, cached, rng)[0]
+        _time_first_token(llm, prefix + _prompts(1, n - cached, rng)[0])  # fills the cache
+        hit.append(_time_first_token(llm, prefix + _prompts(1, n - cached, rng)[0]))
+    t_uncached, t_hit = statistics.median(uncached), statistics.median(hit)
+    return {"ttft_ms_uncached": round(t_uncached * 1e3, 1), "ttft_ms_cached_90pct": round(t_hit * 1e3, 1),
+            "ttft_ratio_cached_90pct": round(t_hit / t_uncached, 3)}
+
+
+def _decode_step(model_dir: str, sizes: BenchSizes, device: str) -> dict:
+    import torch
+
+    from engine import SamplingParams
+
+    rng = random.Random(3)
+    prompt = _prompts(1, 64, rng)[0]
+    llm = _llm(model_dir, device, sizes)
+    engine = llm.engine
+    engine.add_request("decode", prompt, SamplingParams(temperature=0.0, ignore_eos=True,
+                                                        max_tokens=sizes.decode_steps + 1))
+    engine.step()  # prefill
+    ours = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        _sync(device)
+        ours.append(time.perf_counter() - start)
+    del llm
+
+    hf = _hf_model(model_dir, device)
+    theirs = []
+    with torch.inference_mode():
+        out = hf(torch.tensor([prompt], device=device), use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(sizes.decode_steps):
+            start = time.perf_counter()
+            out = hf(token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            _sync(device)
+            theirs.append(time.perf_counter() - start)
+    return {"decode_step_ms_b1": round(statistics.median(ours) * 1e3, 2),
+            "hf_decode_step_ms_b1": round(statistics.median(theirs) * 1e3, 2)}
