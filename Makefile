@@ -12,7 +12,7 @@ PDCLUSTER := $(VENV)/bin/pdcluster
 TINY_MODEL := .cache/tiny-llama
 PROMPT := The capital of France is
 
-.PHONY: setup run test bench clean distclean
+.PHONY: setup run test lint bench clean distclean
 
 setup:
 	bash scripts/setup.sh
@@ -23,7 +23,11 @@ run: setup
 	fi
 	$(PDCLUSTER) generate --model $(TINY_MODEL) --prompt "$(PROMPT)" --max-tokens 32
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check core engine transfer metadata_service prefill_node decode_node \
+		router cluster proto benchmarks tests
+
+test: lint
 	$(VENV)/bin/python -m pytest -q
 
 bench: setup

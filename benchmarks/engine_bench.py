@@ -37,8 +37,15 @@ class BenchSizes:
     repeats: int = 3
 
 
-QUICK = BenchSizes(num_requests=8, prompt_len=64, output_len=16, hf_requests=2,
-                   ttft_prompt_len=512, decode_steps=8, repeats=2)
+QUICK = BenchSizes(
+    num_requests=8,
+    prompt_len=64,
+    output_len=16,
+    hf_requests=2,
+    ttft_prompt_len=512,
+    decode_steps=8,
+    repeats=2,
+)
 
 
 def _prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
@@ -56,8 +63,12 @@ def run(args: argparse.Namespace) -> dict:
         from engine.tiny_model import make_tiny_model
 
         model_dir = str(make_tiny_model(tmp, arch="llama", seed=0, preset="bench"))
-        result = {"device": device, "threads": torch.get_num_threads(),
-                  **_model_facts(model_dir), **asdict(sizes)}
+        result = {
+            "device": device,
+            "threads": torch.get_num_threads(),
+            **_model_facts(model_dir),
+            **asdict(sizes),
+        }
         result.update(_throughput(model_dir, sizes, device))
         result.update(_ttft(model_dir, sizes, device))
         result.update(_decode_step(model_dir, sizes, device))
@@ -68,18 +79,28 @@ def _model_facts(model_dir: str) -> dict:
     from engine.model_config import ModelConfig
 
     mc = ModelConfig.from_pretrained(model_dir)
-    per_layer = (mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)
-                 + 3 * mc.hidden_size * mc.intermediate_size)
+    per_layer = (
+        mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)
+        + 3 * mc.hidden_size * mc.intermediate_size
+    )
     params = mc.num_layers * per_layer + 2 * mc.vocab_size * mc.hidden_size
-    return {"model_params_m": round(params / 1e6, 1), "model_hidden": mc.hidden_size,
-            "model_layers": mc.num_layers}
+    return {
+        "model_params_m": round(params / 1e6, 1),
+        "model_hidden": mc.hidden_size,
+        "model_layers": mc.num_layers,
+    }
 
 
 def _llm(model_dir: str, device: str, sizes: BenchSizes):
     from engine import LLM
 
-    return LLM(model_dir, device=device, dtype="float32", max_num_seqs=sizes.num_requests,
-               max_num_batched_tokens=2048)
+    return LLM(
+        model_dir,
+        device=device,
+        dtype="float32",
+        max_num_seqs=sizes.num_requests,
+        max_num_batched_tokens=2048,
+    )
 
 
 def _hf_model(model_dir: str, device: str):
@@ -121,13 +142,20 @@ def _throughput(model_dir: str, sizes: BenchSizes, device: str) -> dict:
         start = time.perf_counter()
         for prompt in prompts[: sizes.hf_requests]:
             ids = torch.tensor([prompt], device=device)
-            hf.generate(ids, attention_mask=torch.ones_like(ids),
-                        max_new_tokens=sizes.output_len, do_sample=False)
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=sizes.output_len,
+                do_sample=False,
+            )
         _sync(device)
         hf_s = time.perf_counter() - start
     hf_tps = sizes.hf_requests * sizes.output_len / hf_s
-    return {"ours_output_tokens_per_s": round(ours_tps, 1), "hf_output_tokens_per_s": round(hf_tps, 1),
-            "throughput_ratio_vs_hf": round(ours_tps / hf_tps, 2)}
+    return {
+        "ours_output_tokens_per_s": round(ours_tps, 1),
+        "hf_output_tokens_per_s": round(hf_tps, 1),
+        "throughput_ratio_vs_hf": round(ours_tps / hf_tps, 2),
+    }
 
 
 def _time_first_token(llm, prompt: list[int]) -> float:
@@ -150,8 +178,11 @@ def _ttft(model_dir: str, sizes: BenchSizes, device: str) -> dict:
         _time_first_token(llm, prefix + _prompts(1, n - cached, rng)[0])  # fills the cache
         hit.append(_time_first_token(llm, prefix + _prompts(1, n - cached, rng)[0]))
     t_uncached, t_hit = statistics.median(uncached), statistics.median(hit)
-    return {"ttft_ms_uncached": round(t_uncached * 1e3, 1), "ttft_ms_cached_90pct": round(t_hit * 1e3, 1),
-            "ttft_ratio_cached_90pct": round(t_hit / t_uncached, 3)}
+    return {
+        "ttft_ms_uncached": round(t_uncached * 1e3, 1),
+        "ttft_ms_cached_90pct": round(t_hit * 1e3, 1),
+        "ttft_ratio_cached_90pct": round(t_hit / t_uncached, 3),
+    }
 
 
 def _decode_step(model_dir: str, sizes: BenchSizes, device: str) -> dict:
@@ -163,8 +194,11 @@ def _decode_step(model_dir: str, sizes: BenchSizes, device: str) -> dict:
     prompt = _prompts(1, 64, rng)[0]
     llm = _llm(model_dir, device, sizes)
     engine = llm.engine
-    engine.add_request("decode", prompt, SamplingParams(temperature=0.0, ignore_eos=True,
-                                                        max_tokens=sizes.decode_steps + 1))
+    engine.add_request(
+        "decode",
+        prompt,
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=sizes.decode_steps + 1),
+    )
     engine.step()  # prefill
     ours = []
     while engine.has_unfinished_requests():
@@ -185,5 +219,7 @@ def _decode_step(model_dir: str, sizes: BenchSizes, device: str) -> dict:
             past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
             _sync(device)
             theirs.append(time.perf_counter() - start)
-    return {"decode_step_ms_b1": round(statistics.median(ours) * 1e3, 2),
-            "hf_decode_step_ms_b1": round(statistics.median(theirs) * 1e3, 2)}
+    return {
+        "decode_step_ms_b1": round(statistics.median(ours) * 1e3, 2),
+        "hf_decode_step_ms_b1": round(statistics.median(theirs) * 1e3, 2),
+    }

@@ -84,7 +84,9 @@ def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--arch", choices=TINY_ARCHS, default="llama", help="model family")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights")
     parser.add_argument(
-        "--preset", choices=TINY_PRESETS, default="tiny",
+        "--preset",
+        choices=TINY_PRESETS,
+        default="tiny",
         help="size: 'tiny' for tests, 'bench' for benchmarks",
     )
 
@@ -100,7 +102,9 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
     prompt.add_argument(
-        "--prompt-ids", type=parse_token_ids, metavar="IDS",
+        "--prompt-ids",
+        type=parse_token_ids,
+        metavar="IDS",
         help='prompt as comma-separated token ids, e.g. "1,2,3"',
     )
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
@@ -111,7 +115,9 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype")
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
     parser.add_argument(
-        "--num-blocks", type=int, default=None,
+        "--num-blocks",
+        type=int,
+        default=None,
         help="KV cache blocks (default: the engine sizes the cache itself)",
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -135,7 +141,9 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         _cmd_bench_engine,
     )
     engine.add_argument("--json", action="store_true", help="print only the JSON line")
-    engine.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    engine.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)"
+    )
     engine.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
     engine.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
 
@@ -147,8 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_formatter,
     )
     parser.add_argument(
-        "--log-level", default="WARNING",
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level",
+        "--log-level",
+        default="WARNING",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="logging level",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_make_tiny_model(subparsers)
@@ -200,11 +210,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with _config_errors_as_usage():
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
         )
         llm = LLM(
-            args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
             **extra,
         )
     loaded = time.perf_counter()

@@ -54,7 +54,9 @@ def paged_attention(
     k_cache, v_cache = kv_cache.layer_kv(layer)
     out = torch.empty_like(q)
     if meta.num_decodes:
-        out[: meta.num_decodes] = _decode_attention(q[: meta.num_decodes], k_cache, v_cache, meta, scale)
+        out[: meta.num_decodes] = _decode_attention(
+            q[: meta.num_decodes], k_cache, v_cache, meta, scale
+        )
     for chunk in meta.prefills:
         out[chunk.start : chunk.end] = _prefill_attention(q, k, v, k_cache, v_cache, chunk, scale)
     return out
@@ -87,7 +89,12 @@ def _prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: fl
         keys = _gather(k_cache, chunk.block_ids)[:, : chunk.context_len]
         values = _gather(v_cache, chunk.block_ids)[:, : chunk.context_len]
     out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-        scale=scale, enable_gqa=True,
+        queries,
+        keys,
+        values,
+        attn_mask=chunk.mask,
+        is_causal=chunk.mask is None,
+        scale=scale,
+        enable_gqa=True,
     )
     return out.transpose(0, 1)

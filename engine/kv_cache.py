@@ -50,7 +50,14 @@ class PagedKVCache:
     def __init__(self, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device) -> None:
         self.spec = spec
         self.tensor = torch.zeros(
-            (spec.num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim),
+            (
+                spec.num_blocks,
+                spec.num_layers,
+                2,
+                spec.block_size,
+                spec.num_kv_heads,
+                spec.head_dim,
+            ),
             dtype=dtype,
             device=device,
         )

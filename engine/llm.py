@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -30,7 +30,7 @@ class LLM:
         params = as_params_list(sampling_params, len(prompts))
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
+            for rid, prompt, p in zip(ids, prompts, params, strict=True):
                 self.engine.add_request(rid, prompt, p)
         except ValueError:
             for rid in ids:

@@ -122,6 +122,8 @@ class LLMEngine:
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model folder has none")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -156,16 +158,12 @@ class LLMEngine:
 
     def _output(self, req: Request, step_s: float) -> RequestOutput:
         text = ""
-        if req.params.stop and not req.is_finished:
+        if req.params.stop:
+            text = self._stop_strings(req)
+        elif req.is_finished and self.tokenizer is not None:
             text = self._stops.decode(req)
-            hit = self._stops.find(req, text)
-            if hit is not None:
-                req.stop_reason, text = hit
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
         if req.is_finished:
             self.runner.sampler.forget(req.request_id)
-            if not (req.params.stop and isinstance(req.stop_reason, str)):
-                text = self._stops.decode(req) if self.tokenizer else ""
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids), new_token_ids=req.output_token_ids[-1:],
@@ -175,6 +173,20 @@ class LLMEngine:
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
             num_cached_tokens=max(req.num_cached_tokens, 0), metrics={"step_s": step_s})
+
+    def _stop_strings(self, req: Request) -> str:
+        """Decode, and finish the request at its first stop string — also when the same step
+        ended it by length: the stop string wins, as the text was cut there."""
+        text = self._stops.decode(req)
+        hit = self._stops.find(req, text)
+        if hit is None:
+            return text
+        req.stop_reason, text = hit
+        if req.is_finished:
+            req.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        return text
 
     def stats(self) -> dict[str, float]:
         pool = self.block_pool

@@ -50,6 +50,11 @@ class RopeConfig:
         theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
         if rope_type in ("llama3", "yarn"):
             params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        if rope_type == "yarn" and params.get("factor") is None:
+            # Implicit YaRN factor (DeepSeek-V3 style), as transformers computes it: from the
+            # model's context length, never from the engine's possibly capped max_model_len.
+            original = params["original_max_position_embeddings"]
+            params["factor"] = hf.get("max_position_embeddings", 2048) / original
         known = {f for f in cls.__dataclass_fields__ if f not in ("theta", "rope_type")}
         unknown = set(params) - known - {"partial_rotary_factor"}
         if unknown:

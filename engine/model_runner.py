@@ -39,7 +39,7 @@ class ModelRunner:
             rows = torch.tensor([last_rows[k] for k in sampling], device=self.device)
             logits = self.model.compute_logits(hidden[rows])
             tokens = self.sampler.sample(logits, [items[k].request for k in sampling])
-            for k, token in zip(sampling, tokens):
+            for k, token in zip(sampling, tokens, strict=True):
                 results[k] = token
         unordered: list[SampledToken | None] = [None] * len(items)
         for k, i in enumerate(order):
@@ -90,7 +90,7 @@ class ModelRunner:
         context_lens = [it.start + 1 for it in decodes]
         max_blocks = -(-max(context_lens) // bs)
         table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
-        for row, (it, ctx) in enumerate(zip(decodes, context_lens)):
+        for row, (it, ctx) in enumerate(zip(decodes, context_lens, strict=True)):
             n = -(-ctx // bs)
             table[row, :n] = torch.tensor(it.block_ids[:n])
         lens = torch.tensor(context_lens)

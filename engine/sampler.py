@@ -87,7 +87,7 @@ def _block_early_stop(logits: torch.Tensor, requests: list[Request]) -> None:
 def _with_logprobs(logits, requests, chosen: list[int]) -> list[SampledToken]:
     logprobs = torch.log_softmax(logits, dim=-1)
     out = []
-    for row, (req, token) in enumerate(zip(requests, chosen)):
+    for row, (req, token) in enumerate(zip(requests, chosen, strict=True)):
         k = req.params.logprobs
         if k is None:
             out.append(SampledToken(token))
@@ -95,6 +95,6 @@ def _with_logprobs(logits, requests, chosen: list[int]) -> list[SampledToken]:
         top = None
         if k > 0:
             values, ids = torch.topk(logprobs[row], k)
-            top = list(zip(ids.tolist(), values.tolist()))
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
         out.append(SampledToken(token, float(logprobs[row, token]), top))
     return out

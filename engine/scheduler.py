@@ -157,7 +157,7 @@ class Scheduler:
                            sampled: list[SampledToken | None]) -> list[Request]:
         """Apply one step's results; returns the requests that produced a token or finished."""
         updated = []
-        for item, token in zip(out.scheduled, sampled):
+        for item, token in zip(out.scheduled, sampled, strict=True):
             req = item.request
             if req.is_finished:
                 continue  # aborted while the step ran
@@ -173,10 +173,10 @@ class Scheduler:
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         token, p = req.output_token_ids[-1], req.params
-        if req.num_output_tokens >= p.min_tokens:
-            if token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids):
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+        is_stop = token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids)
+        if is_stop and req.num_output_tokens >= p.min_tokens:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -44,7 +44,7 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: t
     loaded: set[str] = set()
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 _load_tensor(model, cfg, params, name, f.get_tensor(name), loaded)
     _check_complete(model, cfg, params, loaded)
     if cfg.tie_word_embeddings:

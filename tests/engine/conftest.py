@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 torch = pytest.importorskip("torch")
 
-from engine.tiny_model import make_tiny_model  # noqa: E402
+from engine.tiny_model import make_tiny_model  # noqa: E402 (after importorskip)
 
 # Variants cover: GQA ratios (MHA, GQA, MQA), head_dim != hidden/heads, rope_theta, the
 # supported rope_scaling types, tied embeddings and Qwen2's qkv bias.

@@ -16,7 +16,7 @@ VARIANTS = list(MODEL_VARIANTS)
 
 def assert_matches_hf(llm, model_dir, prompts, hf_reference, params=GREEDY):
     outs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         expected = hf_reference(model_dir, prompt, params.max_tokens)
         assert out.token_ids == expected, f"diverged for a {len(prompt)}-token prompt"
     assert_pool_clean(llm.engine.block_pool)
