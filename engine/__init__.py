@@ -3,13 +3,33 @@
 Public API: `LLM` (offline batch generation), `LLMEngine` (step loop: add_request, step,
 abort_request), `SamplingParams`, `RequestOutput`, `EngineConfig`. Bookkeeping — block pool,
 KV cache manager, scheduler, request — is torch-free; the model, attention, KV tensor, runner
-and sampler are torch. See docs/engine.md.
+and sampler are torch. The names load lazily, so importing a torch-free module such as
+`engine.scheduler` does not import torch. See docs/engine.md.
 """
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from __future__ import annotations
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "SamplingParams"]
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "EngineConfig": "engine.config",
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+}
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+    from engine.llm_engine import LLMEngine
+    from engine.outputs import RequestOutput
+    from engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

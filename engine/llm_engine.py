@@ -132,7 +132,8 @@ class LLMEngine:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the maximum model length {self.max_model_len}")
-        if cdiv(total, self.config.block_size) > self.kv_spec.num_blocks:
+        # The last sampled token is returned, never fed back: its KV needs no slot.
+        if cdiv(total - 1, self.config.block_size) > self.kv_spec.num_blocks:
             raise ValueError(f"this request needs more KV blocks than the cache has "
                              f"({self.kv_spec.num_blocks})")
 

@@ -47,6 +47,10 @@ class RopeConfig:
         params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
         params.pop("type", None)
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+            )
         theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
         if rope_type in ("llama3", "yarn"):
             params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))

@@ -13,7 +13,8 @@ import torch
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.kv_cache import PagedKVCache
 from engine.models.llama import CausalLM
-from engine.sampler import SampledToken, Sampler
+from engine.outputs import SampledToken
+from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 

@@ -14,6 +14,15 @@ from engine.request import Request
 
 
 @dataclass(slots=True)
+class SampledToken:
+    """One token drawn by the sampler for one request in one step."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: ReqId
     prompt_token_ids: list[int]

@@ -9,18 +9,10 @@ reached `min_tokens` cannot pick EOS or a stop token. Logprobs are of the model'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from engine.outputs import SampledToken
 from engine.request import Request
-
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class Sampler:
@@ -33,16 +25,18 @@ class Sampler:
         self._req_generators.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-        """logits: [len(requests), vocab] float32."""
+        """logits: [len(requests), vocab] float32 (modified in place)."""
+        need_logprobs = any(r.params.logprobs is not None for r in requests)
+        logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
         _block_early_stop(logits, requests)
         token_ids = torch.argmax(logits, dim=-1)
         for row, req in enumerate(requests):
             if not req.params.is_greedy:
                 token_ids[row] = self._sample_row(logits[row], req)
         chosen = token_ids.tolist()
-        if all(r.params.logprobs is None for r in requests):
+        if logprobs is None:
             return [SampledToken(t) for t in chosen]
-        return _with_logprobs(logits, requests, chosen)
+        return _with_logprobs(logprobs, requests, chosen)
 
     def _sample_row(self, logits: torch.Tensor, req: Request) -> int:
         p = req.params
@@ -84,8 +78,7 @@ def _block_early_stop(logits: torch.Tensor, requests: list[Request]) -> None:
                 logits[row, banned] = float("-inf")
 
 
-def _with_logprobs(logits, requests, chosen: list[int]) -> list[SampledToken]:
-    logprobs = torch.log_softmax(logits, dim=-1)
+def _with_logprobs(logprobs, requests, chosen: list[int]) -> list[SampledToken]:
     out = []
     for row, (req, token) in enumerate(zip(requests, chosen, strict=True)):
         k = req.params.logprobs

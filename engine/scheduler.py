@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from core.types import ReqId
 from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import SampledToken
 from engine.request import Request, RequestStatus
-from engine.sampler import SampledToken
 
 
 @dataclass(frozen=True, slots=True)

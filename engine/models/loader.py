@@ -65,9 +65,12 @@ def _load_tensor(model, cfg, params, name, tensor, loaded) -> None:
     our_name = _our_name(target)
     if our_name not in params:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
-    param = params[our_name]
+    target_view = _shard_view(params[our_name], model, cfg, our_name, shard)
+    if target_view.shape != tensor.shape:
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the config implies "
+                         f"{tuple(target_view.shape)}")
     with torch.no_grad():
-        _shard_view(param, model, cfg, our_name, shard).copy_(tensor)
+        target_view.copy_(tensor)
     loaded.add(f"{our_name}#{shard}")
 
 
