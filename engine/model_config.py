@@ -39,7 +39,7 @@ class RopeConfig:
             raise ValueError(
                 f"rope type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
             )
-        if self.rope_type != "default" and self.factor is None and self.rope_type != "yarn":
+        if self.rope_type != "default" and self.factor is None:
             raise ValueError(f"rope type {self.rope_type!r} needs a 'factor'")
 
     @classmethod

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds everything pdcluster needs on a fresh machine, and does nothing slow when already done:
-# system packages (etcd, libibverbs), the .venv, CPU torch, then the project in editable mode.
+# system packages (etcd, libibverbs), the .venv, CPU torch, the project in editable mode, then
+# the gRPC stubs generated from proto/*.proto (scripts/gen_proto.sh).
 # PDCLUSTER_GPU=1 also installs the `gpu` extra. PYTHON picks the interpreter (default python3).
 set -euo pipefail
 
@@ -36,9 +37,11 @@ install_system_packages() {
         etcd-server etcd-client libibverbs1
 }
 
+# The .proto files are part of the stamp so that a contract change regenerates the stubs.
 # The GPU flag is part of the stamp so that switching PDCLUSTER_GPU re-runs the pip steps.
 setup_hash() {
-    { cat pyproject.toml constraints.txt scripts/setup.sh; echo "gpu=$GPU"; } \
+    { cat pyproject.toml constraints.txt scripts/setup.sh scripts/gen_proto.sh proto/*.proto
+      echo "gpu=$GPU"; } \
         | sha256sum | cut -d' ' -f1
 }
 
@@ -65,6 +68,13 @@ install_python_packages() {
     "$VENV/bin/pip" install -c constraints.txt -e "$target"
 }
 
+have_stubs() {
+    local proto
+    for proto in proto/*.proto; do
+        [[ -f ${proto%.proto}_pb2.py && -f ${proto%.proto}_pb2_grpc.py ]] || return 1
+    done
+}
+
 main() {
     install_system_packages
     if [[ ! -x $VENV/bin/python ]]; then
@@ -73,11 +83,12 @@ main() {
     fi
     local want
     want=$(setup_hash)
-    if [[ -f $STAMP && $(cat "$STAMP") == "$want" && -x $VENV/bin/pdcluster ]]; then
+    if [[ -f $STAMP && $(cat "$STAMP") == "$want" && -x $VENV/bin/pdcluster ]] && have_stubs; then
         echo "setup: up to date"
         return
     fi
     install_python_packages
+    PYTHON="$VENV/bin/python" bash scripts/gen_proto.sh
     echo "$want" > "$STAMP"
     echo "setup: done"
 }

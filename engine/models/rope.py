@@ -37,9 +37,9 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn_inv_freq(cfg: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(cfg: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     base, old_len = cfg.theta, cfg.original_max_position_embeddings
-    factor = cfg.factor if cfg.factor is not None else max_positions / old_len
+    factor = cfg.factor
     attention_factor = cfg.attention_factor
     if attention_factor is None:
         if cfg.mscale and cfg.mscale_all_dim:
@@ -67,7 +67,7 @@ def _yarn_inv_freq(cfg: RopeConfig, dim: int, max_positions: int) -> tuple[torch
     return inv_freq, float(attention_factor)
 
 
-def inv_freq_and_scale(cfg: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+def inv_freq_and_scale(cfg: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (float32, length dim/2) and the factor applied to cos/sin."""
     if cfg.rope_type == "default":
         return _default_inv_freq(cfg.theta, dim), 1.0
@@ -76,7 +76,7 @@ def inv_freq_and_scale(cfg: RopeConfig, dim: int, max_positions: int) -> tuple[t
     if cfg.rope_type == "llama3":
         return _llama3_inv_freq(cfg, dim), 1.0
     if cfg.rope_type == "yarn":
-        return _yarn_inv_freq(cfg, dim, max_positions)
+        return _yarn_inv_freq(cfg, dim)
     raise ValueError(f"unsupported rope type {cfg.rope_type!r}")
 
 
@@ -85,7 +85,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, cfg: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        inv_freq, scale = inv_freq_and_scale(cfg, head_dim, max_positions)
+        inv_freq, scale = inv_freq_and_scale(cfg, head_dim)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
