@@ -46,7 +46,10 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
+                       computed_blocks: list[KVCacheBlock] = (),
+                       delay_caching: bool = False) -> list[KVCacheBlock] | None:
+        """`delay_caching`: the new tokens' KV will arrive from elsewhere; hash the blocks
+        only once it has (`cache_blocks`), so no other request hits half-written blocks."""
         blocks = self.req_blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
@@ -63,11 +66,14 @@ class KVCacheManager:
             self._num_hashed[req.request_id] = len(blocks)
         new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
         blocks.extend(new_blocks)
-        self._cache_full_blocks(req, blocks, total_tokens)
+        if not delay_caching:
+            self.cache_blocks(req, total_tokens)
         return new_blocks
 
-    def _cache_full_blocks(self, req: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
-        if not self.enable_caching:
+    def cache_blocks(self, req: Request, num_tokens: int) -> None:
+        """Hash the request's blocks that the first `num_tokens` tokens fill."""
+        blocks = self.req_blocks.get(req.request_id)
+        if not self.enable_caching or not blocks:
             return
         hashes = req.block_hashes
         start = self._num_hashed.get(req.request_id, 0)

@@ -9,6 +9,13 @@
 
 It owns the tokenizer, the scheduler and KV cache manager (bookkeeping, torch-free) and the
 model runner (torch). Bad requests raise ValueError at `add_request`, before any state changes.
+
+With a `KVConnector` (see core/kv_connector.py) the engine takes part in disaggregated
+serving: `add_request(..., kv_transfer=RemotePrefill(...))` on a decode node waits for its
+prompt's KV instead of computing it; `kv_transfer=RemoteDecode(...)` on a prefill node keeps
+the blocks pinned after prefill until the connector has sent them. Each step first applies
+the connector's results, then schedules and runs the model, then hands the connector the
+step's plan.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from pathlib import Path
 import torch
 
 from core.hashing import BlockExtra
+from core.kv_connector import KVConnector, KVRegion
+from core.kv_transfer import KVTransferParams
 from core.types import ReqId
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
@@ -39,8 +48,9 @@ _CUDA_MEMORY_FRACTION = 0.9
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_connector: KVConnector | None = None) -> None:
         self.config = config
+        self.connector = kv_connector
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.device, self.model_config)
@@ -57,7 +67,10 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                            self.max_model_len), self.kv_manager)
+                            self.max_model_len), self.kv_manager,
+            kv_connector.scheduler if kv_connector else None)
+        if kv_connector is not None:
+            kv_connector.worker.register_kv_region(self.kv_region)
         self._stops = StopStringChecker(self.tokenizer)
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens",
                     self.model_config.architecture, self.device, self.dtype,
@@ -74,6 +87,12 @@ class LLMEngine:
     @property
     def kv_cache(self) -> PagedKVCache:
         return self.runner.kv_cache
+
+    @property
+    def kv_region(self) -> KVRegion:
+        spec = self.kv_spec
+        return KVRegion(self.kv_cache.data_ptr(), spec.total_nbytes, spec.block_nbytes,
+                        spec.num_blocks)
 
     def _kv_spec(self) -> KVCacheSpec:
         cfg, mc = self.config, self.model_config
@@ -108,14 +127,17 @@ class LLMEngine:
 
     def add_request(self, request_id: ReqId, prompt: str | list[int],
                     params: SamplingParams | None = None, *, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None,
+                    kv_transfer: KVTransferParams | None = None) -> Request:
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
+        if kv_transfer is not None and self.connector is None:
+            raise ValueError("kv_transfer was given but this engine has no KV connector")
         extra = BlockExtra(cache_salt=cache_salt) if cache_salt else None
         req = Request(request_id, token_ids, params, self.config.block_size,
                       self.model_config.eos_token_ids, extra, self.config.hash_config,
-                      arrival_time)
+                      arrival_time, kv_transfer)
         self.scheduler.add_request(req)
         return req
 
@@ -145,17 +167,33 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_pinned_blocks(self) -> bool:
+        """Finished requests whose blocks still wait for a transfer (drain before shutdown)."""
+        return bool(self.scheduler.pinned)
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.worker.close()
+
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
+        """One scheduling step. Returns an output for every request that gained tokens or
+        finished; `new_token_ids` holds the tokens not returned before."""
         started = time.perf_counter()
-        sampled = self.runner.execute(sched)
-        updated = self.scheduler.update_from_output(sched, sampled)
+        updated: list[Request] = []
+        if self.connector is not None:
+            results = self.connector.worker.get_results()
+            updated += self.scheduler.apply_connector_results(results)
+        sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            sampled = self.runner.execute(sched)
+            updated += self.scheduler.update_from_output(sched, sampled)
+        if self.connector is not None:
+            self.connector.worker.execute(self.connector.scheduler.build_plan())
         elapsed = time.perf_counter() - started
-        return [self._output(req, elapsed) for req in updated]
+        unique = {req.request_id: req for req in updated}
+        return [self._output(req, elapsed) for req in unique.values()]
 
     def _output(self, req: Request, step_s: float) -> RequestOutput:
         text = ""
@@ -165,12 +203,14 @@ class LLMEngine:
             text = self._stops.decode(req)
         if req.is_finished:
             self.runner.sampler.forget(req.request_id)
+        new_token_ids = req.output_token_ids[req.num_emitted_tokens:]
+        req.num_emitted_tokens = req.num_output_tokens
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), new_token_ids=req.output_token_ids[-1:],
+            token_ids=list(req.output_token_ids), new_token_ids=new_token_ids,
             finished=req.is_finished,
             finish_reason=req.status.value if req.is_finished else None,
-            stop_reason=req.stop_reason, text=text,
+            stop_reason=req.stop_reason, error=req.error, text=text,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
             num_cached_tokens=max(req.num_cached_tokens, 0), metrics={"step_s": step_s})

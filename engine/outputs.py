@@ -31,6 +31,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # why a request ended with finish_reason "error"
     text: str = ""
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -12,17 +12,20 @@ import enum
 import time
 
 from core.hashing import BlockExtra, BlockHasher, HashConfig
+from core.kv_transfer import KVTransferParams
 from core.types import ReqId
 from engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # holds blocks, not scheduled
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # e.g. a failed KV transfer under the "fail" policy
 
     @property
     def is_finished(self) -> bool:
@@ -30,14 +33,15 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-             RequestStatus.FINISHED_ABORTED}
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
 
 
 class Request:
     def __init__(self, request_id: ReqId, prompt_token_ids: list[int], params: SamplingParams,
                  block_size: int, eos_token_ids: tuple[int, ...] = (),
                  extra: BlockExtra | None = None, hash_config: HashConfig | None = None,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None,
+                 kv_transfer: KVTransferParams | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -52,6 +56,9 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        self.kv_transfer = kv_transfer
+        self.num_emitted_tokens = 0  # output tokens already returned by LLMEngine.step
+        self.error: str | None = None
         hasher_args = {"extra": extra} if extra else {}
         if hash_config:
             hasher_args["config"] = hash_config

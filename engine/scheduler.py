@@ -14,6 +14,14 @@ Algorithm, per step:
    had to preempt.
 `update_from_output` advances progress, appends sampled tokens for requests whose scheduled
 chunk reached their last token, applies stop conditions and frees finished requests.
+
+With a KV connector (disaggregated serving): a waiting request whose KV comes from a prefill
+node gets blocks for its whole prompt — its local prefix hit plus blocks the transfer fills,
+left unhashed until the bytes arrive — and parks in `waiting_for_remote` without using the
+token budget. `apply_connector_results` turns an arrival into a running request (prompt
+computed, first token appended) and a failure into a local recompute or an error, by policy.
+A finished or aborted request whose blocks a transfer may still read or write stays in
+`pinned` until the connector releases it, then its blocks are freed exactly once.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from core.kv_connector import ConnectorResults, KVConnectorScheduler, RecvResult
+from core.kv_transfer import RemotePrefill
 from core.types import ReqId
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import SampledToken
@@ -67,11 +77,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
         self.kv = kv_manager
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.waiting_for_remote: dict[ReqId, Request] = {}
+        self.pinned: dict[ReqId, Request] = {}
         self.requests: dict[ReqId, Request] = {}
         self.num_preemptions = 0
 
@@ -134,9 +148,16 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(req)
+            num_external = self._num_external_tokens(req, num_hit_tokens)
+            if num_external:
+                if not self._park_for_remote_kv(req, hit_blocks, num_hit_tokens, num_external):
+                    break
+                continue
+            if budget == 0:
+                break
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
                 break
@@ -148,6 +169,70 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
+
+    def _num_external_tokens(self, req: Request, num_hit_tokens: int) -> int:
+        if self.connector is None or not isinstance(req.kv_transfer, RemotePrefill):
+            return 0
+        return self.connector.num_external_tokens(req.request_id, req.kv_transfer,
+                                                  req.num_tokens, num_hit_tokens)
+
+    def _park_for_remote_kv(self, req: Request, hit_blocks: list, num_hit_tokens: int,
+                            num_external: int) -> bool:
+        if self.kv.allocate_slots(req, num_external, hit_blocks, delay_caching=True) is None:
+            return False
+        self.waiting.popleft()
+        req.num_computed_tokens = req.num_cached_tokens = num_hit_tokens
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote[req.request_id] = req
+        self.connector.on_allocated(req.request_id, req.kv_transfer,
+                                    self.kv.block_ids(req.request_id), len(hit_blocks))
+        return True
+
+    def apply_connector_results(self, results: ConnectorResults) -> list[Request]:
+        """Arrivals and failures of remote KV, and releases of pinned blocks."""
+        updated = []
+        for result in results.received:
+            req = self.waiting_for_remote.get(result.request_id)
+            if req is None:
+                self._release(result.request_id)  # aborted while in flight: now safe
+            elif result.ok:
+                updated.append(self._remote_kv_arrived(req, result))
+            elif self._remote_kv_failed(req, result.error):
+                updated.append(req)
+        for request_id in results.released:
+            self._release(request_id)
+        return updated
+
+    def _remote_kv_arrived(self, req: Request, result: RecvResult) -> Request:
+        del self.waiting_for_remote[req.request_id]
+        req.num_computed_tokens = req.num_tokens
+        self.kv.cache_blocks(req, req.num_tokens)
+        req.append_output_token(result.first_token, result.first_logprob)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        status = self._check_stop(req)
+        if status is not None:
+            self.finish_request(req.request_id, status)
+        return req
+
+    def _remote_kv_failed(self, req: Request, error: str | None) -> bool:
+        """Recompute locally (returns False: nothing to report yet) or fail (True)."""
+        if self.connector.recompute_on_failure:
+            del self.waiting_for_remote[req.request_id]
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.kv_transfer = None
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+            return False
+        req.error = f"KV transfer failed: {error}"
+        self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+        return True
+
+    def _release(self, request_id: ReqId) -> None:
+        req = self.pinned.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(req, req.num_computed_tokens, num_new,
@@ -182,14 +267,35 @@ class Scheduler:
         return None
 
     def finish_request(self, request_id: ReqId, status: RequestStatus) -> Request | None:
-        """Finish (or abort) a request wherever it is and free its blocks. Idempotent."""
+        """Finish (or abort) a request wherever it is and free its blocks — or pin them while
+        a transfer may use them. Idempotent; aborting a pinned request cancels its send."""
         req = self.requests.pop(request_id, None)
         if req is None:
+            pinned = self.pinned.get(request_id)
+            if pinned is not None and status is RequestStatus.FINISHED_ABORTED:
+                self.connector.on_aborted(request_id, pinned.kv_transfer)
             return None
+        self._remove_from_queue(req)
+        req.status = status
+        if self._must_pin(req):
+            self.pinned[request_id] = req
+        else:
+            self.kv.free(req)
+        return req
+
+    def _remove_from_queue(self, req: Request) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            del self.waiting_for_remote[req.request_id]
         else:
             self.waiting.remove(req)
-        req.status = status
-        self.kv.free(req)
-        return req
+
+    def _must_pin(self, req: Request) -> bool:
+        if self.connector is None or req.kv_transfer is None:
+            return False
+        if req.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+            return self.connector.on_aborted(req.request_id, req.kv_transfer)
+        return self.connector.on_finished(req.request_id, req.kv_transfer,
+                                          self.kv.block_ids(req.request_id),
+                                          req.output_token_ids, req.logprobs)
