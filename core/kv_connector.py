@@ -115,6 +115,10 @@ class KVConnectorScheduler(ABC):
     def build_plan(self) -> ConnectorPlan:
         """Everything recorded since the last call, for the worker side."""
 
+    @abstractmethod
+    def update_from_results(self, results: ConnectorResults) -> None:
+        """The worker's results for this step: forget what completed."""
+
 
 class KVConnectorWorker(ABC):
     @abstractmethod

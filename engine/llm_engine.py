@@ -77,8 +77,9 @@ class LLMEngine:
                     self.kv_spec.num_blocks, config.block_size)
 
     @classmethod
-    def from_model(cls, model: str | Path, **options) -> LLMEngine:
-        return cls(EngineConfig(model=str(model), **options))
+    def from_model(cls, model: str | Path, kv_connector: KVConnector | None = None,
+                   **options) -> LLMEngine:
+        return cls(EngineConfig(model=str(model), **options), kv_connector)
 
     @property
     def block_pool(self) -> BlockPool:

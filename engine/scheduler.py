@@ -190,6 +190,7 @@ class Scheduler:
 
     def apply_connector_results(self, results: ConnectorResults) -> list[Request]:
         """Arrivals and failures of remote KV, and releases of pinned blocks."""
+        self.connector.update_from_results(results)
         updated = []
         for result in results.received:
             req = self.waiting_for_remote.get(result.request_id)

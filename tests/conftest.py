@@ -19,6 +19,22 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    """Tiny random HF model folders, one per variant in tests/models.py."""
+    from tests.models import build_model_dirs
+
+    return build_model_dirs(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """Memoised transformers greedy reference: (model_dir, prompt_ids, n) -> token ids."""
+    from tests.models import make_hf_reference
+
+    return make_hf_reference()
+
+
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.conftest import random_prompts
 from tests.helpers import assert_pool_clean
+from tests.models import random_prompts
 
 pytestmark = pytest.mark.gpu
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.conftest import MODEL_VARIANTS, random_prompts
 from tests.helpers import assert_pool_clean
+from tests.models import MODEL_VARIANTS, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 VARIANTS = list(MODEL_VARIANTS)

@@ -1,40 +1,32 @@
-"""Fixtures for engine tests: tiny random models built on the fly, and a memoised
-`transformers` greedy reference to compare against token for token."""
+"""Tiny random model variants and prompt factories shared by engine, transfer and node tests.
+Torch is imported lazily so torch-free test rooms can collect without it."""
 
 from __future__ import annotations
 
-import os
 import random
-
-import pytest
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-torch = pytest.importorskip("torch")
-
-from engine.tiny_model import make_tiny_model  # noqa: E402 (after importorskip)
 
 # Variants cover: GQA ratios (MHA, GQA, MQA), head_dim != hidden/heads, rope_theta, the
 # supported rope_scaling types, tied embeddings and Qwen2's qkv bias.
 MODEL_VARIANTS = {
-    "llama-gqa": dict(arch="llama"),
-    "llama-mqa-headdim-llama3rope": dict(
-        arch="llama", hidden_size=96, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                           "original_max_position_embeddings": 64}),
-    "qwen2-tied-bias-mha": dict(arch="qwen2", num_key_value_heads=4, rope_theta=1000000.0),
-    "mistral-linear-rope": dict(arch="mistral", num_attention_heads=8, num_key_value_heads=2,
-                                rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "llama-yarn-tied": dict(arch="llama", tie_word_embeddings=True, num_hidden_layers=3,
-                            rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                          "original_max_position_embeddings": 256}),
+    "llama-gqa": {"arch": "llama"},
+    "llama-mqa-headdim-llama3rope": {
+        "arch": "llama", "hidden_size": 96, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 32, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "qwen2-tied-bias-mha": {"arch": "qwen2", "num_key_value_heads": 4, "rope_theta": 1000000.0},
+    "mistral-linear-rope": {"arch": "mistral", "num_attention_heads": 8,
+                            "num_key_value_heads": 2,
+                            "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "llama-yarn-tied": {"arch": "llama", "tie_word_embeddings": True, "num_hidden_layers": 3,
+                        "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                         "original_max_position_embeddings": 256}},
 }
 
 
-@pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("models")
+def build_model_dirs(root) -> dict[str, str]:
+    from engine.tiny_model import make_tiny_model
+
     dirs = {}
     for seed, (name, spec) in enumerate(MODEL_VARIANTS.items()):
         spec = dict(spec)
@@ -42,9 +34,9 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     return dirs
 
 
-@pytest.fixture(scope="session")
-def hf_reference():
+def make_hf_reference():
     """hf_reference(model_dir, prompt_ids, max_new_tokens) -> greedy continuation (no EOS stop)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     models, memo = {}, {}

@@ -1,0 +1,277 @@
+"""Worker side of the KV connector: executes plans and moves KV bytes.
+
+On a decode node D, a `RecvJob` becomes an `XferRequest` to the prefill node P naming the
+byte address of every block D lacks; P's `XferDone` (or the timeout) becomes a `RecvResult`.
+On P, a `SendJob` (prefill done, blocks pinned) meets D's `XferRequest` — whichever arrives
+second starts the write on a background thread: the source and destination block ranges are
+coalesced so n consecutive blocks are one descriptor, written with one batch call, then D is
+told. Everything is keyed by transfer id; duplicate and late messages are answered or
+ignored, never fatal. Timeouts: a receive not done in `timeout_s` fails (D aborts it at P);
+a send whose request has not come in `timeout_s` releases its blocks. Keep the data plane's
+own timeout (Mooncake's MC_TRANSFER_TIMEOUT) below `timeout_s`, so a write can no longer
+land in blocks D has given up on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from core.kv_connector import (
+    ConnectorPlan,
+    ConnectorResults,
+    KVConnectorWorker,
+    KVRegion,
+    RecvJob,
+    RecvResult,
+    SendJob,
+)
+from core.kv_transfer import SideChannelMessage, TransferId, XferAbort, XferDone, XferRequest
+from core.types import ReqId
+from transfer.mooncake_engine import coalesce
+from transfer.transport import Transport
+
+logger = logging.getLogger(__name__)
+_FORGET_AFTER = 4096  # finished transfer ids remembered to answer late messages
+
+
+@dataclass(slots=True)
+class _Recv:
+    request_id: ReqId
+    source_addr: str
+    deadline: float
+
+
+@dataclass(slots=True)
+class _Send:
+    job: SendJob | None = None
+    request: XferRequest | None = None
+    deadline: float = 0.0
+    started: bool = False
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    sends_ok: int = 0
+    sends_failed: int = 0
+    recvs_ok: int = 0
+    recvs_failed: int = 0
+    timeouts: int = 0
+    late_messages: int = 0
+    blocks_sent: int = 0
+    descriptors_sent: int = 0
+    bytes_sent: int = 0
+
+
+class ConnectorWorker(KVConnectorWorker):
+    def __init__(self, transport: Transport, timeout_s: float = 30.0, clock=time.monotonic,
+                 max_parallel_sends: int = 2) -> None:
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.stats = WorkerStats()
+        self._clock = clock
+        self._region: KVRegion | None = None
+        self._lock = threading.Lock()
+        self._results = ConnectorResults()
+        self._recvs: dict[TransferId, _Recv] = {}
+        self._sends: dict[TransferId, _Send] = {}
+        self._finished: OrderedDict[TransferId, str] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
+        transport.start(self._on_message)
+
+    # ---- engine-facing ----------------------------------------------------------------
+
+    def register_kv_region(self, region: KVRegion) -> None:
+        self.transport.register(region.base_addr, region.nbytes)
+        self._region = region
+
+    def execute(self, plan: ConnectorPlan) -> None:
+        outbox: list[tuple[str, SideChannelMessage]] = []
+        with self._lock:
+            for recv in plan.recvs:
+                outbox.append(self._start_recv(recv))
+            for send in plan.sends:
+                self._add_send(send, outbox)
+            for transfer_id in plan.cancelled:
+                self._cancel(transfer_id, outbox)
+            self._expire(outbox)
+        self._flush(outbox)
+
+    def get_results(self) -> ConnectorResults:
+        outbox: list[tuple[str, SideChannelMessage]] = []
+        with self._lock:
+            self._expire(outbox)
+            results, self._results = self._results, ConnectorResults()
+        self._flush(outbox)
+        return results
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.transport.close()
+
+    # ---- decode side ------------------------------------------------------------------
+
+    def _start_recv(self, job: RecvJob) -> tuple[str, XferRequest]:
+        region = self._require_region()
+        tid = job.transfer.transfer_id
+        self._recvs[tid] = _Recv(job.request_id, job.transfer.source_addr,
+                                 self._clock() + self.timeout_s)
+        request = XferRequest(
+            transfer_id=tid, request_id=job.request_id,
+            reply_addr=self.transport.reply_address, dest_session=self.transport.session_id,
+            block_nbytes=region.block_nbytes, num_blocks=len(job.block_ids),
+            skip_blocks=job.skip_blocks,
+            dest_block_addrs=[region.block_addr(b) for b in job.block_ids[job.skip_blocks:]])
+        return job.transfer.source_addr, request
+
+    def _on_done(self, msg: XferDone) -> None:
+        with self._lock:
+            recv = self._recvs.pop(msg.transfer_id, None)
+            if recv is None:
+                self.stats.late_messages += 1
+                return
+            self._finish_recv(recv, msg.ok, msg.first_token, msg.first_logprob, msg.error)
+
+    def _finish_recv(self, recv: _Recv, ok: bool, token=None, logprob=None, error=None) -> None:
+        if ok:
+            self.stats.recvs_ok += 1
+        else:
+            self.stats.recvs_failed += 1
+            logger.warning("KV receive for %s failed: %s", recv.request_id, error)
+        self._results.received.append(RecvResult(recv.request_id, ok, token, logprob, error))
+
+    # ---- prefill side -----------------------------------------------------------------
+
+    def _add_send(self, job: SendJob, outbox) -> None:
+        tid = job.transfer.transfer_id
+        if tid in self._finished:  # cancelled before prefill finished
+            self._results.released.append(job.request_id)
+            return
+        entry = self._sends.setdefault(tid, _Send())
+        entry.job, entry.deadline = job, self._clock() + self.timeout_s
+        self._maybe_start(tid, entry)
+
+    def _on_request(self, msg: XferRequest) -> None:
+        outbox: list[tuple[str, SideChannelMessage]] = []
+        with self._lock:
+            reason = self._finished.get(msg.transfer_id)
+            if reason is not None:
+                outbox.append((msg.reply_addr, XferDone(msg.transfer_id, False, error=reason)))
+            else:
+                entry = self._sends.setdefault(msg.transfer_id, _Send())
+                if entry.request is None:  # a duplicate request is harmless
+                    entry.request = msg
+                    entry.deadline = entry.deadline or self._clock() + self.timeout_s
+                    self._maybe_start(msg.transfer_id, entry)
+        self._flush(outbox)
+
+    def _maybe_start(self, tid: TransferId, entry: _Send) -> None:
+        if entry.job is not None and entry.request is not None and not entry.started:
+            entry.started = True
+            self._pool.submit(self._send, tid, entry.job, entry.request)
+
+    def _send(self, tid: TransferId, job: SendJob, request: XferRequest) -> None:
+        try:
+            num_descriptors = self._write_blocks(job, request)
+            done = XferDone(tid, True, job.first_token, job.first_logprob,
+                            num_blocks_sent=len(request.dest_block_addrs),
+                            num_descriptors=num_descriptors)
+        except Exception as exc:  # report every failure to D rather than let it time out
+            logger.warning("KV send %s for %s failed: %s", tid, job.request_id, exc)
+            done = XferDone(tid, False, error=f"{type(exc).__name__}: {exc}")
+        with self._lock:
+            self._sends.pop(tid, None)
+            self._remember(tid, "transfer already finished")
+            self._results.released.append(job.request_id)
+            if done.ok:
+                self.stats.sends_ok += 1
+            else:
+                self.stats.sends_failed += 1
+        self._flush([(request.reply_addr, done)])
+
+    def _write_blocks(self, job: SendJob, request: XferRequest) -> int:
+        region = self._require_region()
+        if request.block_nbytes != region.block_nbytes:
+            raise ValueError(f"block size mismatch: {request.block_nbytes} bytes asked, "
+                             f"{region.block_nbytes} held (same model, dtype, block size?)")
+        if len(job.block_ids) < request.num_blocks:
+            raise ValueError(f"{request.num_blocks} blocks asked, {len(job.block_ids)} held")
+        block_ids = job.block_ids[request.skip_blocks:request.num_blocks]
+        src, dst, lengths = coalesce([region.block_addr(b) for b in block_ids],
+                                     request.dest_block_addrs, region.block_nbytes)
+        if src:
+            self.transport.write(request.dest_session, src, dst, lengths)
+        with self._lock:
+            self.stats.blocks_sent += len(block_ids)
+            self.stats.descriptors_sent += len(src)
+            self.stats.bytes_sent += sum(lengths)
+        return len(src)
+
+    # ---- both sides -------------------------------------------------------------------
+
+    def _on_message(self, msg: SideChannelMessage) -> None:
+        if isinstance(msg, XferRequest):
+            self._on_request(msg)
+        elif isinstance(msg, XferDone):
+            self._on_done(msg)
+        elif isinstance(msg, XferAbort):
+            outbox: list[tuple[str, SideChannelMessage]] = []
+            with self._lock:
+                self._cancel(msg.transfer_id, outbox)
+            self._flush(outbox)
+
+    def _cancel(self, tid: TransferId, outbox) -> None:
+        recv = self._recvs.get(tid)
+        if recv is not None:  # D: ask P to stop; blocks stay pinned until P answers
+            outbox.append((recv.source_addr, XferAbort(tid)))
+            return
+        entry = self._sends.get(tid)
+        if entry is not None and entry.started:
+            return  # the write is under way: it releases the blocks when done
+        self._sends.pop(tid, None)
+        self._remember(tid, "transfer aborted")
+        if entry is not None:
+            self._release_unsent(tid, entry, "transfer aborted", outbox)
+
+    def _expire(self, outbox) -> None:
+        now = self._clock()
+        for tid, recv in [(t, r) for t, r in self._recvs.items() if r.deadline <= now]:
+            del self._recvs[tid]
+            self.stats.timeouts += 1
+            self._finish_recv(recv, False, error=f"no KV within {self.timeout_s:g} s")
+            outbox.append((recv.source_addr, XferAbort(tid)))
+        for tid, entry in [(t, e) for t, e in self._sends.items()
+                           if not e.started and e.deadline <= now]:
+            del self._sends[tid]
+            self.stats.timeouts += 1
+            self._remember(tid, "transfer expired on the prefill node")
+            self._release_unsent(tid, entry, "transfer expired on the prefill node", outbox)
+
+    def _release_unsent(self, tid: TransferId, entry: _Send, reason: str, outbox) -> None:
+        if entry.job is not None:
+            self._results.released.append(entry.job.request_id)
+        if entry.request is not None:
+            outbox.append((entry.request.reply_addr, XferDone(tid, False, error=reason)))
+
+    def _remember(self, tid: TransferId, reason: str) -> None:
+        self._finished[tid] = reason
+        while len(self._finished) > _FORGET_AFTER:
+            self._finished.popitem(last=False)
+
+    def _flush(self, outbox: list[tuple[str, SideChannelMessage]]) -> None:
+        for address, msg in outbox:
+            try:
+                self.transport.send(address, msg)
+            except Exception:  # a dead peer must not break this node; its timeout handles it
+                logger.exception("side-channel send to %s failed", address)
+
+    def _require_region(self) -> KVRegion:
+        if self._region is None:
+            raise RuntimeError("register_kv_region() must be called before transfers")
+        return self._region
