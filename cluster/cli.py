@@ -3,7 +3,9 @@
 Subcommands:
   make-tiny-model OUT_DIR   build a small random HF-format model with a real tokenizer
   generate --model DIR      run the engine offline on one prompt
+  metadata serve            run the metadata service (gRPC; memory or etcd backend)
   bench engine              run the engine benchmark; the last stdout line is its JSON result
+  bench metadata            run the metadata-service benchmark (same JSON-last convention)
 
 `pdcluster --help` must stay fast and torch-free, so `engine` and `benchmarks` are imported only
 inside the handlers that need them. API: `main(argv) -> int` (exit status).
@@ -146,6 +148,56 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     )
     engine.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
     engine.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
+    metadata = _add_command(
+        benchmarks,
+        "metadata",
+        "Metadata service: prefix-query latency over gRPC (against an empty RPC in the same "
+        "run), ingest rate, etcd write rate, recovery time and index memory.",
+        _cmd_bench_metadata,
+    )
+    metadata.add_argument("--json", action="store_true", help="print only the JSON line")
+    metadata.add_argument("--nodes", type=int, default=64, help="registered nodes")
+    metadata.add_argument("--blocks", type=int, default=1_000_000, help="indexed blocks")
+    metadata.add_argument("--queries", type=int, default=2000, help="timed queries")
+    metadata.add_argument("--chain", type=int, default=128, help="blocks per query chain")
+    metadata.add_argument("--no-etcd", action="store_true",
+                          help="skip the etcd part (write rate and recovery)")
+    metadata.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+
+
+METADATA_TOKEN_ENV = "PDCLUSTER_METADATA_TOKEN"
+
+
+def _add_metadata(subparsers: argparse._SubParsersAction) -> None:
+    metadata = subparsers.add_parser(
+        "metadata",
+        help="The metadata service (global block index, node registry).",
+        description="The metadata service: node registry with leases, the global block "
+        "index and prefix queries over gRPC.",
+        formatter_class=_formatter,
+    )
+    commands = metadata.add_subparsers(dest="metadata_command", metavar="COMMAND", required=True)
+    serve = _add_command(
+        commands, "serve",
+        "Serve until SIGINT/SIGTERM. The shared token, if any, is read from "
+        f"${METADATA_TOKEN_ENV}.",
+        _cmd_metadata_serve,
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=50061, help="port (0: any free port)")
+    serve.add_argument("--backend", choices=("memory", "etcd"), default="memory",
+                       help="memory: embedded, nothing persists; etcd: durable, replicas")
+    serve.add_argument("--etcd", default="127.0.0.1:2379",
+                       help="comma-separated etcd endpoints host:port")
+    serve.add_argument("--etcd-prefix", default="/pdcluster/metadata", help="etcd key prefix")
+    serve.add_argument("--hash-size", type=int, default=32,
+                       help="block hash bytes: 32 (sha256) or 16 (xxh3_128)")
+    serve.add_argument("--lease-ttl", type=int, default=10, help="default node lease TTL, s")
+    serve.add_argument("--flush-interval", type=float, default=0.25,
+                       help="etcd: at most one write per node per this many seconds")
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
+    serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    serve.add_argument("--replica-id", default="", help="name in etcd (default: random)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_make_tiny_model(subparsers)
     _add_generate(subparsers)
+    _add_metadata(subparsers)
     _add_bench(subparsers)
     return parser
 
@@ -273,6 +326,41 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_metadata_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    from metadata_service.config import MetadataConfig
+    from metadata_service.server import serve
+
+    with _config_errors_as_usage():
+        config = MetadataConfig(
+            host=args.host, port=args.port, backend=args.backend,
+            etcd_endpoints=tuple(e.strip() for e in args.etcd.split(",") if e.strip()),
+            etcd_prefix=args.etcd_prefix, hash_size=args.hash_size,
+            default_lease_ttl_s=args.lease_ttl, flush_interval_s=args.flush_interval,
+            token=os.environ.get(METADATA_TOKEN_ENV) or None,
+            tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, replica_id=args.replica_id,
+        )
+
+    def ready(port: int) -> None:
+        print(f"metadata service ({config.backend}) listening on {config.host}:{port}",
+              flush=True)
+
+    asyncio.run(serve(config, ready))
+    return 0
+
+
+def _cmd_bench_metadata(args: argparse.Namespace) -> int:
+    from benchmarks.metadata_bench import run
+
+    result = run(args)
+    if not args.json:
+        print(format_table(result))
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -282,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except UsageError as exc:
-        prog = f"pdcluster {args.command}"
+        prog = " ".join(["pdcluster", args.command,
+                         *filter(None, [getattr(args, "metadata_command", None)])])
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,3 +1,4 @@
 """Proto room: the `.proto` files that are the contracts between services, and the gRPC stubs
-generated from them (regenerate, never hand-edit). Filled by a later issue.
+generated from them at setup by scripts/gen_proto.sh (git-ignored; regenerate, never
+hand-edit). `metadata.proto`: the metadata service (see docs/metadata_service.md).
 """

@@ -17,7 +17,8 @@ import pytest
 from cluster import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SUBCOMMANDS = [["make-tiny-model"], ["generate"], ["bench"], ["bench", "engine"]]
+SUBCOMMANDS = [["make-tiny-model"], ["generate"], ["bench"], ["bench", "engine"],
+               ["bench", "metadata"], ["metadata"], ["metadata", "serve"]]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -31,7 +32,7 @@ def test_top_level_help_lists_every_subcommand() -> None:
     proc = run_cli("--help")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: pdcluster")
-    for name in ("make-tiny-model", "generate", "bench"):
+    for name in ("make-tiny-model", "generate", "metadata", "bench"):
         assert name in proc.stdout
 
 

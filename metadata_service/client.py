@@ -1,0 +1,280 @@
+"""Python clients of the metadata service, for nodes and the router: ``MetadataClient`` (sync,
+any thread) and ``AsyncMetadataClient`` (asyncio), with the same methods. gRPC failures become
+``MetadataUnavailable`` / ``MetadataAuthError`` / ``MetadataRequestError``.
+
+Nodes use ``NodePublisher`` (in ``metadata_service.publisher``) on top of a client: it numbers
+batches and answers resync requests with snapshots.
+
+API: ``MetadataClient``, ``AsyncMetadataClient``, ``make_node_info``, ``role_value``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from pathlib import Path
+
+import grpc
+
+from core.events import KVEvent
+from core.types import BlockHash, NodeId
+from metadata_service.codec import pack_hashes
+from metadata_service.errors import (
+    MetadataAuthError,
+    MetadataError,
+    MetadataRequestError,
+    MetadataUnavailable,
+)
+from metadata_service.events import encode_events
+from metadata_service.server import AUTH_HEADER, GRPC_OPTIONS
+from proto import metadata_pb2 as pb
+from proto import metadata_pb2_grpc as pb_grpc
+
+ROLES = {"prefill": pb.PREFILL, "decode": pb.DECODE}
+_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED)
+
+Match = tuple[NodeId, int]
+
+
+def role_value(role: str | int | None) -> int:
+    """'prefill' / 'decode' / a ``pb.Role`` value / None (any) -> the wire value."""
+    if role is None:
+        return pb.ROLE_UNSPECIFIED
+    if isinstance(role, str):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+        return ROLES[role]
+    return role
+
+
+def make_node_info(
+    node_id: NodeId,
+    role: str | int,
+    *,
+    request_address: str = "",
+    kv_address: str = "",
+    model: str = "",
+    block_size: int = 16,
+    capacity_blocks: int = 0,
+    epoch: int | None = None,
+) -> pb.NodeInfo:
+    """A node's registration; ``epoch`` defaults to a fresh random one (a new process)."""
+    return pb.NodeInfo(
+        node_id=node_id, role=role_value(role), request_address=request_address,
+        kv_address=kv_address, model=model, block_size=block_size,
+        capacity_blocks=capacity_blocks,
+        epoch=secrets.randbits(63) if epoch is None else epoch,
+    )
+
+
+def translate_error(exc: grpc.RpcError) -> MetadataError:
+    code, details = exc.code(), exc.details()
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return MetadataAuthError(f"metadata service refused the credentials: {details}")
+    if code in _UNAVAILABLE:
+        return MetadataUnavailable(f"metadata service unavailable ({code.name}): {details}")
+    return MetadataRequestError(f"metadata service rejected the request ({code.name}): {details}")
+
+
+def _credentials(tls_ca_file: str | None) -> grpc.ChannelCredentials | None:
+    if tls_ca_file is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes())
+
+
+def _channel_options(tls_server_name: str | None) -> list[tuple[str, object]]:
+    if tls_server_name is None:
+        return list(GRPC_OPTIONS)
+    return [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", tls_server_name)]
+
+
+def _query_request(
+    chain: Sequence[BlockHash], role: str | int | None, node_ids: Sequence[NodeId],
+    include_zero: bool,
+) -> pb.QueryRequest:
+    return pb.QueryRequest(block_hashes=pack_hashes(chain), role=role_value(role),
+                           node_ids=list(node_ids), include_zero=include_zero)
+
+
+def _publish_request(
+    node_id: NodeId, epoch: int, seq: int, events: Iterable[KVEvent]
+) -> pb.PublishRequest:
+    return pb.PublishRequest(node_id=node_id, epoch=epoch, seq=seq, events=encode_events(events))
+
+
+class _Base:
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        tls_ca_file: str | None = None,
+        tls_server_name: str | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._metadata = ((AUTH_HEADER, f"Bearer {token}"),) if token else None
+        self._credentials = _credentials(tls_ca_file)
+        self._options = _channel_options(tls_server_name)
+
+
+class MetadataClient(_Base):
+    """Blocking client; thread-safe (one gRPC channel)."""
+
+    def __init__(self, address: str, **kwargs: object) -> None:
+        super().__init__(address, **kwargs)
+        if self._credentials is None:
+            self._channel = grpc.insecure_channel(address, options=self._options)
+        else:
+            self._channel = grpc.secure_channel(address, self._credentials, options=self._options)
+        self._stub = pb_grpc.MetadataServiceStub(self._channel)
+
+    def _call(self, method: str, request: object, timeout_s: float | None = None):
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise translate_error(exc) from None
+
+    def register(self, info: pb.NodeInfo, lease_ttl_s: int = 0) -> pb.RegisterReply:
+        return self._call("Register", pb.RegisterRequest(node=info, lease_ttl_s=lease_ttl_s))
+
+    def heartbeat(self, node_id: NodeId, epoch: int) -> bool:
+        return self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch)).known
+
+    def deregister(self, node_id: NodeId) -> None:
+        self._call("Deregister", pb.DeregisterRequest(node_id=node_id))
+
+    def list_nodes(self, role: str | int | None = None) -> list[pb.NodeInfo]:
+        return list(self._call("ListNodes", pb.ListNodesRequest(role=role_value(role))).nodes)
+
+    def watch_nodes(self, role: str | int | None = None) -> Iterator[pb.NodeChange]:
+        """Every live node as UP, then changes, until the iterator is closed."""
+        stream = self._stub.WatchNodes(pb.ListNodesRequest(role=role_value(role)),
+                                       metadata=self._metadata)
+        try:
+            yield from stream
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise translate_error(exc) from None
+        finally:
+            stream.cancel()
+
+    def publish(
+        self, node_id: NodeId, epoch: int, seq: int, events: Iterable[KVEvent]
+    ) -> pb.PublishReply:
+        return self._call("Publish", _publish_request(node_id, epoch, seq, events))
+
+    def publish_raw(self, request: pb.PublishRequest) -> pb.PublishReply:
+        return self._call("Publish", request)
+
+    def snapshot(
+        self, node_id: NodeId, epoch: int, seq: int, block_hashes: Iterable[BlockHash]
+    ) -> int:
+        request = pb.SnapshotRequest(node_id=node_id, epoch=epoch, seq=seq,
+                                     block_hashes=pack_hashes(block_hashes))
+        return self._call("Snapshot", request, max(self.timeout_s, 30.0)).last_seq
+
+    def query(
+        self,
+        chain: Sequence[BlockHash],
+        role: str | int | None = None,
+        node_ids: Sequence[NodeId] = (),
+        include_zero: bool = False,
+    ) -> list[Match]:
+        """(node, leading blocks of ``chain`` it holds), best first."""
+        reply = self._call("Query", _query_request(chain, role, node_ids, include_zero))
+        return [(m.node_id, m.num_blocks) for m in reply.matches]
+
+    def stats(self) -> pb.StatsReply:
+        return self._call("Stats", pb.Empty())
+
+    def ping(self) -> None:
+        self._call("Ping", pb.Empty())
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> MetadataClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncMetadataClient(_Base):
+    """asyncio client; create and use it inside one running event loop."""
+
+    def __init__(self, address: str, **kwargs: object) -> None:
+        super().__init__(address, **kwargs)
+        if self._credentials is None:
+            self._channel = grpc.aio.insecure_channel(address, options=self._options)
+        else:
+            self._channel = grpc.aio.secure_channel(address, self._credentials,
+                                                    options=self._options)
+        self._stub = pb_grpc.MetadataServiceStub(self._channel)
+
+    async def _call(self, method: str, request: object, timeout_s: float | None = None):
+        try:
+            return await getattr(self._stub, method)(
+                request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise translate_error(exc) from None
+
+    async def register(self, info: pb.NodeInfo, lease_ttl_s: int = 0) -> pb.RegisterReply:
+        return await self._call("Register", pb.RegisterRequest(node=info, lease_ttl_s=lease_ttl_s))
+
+    async def heartbeat(self, node_id: NodeId, epoch: int) -> bool:
+        reply = await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch))
+        return reply.known
+
+    async def deregister(self, node_id: NodeId) -> None:
+        await self._call("Deregister", pb.DeregisterRequest(node_id=node_id))
+
+    async def list_nodes(self, role: str | int | None = None) -> list[pb.NodeInfo]:
+        reply = await self._call("ListNodes", pb.ListNodesRequest(role=role_value(role)))
+        return list(reply.nodes)
+
+    async def watch_nodes(self, role: str | int | None = None) -> AsyncIterator[pb.NodeChange]:
+        stream = self._stub.WatchNodes(pb.ListNodesRequest(role=role_value(role)),
+                                       metadata=self._metadata)
+        try:
+            async for change in stream:
+                yield change
+        except grpc.RpcError as exc:
+            raise translate_error(exc) from None
+        finally:
+            stream.cancel()
+
+    async def publish(
+        self, node_id: NodeId, epoch: int, seq: int, events: Iterable[KVEvent]
+    ) -> pb.PublishReply:
+        return await self._call("Publish", _publish_request(node_id, epoch, seq, events))
+
+    async def snapshot(
+        self, node_id: NodeId, epoch: int, seq: int, block_hashes: Iterable[BlockHash]
+    ) -> int:
+        request = pb.SnapshotRequest(node_id=node_id, epoch=epoch, seq=seq,
+                                     block_hashes=pack_hashes(block_hashes))
+        return (await self._call("Snapshot", request, max(self.timeout_s, 30.0))).last_seq
+
+    async def query(
+        self,
+        chain: Sequence[BlockHash],
+        role: str | int | None = None,
+        node_ids: Sequence[NodeId] = (),
+        include_zero: bool = False,
+    ) -> list[Match]:
+        reply = await self._call("Query", _query_request(chain, role, node_ids, include_zero))
+        return [(m.node_id, m.num_blocks) for m in reply.matches]
+
+    async def stats(self) -> pb.StatsReply:
+        return await self._call("Stats", pb.Empty())
+
+    async def ping(self) -> None:
+        await self._call("Ping", pb.Empty())
+
+    async def close(self) -> None:
+        await self._channel.close()

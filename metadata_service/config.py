@@ -1,0 +1,78 @@
+"""The metadata service's configuration: one frozen dataclass, built once at the edge (CLI or
+a test) and validated here. Values computed at run time are never written back into it.
+
+API: ``MetadataConfig``, ``BACKENDS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("memory", "etcd")
+HASH_SIZES = (16, 32)
+
+
+@dataclass(frozen=True, slots=True)
+class MetadataConfig:
+    host: str = "127.0.0.1"
+    port: int = 50061  # 0: any free port (the server reports the one it bound)
+    backend: str = "memory"
+    etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    etcd_prefix: str = "/pdcluster/metadata"
+    hash_size: int = 32  # bytes per block hash: 32 for sha256, 16 for xxh3_128
+    default_lease_ttl_s: int = 10
+    min_lease_ttl_s: int = 1  # etcd itself rounds a TTL up to its own minimum (about 2 s)
+    max_lease_ttl_s: int = 300
+    max_batch_events: int = 4096
+    max_batch_hashes: int = 65536
+    max_snapshot_hashes: int = 1_000_000
+    max_query_blocks: int = 16384
+    # etcd persistence: at most one write per node per flush interval, whatever the event rate.
+    flush_interval_s: float = 0.25
+    compact_after_deltas: int = 64
+    etcd_timeout_s: float = 2.0
+    health_interval_s: float = 0.5
+    sweep_interval_s: float = 0.2  # memory backend: how often expired leases are swept
+    token: str | None = None  # required on every call when set
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    replica_id: str = ""  # empty: a random one per process
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.hash_size not in HASH_SIZES:
+            raise ValueError(f"hash_size must be one of {HASH_SIZES}, got {self.hash_size}")
+        if self.backend == "etcd" and not self.etcd_endpoints:
+            raise ValueError("the etcd backend needs at least one etcd endpoint")
+        if not self.etcd_prefix.startswith("/") or self.etcd_prefix.endswith("/"):
+            raise ValueError(f"etcd_prefix must start and not end with '/': {self.etcd_prefix!r}")
+        if not 1 <= self.min_lease_ttl_s <= self.default_lease_ttl_s <= self.max_lease_ttl_s:
+            raise ValueError(
+                "lease TTLs must satisfy 1 <= min_lease_ttl_s <= default_lease_ttl_s <= "
+                f"max_lease_ttl_s, got {self.min_lease_ttl_s}, {self.default_lease_ttl_s}, "
+                f"{self.max_lease_ttl_s}"
+            )
+        for name in ("max_batch_events", "max_batch_hashes", "max_snapshot_hashes",
+                     "max_query_blocks", "compact_after_deltas"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("flush_interval_s", "etcd_timeout_s", "health_interval_s",
+                     "sweep_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file, or neither")
+        if self.token is not None and not self.token:
+            raise ValueError("token must be non-empty when set")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def clamp_ttl(self, requested_s: int) -> int:
+        if requested_s <= 0:
+            return self.default_lease_ttl_s
+        return max(self.min_lease_ttl_s, min(self.max_lease_ttl_s, requested_s))

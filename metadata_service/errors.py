@@ -1,0 +1,33 @@
+"""Typed exceptions at the metadata service's boundaries.
+
+Server side, ``InvalidBatch`` carries a short ``reason`` (counted in stats) and a precise
+message (sent to the caller as INVALID_ARGUMENT). Client side, gRPC status codes become
+``MetadataUnavailable`` (cannot reach the service), ``MetadataAuthError`` (token or TLS
+refused) and ``MetadataRequestError`` (the service rejected the request).
+"""
+
+from __future__ import annotations
+
+
+class MetadataError(Exception):
+    """Base of every metadata-service error."""
+
+
+class MetadataUnavailable(MetadataError):
+    """The service could not be reached (down, network, deadline exceeded)."""
+
+
+class MetadataAuthError(MetadataError):
+    """The service refused the call's credentials (missing or wrong token)."""
+
+
+class MetadataRequestError(MetadataError):
+    """The service rejected the request itself (malformed, oversize, unknown node)."""
+
+
+class InvalidBatch(MetadataError, ValueError):
+    """A malformed or oversize request; ``reason`` is a stable label for stats."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason

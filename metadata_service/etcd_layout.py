@@ -1,0 +1,140 @@
+"""How the metadata service lays its state out in etcd, and how it reads it back.
+
+Keys, under the configured prefix P (every key of a node is attached to the node's lease, so
+a lease expiry deletes the node and all of its persisted blocks at once):
+
+    P/nodes/<node_id>                          msgpack {info: NodeInfo bytes, lease, ttl, w}
+    P/blocks/<node_id>/state                   msgpack {g: base generation, n: chunks, e, s, w}
+    P/blocks/<node_id>/base/<gen>/<chunk>      packed hashes (<= CHUNK_HASHES per chunk)
+    P/blocks/<node_id>/delta/<writer>/<n>      msgpack Delta (coalesced changes of one flush)
+
+A node's block set = the chunks of the generation ``state`` names, then every delta in etcd
+revision order. Compaction writes a new base generation, then in one transaction points
+``state`` at it and deletes all deltas and older generations.
+
+API: ``Keys``, ``load_states``, ``NodeRecord``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import etcd3aio
+
+from core.types import NodeId
+from metadata_service.codec import decode_delta, decode_record, unpack_hashes
+from metadata_service.store import NodeState
+from proto import metadata_pb2 as pb
+
+CHUNK_HASHES = 16384  # 512 KiB of sha256 hashes: well under etcd's 1.5 MiB request limit
+PAGE_KEYS = 64
+
+
+class Keys:
+    def __init__(self, prefix: str) -> None:
+        self.root = f"{prefix}/".encode()
+        self.nodes = f"{prefix}/nodes/".encode()
+        self.blocks = f"{prefix}/blocks/".encode()
+        self.health = f"{prefix}/health".encode()
+
+    def node(self, node_id: NodeId) -> bytes:
+        return self.nodes + node_id.encode()
+
+    def node_blocks(self, node_id: NodeId) -> bytes:
+        return self.blocks + node_id.encode() + b"/"
+
+    def state(self, node_id: NodeId) -> bytes:
+        return self.node_blocks(node_id) + b"state"
+
+    def base_prefix(self, node_id: NodeId) -> bytes:
+        return self.node_blocks(node_id) + b"base/"
+
+    def base(self, node_id: NodeId, gen: int, chunk: int | None = None) -> bytes:
+        key = self.base_prefix(node_id) + f"{gen:020d}/".encode()
+        return key if chunk is None else key + f"{chunk:06d}".encode()
+
+    def delta_prefix(self, node_id: NodeId) -> bytes:
+        return self.node_blocks(node_id) + b"delta/"
+
+    def delta(self, node_id: NodeId, writer: str, counter: int) -> bytes:
+        return self.delta_prefix(node_id) + f"{writer}/{counter:012d}".encode()
+
+    def parse(self, key: bytes) -> tuple[str, NodeId, list[str]]:
+        """(kind, node_id, rest): kind is 'node', 'state', 'base', 'delta' or 'other'."""
+        if key.startswith(self.nodes):
+            return "node", key[len(self.nodes):].decode(), []
+        if key.startswith(self.blocks):
+            node_id, _, rest = key[len(self.blocks):].decode().partition("/")
+            parts = rest.split("/")
+            if parts[0] in ("state", "base", "delta"):
+                return parts[0], node_id, parts[1:]
+        return "other", "", []
+
+
+@dataclass(slots=True)
+class NodeRecord:
+    """A node's registration as stored in etcd."""
+
+    info: pb.NodeInfo
+    lease_id: int
+    lease_ttl_s: int
+    raw: bytes
+
+    @classmethod
+    def decode(cls, raw: bytes) -> tuple[NodeRecord, str]:
+        fields = decode_record(raw)
+        info = pb.NodeInfo.FromString(fields["info"])
+        return cls(info, fields["lease"], fields["ttl"], raw), fields["w"]
+
+
+async def _range_all(
+    client: etcd3aio.Etcd3Client, prefix: bytes, timeout_s: float
+) -> tuple[list, int]:
+    """Every key-value under ``prefix`` at one revision, paged; and that revision."""
+    end = etcd3aio.prefix_range_end(prefix)
+    start, revision, kvs = prefix, 0, []
+    while True:
+        reply = await client.kv.get(start, end, revision=revision, limit=PAGE_KEYS,
+                                    timeout=timeout_s)
+        revision = revision or reply.header.revision
+        kvs.extend(reply.kvs)
+        if not reply.more or not reply.kvs:
+            return kvs, revision
+        start = reply.kvs[-1].key + b"\x00"
+
+
+async def load_states(
+    client: etcd3aio.Etcd3Client, keys: Keys, hash_size: int, timeout_s: float
+) -> tuple[list[NodeState], dict[NodeId, NodeRecord], int]:
+    """Every registered node with its exact persisted block set, the records, the revision."""
+    kvs, revision = await _range_all(client, keys.root, timeout_s)
+    records: dict[NodeId, NodeRecord] = {}
+    state_of: dict[NodeId, dict] = {}
+    chunks: dict[tuple[NodeId, int], dict[int, bytes]] = defaultdict(dict)
+    deltas: dict[NodeId, list[tuple[int, bytes]]] = defaultdict(list)
+    for kv in kvs:
+        kind, node_id, rest = keys.parse(kv.key)
+        if kind == "node":
+            records[node_id] = NodeRecord.decode(kv.value)[0]
+        elif kind == "state":
+            state_of[node_id] = decode_record(kv.value)
+        elif kind == "base" and len(rest) == 2:
+            chunks[(node_id, int(rest[0]))][int(rest[1])] = kv.value
+        elif kind == "delta":
+            deltas[node_id].append((kv.mod_revision, kv.value))
+    states = []
+    for node_id, record in records.items():
+        state = NodeState(record.info, record.lease_ttl_s, epoch=record.info.epoch)
+        base = state_of.get(node_id)
+        if base is not None:
+            parts = chunks.get((node_id, base["g"]), {})
+            for i in range(base["n"]):
+                state.block_hashes.update(unpack_hashes(parts[i], hash_size))
+            state.epoch, state.seq = base["e"], base["s"]
+        for _, raw in sorted(deltas.get(node_id, ())):
+            delta, _ = decode_delta(raw, hash_size)
+            delta.apply_to(state.block_hashes)
+            state.epoch, state.seq = delta.epoch, delta.seq
+        states.append(state)
+    return states, records, revision

@@ -1,0 +1,343 @@
+"""The metadata service's logic, independent of gRPC: registry, leases, sequenced block events,
+snapshots (resync), prefix queries and stats, over one ``BlockIndex`` and one ``IndexStore``.
+
+Ownership: every method runs on one asyncio event loop (the gRPC server's), which owns the
+index; nothing here blocks or awaits on the ingest or query path, so there are no locks.
+
+Sequencing: a node registers with a random ``epoch`` and publishes batches numbered 1, 2, ...
+A batch is applied only if it carries the node's epoch and exactly ``last_seq + 1``; an
+older seq is a DUPLICATE (ignored, so retransmission is safe); a newer one (a gap, e.g. a
+lost or rejected batch) or another epoch answers RESYNC_NEEDED, and the node then sends a
+Snapshot of its whole block set as of its latest seq, which replaces what the index held.
+A batch is validated whole before any of it is applied: a malformed or oversize one is
+rejected (``InvalidBatch``), counted by reason, and leaves a gap that forces a resync.
+
+API: ``MetadataService``, ``PublishStatus``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from core.types import BlockHash, NodeId
+from metadata_service.codec import Delta, unpack_hashes
+from metadata_service.config import MetadataConfig
+from metadata_service.errors import InvalidBatch
+from metadata_service.events import Op, decode_events
+from metadata_service.index import BlockIndex
+from metadata_service.store import IndexStore, NodeState
+from proto import metadata_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+PublishStatus = pb.PublishReply.Status
+_NODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@dataclass(slots=True)
+class _Node:
+    info: pb.NodeInfo
+    lease_ttl_s: int
+    epoch: int
+    seq: int = 0
+    deadline: float | None = None  # memory backend: when the lease expires
+
+
+class MetadataService:
+    def __init__(
+        self,
+        config: MetadataConfig,
+        store: IndexStore,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.index = BlockIndex()
+        self._clock = clock
+        self._nodes: dict[NodeId, _Node] = {}
+        self._watchers: list[asyncio.Queue[pb.NodeChange]] = []
+        self._sweeper: asyncio.Task[None] | None = None
+        self.counters: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        states = await self.store.start(self)
+        for state in states:
+            self._install(state)
+        if states:
+            logger.info("rebuilt the index from %s: %d nodes, %d blocks", self.store.name,
+                        len(states), self.index.num_blocks)
+        if self.store.expires_leases_locally:
+            self._sweeper = asyncio.create_task(self._sweep_forever(), name="lease-sweeper")
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self.store.close()
+
+    # -- registry --------------------------------------------------------------------------
+
+    def register(self, info: pb.NodeInfo, lease_ttl_s: int) -> tuple[int, int]:
+        """Register or refresh a node; returns (granted TTL, last applied seq)."""
+        if not _NODE_ID.fullmatch(info.node_id):
+            self._reject(info.node_id, InvalidBatch(
+                "bad_node_id", f"node_id {info.node_id!r} must match {_NODE_ID.pattern}"))
+        if info.role not in (pb.PREFILL, pb.DECODE):
+            self._reject(info.node_id, InvalidBatch(
+                "bad_role", f"node {info.node_id}: role must be PREFILL or DECODE"))
+        ttl = self.config.clamp_ttl(lease_ttl_s)
+        node = self._nodes.get(info.node_id)
+        restarted = node is not None and node.epoch != info.epoch
+        if node is None:
+            node = self._nodes[info.node_id] = _Node(pb.NodeInfo(), ttl, info.epoch)
+            self.index.add_node(info.node_id)
+        elif restarted:
+            logger.info("node %s restarted (new epoch): dropping its blocks", info.node_id)
+            self.index.clear_node(info.node_id)
+            node.epoch, node.seq = info.epoch, 0
+        node.info.CopyFrom(info)
+        node.lease_ttl_s = ttl
+        self._touch(node)
+        self.store.node_up(node.info, ttl, restarted)
+        self._notify(pb.NodeChange.UP, node.info)
+        return ttl, node.seq
+
+    def heartbeat(self, node_id: NodeId, epoch: int) -> bool:
+        node = self._nodes.get(node_id)
+        if node is None or node.epoch != epoch:
+            return False
+        self._touch(node)
+        self.store.node_alive(node_id)
+        return True
+
+    def deregister(self, node_id: NodeId) -> None:
+        if self._drop(node_id):
+            self.store.node_down(node_id)
+
+    def list_nodes(self, role: int = pb.ROLE_UNSPECIFIED) -> list[pb.NodeInfo]:
+        return [node.info for node_id, node in sorted(self._nodes.items())
+                if role in (pb.ROLE_UNSPECIFIED, node.info.role)]
+
+    def subscribe(self) -> asyncio.Queue[pb.NodeChange]:
+        """A queue that gets every live node as UP, then each change."""
+        queue: asyncio.Queue[pb.NodeChange] = asyncio.Queue()
+        for info in self.list_nodes():
+            queue.put_nowait(pb.NodeChange(kind=pb.NodeChange.UP, node=info))
+        self._watchers.append(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[pb.NodeChange]) -> None:
+        self._watchers.remove(queue)
+
+    # -- block events ----------------------------------------------------------------------
+
+    def publish(
+        self, node_id: NodeId, epoch: int, seq: int, events: Sequence[pb.KVEventMsg]
+    ) -> tuple[int, int]:
+        """Apply one batch; returns (PublishStatus, last applied seq)."""
+        try:
+            ops = decode_events(events, self.config)
+        except InvalidBatch as exc:
+            self._reject(node_id, exc)
+        node = self._nodes.get(node_id)
+        if node is None:
+            return PublishStatus.UNKNOWN_NODE, 0
+        if epoch != node.epoch or seq > node.seq + 1:
+            self.counters["resyncs_requested"] += 1
+            return PublishStatus.RESYNC_NEEDED, node.seq
+        if seq <= node.seq:
+            return PublishStatus.DUPLICATE, node.seq
+        self._apply(node_id, ops)
+        node.seq = seq
+        self.store.position(node_id, epoch, seq)
+        self.counters["batches_ingested"] += 1
+        return PublishStatus.OK, seq
+
+    def snapshot(self, node_id: NodeId, epoch: int, seq: int, packed: bytes) -> int:
+        """Replace the node's block set with a full snapshot as of ``seq``."""
+        if len(packed) > self.config.max_snapshot_hashes * self.config.hash_size:
+            self._reject(node_id, InvalidBatch(
+                "snapshot_too_large", f"snapshot of {len(packed) // self.config.hash_size} "
+                f"blocks exceeds max_snapshot_hashes={self.config.max_snapshot_hashes}"))
+        try:
+            block_hashes = unpack_hashes(packed, self.config.hash_size)
+        except InvalidBatch as exc:
+            self._reject(node_id, exc)
+        node = self._nodes.get(node_id)
+        if node is None or node.epoch != epoch:
+            self._reject(node_id, InvalidBatch(
+                "unknown_node", f"snapshot from {node_id} epoch {epoch}: not registered with "
+                "that epoch; register first"))
+        self.index.replace_node_blocks(node_id, block_hashes)
+        node.seq = seq
+        self.store.blocks_cleared(node_id)
+        self.store.blocks_stored(node_id, block_hashes)
+        self.store.position(node_id, epoch, seq)
+        self.counters["snapshots_applied"] += 1
+        return seq
+
+    def _apply(self, node_id: NodeId, ops: list[tuple[Op, list[BlockHash]]]) -> None:
+        index, store = self.index, self.store
+        num_events = 0
+        for op, block_hashes in ops:
+            if op is Op.STORED:
+                index.add_blocks(node_id, block_hashes)
+                store.blocks_stored(node_id, block_hashes)
+            elif op is Op.REMOVED:
+                index.remove_blocks(node_id, block_hashes)
+                store.blocks_removed(node_id, block_hashes)
+            else:
+                index.clear_node(node_id)
+                store.blocks_cleared(node_id)
+            num_events += max(1, len(block_hashes))
+        self.counters["events_ingested"] += num_events
+
+    def _reject(self, node_id: NodeId, exc: InvalidBatch) -> None:
+        self.rejected[exc.reason] += 1
+        logger.debug("rejected a request from %s: %s", node_id, exc)
+        raise exc
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def query(
+        self,
+        packed: bytes,
+        role: int = pb.ROLE_UNSPECIFIED,
+        node_ids: Sequence[NodeId] = (),
+        include_zero: bool = False,
+    ) -> list[tuple[NodeId, int]]:
+        if len(packed) > self.config.max_query_blocks * self.config.hash_size:
+            self._reject("query", InvalidBatch(
+                "query_too_long", f"query chain exceeds max_query_blocks="
+                f"{self.config.max_query_blocks}"))
+        try:
+            chain = unpack_hashes(packed, self.config.hash_size)
+        except InvalidBatch as exc:
+            self._reject("query", exc)
+        self.counters["queries"] += 1
+        candidates: Sequence[NodeId] | None = None
+        if role != pb.ROLE_UNSPECIFIED or node_ids:
+            pool = node_ids or self._nodes.keys()
+            candidates = [n for n in pool if (node := self._nodes.get(n)) is not None
+                          and role in (pb.ROLE_UNSPECIFIED, node.info.role)]
+        return self.index.query(chain, candidates, include_zero)
+
+    def stats(self) -> pb.StatsReply:
+        store = self.store
+        return pb.StatsReply(
+            num_nodes=len(self._nodes),
+            num_blocks=self.index.num_blocks,
+            num_entries=self.index.num_entries,
+            events_ingested=self.counters["events_ingested"],
+            batches_ingested=self.counters["batches_ingested"],
+            batches_rejected=sum(self.rejected.values()),
+            rejected_by_reason=dict(self.rejected),
+            resyncs_requested=self.counters["resyncs_requested"],
+            snapshots_applied=self.counters["snapshots_applied"],
+            queries=self.counters["queries"],
+            backend=store.name,
+            healthy=store.healthy,
+            etcd_status=store.status,
+            persistence_pending_nodes=store.num_pending_nodes,
+            etcd_writes=store.num_writes,
+            persistence_policy=store.persistence_policy,
+        )
+
+    # -- StoreSink: changes made elsewhere -------------------------------------------------
+
+    def remote_node_up(self, info: pb.NodeInfo, lease_ttl_s: int) -> None:
+        node = self._nodes.get(info.node_id)
+        if node is not None and node.epoch == info.epoch:
+            node.info.CopyFrom(info)
+            return
+        if node is None:
+            self.index.add_node(info.node_id)
+            node = self._nodes[info.node_id] = _Node(pb.NodeInfo(), lease_ttl_s, info.epoch)
+        else:
+            self.index.clear_node(info.node_id)
+            node.epoch, node.seq = info.epoch, 0
+        node.info.CopyFrom(info)
+        self._notify(pb.NodeChange.UP, node.info)
+
+    def remote_node_down(self, node_id: NodeId) -> None:
+        self._drop(node_id)
+
+    def remote_delta(self, node_id: NodeId, delta: Delta) -> None:
+        node = self._nodes.get(node_id)
+        if node is None or (delta.epoch == node.epoch and delta.seq < node.seq):
+            return
+        if delta.cleared:
+            self.index.clear_node(node_id)
+        self.index.remove_blocks(node_id, delta.removed)
+        self.index.add_blocks(node_id, delta.added)
+        node.epoch, node.seq = delta.epoch, delta.seq
+
+    def remote_reload(self, states: list[NodeState]) -> None:
+        """etcd's view after an outage: take it for every node, except those this replica
+        serves right now (their lease is kept alive here), whose in-memory state is newer."""
+        loaded = {state.info.node_id for state in states}
+        for node_id in [n for n in self._nodes if n not in loaded]:
+            if not self._is_served_here(node_id):
+                self._drop(node_id)
+        for state in states:
+            if not self._is_served_here(state.info.node_id):
+                self._install(state)
+
+    def node_snapshot(self, node_id: NodeId) -> tuple[int, int, set[BlockHash]] | None:
+        node = self._nodes.get(node_id)
+        if node is None:
+            return None
+        return node.epoch, node.seq, set(self.index.node_blocks(node_id))
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _is_served_here(self, node_id: NodeId) -> bool:
+        node = self._nodes.get(node_id)
+        return node is not None and node.deadline is not None and node.deadline > self._clock()
+
+    def _install(self, state: NodeState) -> None:
+        node_id = state.info.node_id
+        self.remote_node_up(state.info, state.lease_ttl_s)
+        node = self._nodes[node_id]
+        self.index.replace_node_blocks(node_id, state.block_hashes)
+        node.epoch, node.seq = state.epoch, state.seq
+
+    def _touch(self, node: _Node) -> None:
+        node.deadline = self._clock() + node.lease_ttl_s
+
+    def _drop(self, node_id: NodeId) -> bool:
+        node = self._nodes.pop(node_id, None)
+        if node is None:
+            return False
+        self.index.remove_node(node_id)
+        self._notify(pb.NodeChange.DOWN, node.info)
+        return True
+
+    def _notify(self, kind: int, info: pb.NodeInfo) -> None:
+        for queue in self._watchers:
+            queue.put_nowait(pb.NodeChange(kind=kind, node=info))
+
+    def expire_leases(self) -> list[NodeId]:
+        """Drop every node whose lease deadline passed (memory backend); returns them."""
+        now = self._clock()
+        expired = [n for n, node in self._nodes.items()
+                   if node.deadline is not None and node.deadline <= now]
+        for node_id in expired:
+            logger.info("node %s: lease expired, dropping it and its blocks", node_id)
+            self._drop(node_id)
+            self.store.node_down(node_id)
+        return expired
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            self.expire_leases()
+
