@@ -6,6 +6,7 @@ Subcommands:
   metadata serve            run the metadata service (gRPC; memory or etcd backend)
   bench engine              run the engine benchmark; the last stdout line is its JSON result
   bench metadata            run the metadata-service benchmark (same JSON-last convention)
+  bench transfer            run the KV-transfer benchmark (same JSON-last convention)
 
 `pdcluster --help` must stay fast and torch-free, so `engine` and `benchmarks` are imported only
 inside the handlers that need them. API: `main(argv) -> int` (exit status).
@@ -14,6 +15,7 @@ inside the handlers that need them. API: `main(argv) -> int` (exit status).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -140,7 +142,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         "engine",
         "Engine throughput and latency on a tiny random model, against a baseline "
         "measured in the same run.",
-        _cmd_bench_engine,
+        _bench_command("engine_bench"),
     )
     engine.add_argument("--json", action="store_true", help="print only the JSON line")
     engine.add_argument(
@@ -153,7 +155,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         "metadata",
         "Metadata service: prefix-query latency over gRPC (against an empty RPC in the same "
         "run), ingest rate, etcd write rate, recovery time and index memory.",
-        _cmd_bench_metadata,
+        _bench_command("metadata_bench"),
     )
     metadata.add_argument("--json", action="store_true", help="print only the JSON line")
     metadata.add_argument("--nodes", type=int, default=64, help="registered nodes")
@@ -163,6 +165,15 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     metadata.add_argument("--no-etcd", action="store_true",
                           help="skip the etcd part (write rate and recovery)")
     metadata.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+    transfer = _add_command(
+        benchmarks,
+        "transfer",
+        "KV transfer between two processes through the connector (Mooncake over TCP here), "
+        "against one raw contiguous Mooncake write of the same bytes in the same run.",
+        _bench_command("transfer_bench"),
+    )
+    transfer.add_argument("--json", action="store_true", help="print only the JSON line")
+    transfer.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
 
 
 METADATA_TOKEN_ENV = "PDCLUSTER_METADATA_TOKEN"
@@ -315,15 +326,19 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _cmd_bench_engine(args: argparse.Namespace) -> int:
-    _require_device(args.device)
-    from benchmarks.engine_bench import run
+def _bench_command(module: str) -> Callable[[argparse.Namespace], int]:
+    """A handler that runs `benchmarks.<module>.run(args)` and prints its JSON result last."""
 
-    result = run(args)
-    if not args.json:
-        print(format_table(result))
-    print(json.dumps(result, sort_keys=True))
-    return 0
+    def handler(args: argparse.Namespace) -> int:
+        if getattr(args, "device", None):
+            _require_device(args.device)
+        result = importlib.import_module(f"benchmarks.{module}").run(args)
+        if not args.json:
+            print(format_table(result))
+        print(json.dumps(result, sort_keys=True))
+        return 0
+
+    return handler
 
 
 def _cmd_metadata_serve(args: argparse.Namespace) -> int:
@@ -351,14 +366,6 @@ def _cmd_metadata_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_metadata(args: argparse.Namespace) -> int:
-    from benchmarks.metadata_bench import run
-
-    result = run(args)
-    if not args.json:
-        print(format_table(result))
-    print(json.dumps(result, sort_keys=True))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

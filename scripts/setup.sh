@@ -2,7 +2,8 @@
 # Builds everything pdcluster needs on a fresh machine, and does nothing slow when already done:
 # system packages (etcd, libibverbs), the .venv, CPU torch, the project in editable mode, then
 # the gRPC stubs generated from proto/*.proto (scripts/gen_proto.sh).
-# PDCLUSTER_GPU=1 also installs the `gpu` extra. PYTHON picks the interpreter (default python3).
+# PDCLUSTER_GPU=1 installs the `gpu` extra (CUDA Mooncake) instead of `cpu` (non-CUDA Mooncake); the
+# two provide the same module, so switch a venv by `make distclean` first. PYTHON picks the interpreter.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -61,7 +62,7 @@ install_python_packages() {
     if [[ $(installed_torch) != "$TORCH_VERSION" ]]; then
         "$VENV/bin/pip" install "torch==$TORCH_VERSION"
     fi
-    local target=".[test]"
+    local target=".[test,cpu]"
     if [[ $GPU == 1 ]]; then
         target=".[test,gpu]"
     fi

@@ -18,7 +18,8 @@ from cluster import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = [["make-tiny-model"], ["generate"], ["bench"], ["bench", "engine"],
-               ["bench", "metadata"], ["metadata"], ["metadata", "serve"]]
+               ["bench", "metadata"], ["bench", "transfer"], ["metadata"],
+               ["metadata", "serve"]]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -65,6 +65,8 @@ class WorkerStats:
     blocks_sent: int = 0
     descriptors_sent: int = 0
     bytes_sent: int = 0
+    blocks_received: int = 0
+    descriptors_received: int = 0
 
 
 class ConnectorWorker(KVConnectorWorker):
@@ -111,6 +113,17 @@ class ConnectorWorker(KVConnectorWorker):
         self._flush(outbox)
         return results
 
+    @property
+    def num_pending_receives(self) -> int:
+        with self._lock:
+            return len(self._recvs)
+
+    @property
+    def num_pending_sends(self) -> int:
+        """Sends known on this node: awaiting their prefill, their request, or the write."""
+        with self._lock:
+            return len(self._sends)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.transport.close()
@@ -136,6 +149,8 @@ class ConnectorWorker(KVConnectorWorker):
             if recv is None:
                 self.stats.late_messages += 1
                 return
+            self.stats.blocks_received += msg.num_blocks_sent
+            self.stats.descriptors_received += msg.num_descriptors
             self._finish_recv(recv, msg.ok, msg.first_token, msg.first_logprob, msg.error)
 
     def _finish_recv(self, recv: _Recv, ok: bool, token=None, logprob=None, error=None) -> None:
@@ -268,8 +283,16 @@ class ConnectorWorker(KVConnectorWorker):
         for address, msg in outbox:
             try:
                 self.transport.send(address, msg)
-            except Exception:  # a dead peer must not break this node; its timeout handles it
-                logger.exception("side-channel send to %s failed", address)
+            except Exception as exc:  # a dead peer must not break this node
+                logger.warning("side-channel send to %s failed: %s", address, exc)
+                if isinstance(msg, XferRequest):
+                    self._fail_recv(msg.transfer_id, f"prefill node unreachable: {exc}")
+
+    def _fail_recv(self, tid: TransferId, error: str) -> None:
+        with self._lock:
+            recv = self._recvs.pop(tid, None)
+            if recv is not None:
+                self._finish_recv(recv, False, error=error)
 
     def _require_region(self) -> KVRegion:
         if self._region is None:

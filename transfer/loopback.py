@@ -13,7 +13,8 @@ import threading
 
 from core.kv_transfer import SideChannelMessage, decode, encode
 from transfer.errors import TransferError
-from transfer.transport import MessageHandler, Transport
+from transfer.side_channel import MessageHandler
+from transfer.transport import Transport
 
 
 class LoopbackFabric:

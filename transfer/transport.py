@@ -9,11 +9,10 @@ in-process fake for unit tests.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 from core.kv_transfer import SideChannelMessage
-
-MessageHandler = Callable[[SideChannelMessage], None]
+from transfer.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
+from transfer.side_channel import MessageHandler, SideChannelClient, SideChannelServer
 
 
 class Transport(ABC):
@@ -44,3 +43,43 @@ class Transport(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+class MooncakeTransport(Transport):
+    """The real transport: ZMQ + msgpack side channel, Mooncake Transfer Engine for bytes
+    (RDMA on a GPU cluster, TCP here)."""
+
+    def __init__(self, mooncake: MooncakeConfig | None = None, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        self._engine = MooncakeTransferEngine(mooncake)
+        self._client = SideChannelClient()
+        self._host, self._port = host, port
+        self._server: SideChannelServer | None = None
+
+    @property
+    def reply_address(self) -> str:
+        if self._server is None:
+            raise RuntimeError("start() the transport before asking its address")
+        return self._server.address
+
+    @property
+    def session_id(self) -> str:
+        return self._engine.session_id
+
+    def start(self, on_message: MessageHandler) -> None:
+        self._server = SideChannelServer(on_message, self._host, self._port)
+
+    def register(self, addr: int, nbytes: int) -> None:
+        self._engine.register(addr, nbytes)
+
+    def send(self, address: str, msg: SideChannelMessage) -> None:
+        self._client.send(address, msg)
+
+    def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        self._engine.write(session, src, dst, lengths)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._client.close()
+        self._engine.close()

@@ -51,7 +51,6 @@ def test_tokens_match_transformers(pair, model_dirs, hf_reference):
         assert final[run.prefill_id].token_ids == final[run.decode_id].token_ids[:1]
     stats = prefill.connector.worker.stats
     assert stats.sends_ok == 6 and stats.blocks_sent == sum(-(-len(p) // 8) for p in prompts)
-    assert decode.runner.sampler is not None and decode.scheduler.num_preemptions == 0
     assert_clean(prefill, decode)
 
 

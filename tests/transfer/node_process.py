@@ -1,0 +1,106 @@
+"""A child process running one engine with the real Mooncake transport, driven over a Pipe:
+the "other node" in two-process connector tests. Commands are plain tuples; no model objects
+cross the pipe."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+_CTX = mp.get_context("spawn")
+
+
+def _transfer_params(kind: str | None, transfer_id: str, addr: str | None):
+    from core.kv_transfer import RemoteDecode, RemotePrefill
+
+    if kind == "decode":
+        return RemoteDecode(transfer_id)
+    if kind == "prefill":
+        return RemotePrefill(transfer_id, addr)
+    return None
+
+
+def _block_bytes(engine, prompt: list[int]) -> list[bytes | None]:
+    from core.hashing import hash_block_tokens
+
+    hashes = hash_block_tokens(prompt, engine.config.block_size)
+    blocks = [engine.block_pool.get_cached_block(h) for h in hashes]
+    return [engine.kv_cache.block_bytes(b.block_id) if b else None for b in blocks]
+
+
+def _handle(engine, conn, finished: dict, cmd: str, args: list) -> bool:
+    """Run one command; False once the node should exit."""
+    from engine import SamplingParams
+    from tests.transfer.disagg import idle
+
+    if cmd == "add":
+        rid, prompt, max_tokens, kind, tid, addr = args
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(rid, prompt, params, kv_transfer=_transfer_params(kind, tid, addr))
+    elif cmd == "result":
+        conn.send(finished.get(args[0]))
+    elif cmd == "idle":
+        conn.send(idle(engine))
+    elif cmd == "block_bytes":
+        conn.send(_block_bytes(engine, args[0]))
+    elif cmd == "stop":
+        engine.close()
+        conn.send("stopped")
+        return False
+    return True
+
+
+def _serve(model_dir: str, conn, timeout_s: float) -> None:
+    from tests.transfer.disagg import make_engine
+    from transfer.transport import MooncakeTransport
+
+    engine = make_engine(model_dir, MooncakeTransport(), timeout_s=timeout_s)
+    conn.send(engine.connector.worker.transport.reply_address)
+    finished: dict[str, list[int]] = {}
+    while True:
+        while conn.poll():
+            cmd, *args = conn.recv()
+            if not _handle(engine, conn, finished, cmd, args):
+                return
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+        time.sleep(0.001)
+
+
+class NodeProcess:
+    def __init__(self, model_dir: str, timeout_s: float = 5.0) -> None:
+        self.conn, child = _CTX.Pipe()
+        self.process = _CTX.Process(target=_serve, args=(model_dir, child, timeout_s),
+                                    daemon=True)
+        self.process.start()
+        if not self.conn.poll(120):
+            raise TimeoutError("node process did not start")
+        self.address = self.conn.recv()
+
+    def call(self, *cmd, timeout: float = 30.0):
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"node process did not answer {cmd[0]}")
+        return self.conn.recv()
+
+    def send(self, *cmd) -> None:
+        self.conn.send(cmd)
+
+    def wait_for(self, request_id: str, timeout: float = 30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = self.call("result", request_id)
+            if result is not None:
+                return result
+            time.sleep(0.02)
+        raise TimeoutError(f"{request_id} did not finish in the node process")
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.call("stop")
+            self.process.join(10)
