@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.kv_transfer import RemoteDecode, XferDone, XferRequest
+from core.kv_transfer import RemoteDecode, RemotePrefill, XferDone, XferRequest
 from engine import SamplingParams
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
@@ -174,4 +174,19 @@ def test_duplicate_and_late_messages_are_harmless(pair, fabric):
     fabric.flush()
     assert d_worker.stats.late_messages == 3
     finish_all(prefill, decode)
+    assert_clean(prefill, decode)
+
+
+def test_abort_on_prefill_while_pinned(pair, model_dirs, hf_reference):
+    prefill, decode, addr = pair
+    prompt = random_prompts(1, 24, 24, seed=31)[0]
+    prefill.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1),
+                        kv_transfer=RemoteDecode("t-pinned"))
+    drive([prefill], lambda: prefill.has_pinned_blocks())  # prefill done, D not heard yet
+    assert not prefill.abort_request("p")  # already finished: only its send is cancelled
+    drive([prefill], lambda: not prefill.has_pinned_blocks())
+    decode.add_request("d", prompt, GREEDY, kv_transfer=RemotePrefill("t-pinned", addr))
+    final = finish_all(prefill, decode)
+    assert final["d"].token_ids == hf_reference(model_dirs["llama-gqa"], prompt, 8)
+    assert decode.connector.worker.stats.recvs_failed == 1  # "transfer aborted" -> recompute
     assert_clean(prefill, decode)
