@@ -1,0 +1,395 @@
+"""The single wrapper around Mooncake's TransferEngine: the only module that imports `mooncake`.
+
+It owns the C return codes: every non-zero code becomes a `TransferError` (with `.code`), or a
+`TransferTimeout` when the call ran into Mooncake's transfer timeout; argument mistakes are
+`ValueError`, checked before any C call. `mooncake` is imported lazily, so this module imports
+anywhere; using the engine without the package raises `TransferError` with an install hint.
+
+API:
+- `MooncakeConfig(hostname, protocol, device_name, metadata_server)`: frozen, validated.
+- `MooncakeTransferEngine(config)`: `.session_id` (what peers pass as `peer`),
+  `register(addr, length)` / `unregister(addr)`, `write(peer, src_addrs, dst_addrs, lengths)`,
+  `read(peer, local_addrs, remote_addrs, lengths)`, `write_async(...) -> batch id` +
+  `status(batch_id)`, `close()` (also a context manager).
+- `coalesce(src_addrs, dst_addrs, length_each)`: merge runs contiguous on both sides.
+- `rdma_available()`: is RDMA really usable here? Mooncake silently falls back to TCP.
+
+Binding facts (mooncake-transfer-engine 0.3.13): batch calls return 0 or -1 (failure and timeout
+alike), busy-wait with the GIL released, and time out after `MC_TRANSFER_TIMEOUT` seconds
+(read when the engine is built, at least 5, default 30) plus 1 ns per byte. The binding's own
+async status call (`get_batch_transfer_status`) blocks until the batches finish and frees their
+ids, so it cannot poll; `write_async` runs the sync call on a small thread pool instead.
+Mooncake picks RDMA whenever it finds a device, whatever `protocol` says, so "tcp" sets
+`MC_FORCE_TCP`. Destroying an engine takes about 1 s inside Mooncake.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import functools
+import ipaddress
+import itertools
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from transfer.errors import TransferError, TransferTimeout
+
+logger = logging.getLogger(__name__)
+
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+PROTOCOLS = frozenset({"tcp", "rdma"})
+METADATA_SCHEMES = frozenset({"etcd", "redis", "http", "https"})
+INSTALL_HINT = ("install mooncake-transfer-engine-non-cuda (CPU machines) or "
+                "mooncake-transfer-engine (CUDA machines), not both")
+BatchStatus = Literal["pending", "done", "failed"]
+IB_SYSFS = Path("/sys/class/infiniband")
+
+__all__ = ["BatchStatus", "MooncakeConfig", "MooncakeTransferEngine", "coalesce",
+           "has_active_ib_port", "rdma_available"]
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeConfig:
+    """How the transfer engine starts. With P2P handshake the hostname is a bare host (Mooncake
+    picks the RPC port); with a metadata server it names this engine's segment and may carry
+    ":port" to stay unique among engines on one host."""
+
+    hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device_name: str = ""  # RDMA devices, comma-separated ("mlx5_0,mlx5_1"); "" = all
+    metadata_server: str = P2P_HANDSHAKE  # or "etcd://host:port", "redis://…", "http://…"
+
+    def __post_init__(self) -> None:
+        if not self.hostname or any(c.isspace() for c in self.hostname):
+            raise ValueError(f"hostname must be a non-empty host name, got {self.hostname!r}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {sorted(PROTOCOLS)}, got "
+                             f"{self.protocol!r}")
+        if any(c.isspace() for c in self.device_name):
+            raise ValueError(f"device_name must not contain spaces: {self.device_name!r}")
+        if self.is_p2p:
+            if ":" in self.hostname and not _is_ipv6(self.hostname):
+                raise ValueError("with P2PHANDSHAKE the hostname is a bare host (Mooncake "
+                                 f"picks the port), got {self.hostname!r}")
+        else:
+            _check_metadata_url(self.metadata_server)
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.metadata_server == P2P_HANDSHAKE
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
+
+
+def _check_metadata_url(url: str) -> None:
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in METADATA_SCHEMES or not rest or any(c.isspace() for c in url):
+        raise ValueError(f"metadata_server must be {P2P_HANDSHAKE!r} or <scheme>://<address> "
+                         f"with scheme in {sorted(METADATA_SCHEMES)}, got {url!r}")
+
+
+def coalesce(src_addrs: Sequence[int], dst_addrs: Sequence[int],
+             length_each: int) -> tuple[list[int], list[int], list[int]]:
+    """Merge descriptors of `length_each` bytes into maximal runs that are contiguous in BOTH
+    source and destination, so n consecutive KV blocks travel as one descriptor. Order is
+    kept; the byte mapping src -> dst is exactly that of the input."""
+    if len(src_addrs) != len(dst_addrs):
+        raise ValueError(f"{len(src_addrs)} source and {len(dst_addrs)} destination addresses")
+    if length_each <= 0:
+        raise ValueError(f"length_each must be positive, got {length_each}")
+    srcs: list[int] = []
+    dsts: list[int] = []
+    lengths: list[int] = []
+    for src, dst in zip(src_addrs, dst_addrs, strict=True):
+        if lengths and src == srcs[-1] + lengths[-1] and dst == dsts[-1] + lengths[-1]:
+            lengths[-1] += length_each
+        else:
+            srcs.append(src)
+            dsts.append(dst)
+            lengths.append(length_each)
+    return srcs, dsts, lengths
+
+
+@functools.cache
+def rdma_available() -> bool:
+    """True only if an InfiniBand/RoCE device has an ACTIVE port and libibverbs can open it.
+    Mooncake itself falls back to TCP silently, so this is the honest answer."""
+    return has_active_ib_port(IB_SYSFS) and _ibverbs_opens_a_device()
+
+
+def has_active_ib_port(sysfs_root: Path) -> bool:
+    """Whether any <device>/ports/<n>/state under `sysfs_root` reads ACTIVE."""
+    try:
+        states = [p.read_text() for p in sysfs_root.glob("*/ports/*/state")]
+    except OSError:
+        return False
+    return any("ACTIVE" in state for state in states)
+
+
+def _ibverbs_opens_a_device() -> bool:
+    try:
+        lib = ctypes.CDLL("libibverbs.so.1")
+    except OSError:
+        return False
+    lib.ibv_get_device_list.restype = ctypes.POINTER(ctypes.c_void_p)
+    lib.ibv_get_device_list.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    lib.ibv_open_device.restype = ctypes.c_void_p
+    lib.ibv_open_device.argtypes = [ctypes.c_void_p]
+    lib.ibv_close_device.argtypes = [ctypes.c_void_p]
+    lib.ibv_free_device_list.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    num = ctypes.c_int(0)
+    devices = lib.ibv_get_device_list(ctypes.byref(num))
+    if not devices:
+        return False
+    try:
+        for i in range(num.value):
+            context = lib.ibv_open_device(devices[i])
+            if context:
+                lib.ibv_close_device(context)
+                return True
+        return False
+    finally:
+        lib.ibv_free_device_list(devices)
+
+
+def _load_binding() -> type:
+    try:
+        from mooncake.engine import TransferEngine
+    except (ImportError, OSError) as exc:  # the CUDA build raises OSError without a driver
+        raise TransferError(f"cannot import Mooncake ({exc}): {INSTALL_HINT}") from exc
+    return TransferEngine
+
+
+def _binding_timeout_s() -> float:
+    # Mirrors the binding's constructor: atoi(MC_TRANSFER_TIMEOUT) clamped to >= 5, default 30.
+    raw = os.environ.get("MC_TRANSFER_TIMEOUT")
+    if raw is None:
+        return 30.0
+    digits = re.match(r"\s*[+-]?\d+", raw)
+    return float(max(5, int(digits.group()) if digits else 0))
+
+
+class MooncakeTransferEngine:
+    """One Mooncake engine per process: registered local memory, batch writes and reads.
+
+    Thread-safe: the binding serialises its own state; registrations are guarded here."""
+
+    def __init__(self, config: MooncakeConfig | None = None, *, async_workers: int = 2) -> None:
+        if async_workers < 1:
+            raise ValueError(f"async_workers must be >= 1, got {async_workers}")
+        self.config = config or MooncakeConfig()
+        self._lock = threading.Lock()
+        self._regions: dict[int, int] = {}  # start address -> length
+        self._region_starts: list[int] = []  # sorted, for bisect
+        self._batches: dict[int, Future[None]] = {}
+        self._batch_ids = itertools.count(1)
+        self._async_workers = async_workers
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._prepare_environment()
+        self._timeout_s = _binding_timeout_s()
+        self._engine = _load_binding()()
+        cfg = self.config
+        rc = self._engine.initialize(cfg.hostname, cfg.metadata_server, cfg.protocol,
+                                     cfg.device_name)
+        if rc != 0:
+            raise TransferError(f"Mooncake initialize({cfg}) failed", code=rc)
+        self._rpc_port = int(self._engine.get_rpc_port())
+        logger.info("Mooncake engine up: session %s, protocol %s", self.session_id, cfg.protocol)
+
+    def _prepare_environment(self) -> None:
+        # Mooncake reads these with getenv while initialising, so they are process-wide.
+        cfg = self.config
+        if cfg.protocol == "rdma" and not rdma_available():
+            logger.warning("protocol 'rdma' requested but no usable RDMA device was found: "
+                           "Mooncake will run over TCP")
+        elif cfg.protocol == "rdma" and os.environ.get("MC_FORCE_TCP"):
+            logger.warning("protocol 'rdma' requested but MC_FORCE_TCP is set: TCP it is")
+        if cfg.protocol == "tcp":
+            # Mooncake picks its transport from the devices it finds, not from `protocol`.
+            os.environ["MC_FORCE_TCP"] = "1"
+        if not cfg.is_p2p:
+            # Otherwise Mooncake publishes its first non-loopback address for this segment.
+            os.environ["MC_TCP_BIND_ADDRESS"] = _host_part(cfg.hostname)
+
+    @property
+    def session_id(self) -> str:
+        """What peers pass as `peer`: "host:rpc_port" with P2P handshake, else the hostname."""
+        if not self.config.is_p2p:
+            return self.config.hostname
+        host = self.config.hostname
+        return f"[{host}]:{self._rpc_port}" if _is_ipv6(host) else f"{host}:{self._rpc_port}"
+
+    @property
+    def rpc_port(self) -> int:
+        return self._rpc_port
+
+    def register(self, addr: int, length: int) -> None:
+        """Register [addr, addr + length) for transfers; overlapping an earlier region fails."""
+        if addr <= 0 or length <= 0:
+            raise ValueError(f"cannot register addr={addr:#x} length={length}")
+        engine = self._live_engine()
+        with self._lock:
+            rc = engine.register_memory(addr, length)
+            if rc != 0:
+                raise TransferError(f"register_memory({addr:#x}, {length}) failed", code=rc)
+            self._regions[addr] = length
+            bisect.insort(self._region_starts, addr)
+
+    def unregister(self, addr: int) -> None:
+        engine = self._live_engine()
+        with self._lock:
+            if addr not in self._regions:
+                raise ValueError(f"{addr:#x} is not the start of a registered region")
+            rc = engine.unregister_memory(addr)
+            if rc != 0:
+                raise TransferError(f"unregister_memory({addr:#x}) failed", code=rc)
+            del self._regions[addr]
+            self._region_starts.remove(addr)
+
+    @property
+    def registered_regions(self) -> dict[int, int]:
+        with self._lock:
+            return dict(self._regions)
+
+    def write(self, peer: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
+              lengths: Sequence[int]) -> None:
+        """Copy local `src_addrs[i]` to the peer's `dst_addrs[i]`, `lengths[i]` bytes each;
+        returns when all bytes have landed. Empty lists are a no-op."""
+        self._check_args(peer, src_addrs, dst_addrs, lengths)
+        self._run("write", peer, src_addrs, dst_addrs, lengths)
+
+    def read(self, peer: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
+             lengths: Sequence[int]) -> None:
+        """Copy the peer's `remote_addrs[i]` into local `local_addrs[i]`."""
+        self._check_args(peer, local_addrs, remote_addrs, lengths)
+        self._run("read", peer, local_addrs, remote_addrs, lengths)
+
+    def write_async(self, peer: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
+                    lengths: Sequence[int]) -> int:
+        """Start `write` in the background and return a batch id for `status`."""
+        self._check_args(peer, src_addrs, dst_addrs, lengths)
+        args = (peer, list(src_addrs), list(dst_addrs), list(lengths))
+        with self._lock:
+            if self._closed:
+                raise TransferError("the transfer engine is closed")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self._async_workers,
+                                                    thread_name_prefix="mooncake-write")
+            batch_id = next(self._batch_ids)
+            future = self._executor.submit(self._run, "write", *args)
+            self._batches[batch_id] = future
+        future.add_done_callback(lambda f: _log_failure(batch_id, f))
+        return batch_id
+
+    def status(self, batch_id: int) -> BatchStatus:
+        """"pending", "done" or "failed" (the error was logged at ERROR). A terminal status is
+        reported once; the id is forgotten afterwards."""
+        with self._lock:
+            future = self._batches.get(batch_id)
+            if future is None:
+                raise ValueError(f"unknown or already reported batch id {batch_id}")
+            if not future.done():
+                return "pending"
+            del self._batches[batch_id]
+        return "failed" if future.exception() is not None else "done"
+
+    def close(self) -> None:
+        """Wait for background writes, unregister all memory, release the engine. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)  # memory must stay registered until writes end
+        for addr, length in self.registered_regions.items():
+            rc = self._engine.unregister_memory(addr)
+            if rc != 0:
+                logger.error("unregister_memory(%#x, %s) failed at close: rc=%s",
+                             addr, length, rc)
+        with self._lock:
+            self._regions.clear()
+            self._region_starts.clear()
+        self._engine = None
+
+    def __enter__(self) -> MooncakeTransferEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _live_engine(self):  # -> mooncake.engine.TransferEngine, not importable here
+        if self._closed or self._engine is None:
+            raise TransferError("the transfer engine is closed")
+        return self._engine
+
+    def _run(self, op: Literal["write", "read"], peer: str, local: Sequence[int],
+             remote: Sequence[int], lengths: Sequence[int]) -> None:
+        if not lengths:
+            return
+        engine = self._live_engine()
+        call: Callable[..., int] = (engine.batch_transfer_sync_write if op == "write"
+                                    else engine.batch_transfer_sync_read)
+        started = time.monotonic()
+        rc = call(peer, list(local), list(remote), list(lengths))
+        if rc != 0:
+            raise self._failure(op, peer, rc, time.monotonic() - started, sum(lengths))
+
+    def _failure(self, op: str, peer: str, rc: int, elapsed_s: float,
+                 nbytes: int) -> TransferError:
+        # The binding returns -1 for both failure and timeout; only the clock tells them apart.
+        what = f"{op} of {nbytes} bytes with peer {peer} after {elapsed_s:.3f}s"
+        if elapsed_s >= self._timeout_s:
+            return TransferTimeout(f"{what}: timed out ({self._timeout_s:g}s)", code=rc)
+        return TransferError(f"{what} failed (unreachable peer, or an address outside its "
+                             "registered memory)", code=rc)
+
+    def _check_args(self, peer: str, local: Sequence[int], remote: Sequence[int],
+                    lengths: Sequence[int]) -> None:
+        self._live_engine()
+        if not isinstance(peer, str) or not peer:
+            raise ValueError(f"peer must be a session id 'host:port', got {peer!r}")
+        if not len(local) == len(remote) == len(lengths):
+            raise ValueError(f"{len(local)} local addresses, {len(remote)} remote addresses "
+                             f"and {len(lengths)} lengths")
+        if any(n <= 0 for n in lengths) or any(a <= 0 for a in remote):
+            raise ValueError("lengths and remote addresses must be positive")
+        for addr, n in zip(local, lengths, strict=True):
+            self._check_local(addr, n)
+
+    def _check_local(self, addr: int, length: int) -> None:
+        # TCP would happily read unregistered memory; RDMA would not: fail the same way on both.
+        with self._lock:
+            i = bisect.bisect_right(self._region_starts, addr) - 1
+            start = self._region_starts[i] if i >= 0 else None
+            inside = start is not None and addr + length <= start + self._regions[start]
+        if not inside:
+            raise ValueError(f"local range [{addr:#x}, +{length}) is not inside a registered "
+                             "region")
+
+
+def _host_part(hostname: str) -> str:
+    if _is_ipv6(hostname):
+        return hostname
+    return hostname.rsplit(":", 1)[0] if ":" in hostname else hostname
+
+
+def _log_failure(batch_id: int, future: Future[None]) -> None:
+    exc = future.exception()
+    if exc is not None:
+        logger.error("async write batch %s failed: %s", batch_id, exc)
