@@ -83,13 +83,19 @@ _FIELD_TYPES = {
                   "dest_block_addrs": list},
     XferAbort: {"transfer_id": str},
     XferDone: {"transfer_id": str, "ok": bool, "first_token": (int, type(None)),
-               "first_logprob": (float, type(None)), "error": (str, type(None)),
+               "first_logprob": (float, int, type(None)), "error": (str, type(None)),
                "num_blocks_sent": int, "num_descriptors": int},
 }
 
 
 def encode(msg: SideChannelMessage) -> bytes:
-    return msgpack.packb({"v": WIRE_VERSION, "type": type(msg).__name__, "body": asdict(msg)})
+    try:
+        data = msgpack.packb({"v": WIRE_VERSION, "type": type(msg).__name__, "body": asdict(msg)})
+    except (TypeError, ValueError) as exc:  # e.g. a numpy scalar in a field
+        raise WireError(f"cannot encode {type(msg).__name__}: {exc}") from exc
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"{type(msg).__name__} of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data
 
 
 def decode(data: bytes) -> SideChannelMessage:
@@ -124,6 +130,8 @@ def _build(cls: type, body: object) -> SideChannelMessage:
             raise WireError(f"{cls.__name__}.{name} has type {type(value).__name__}")
     if cls is XferRequest:
         _check_request(body)
+    if cls is XferDone and isinstance(body.get("first_logprob"), int):
+        body = {**body, "first_logprob": float(body["first_logprob"])}
     return cls(**body)
 
 

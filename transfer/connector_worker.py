@@ -32,7 +32,7 @@ from core.kv_connector import (
 )
 from core.kv_transfer import SideChannelMessage, TransferId, XferAbort, XferDone, XferRequest
 from core.types import ReqId
-from transfer.mooncake_engine import coalesce
+from transfer.descriptors import coalesce
 from transfer.transport import Transport
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ API:
   `register(addr, length)` / `unregister(addr)`, `write(peer, src_addrs, dst_addrs, lengths)`,
   `read(peer, local_addrs, remote_addrs, lengths)`, `write_async(...) -> batch id` +
   `status(batch_id)`, `close()` (also a context manager).
-- `coalesce(src_addrs, dst_addrs, length_each)`: merge runs contiguous on both sides.
-- `rdma_available()`: is RDMA really usable here? Mooncake silently falls back to TCP.
+- Re-exported: `coalesce` (transfer/descriptors.py) and `rdma_available` (transfer/rdma.py):
+  Mooncake silently falls back to TCP, so RDMA is detected by hand.
 
 Binding facts (mooncake-transfer-engine 0.3.13): batch calls return 0 or -1 (failure and timeout
 alike), busy-wait with the GIL released, and time out after `MC_TRANSFER_TIMEOUT` seconds
@@ -26,8 +26,6 @@ Mooncake picks RDMA whenever it finds a device, whatever `protocol` says, so "tc
 from __future__ import annotations
 
 import bisect
-import ctypes
-import functools
 import ipaddress
 import itertools
 import logging
@@ -38,10 +36,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
+from transfer.descriptors import coalesce
 from transfer.errors import TransferError, TransferTimeout
+from transfer.rdma import has_active_ib_port, rdma_available
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +50,6 @@ METADATA_SCHEMES = frozenset({"etcd", "redis", "http", "https"})
 INSTALL_HINT = ("install mooncake-transfer-engine-non-cuda (CPU machines) or "
                 "mooncake-transfer-engine (CUDA machines), not both")
 BatchStatus = Literal["pending", "done", "failed"]
-IB_SYSFS = Path("/sys/class/infiniband")
 
 __all__ = ["BatchStatus", "MooncakeConfig", "MooncakeTransferEngine", "coalesce",
            "has_active_ib_port", "rdma_available"]
@@ -100,70 +98,6 @@ def _check_metadata_url(url: str) -> None:
     if not sep or scheme not in METADATA_SCHEMES or not rest or any(c.isspace() for c in url):
         raise ValueError(f"metadata_server must be {P2P_HANDSHAKE!r} or <scheme>://<address> "
                          f"with scheme in {sorted(METADATA_SCHEMES)}, got {url!r}")
-
-
-def coalesce(src_addrs: Sequence[int], dst_addrs: Sequence[int],
-             length_each: int) -> tuple[list[int], list[int], list[int]]:
-    """Merge descriptors of `length_each` bytes into maximal runs that are contiguous in BOTH
-    source and destination, so n consecutive KV blocks travel as one descriptor. Order is
-    kept; the byte mapping src -> dst is exactly that of the input."""
-    if len(src_addrs) != len(dst_addrs):
-        raise ValueError(f"{len(src_addrs)} source and {len(dst_addrs)} destination addresses")
-    if length_each <= 0:
-        raise ValueError(f"length_each must be positive, got {length_each}")
-    srcs: list[int] = []
-    dsts: list[int] = []
-    lengths: list[int] = []
-    for src, dst in zip(src_addrs, dst_addrs, strict=True):
-        if lengths and src == srcs[-1] + lengths[-1] and dst == dsts[-1] + lengths[-1]:
-            lengths[-1] += length_each
-        else:
-            srcs.append(src)
-            dsts.append(dst)
-            lengths.append(length_each)
-    return srcs, dsts, lengths
-
-
-@functools.cache
-def rdma_available() -> bool:
-    """True only if an InfiniBand/RoCE device has an ACTIVE port and libibverbs can open it.
-    Mooncake itself falls back to TCP silently, so this is the honest answer."""
-    return has_active_ib_port(IB_SYSFS) and _ibverbs_opens_a_device()
-
-
-def has_active_ib_port(sysfs_root: Path) -> bool:
-    """Whether any <device>/ports/<n>/state under `sysfs_root` reads ACTIVE."""
-    try:
-        states = [p.read_text() for p in sysfs_root.glob("*/ports/*/state")]
-    except OSError:
-        return False
-    return any("ACTIVE" in state for state in states)
-
-
-def _ibverbs_opens_a_device() -> bool:
-    try:
-        lib = ctypes.CDLL("libibverbs.so.1")
-    except OSError:
-        return False
-    lib.ibv_get_device_list.restype = ctypes.POINTER(ctypes.c_void_p)
-    lib.ibv_get_device_list.argtypes = [ctypes.POINTER(ctypes.c_int)]
-    lib.ibv_open_device.restype = ctypes.c_void_p
-    lib.ibv_open_device.argtypes = [ctypes.c_void_p]
-    lib.ibv_close_device.argtypes = [ctypes.c_void_p]
-    lib.ibv_free_device_list.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-    num = ctypes.c_int(0)
-    devices = lib.ibv_get_device_list(ctypes.byref(num))
-    if not devices:
-        return False
-    try:
-        for i in range(num.value):
-            context = lib.ibv_open_device(devices[i])
-            if context:
-                lib.ibv_close_device(context)
-                return True
-        return False
-    finally:
-        lib.ibv_free_device_list(devices)
 
 
 def _load_binding() -> type:

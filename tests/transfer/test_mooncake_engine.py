@@ -29,6 +29,7 @@ from transfer.mooncake_engine import (
     has_active_ib_port,
     rdma_available,
 )
+from transfer.rdma import IB_SYSFS
 
 pytestmark = pytest.mark.timeout(60)
 needs_mooncake = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
@@ -125,7 +126,7 @@ def test_active_ib_port_detection(tmp_path: Path) -> None:
 
 
 def test_rdma_unavailable_without_infiniband_devices() -> None:
-    if has_active_ib_port(mooncake_engine.IB_SYSFS):
+    if has_active_ib_port(IB_SYSFS):
         pytest.skip("this machine has an active InfiniBand/RoCE port")
     assert rdma_available() is False
 
