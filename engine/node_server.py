@@ -1,0 +1,237 @@
+"""`NodeServer`: one `LLMEngine` served over the node protocol (`core.node_wire`) on a ZMQ
+ROUTER socket — the request endpoint of a prefill or decode node.
+
+One thread owns both the engine and the socket (neither is thread-safe): it drains incoming
+messages, runs an engine step when there is work, and sends each request's new tokens back
+to the client that submitted it as `TokenDelta`s. The role of a node is not a mode of the
+server: a request's `TransferSpec` says whether its KV comes from a prefill node
+("remote_prefill") or goes to a decode node ("remote_decode"); without one the node serves
+the request alone. Refusals are `RequestError`s with a code, never a dropped request.
+`stop(drain=True)` stops admitting (new requests get "draining"), lets running requests and
+pinned transfers finish, then exits.
+
+`on_step` (optional) runs after every step on the server thread; nodes use it to hand the
+block pool's KV events to their metadata publisher.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from core.kv_transfer import RemoteDecode, RemotePrefill, WireError
+from core.node_wire import (
+    AbortRequest,
+    GenerateRequest,
+    LoadQuery,
+    LoadReport,
+    NodeMessage,
+    RequestError,
+    TokenDelta,
+    TransferSpec,
+    decode,
+    encode,
+)
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+_IDLE_POLL_MS = 2
+
+
+@dataclass(slots=True)
+class ServerStats:
+    num_requests: int = 0
+    num_refused: int = 0
+    num_malformed: int = 0
+    num_aborted: int = 0
+
+
+class NodeServer:
+    def __init__(self, engine: LLMEngine, node_id: str, role: str, host: str = "127.0.0.1",
+                 port: int = 0, on_step: Callable[[LLMEngine], None] | None = None) -> None:
+        self.engine = engine
+        self.node_id, self.role = node_id, role
+        self.on_step = on_step
+        self.stats = ServerStats()
+        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client is not an error
+        if port:
+            self._socket.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._owners: dict[str, bytes] = {}  # request id -> client identity
+        self._prompt_lens: dict[str, int] = {}
+        self._draining = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"node-{node_id}")
+
+    def start(self) -> NodeServer:
+        self._thread.start()
+        return self
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def begin_drain(self) -> None:
+        """Stop admitting: new requests are refused with "draining"; running ones go on."""
+        self._draining.set()
+
+    def stop(self, drain: bool = True, timeout_s: float = 30.0) -> bool:
+        """Stop the server; with `drain`, first finish running requests and transfers.
+        Returns False if draining timed out (remaining requests were aborted)."""
+        self.begin_drain()
+        deadline = time.monotonic() + timeout_s
+        drained = True
+        while drain and self._thread.is_alive() and self._busy():
+            if time.monotonic() > deadline:
+                drained = False
+                break
+            time.sleep(0.01)
+        self._stop.set()
+        self._thread.join(timeout_s)
+        self._socket.close()
+        return drained
+
+    def _busy(self) -> bool:
+        return self.engine.has_unfinished_requests() or self.engine.has_pinned_blocks()
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            runnable = bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
+            if poller.poll(0 if runnable else _IDLE_POLL_MS):
+                self._drain_socket()
+            if self._busy():
+                self._step()
+        for request_id in list(self._owners):  # stopped without draining
+            self.engine.abort_request(request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            logger.exception("engine step failed on node %s", self.node_id)
+            self._fail_all("internal", "the engine failed; see the node's log")
+            return
+        for out in outputs:
+            self._send_delta(out)
+        if self.on_step is not None:
+            self.on_step(self.engine)
+
+    def _drain_socket(self) -> None:
+        while True:
+            try:
+                identity, frame = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:  # not exactly two frames
+                self.stats.num_malformed += 1
+                continue
+            try:
+                msg = decode(frame)
+            except WireError as exc:
+                self.stats.num_malformed += 1
+                logger.warning("node %s rejected a malformed message: %s", self.node_id, exc)
+                continue
+            self._dispatch(identity, msg)
+
+    def _dispatch(self, identity: bytes, msg: NodeMessage) -> None:
+        if isinstance(msg, GenerateRequest):
+            self._on_generate(identity, msg)
+        elif isinstance(msg, AbortRequest):
+            if self.engine.abort_request(msg.request_id):
+                self.stats.num_aborted += 1
+            self._forget(msg.request_id)
+        elif isinstance(msg, LoadQuery):
+            self._send(identity, self.load_report())
+        else:
+            self.stats.num_malformed += 1  # a reply type sent to a node
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def _on_generate(self, identity: bytes, msg: GenerateRequest) -> None:
+        if self.draining:
+            self._refuse(identity, msg.request_id, "draining", "the node is shutting down")
+            return
+        try:
+            params = _sampling_params(msg)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
+                                    cache_salt=msg.cache_salt,
+                                    kv_transfer=_transfer_params(msg.transfer))
+        except ValueError as exc:
+            self._refuse(identity, msg.request_id, "invalid_request", str(exc))
+            return
+        self.stats.num_requests += 1
+        self._owners[msg.request_id] = identity
+        self._prompt_lens[msg.request_id] = len(msg.prompt_token_ids)
+
+    def _refuse(self, identity: bytes, request_id: str, code: str, message: str) -> None:
+        self.stats.num_refused += 1
+        self._send(identity, RequestError(request_id, code, message))
+
+    def _send_delta(self, out: RequestOutput) -> None:
+        identity = self._owners.get(out.request_id)
+        if identity is None:
+            return  # aborted by its client
+        new_logprobs = None
+        if out.logprobs is not None:
+            new_logprobs = out.logprobs[len(out.logprobs) - len(out.new_token_ids):]
+        self._send(identity, TokenDelta(
+            out.request_id, out.new_token_ids, out.finished, out.finish_reason, new_logprobs,
+            self._prompt_lens.get(out.request_id, 0), out.num_cached_tokens, out.error))
+        if out.finished:
+            self._forget(out.request_id)
+
+    def _fail_all(self, code: str, message: str) -> None:
+        for request_id, identity in list(self._owners.items()):
+            self.engine.abort_request(request_id)
+            self._send(identity, RequestError(request_id, code, message))
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._owners.pop(request_id, None)
+        self._prompt_lens.pop(request_id, None)
+
+    def _send(self, identity: bytes, msg: NodeMessage) -> None:
+        try:
+            self._socket.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the client is gone or backed up: it will time out
+            logger.warning("node %s could not reply to a client: %s", self.node_id, exc)
+
+    def load_report(self) -> LoadReport:
+        scheduler, pool = self.engine.scheduler, self.engine.block_pool
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+        queued += sum(r.num_tokens - r.num_computed_tokens
+                      for r in scheduler.running if r.is_prefilling)
+        return LoadReport(self.node_id, self.role, len(scheduler.waiting),
+                          len(scheduler.running) + len(scheduler.waiting_for_remote),
+                          pool.num_free_blocks, pool.num_blocks, queued, self.draining)
+
+
+def _sampling_params(msg: GenerateRequest) -> SamplingParams:
+    s = msg.sampling
+    return SamplingParams(max_tokens=s.max_tokens, min_tokens=s.min_tokens,
+                          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                          stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+                          ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+
+
+def _transfer_params(spec: TransferSpec | None):
+    if spec is None:
+        return None
+    if spec.kind == "remote_prefill":
+        return RemotePrefill(spec.transfer_id, spec.source_addr)
+    return RemoteDecode(spec.transfer_id)
