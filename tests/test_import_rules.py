@@ -19,9 +19,12 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 ROOMS = frozenset({
-    "core", "engine", "transfer", "metadata_service", "prefill_node", "decode_node",
+    "core", "engine", "transfer", "metadata_service", "node", "prefill_node", "decode_node",
     "router", "cluster", "proto", "benchmarks",
 })
+# A service's published client library, importable where its room is not (docs/architecture.md):
+# these modules themselves import only core, proto and grpc.
+CLIENT_MODULES = ("metadata_service.client", "metadata_service.publisher")
 HEAVY = frozenset({"torch", "ray"})
 RUNTIME_FORBIDDEN = frozenset({"torch", "ray", "engine"})
 
@@ -38,8 +41,11 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "transfer": {"ray"} | _all_rooms_but("transfer", "core"),
     "router": HEAVY | _all_rooms_but("router", "core", "proto"),
     "metadata_service": HEAVY | _all_rooms_but("metadata_service", "core", "proto"),
-    "prefill_node": _all_rooms_but("prefill_node", "engine", "transfer", "core", "proto"),
-    "decode_node": _all_rooms_but("decode_node", "engine", "transfer", "core", "proto"),
+    # The node runtime shared by both node kinds (docs/architecture.md): no Ray in it.
+    "node": {"ray"} | _all_rooms_but("node", "engine", "transfer", "core", "proto"),
+    "prefill_node": _all_rooms_but("prefill_node", "node", "engine", "transfer", "core",
+                                   "proto"),
+    "decode_node": _all_rooms_but("decode_node", "node", "engine", "transfer", "core", "proto"),
 }
 
 
@@ -70,8 +76,12 @@ def find_violations(source: str, filename: str, forbidden: frozenset[str]) -> li
     return [
         f"{filename}:{line} imports {name}"
         for line, name in _imported_names(tree)
-        if name.split(".")[0] in forbidden
+        if name.split(".")[0] in forbidden and not _is_client_module(name)
     ]
+
+
+def _is_client_module(name: str) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in CLIENT_MODULES)
 
 
 def _room_files(room: str) -> list[Path]:
@@ -170,3 +180,12 @@ def test_runtime_check_catches_an_offender(tmp_path: Path) -> None:
     (tmp_path / "engine" / "__init__.py").write_text("")
     (tmp_path / "offender.py").write_text("import engine\n")
     assert loaded_forbidden_modules(["offender"], cwd=tmp_path) == ["engine"]
+
+
+def test_only_the_metadata_client_library_crosses_rooms() -> None:
+    allowed = "from metadata_service.client import MetadataClient\n" \
+              "import metadata_service.publisher\n"
+    assert find_violations(allowed, "r.py", FORBIDDEN["router"]) == []
+    assert find_violations("from metadata_service.index import BlockIndex\n", "r.py",
+                           FORBIDDEN["router"])
+    assert find_violations("import metadata_service\n", "n.py", FORBIDDEN["node"])

@@ -1,0 +1,35 @@
+"""`NodeActor`: the body of a node's Ray actor, kept Ray-free. `prefill_node` and
+`decode_node` subclass it with their role, and the launcher wraps them with `ray.remote`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+from node.config import NodeConfig
+from node.runtime import NodeRuntime
+
+TOKEN_ENV = "PDCLUSTER_METADATA_TOKEN"
+
+
+class NodeActor:
+    role: ClassVar[str]
+
+    def __init__(self, node_id: str, model: str, **options: Any) -> None:
+        options.setdefault("metadata_token", os.environ.get(TOKEN_ENV))
+        self.runtime = NodeRuntime(NodeConfig(node_id=node_id, role=self.role, model=model,
+                                              **options)).start()
+
+    def info(self) -> dict[str, str]:
+        return self.runtime.info()
+
+    def load(self) -> dict[str, Any]:
+        report = self.runtime.server.load_report()
+        return {name: getattr(report, name) for name in report.__dataclass_fields__}
+
+    def ping(self) -> bool:
+        return True
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Stop admitting, finish running requests and transfers, deregister."""
+        return self.runtime.stop(drain=True, timeout_s=timeout_s)

@@ -1,0 +1,43 @@
+"""`NodeConfig`: one node's settings, built once at the edge (launcher or actor) and
+validated here."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("prefill", "decode")
+_NODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    node_id: str
+    role: str  # "prefill" | "decode"
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 0  # request endpoint; 0 picks a free port
+    engine_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig keywords
+    metadata_address: str | None = None  # None: run without the global index
+    metadata_token: str | None = None
+    lease_ttl_s: int = 10
+    publish_interval_s: float = 0.05
+    kv_protocol: str = "tcp"  # "rdma" on a GPU cluster
+    kv_device: str = ""
+    kv_timeout_s: float = 30.0
+    recompute_on_failure: bool = True
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not _NODE_ID.match(self.node_id):
+            raise ValueError(f"node id {self.node_id!r} must match {_NODE_ID.pattern}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} out of range")
+        if self.lease_ttl_s < 1:
+            raise ValueError("lease_ttl_s must be >= 1")
+        if self.publish_interval_s <= 0 or self.kv_timeout_s <= 0:
+            raise ValueError("publish_interval_s and kv_timeout_s must be > 0")
+        if "model" in self.engine_options:
+            raise ValueError("give the model as NodeConfig.model, not in engine_options")

@@ -1,0 +1,95 @@
+"""NodeRuntime: a prefill and a decode node (engine + Mooncake connector + node server)
+registered with a real metadata service (gRPC on 127.0.0.1, in-memory store), publishing
+their KV events so the global index names the nodes that hold each prompt's blocks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from core.hashing import hash_block_tokens
+from core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
+from metadata_service.client import MetadataClient
+from metadata_service.server import ServerThread
+from node.config import NodeConfig
+from node.runtime import NodeRuntime
+from tests.helpers import assert_pool_clean
+from tests.metadata_service.helpers import make_config
+from tests.models import random_prompts
+from tests.nodes.wire_client import WireClient, tokens_of
+
+OPTIONS = {"num_kv_blocks": 128, "block_size": 8}
+
+
+@pytest.fixture
+def metadata():
+    with ServerThread(make_config()) as server, MetadataClient(server.address) as client:
+        yield server, client
+
+
+def start_node(model: str, node_id: str, role: str, metadata_address: str | None):
+    return NodeRuntime(NodeConfig(node_id=node_id, role=role, model=model,
+                                  engine_options=OPTIONS, metadata_address=metadata_address,
+                                  lease_ttl_s=2, publish_interval_s=0.02)).start()
+
+
+def until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_nodes_register_serve_and_publish_their_blocks(model_dirs, hf_reference, metadata):
+    server, client = metadata
+    model = model_dirs["llama-gqa"]
+    prefill = start_node(model, "p0", "prefill", server.address)
+    decode = start_node(model, "d0", "decode", server.address)
+    to_p, to_d = WireClient(prefill.server.address), WireClient(decode.server.address)
+    try:
+        nodes = {n.node_id: n for n in client.list_nodes()}
+        assert nodes["p0"].kv_address == prefill.kv_address
+        assert nodes["d0"].request_address == decode.server.address
+        prompt = random_prompts(1, 40, 40, seed=60)[0]
+        to_d.send(GenerateRequest("d", prompt, SamplingSpec(max_tokens=6, temperature=0.0,
+                                                            ignore_eos=True),
+                                  TransferSpec("remote_prefill", "t", prefill.kv_address)))
+        to_p.send(GenerateRequest("p", prompt, SamplingSpec(max_tokens=1, temperature=0.0),
+                                  TransferSpec("remote_decode", "t")))
+        got = to_d.collect({"d"})
+        assert tokens_of(got["d"]) == hf_reference(model, prompt, 6)
+        chain = hash_block_tokens(prompt, 8)
+        until(lambda: dict(client.query(chain)) == {"p0": 5, "d0": 5})
+        assert dict(client.query(chain, role="decode")) == {"d0": 5}
+    finally:
+        to_p.close()
+        to_d.close()
+        assert prefill.stop() and decode.stop()
+    assert client.list_nodes() == []  # deregistered: their blocks left the index
+    assert client.query(chain) == []
+    assert_pool_clean(prefill.engine.block_pool)
+
+
+def test_node_serves_without_a_reachable_metadata_service(model_dirs):
+    node = NodeRuntime(NodeConfig(node_id="lonely", role="decode", model=model_dirs["llama-gqa"],
+                                  engine_options=OPTIONS, metadata_address="127.0.0.1:1",
+                                  publish_interval_s=0.02))
+    node.start(registration_timeout_s=0.5)
+    wire = WireClient(node.server.address)
+    try:
+        wire.send(GenerateRequest("r", [1, 2, 3], SamplingSpec(max_tokens=3, ignore_eos=True)))
+        assert len(tokens_of(wire.collect({"r"})["r"])) == 3
+        assert node.events.num_failures >= 1
+    finally:
+        wire.close()
+        node.stop()
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="role"):
+        NodeConfig(node_id="x", role="both", model="m")
+    with pytest.raises(ValueError, match="node id"):
+        NodeConfig(node_id="bad id", role="prefill", model="m")
+    with pytest.raises(ValueError, match="engine_options"):
+        NodeConfig(node_id="x", role="prefill", model="m", engine_options={"model": "m"})
