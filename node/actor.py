@@ -27,6 +27,10 @@ class NodeActor:
         report = self.runtime.server.load_report()
         return {name: getattr(report, name) for name in report.__dataclass_fields__}
 
+    def transfer_stats(self) -> dict[str, int]:
+        stats = self.runtime.engine.connector.worker.stats
+        return {name: getattr(stats, name) for name in stats.__dataclass_fields__}
+
     def ping(self) -> bool:
         return True
 

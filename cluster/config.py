@@ -1,0 +1,80 @@
+"""`ClusterConfig`: the whole cluster's settings — what `pdcluster serve` flags and the Helm
+chart's `cluster.yaml` both turn into. Validated once here, passed down explicitly.
+
+cluster.yaml:
+    model: /models/name
+    num_prefill: 2
+    num_decode: 2
+    engine: {dtype: bfloat16, block_size: 16, max_num_seqs: 64, max_num_batched_tokens: 2048}
+    transfer: {protocol: rdma, device_name: "", timeout_s: 30}
+    metadata: {address: "metadata:50061"}      # absent: an embedded in-memory service
+    router: {host: 0.0.0.0, port: 8000}
+    node: {gpus: 1, max_restarts: 3, local_prefill_threshold_tokens: 256}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_SECTIONS = {"model", "num_prefill", "num_decode", "engine", "transfer", "metadata", "router",
+             "node", "host"}
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"  # where nodes bind their endpoints
+    engine: dict[str, Any] = field(default_factory=dict)
+    kv_protocol: str = "tcp"
+    kv_device: str = ""
+    kv_timeout_s: float = 30.0
+    metadata_address: str | None = None  # None: start an in-memory service in the launcher
+    router_host: str = "127.0.0.1"
+    router_port: int = 8000
+    node_gpus: float = 0.0
+    node_cpus: float = 1.0
+    max_restarts: int = 3
+    local_prefill_threshold_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError("need at least one decode node (and zero or more prefill nodes)")
+        if self.max_restarts < 0 or self.node_gpus < 0 or self.node_cpus < 0:
+            raise ValueError("max_restarts, node_gpus and node_cpus must be >= 0")
+        if not 0 < self.router_port < 65536:
+            raise ValueError(f"router port {self.router_port} out of range")
+        if self.kv_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"transfer protocol must be tcp or rdma, got {self.kv_protocol!r}")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ClusterConfig:
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
+        unknown = set(data) - _SECTIONS
+        if unknown:
+            raise ValueError(f"unknown cluster config keys: {sorted(unknown)}")
+        transfer, node = data.get("transfer") or {}, data.get("node") or {}
+        router, metadata = data.get("router") or {}, data.get("metadata") or {}
+        engine = {k: v for k, v in (data.get("engine") or {}).items() if v is not None}
+        return cls(
+            model=data["model"], num_prefill=data.get("num_prefill", 1),
+            num_decode=data.get("num_decode", 1), host=data.get("host", "127.0.0.1"),
+            engine=engine, kv_protocol=transfer.get("protocol", "tcp"),
+            kv_device=transfer.get("device_name", ""),
+            kv_timeout_s=transfer.get("timeout_s", 30.0),
+            metadata_address=metadata.get("address"),
+            router_host=router.get("host", "127.0.0.1"), router_port=router.get("port", 8000),
+            node_gpus=node.get("gpus", 0.0), node_cpus=node.get("cpus", 1.0),
+            max_restarts=node.get("max_restarts", 3),
+            local_prefill_threshold_tokens=node.get("local_prefill_threshold_tokens", 256))

@@ -1,0 +1,106 @@
+"""Launch the node actors on Ray (a local Ray started here, or the cluster a `ray job submit`
+driver is attached to), with the metadata service they register with.
+
+    cluster = RayCluster(ClusterConfig(model=path, num_prefill=1, num_decode=1)).start()
+    cluster.nodes()     # [{"node_id", "role", "request_address", "kv_address"}, ...]
+    cluster.stop()      # drain the nodes, stop the embedded metadata service, shut Ray down
+
+Ray restarts a crashed node actor up to `max_restarts` times; the new incarnation registers
+with a new epoch, so the metadata service drops everything the old one held.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+from cluster.config import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RayCluster:
+    def __init__(self, config: ClusterConfig, ray_address: str | None = None) -> None:
+        self.config = config
+        self.ray_address = ray_address  # None: start a local Ray; "auto": join a running one
+        self.metadata_server = None
+        self.metadata_address = config.metadata_address
+        self.actors: dict[str, object] = {}
+        self._started_ray = False
+
+    def start(self, timeout_s: float = 300.0) -> RayCluster:
+        import ray
+
+        if not ray.is_initialized():
+            self._init_ray(ray)
+        if self.metadata_address is None:
+            self._start_metadata()
+        self._start_nodes(ray)
+        ray.get([actor.ping.remote() for actor in self.actors.values()], timeout=timeout_s)
+        return self
+
+    def _init_ray(self, ray) -> None:
+        if self.ray_address is None:
+            # Keeps every Ray listener on 127.0.0.1 on a one-interface machine
+            # (measured: ../shared/ENVIRONMENT.md).
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            cpus = max(os.cpu_count() or 1, self._num_nodes() * self.config.node_cpus + 1)
+            ray.init(num_cpus=int(cpus), include_dashboard=False, _node_ip_address="127.0.0.1",
+                     _temp_dir=os.path.join(tempfile.gettempdir(), "pdcluster-ray"),
+                     logging_level="WARNING", log_to_driver=False)
+            self._started_ray = True
+        else:
+            ray.init(address=self.ray_address, logging_level="WARNING")
+
+    def _num_nodes(self) -> int:
+        return self.config.num_prefill + self.config.num_decode
+
+    def _start_metadata(self) -> None:
+        from metadata_service.config import MetadataConfig
+        from metadata_service.server import ServerThread
+
+        self.metadata_server = ServerThread(MetadataConfig(host="127.0.0.1", port=0)).start()
+        self.metadata_address = self.metadata_server.address
+
+    def _start_nodes(self, ray) -> None:
+        from decode_node.actor import DecodeNodeActor
+        from prefill_node.actor import PrefillNodeActor
+
+        roles = [("p", PrefillNodeActor)] * self.config.num_prefill
+        roles += [("d", DecodeNodeActor)] * self.config.num_decode
+        counters = {"p": 0, "d": 0}
+        for prefix, cls in roles:
+            node_id = f"{prefix}{counters[prefix]}"
+            counters[prefix] += 1
+            self.actors[node_id] = self._actor(ray, cls, node_id)
+
+    def _actor(self, ray, cls, node_id: str):
+        cfg = self.config
+        remote = ray.remote(cls).options(
+            name=f"pdcluster-{node_id}", num_cpus=cfg.node_cpus, num_gpus=cfg.node_gpus,
+            max_restarts=cfg.max_restarts, max_task_retries=0, max_concurrency=4)
+        return remote.remote(node_id, cfg.model, host=cfg.host, engine_options=dict(cfg.engine),
+                             metadata_address=self.metadata_address,
+                             kv_protocol=cfg.kv_protocol, kv_device=cfg.kv_device,
+                             kv_timeout_s=cfg.kv_timeout_s)
+
+    def nodes(self, timeout_s: float = 60.0) -> list[dict[str, str]]:
+        import ray
+
+        return ray.get([actor.info.remote() for actor in self.actors.values()],
+                       timeout=timeout_s)
+
+    def stop(self, drain_timeout_s: float = 30.0) -> None:
+        import ray
+
+        pending = [actor.drain.remote(drain_timeout_s) for actor in self.actors.values()]
+        try:
+            ray.get(pending, timeout=drain_timeout_s + 10)
+        except Exception as exc:  # a dead actor cannot drain; shutting down anyway
+            logger.warning("some nodes did not drain: %s", exc)
+        self.actors.clear()
+        if self.metadata_server is not None:
+            self.metadata_server.stop()
+        if self._started_ray:
+            ray.shutdown()

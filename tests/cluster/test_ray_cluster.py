@@ -1,0 +1,118 @@
+"""The cluster on a real local Ray: 2 prefill + 2 decode node actors, the metadata service
+they register with, Mooncake over TCP between them, all on 127.0.0.1. Requests go straight to
+the nodes over the node protocol (as the router sends them)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from cluster.config import ClusterConfig
+from cluster.ray_cluster import RayCluster
+from core.hashing import hash_block_tokens
+from core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
+from metadata_service.client import MetadataClient
+from tests.models import random_prompts
+from tests.nodes.wire_client import WireClient, tokens_of
+
+ray = pytest.importorskip("ray")
+N_OUT = 6
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs):
+    config = ClusterConfig(model=model_dirs["llama-gqa"], num_prefill=2, num_decode=2,
+                           engine={"num_kv_blocks": 256, "block_size": 8}, kv_timeout_s=10,
+                           node_cpus=0.5)
+    running = RayCluster(config).start()
+    yield running
+    running.stop(drain_timeout_s=10)
+
+
+@pytest.fixture(scope="module")
+def nodes(cluster):
+    by_role: dict[str, list[dict]] = {"prefill": [], "decode": []}
+    for info in sorted(cluster.nodes(), key=lambda n: n["node_id"]):
+        by_role[info["role"]].append(info)
+    return by_role
+
+
+def submit(clients, prefill: dict, decode: dict, prompt: list[int]) -> str:
+    n = next(_ids)
+    rid, tid = f"r{n}", f"t{n}"
+    clients[decode["node_id"]].send(GenerateRequest(
+        rid, prompt, SamplingSpec(max_tokens=N_OUT, temperature=0.0, ignore_eos=True),
+        TransferSpec("remote_prefill", tid, prefill["kv_address"])))
+    clients[prefill["node_id"]].send(GenerateRequest(
+        f"p{n}", prompt, SamplingSpec(max_tokens=1, temperature=0.0),
+        TransferSpec("remote_decode", tid)))
+    return rid
+
+
+@pytest.fixture(scope="module")
+def clients(nodes):
+    made = {n["node_id"]: WireClient(n["request_address"])
+            for role in nodes.values() for n in role}
+    yield made
+    for client in made.values():
+        client.close()
+
+
+def test_nodes_registered_with_the_metadata_service(cluster, nodes):
+    with MetadataClient(cluster.metadata_address) as client:
+        registered = {n.node_id for n in client.list_nodes()}
+    assert registered == {"p0", "p1", "d0", "d1"}
+
+
+def test_32_concurrent_requests_match_transformers(nodes, clients, model_dirs, hf_reference):
+    prompts = random_prompts(32, 4, 60, seed=70)
+    pending = {}
+    for i, prompt in enumerate(prompts):
+        rid = submit(clients, nodes["prefill"][i % 2], nodes["decode"][i // 2 % 2], prompt)
+        pending[rid] = (nodes["decode"][i // 2 % 2]["node_id"], prompt)
+    for node_id in ("d0", "d1"):
+        mine = {rid for rid, (nid, _) in pending.items() if nid == node_id}
+        got = clients[node_id].collect(mine, timeout_s=120)
+        for rid in mine:
+            expected = hf_reference(model_dirs["llama-gqa"], pending[rid][1], N_OUT)
+            assert tokens_of(got[rid]) == expected
+
+
+def test_second_turn_hits_the_decode_cache_and_moves_fewer_blocks(nodes, clients, cluster,
+                                                                  model_dirs, hf_reference):
+    p, d = nodes["prefill"][0], nodes["decode"][0]
+    actor = cluster.actors["d0"]
+    turn1 = random_prompts(1, 48, 48, seed=71)[0]
+    rid1 = submit(clients, p, d, turn1)
+    answer = tokens_of(clients["d0"].collect({rid1})[rid1])
+    before = ray.get(actor.transfer_stats.remote())["blocks_received"]
+    turn2 = turn1 + answer + random_prompts(1, 20, 20, seed=72)[0]  # 74 tokens: 10 blocks
+    rid = submit(clients, p, d, turn2)
+    got = clients["d0"].collect({rid})[rid]
+    assert tokens_of(got) == hf_reference(model_dirs["llama-gqa"], turn2, N_OUT)
+    assert got[-1].num_cached_tokens == 48  # 53 tokens computed in turn 1: 6 full blocks
+    assert ray.get(actor.transfer_stats.remote())["blocks_received"] - before == 10 - 6
+
+
+def test_a_killed_decode_actor_restarts_and_its_old_blocks_leave_the_index(
+        nodes, clients, cluster):
+    prompt = random_prompts(1, 40, 40, seed=73)[0]
+    rid = submit(clients, nodes["prefill"][1], nodes["decode"][1], prompt)
+    clients["d1"].collect({rid})
+    chain = hash_block_tokens(prompt, 8)
+    with MetadataClient(cluster.metadata_address) as client:
+        deadline = time.monotonic() + 10
+        while dict(client.query(chain)).get("d1") != 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        old = {n.node_id: n.epoch for n in client.list_nodes()}["d1"]
+        ray.kill(cluster.actors["d1"], no_restart=False)
+        assert ray.get(cluster.actors["d1"].ping.remote(), timeout=120)  # restarted
+        deadline = time.monotonic() + 30
+        while {n.node_id: n.epoch for n in client.list_nodes()}.get("d1") in (None, old):
+            assert time.monotonic() < deadline, "the restarted node did not register"
+            time.sleep(0.1)
+        assert "d1" not in dict(client.query(chain))
