@@ -7,6 +7,7 @@ Subcommands:
   bench engine              run the engine benchmark; the last stdout line is its JSON result
   bench metadata            run the metadata-service benchmark (same JSON-last convention)
   bench transfer            run the KV-transfer benchmark (same JSON-last convention)
+  replay --trace FILE       replay a request trace through the routing policy (JSON last)
 
 `pdcluster --help` must stay fast and torch-free, so `engine` and `benchmarks` are imported only
 inside the handlers that need them. API: `main(argv) -> int` (exit status).
@@ -176,6 +177,28 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     transfer.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
 
 
+REPLAY_POLICIES = ("kv", "round-robin", "least-loaded")
+
+
+def _add_replay(subparsers: argparse._SubParsersAction) -> None:
+    replay = _add_command(
+        subparsers,
+        "replay",
+        "Replay a request trace (JSONL: timestamp, input_length, output_length, hash_ids) "
+        "through the router's policy over simulated LRU-cache nodes feeding the real block "
+        "index. Reports hit_ratio, work_imbalance and ideal_hit_ratio for the chosen policy "
+        "and for round-robin and least-loaded, measured in the same run.",
+        _cmd_replay,
+    )
+    replay.add_argument("--trace", required=True, help="trace file (JSON lines)")
+    replay.add_argument("--nodes", type=int, default=8, help="simulated nodes")
+    replay.add_argument("--cache-blocks", type=int, default=100_000,
+                        help="blocks of cache over all nodes (each node holds C/N)")
+    replay.add_argument("--policy", choices=REPLAY_POLICIES, default="kv", help="routing policy")
+    replay.add_argument("--seed", type=int, default=0, help="seed of the tie-breaking RNG")
+    replay.add_argument("--json", action="store_true", help="print only the JSON line")
+
+
 METADATA_TOKEN_ENV = "PDCLUSTER_METADATA_TOKEN"
 
 
@@ -228,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(subparsers)
     _add_metadata(subparsers)
     _add_bench(subparsers)
+    _add_replay(subparsers)
     return parser
 
 
@@ -339,6 +363,16 @@ def _bench_command(module: str) -> Callable[[argparse.Namespace], int]:
         return 0
 
     return handler
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    if not Path(args.trace).is_file():
+        raise UsageError(f"trace file not found: {args.trace}")
+    from benchmarks import replay
+
+    with _config_errors_as_usage():
+        replay.ReplayConfig(num_nodes=args.nodes, cache_blocks=args.cache_blocks)
+    return _bench_command("replay")(args)
 
 
 def _cmd_metadata_serve(args: argparse.Namespace) -> int:

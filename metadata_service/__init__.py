@@ -5,7 +5,9 @@ small CPU-only pods. See docs/metadata_service.md.
 
 Modules: ``config`` (MetadataConfig), ``index`` (BlockIndex), ``service`` (the logic),
 ``store`` / ``etcd_store`` (backends), ``server`` (gRPC), ``client`` (sync + asyncio clients),
-``publisher`` (the node side of the event protocol), ``errors``.
+``publisher`` (the node side of the event protocol), ``errors``. Other rooms may import the
+client library (``client``, ``publisher``) and nothing else; this package's ``__init__`` stays
+light so that importing the client never loads the index, the server or the stores.
 """
 
 from metadata_service.config import MetadataConfig
@@ -16,10 +18,8 @@ from metadata_service.errors import (
     MetadataRequestError,
     MetadataUnavailable,
 )
-from metadata_service.index import BlockIndex
 
 __all__ = [
-    "BlockIndex",
     "InvalidBatch",
     "MetadataAuthError",
     "MetadataConfig",

@@ -26,7 +26,7 @@ from metadata_service.errors import (
     MetadataUnavailable,
 )
 from metadata_service.events import encode_events
-from metadata_service.server import AUTH_HEADER, GRPC_OPTIONS
+from metadata_service.wire import AUTH_HEADER, GRPC_OPTIONS
 from proto import metadata_pb2 as pb
 from proto import metadata_pb2_grpc as pb_grpc
 

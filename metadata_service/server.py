@@ -27,18 +27,13 @@ from metadata_service.config import MetadataConfig
 from metadata_service.errors import InvalidBatch
 from metadata_service.service import MetadataService
 from metadata_service.store import IndexStore, MemoryIndexStore
+from metadata_service.wire import AUTH_HEADER, GRPC_OPTIONS
 from proto import metadata_pb2 as pb
 from proto import metadata_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-AUTH_HEADER = "authorization"
 
 
 def make_store(config: MetadataConfig) -> IndexStore:

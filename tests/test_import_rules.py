@@ -189,3 +189,14 @@ def test_only_the_metadata_client_library_crosses_rooms() -> None:
     assert find_violations("from metadata_service.index import BlockIndex\n", "r.py",
                            FORBIDDEN["router"])
     assert find_violations("import metadata_service\n", "n.py", FORBIDDEN["node"])
+
+
+def test_the_metadata_client_library_does_not_load_the_service() -> None:
+    """What other rooms import must stay a client: no server, service logic, index or store."""
+    code = ("import sys, metadata_service.client, metadata_service.publisher\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[-1] in "
+            "{'server', 'service', 'index', 'store', 'etcd_store', 'etcd_watch'} "
+            "and m.startswith('metadata_service')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120, check=True)
+    assert proc.stdout.strip() == "[]", proc.stdout

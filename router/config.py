@@ -1,0 +1,61 @@
+"""The router's one frozen configuration, built at the edge (CLI) and validated here.
+
+API: `NodeSpec`, `RouterConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.policy import ROLES, PolicyConfig
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """A node the router can send requests to (static, or discovered from the metadata
+    service): its ZMQ request address and its KV side-channel address."""
+
+    node_id: str
+    role: str
+    request_address: str
+    kv_address: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"node {self.node_id}: role must be one of {ROLES}")
+        if not self.request_address:
+            raise ValueError(f"node {self.node_id}: request_address is empty")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    model_dir: str
+    model_name: str = ""  # served name; default: the model folder's name
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nodes: tuple[NodeSpec, ...] = ()
+    metadata_address: str | None = None
+    metadata_token: str | None = None
+    api_keys: tuple[str, ...] = ()
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    max_body_bytes: int = 4 << 20
+    max_tokens_limit: int = 32768
+    load_interval_s: float = 0.5
+    node_timeout_s: float = 2.0
+    metadata_timeout_s: float = 0.5
+    metadata_retry_s: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be >= 1024")
+        for name in ("load_interval_s", "node_timeout_s", "metadata_timeout_s",
+                     "metadata_retry_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if len({n.node_id for n in self.nodes}) != len(self.nodes):
+            raise ValueError("node ids must be unique")
+        if any(not key for key in self.api_keys):
+            raise ValueError("API keys must be non-empty")

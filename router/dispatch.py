@@ -1,0 +1,212 @@
+"""Deciding and sending, kept apart: `Dispatcher` owns the node clients, the metadata link and
+the load loop; `place` asks the policy where a request goes (pure decision), `execute` sends
+it there and yields the decode node's token deltas.
+
+Disaggregated requests: D gets the request with transfer kind "remote_prefill" and P's KV
+side-channel address; P gets it with kind "remote_decode" and max_tokens=1; both carry the
+same fresh transfer id and are sent together. Tokens stream from D; P's own reply is drained
+in the background, and a refusal by P fails the request. Whatever ends the stream early
+(client gone, stop string, error), `execute`'s cleanup aborts the request on both nodes.
+
+API: `Dispatcher`, `Placement`, `NodeFailure`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import zmq.asyncio
+
+from core.hashing import BlockExtra, hash_block_tokens
+from core.node_wire import GenerateRequest, RequestError, SamplingSpec, TokenDelta, TransferSpec
+from router.config import NodeSpec, RouterConfig
+from router.metadata import MetadataLink
+from router.metrics import RouterMetrics
+from router.node_client import NodeClient, NodeStream
+from router.policy import NodeView, NoHealthyNode, RouteDecision, route
+
+logger = logging.getLogger(__name__)
+
+
+class NodeFailure(Exception):
+    """A node refused or failed the request (`code` from core.node_wire.ERROR_CODES)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    decision: RouteDecision
+    load_only: bool
+
+
+class Dispatcher:
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.rng = random.Random(config.seed)
+        self.nodes: dict[str, NodeClient] = {}
+        self.metadata: MetadataLink | None = None
+        self._context = zmq.asyncio.Context()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        if self.config.metadata_address:
+            self.metadata = MetadataLink(
+                self.config.metadata_address, token=self.config.metadata_token,
+                timeout_s=self.config.metadata_timeout_s, retry_s=self.config.metadata_retry_s)
+        self._sync_nodes(list(self.config.nodes))
+        await self.refresh()
+        self._loop_task = asyncio.create_task(self._refresh_forever(), name="router-load")
+
+    def _sync_nodes(self, specs: list[NodeSpec]) -> None:
+        for spec in specs:
+            known = self.nodes.get(spec.node_id)
+            if known is not None and known.spec == spec:
+                continue
+            if known is not None:
+                self._spawn(known.close())
+            self.nodes[spec.node_id] = NodeClient(spec, self._context)
+
+    async def refresh(self) -> None:
+        """Discover nodes (metadata service) and poll every node's load once."""
+        if self.metadata is not None:
+            discovered = await self.metadata.list_nodes()
+            if discovered is not None:
+                self._sync_nodes(discovered)
+        await asyncio.gather(*(n.poll_load(self.config.node_timeout_s)
+                               for n in self.nodes.values()))
+        self.metrics.healthy_nodes.set(sum(n.healthy for n in self.nodes.values()))
+        if self.metadata is not None:
+            self.metrics.metadata_available.set(int(self.metadata.available))
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.load_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # the loop must survive a bad round
+                logger.exception("router load refresh failed")
+
+    @property
+    def prefix_aware(self) -> bool:
+        return self.metadata is not None and self.metadata.available
+
+    async def place(self, prompt_ids: list[int], cache_salt: str | None) -> Placement:
+        healthy = [n for n in self.nodes.values() if n.healthy]
+        if not healthy:
+            raise NoHealthyNode("no healthy node")
+        hits = await self._prefix_hits(prompt_ids, cache_salt)
+        views = [_view(n, hits.get(n.node_id, 0) if hits else 0) for n in healthy]
+        decision = route(views, len(prompt_ids), self.config.policy, self.rng)
+        return Placement(decision, load_only=hits is None)
+
+    async def _prefix_hits(self, prompt_ids: list[int], salt: str | None) -> dict | None:
+        if self.metadata is None:
+            return None
+        chain = hash_block_tokens(prompt_ids, self.config.policy.block_size,
+                                  BlockExtra(cache_salt=salt))
+        started = time.perf_counter()
+        hits = await self.metadata.prefix_hits(chain)
+        self.metrics.metadata_latency.observe(time.perf_counter() - started)
+        self.metrics.metadata_available.set(int(self.metadata.available))
+        return hits
+
+    async def execute(self, placement: Placement, request: GenerateRequest
+                      ) -> AsyncIterator[TokenDelta]:
+        decision = placement.decision
+        decode = self.nodes[decision.decode_node]
+        prefill = self.nodes[decision.prefill_node] if decision.prefill_node else None
+        d_request, p_request = request, None
+        if prefill is not None:
+            transfer_id = uuid.uuid4().hex
+            d_request = replace(request, transfer=TransferSpec(
+                "remote_prefill", transfer_id, prefill.spec.kv_address or None))
+            p_request = replace(request, transfer=TransferSpec("remote_decode", transfer_id),
+                                sampling=replace(request.sampling, max_tokens=1))
+        streams: list[tuple[NodeClient, NodeStream]] = []
+        failure: asyncio.Future[NodeFailure] = asyncio.get_running_loop().create_future()
+        try:
+            if prefill is not None:
+                p_stream = await prefill.generate(p_request)
+                streams.append((prefill, p_stream))
+                self._spawn(_drain_prefill(p_stream, failure))
+            d_stream = await decode.generate(d_request)
+            streams.append((decode, d_stream))
+            async for msg in _race(d_stream, failure):
+                yield msg
+        finally:
+            for node, stream in streams:
+                if not stream.finished:
+                    self.metrics.aborts.inc()
+                    await node.abort(stream.request_id)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
+        if self.metadata is not None:
+            await self.metadata.close()
+        self._context.term()
+
+
+def _view(node: NodeClient, cached_blocks: int) -> NodeView:
+    report = node.report
+    queued = node.pending_tokens + (report.queued_prefill_tokens if report else 0)
+    running = max(node.num_inflight, report.num_running if report else 0)
+    usage = 0.0
+    if report and report.num_total_blocks > 0:
+        usage = 1.0 - report.num_free_blocks / report.num_total_blocks
+    return NodeView(node.node_id, node.spec.role, cached_blocks, queued, running, usage,
+                    bool(report and report.draining))
+
+
+async def _drain_prefill(stream: NodeStream, failure: asyncio.Future) -> None:
+    async for msg in stream:
+        if isinstance(msg, RequestError) and not failure.done():
+            failure.set_result(NodeFailure(msg.code, f"prefill node: {msg.message}"))
+
+
+async def _race(stream: NodeStream, failure: asyncio.Future) -> AsyncIterator[TokenDelta]:
+    """D's deltas, until D finishes or either node fails."""
+    iterator = stream.__aiter__()
+    while True:
+        next_msg = asyncio.ensure_future(iterator.__anext__())
+        done, _ = await asyncio.wait({next_msg, failure}, return_when=asyncio.FIRST_COMPLETED)
+        if failure in done:
+            next_msg.cancel()
+            raise failure.result()
+        try:
+            msg = next_msg.result()
+        except StopAsyncIteration:
+            return
+        if isinstance(msg, RequestError):
+            raise NodeFailure(msg.code, msg.message)
+        yield msg
+
+
+def sampling_spec(max_tokens: int, temperature: float, top_p: float, top_k: int,
+                  seed: int | None, logprobs: int | None, stop_token_ids: list[int]
+                  ) -> SamplingSpec:
+    return SamplingSpec(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                        top_k=top_k, seed=seed, stop_token_ids=stop_token_ids,
+                        logprobs=logprobs)
+
+
+__all__ = ["Dispatcher", "NodeFailure", "Placement", "sampling_spec"]

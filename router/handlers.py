@@ -1,0 +1,226 @@
+"""The HTTP handlers of the router (see router.server for the contract).
+
+One generation path for both endpoints: validate -> tokenize -> place -> execute, then either
+stream SSE chunks (the response is prepared only when the first tokens arrive, so a node that
+refuses still yields a proper JSON error status) or collect one body. A stop string ends the
+stream early; leaving the `execute` generator (stop, disconnect, error) aborts the request on
+its nodes.
+
+API: `Handlers`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from core.node_wire import TokenDelta
+from router.dispatch import NodeFailure, Placement
+from router.policy import NoHealthyNode
+from router.protocol import ApiError, CompletionRequest, parse_chat, parse_completion
+from router.server import (
+    RouterApp,
+    json_error,
+    make_generate,
+    new_detokenizer,
+    node_api_error,
+    now_s,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Result:
+    text: str = ""
+    num_tokens: int = 0
+    num_cached: int = 0
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+
+
+class Handlers:
+    def __init__(self, router: RouterApp) -> None:
+        self.router = router
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            self.router.check_auth(request)
+        except ApiError as exc:
+            return json_error(exc)
+        card = {"id": self.router.model_name, "object": "model", "created": 0,
+                "owned_by": "pdcluster", "max_model_len": self.router.tokenizer.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        dispatcher = self.router.dispatcher
+        nodes = {n.node_id: {"role": n.spec.role, "healthy": n.healthy}
+                 for n in dispatcher.nodes.values()}
+        healthy = any(n.healthy for n in dispatcher.nodes.values())
+        link = dispatcher.metadata
+        body = {"status": "ok" if healthy else "unavailable", "nodes": nodes,
+                "routing": "prefix_aware" if dispatcher.prefix_aware else "load_only",
+                "metadata": None if link is None else {
+                    "address": link.address, "available": link.available,
+                    "last_error": link.last_error}}
+        return web.json_response(body, status=200 if healthy else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.router.metrics.render(),
+                            content_type="text/plain", charset="utf-8")
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        endpoint = "chat" if chat else "completions"
+        counter = self.router.metrics.requests
+        try:
+            response = await self._checked(request, chat)
+        except ApiError as exc:
+            counter.labels(endpoint, str(exc.status)).inc()
+            return json_error(exc)
+        except (NoHealthyNode, NodeFailure) as exc:
+            error = node_api_error(exc)
+            counter.labels(endpoint, str(error.status)).inc()
+            return json_error(error)
+        counter.labels(endpoint, str(response.status)).inc()
+        return response
+
+    async def _checked(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        router = self.router
+        router.check_auth(request)
+        body = await router.read_json(request)
+        req = parse_chat(body) if chat else parse_completion(body)
+        ids = router.prompt_ids(req)
+        placement = await router.dispatcher.place(ids, req.cache_salt)
+        self._count(placement, len(ids))
+        started = time.perf_counter()
+        node_request = make_generate(router, req, ids)
+        deltas = router.dispatcher.execute(placement, node_request)
+        async with aclosing(deltas):
+            if req.stream:
+                return await self._stream(request, req, deltas, len(ids), started)
+            result = await self._collect(req, deltas, started)
+        return web.json_response(self._body(req, node_request.request_id, result, len(ids)))
+
+    def _count(self, placement: Placement, num_prompt: int) -> None:
+        m, d = self.router.metrics, placement.decision
+        reason = "load_only" if placement.load_only else d.reason
+        m.decisions.labels(d.decode_node, "decode", reason).inc()
+        if d.prefill_node is not None:
+            m.decisions.labels(d.prefill_node, "prefill", reason).inc()
+        m.prompt_tokens.inc(num_prompt)
+        m.prefix_hit_tokens.inc(d.cached_tokens)
+
+    async def _collect(self, req: CompletionRequest, deltas, started: float) -> _Result:
+        result, detok = _Result(), new_detokenizer(self.router, req)
+        async for delta in deltas:
+            text = self._absorb(result, delta, detok, started)
+            result.text += text
+            if detok.stopped or delta.finished:
+                break
+        self.router.metrics.e2e.observe(time.perf_counter() - started)
+        return result
+
+    def _absorb(self, result: _Result, delta: TokenDelta, detok, started: float) -> str:
+        metrics = self.router.metrics
+        now = time.perf_counter()
+        if result.num_tokens == 0:
+            metrics.ttft.observe(now - started)
+        result.num_tokens += len(delta.token_ids)
+        result.num_cached = max(result.num_cached, delta.num_cached_tokens)
+        result.logprobs += delta.logprobs or []
+        text = detok.add(delta.token_ids, final=delta.finished)
+        if detok.stopped:
+            result.finish_reason = "stop"
+        elif delta.finished:
+            result.finish_reason = "stop" if delta.finish_reason == "stop" else "length"
+            if delta.finish_reason in ("abort", "error"):
+                raise NodeFailure("internal", delta.error or "the node aborted the request")
+        return text
+
+    async def _stream(self, request: web.Request, req: CompletionRequest, deltas,
+                      num_prompt: int, started: float) -> web.StreamResponse:
+        result, detok = _Result(), new_detokenizer(self.router, req)
+        response: web.StreamResponse | None = None
+        request_id, last = f"cmpl-{uuid_hex()}", started
+        async for delta in deltas:
+            text = self._absorb(result, delta, detok, started)
+            if response is None:
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+                await response.prepare(request)
+                if req.chat:
+                    await _send(response, _chunk(req, request_id, {"role": "assistant",
+                                                                   "content": ""}, None))
+            else:
+                self.router.metrics.itl.observe(time.perf_counter() - last)
+            last = time.perf_counter()
+            if text or result.finish_reason:
+                await _send(response, _chunk(req, request_id, text, result.finish_reason))
+            if result.finish_reason:
+                break
+        if response is None:
+            raise NodeFailure("internal", "the node ended the stream without a token")
+        if req.include_usage:
+            usage = _usage(num_prompt, result)
+            await _send(response, {**_chunk(req, request_id, "", None), "choices": [],
+                                   "usage": usage})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        self.router.metrics.e2e.observe(time.perf_counter() - started)
+        return response
+
+    def _body(self, req: CompletionRequest, request_id: str, result: _Result,
+              num_prompt: int) -> dict:
+        name = self.router.model_name
+        if req.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                      "logprobs": None, "finish_reason": result.finish_reason}
+            kind = "chat.completion"
+        else:
+            logprobs = ({"tokens": None, "token_logprobs": result.logprobs,
+                         "top_logprobs": None, "text_offset": None}
+                        if req.logprobs is not None else None)
+            choice = {"index": 0, "text": result.text, "logprobs": logprobs,
+                      "finish_reason": result.finish_reason}
+            kind = "text_completion"
+        return {"id": f"cmpl-{request_id}", "object": kind, "created": now_s(), "model": name,
+                "choices": [choice], "usage": _usage(num_prompt, result)}
+
+
+def uuid_hex() -> str:
+    return uuid.uuid4().hex
+
+
+def _usage(num_prompt: int, result: _Result) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": result.num_tokens,
+            "total_tokens": num_prompt + result.num_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.num_cached}}
+
+
+def _chunk(req: CompletionRequest, request_id: str, content: str | dict,
+           finish_reason: str | None) -> dict:
+    if req.chat:
+        delta = content if isinstance(content, dict) else {"content": content}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+        kind = "text_completion"
+    return {"id": request_id, "object": kind, "created": now_s(), "model": req.model,
+            "choices": [choice]}
+
+
+async def _send(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(f"data: {json.dumps(payload)}\n\n".encode())

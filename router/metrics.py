@@ -1,0 +1,43 @@
+"""Prometheus metrics of the router, on a registry of its own (several routers can live in one
+test process). API: `RouterMetrics`."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                    60)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("router_requests", "HTTP API requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("router_ttft_seconds", "time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("router_inter_token_latency_seconds",
+                             "time between streamed token deltas", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram("router_e2e_latency_seconds", "request start to last token",
+                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("router_prompt_tokens", "prompt tokens routed", registry=r)
+        self.prefix_hit_tokens = Counter("router_prefix_hit_tokens",
+                                         "prompt tokens the chosen node already held",
+                                         registry=r)
+        self.decisions = Counter("router_routing_decisions",
+                                 "placements by node, role and reason",
+                                 ["node", "role", "reason"], registry=r)
+        self.metadata_latency = Histogram("router_metadata_query_seconds",
+                                          "metadata prefix-query latency", registry=r,
+                                          buckets=_LATENCY_BUCKETS)
+        self.metadata_available = Gauge("router_metadata_available",
+                                        "1 if prefix-aware routing is on, 0 if load-only",
+                                        registry=r)
+        self.healthy_nodes = Gauge("router_healthy_nodes", "nodes answering load queries",
+                                   registry=r)
+        self.aborts = Counter("router_aborts", "requests aborted on the nodes (disconnects, "
+                              "stop strings)", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

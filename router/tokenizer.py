@@ -1,0 +1,115 @@
+"""Tokenization in the router, without torch: the `tokenizers` library reads the model
+folder's `tokenizer.json`, and jinja2 renders the chat template of `tokenizer_config.json`
+(or `chat_template.jinja`). `IncrementalDetokenizer` turns streamed token ids into text
+deltas, holding back incomplete UTF-8 and any tail that could still become a stop string.
+
+API: `RouterTokenizer`, `IncrementalDetokenizer`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+
+def _token_text(value: object) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in some configs
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class RouterTokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        folder = Path(model_dir)
+        if not (folder / "tokenizer.json").is_file():
+            raise ValueError(f"no tokenizer.json in the model folder {folder}")
+        self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tok_config = _read_json(folder / "tokenizer_config.json")
+        model_config = _read_json(folder / "config.json")
+        self.bos_token = _token_text(tok_config.get("bos_token")) or ""
+        self.eos_token = _token_text(tok_config.get("eos_token")) or ""
+        eos_id = model_config.get("eos_token_id")
+        eos_ids = eos_id if isinstance(eos_id, list) else [eos_id]
+        self.eos_token_ids = [i for i in eos_ids if isinstance(i, int)]
+        self.max_model_len = int(model_config.get("max_position_embeddings")
+                                 or tok_config.get("model_max_length") or 2048)
+        template = tok_config.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        self._template = env.from_string(template) if isinstance(template, str) else None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
+                            ) -> list[int]:
+        """Render the chat and tokenize it; the template places the special tokens itself."""
+        if self._template is None:
+            raise ValueError("this model has no chat template: use /v1/completions")
+        try:
+            text = self._template.render(messages=messages, bos_token=self.bos_token,
+                                         eos_token=self.eos_token,
+                                         add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the chat template rejected the messages: {exc}") from None
+        return self.encode(text, add_special_tokens=False)
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing token sequence, cut at the first stop string.
+
+    Each step decodes the whole output so far (O(output) per step, fine for the response
+    lengths served here; a sliding window is the known optimisation).
+    """
+
+    def __init__(self, tokenizer: RouterTokenizer, stop: list[str]) -> None:
+        self._tokenizer = tokenizer
+        self._stop = [s for s in stop if s]
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._ids: list[int] = []
+        self.text = ""  # everything decoded so far (before any stop cut)
+        self._emitted = 0
+        self.stopped = False
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """Feed new ids; returns the new text safe to show (everything when `final`)."""
+        if self.stopped:
+            return ""
+        self._ids.extend(token_ids)
+        text = self._tokenizer.decode(self._ids)
+        if text.endswith("\ufffd") and not final:
+            text = text[:-1]  # an incomplete UTF-8 sequence: wait for its next byte
+        self.text = text
+        for stop in self._stop:
+            at = text.find(stop, max(0, self._emitted - len(stop)))
+            if at != -1:
+                self.stopped = True
+                text = text[:at]
+        end = len(text) if final or self.stopped else max(self._emitted, len(text) - self._hold)
+        delta = text[self._emitted:end]
+        self._emitted = max(self._emitted, end)
+        return delta

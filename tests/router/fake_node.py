@@ -1,0 +1,100 @@
+"""A fake node server for router tests: a real ZMQ ROUTER socket speaking core.node_wire,
+answering deterministic tokens. Swap it for a real node (engine.node_server.NodeServer) by
+pointing the router at that node's address instead: the router sees only the protocol.
+
+`FakeNode(script)` answers every GenerateRequest with `script` token ids (cycled up to
+max_tokens), one TokenDelta per token every `delay_s`; `refuse` answers RequestError instead.
+Everything received is recorded in `received` for assertions.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from core.node_wire import (
+    AbortRequest,
+    GenerateRequest,
+    LoadQuery,
+    LoadReport,
+    RequestError,
+    TokenDelta,
+    decode,
+    encode,
+)
+
+
+class FakeNode:
+    def __init__(self, node_id: str, script: list[int], role: str = "both",
+                 delay_s: float = 0.0, refuse: str | None = None) -> None:
+        self.node_id, self.role, self.script = node_id, role, script
+        self.delay_s, self.refuse = delay_s, refuse
+        self.received: list[object] = []
+        self.answer_load = True
+        self._active: dict[str, list] = {}  # request id -> [identity, request, sent, due]
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.kv_address = f"tcp://127.0.0.1:{port + 1}"  # never dialled by the router
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def requests(self) -> list[GenerateRequest]:
+        return [m for m in self.received if isinstance(m, GenerateRequest)]
+
+    def aborts(self) -> list[str]:
+        return [m.request_id for m in self.received if isinstance(m, AbortRequest)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._socket.close(0)
+        self._context.term()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(timeout=2):
+                identity, frame = self._socket.recv_multipart()
+                self._handle(identity, decode(frame))
+            self._step()
+
+    def _handle(self, identity: bytes, msg: object) -> None:
+        if not isinstance(msg, LoadQuery):
+            self.received.append(msg)
+        if isinstance(msg, LoadQuery) and self.answer_load:
+            self._send(identity, LoadReport(self.node_id, self.role, 0, len(self._active),
+                                            1000, 1000, 0))
+        elif isinstance(msg, AbortRequest):
+            self._active.pop(msg.request_id, None)
+        elif isinstance(msg, GenerateRequest):
+            if self.refuse:
+                self._send(identity, RequestError(msg.request_id, self.refuse, "refused"))
+            else:
+                self._active[msg.request_id] = [identity, msg, 0, time.monotonic()]
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        for request_id, state in list(self._active.items()):
+            identity, msg, sent, due = state
+            if now < due:
+                continue
+            token = self.script[sent % len(self.script)]
+            sent += 1
+            done = sent >= msg.sampling.max_tokens
+            self._send(identity, TokenDelta(request_id, [token], done,
+                                            "length" if done else None, None,
+                                            len(msg.prompt_token_ids), 0))
+            if done:
+                del self._active[request_id]
+            else:
+                state[2], state[3] = sent, now + self.delay_s
+
+    def _send(self, identity: bytes, msg: object) -> None:
+        self._socket.send_multipart([identity, encode(msg)])
