@@ -3,6 +3,7 @@
 Subcommands:
   make-tiny-model OUT_DIR   build a small random HF-format model with a real tokenizer
   generate --model DIR      run the engine offline on one prompt
+  serve --model DIR         serve the cluster on a local Ray: nodes, metadata service, router
   metadata serve            run the metadata service (gRPC; memory or etcd backend)
   bench engine              run the engine benchmark; the last stdout line is its JSON result
   bench metadata            run the metadata-service benchmark (same JSON-last convention)
@@ -128,6 +129,49 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
 
 
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = _add_command(
+        subparsers,
+        "serve",
+        "Serve the cluster on a local Ray: prefill and decode node actors, the metadata "
+        "service and the OpenAI-compatible router. Runs until Ctrl-C.",
+        _cmd_serve,
+    )
+    parser.add_argument("--model", required=True, help="HF-format model folder")
+    parser.add_argument("--num-prefill", type=int, default=1, help="prefill node actors")
+    parser.add_argument("--num-decode", type=int, default=1, help="decode node actors")
+    parser.add_argument("--host", default="127.0.0.1", help="router listen address")
+    parser.add_argument("--port", type=int, default=8000, help="router port")
+    parser.add_argument("--metadata", default=None,
+                        help="address of a running metadata service (default: an embedded "
+                        "in-memory one)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="weights and KV dtype (default: float32 on CPU, half on CUDA)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="KV cache memory per node (default: the engine's own)")
+    parser.add_argument("--gpus-per-node", type=float, default=0.0,
+                        help="Ray GPUs per node actor (1 on a GPU machine)")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    _check_model_dir(args.model)
+    from cluster.config import ClusterConfig
+    from cluster.launch import serve
+
+    engine = {"block_size": args.block_size}
+    if args.dtype:
+        engine["dtype"] = args.dtype
+    if args.kv_cache_gib:
+        engine["kv_cache_memory_gib"] = args.kv_cache_gib
+    with _config_errors_as_usage():
+        config = ClusterConfig(model=args.model, num_prefill=args.num_prefill,
+                               num_decode=args.num_decode, engine=engine,
+                               metadata_address=args.metadata, router_host=args.host,
+                               router_port=args.port, node_gpus=args.gpus_per_node)
+    return serve(config)
+
+
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench",
@@ -249,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_make_tiny_model(subparsers)
     _add_generate(subparsers)
+    _add_serve(subparsers)
     _add_metadata(subparsers)
     _add_bench(subparsers)
     _add_replay(subparsers)

@@ -1,0 +1,87 @@
+"""Serve the whole cluster: node actors on Ray, the metadata service they register with, and
+the router in front — the all-in-one `pdcluster serve` (local Ray) and the entrypoint for
+`ray job submit` (joins the running Ray cluster):
+
+    ray job submit --working-dir . -- python -m cluster.launch --config cluster.yaml
+
+Runs until SIGINT/SIGTERM, then stops the router, drains the nodes and releases Ray.
+API keys for the router come from PDCLUSTER_API_KEYS (comma-separated), the metadata token
+from PDCLUSTER_METADATA_TOKEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+from cluster.config import ClusterConfig
+from cluster.ray_cluster import RayCluster
+
+logger = logging.getLogger(__name__)
+API_KEYS_ENV = "PDCLUSTER_API_KEYS"
+
+
+def serve(config: ClusterConfig, ray_address: str | None = None,
+          on_ready: Callable[[str], None] | None = None) -> int:
+    cluster = RayCluster(config, ray_address).start()
+    try:
+        asyncio.run(_run_router(config, cluster.metadata_address, on_ready))
+    finally:
+        cluster.stop()
+    return 0
+
+
+async def _run_router(config: ClusterConfig, metadata_address: str,
+                      on_ready: Callable[[str], None] | None) -> None:
+    from router.config import RouterConfig
+    from router.policy import PolicyConfig
+    from router.server import RouterApp
+
+    keys = tuple(k for k in os.environ.get(API_KEYS_ENV, "").split(",") if k)
+    policy = PolicyConfig(block_size=config.engine.get("block_size", 16),
+                          local_prefill_threshold=config.local_prefill_threshold_tokens)
+    app = RouterApp(RouterConfig(
+        model_dir=config.model, host=config.router_host, port=config.router_port,
+        metadata_address=metadata_address,
+        metadata_token=os.environ.get("PDCLUSTER_METADATA_TOKEN"), api_keys=keys,
+        policy=policy))
+    await app.start()
+    endpoint = f"http://{config.router_host}:{app.port}/v1"
+    print(f"pdcluster: serving {config.num_prefill} prefill + {config.num_decode} decode "
+          f"nodes at {endpoint}", flush=True)
+    if on_ready is not None:
+        on_ready(endpoint)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await app.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster.launch",
+        description="Launch pdcluster onto the Ray cluster this job runs in (ray job submit).")
+    parser.add_argument("--config", required=True, help="cluster.yaml")
+    parser.add_argument("--ray-address", default="auto",
+                        help="Ray cluster to join ('auto': the one this job was submitted to)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        config = ClusterConfig.from_yaml(args.config)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"cluster.launch: bad config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    return serve(config, ray_address=args.ray_address)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""`pdcluster serve` end to end: a real process tree on 127.0.0.1 (local Ray, a prefill and a
+decode node actor, the metadata service, the router), called with the real `openai` client.
+Greedy text must equal what `transformers` generates for the same prompt."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(model_dirs):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--model", model_dirs["llama-gqa"],
+         "--num-prefill", "1", "--num-decode", "1", "--port", str(port),
+         "--block-size", "16", "--kv-cache-gib", "0.05"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "serving" in line or time.monotonic() > deadline:
+            break
+    assert "serving" in "".join(lines[-1:]), "".join(lines[-40:])
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                           max_retries=0, timeout=120)
+    _wait_for_nodes(client, model_dirs["llama-gqa"])
+    proc.port = port
+    yield proc, client
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+def _wait_for_nodes(client, model_dir: str) -> None:
+    name = Path(model_dir).name
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client.completions.create(model=name, prompt="warm up", max_tokens=1)
+            return
+        except openai.APIStatusError as exc:
+            if exc.status_code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def hf_text(model_dir: str, prompt: str, max_tokens: int) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([tok(prompt).input_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                         do_sample=False)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("words", [20, 400], ids=["local-prefill", "disaggregated"])
+def test_completion_matches_transformers(served, model_dirs, words):
+    _, client = served
+    model_dir = model_dirs["llama-gqa"]
+    prompt = " ".join(f"word{i % 37} and" for i in range(words))
+    out = client.completions.create(model=Path(model_dir).name, prompt=prompt, max_tokens=12,
+                                    temperature=0)
+    assert out.choices[0].text == hf_text(model_dir, prompt, 12)
+    assert out.usage.completion_tokens >= 1
+    reason = "remote_prefill" if words > 100 else "local_prefill"
+    assert decisions(served[0].port, reason) >= 1, f"no {reason} decision in the router metrics"
+
+
+def decisions(port: int, reason: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("router_routing_decisions_total") and reason in line)
+
+
+def test_streaming_chat(served, model_dirs):
+    _, client = served
+    stream = client.chat.completions.create(
+        model=Path(model_dirs["llama-gqa"]).name, stream=True, max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": "Tell me about Ray. " * 30}],
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+
+def test_unknown_model_is_a_clear_404(served):
+    _, client = served
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
