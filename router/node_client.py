@@ -5,7 +5,10 @@ per-request queues (`TokenDelta`, `RequestError`) or to the pending load query
 (`LoadReport`). `poll_load` keeps `report` fresh and decides `healthy`: a node is healthy
 while it answers load queries within the timeout and is not draining. Between reports the
 router adds the prompt tokens it dispatched itself (`pending_tokens`), so a burst does not
-all land on the node that looked idle at the last report.
+all land on the node that looked idle at the last report. A node that misses
+`DEAD_AFTER_MISSED_POLLS` load polls in a row is taken for dead: its open streams end with a
+`RequestError` instead of waiting forever (one miss is not enough — a node answers between
+engine steps, and a long prefill step can delay one reply).
 
 API: `NodeClient`, `NodeStream`.
 """
@@ -37,6 +40,9 @@ from router.config import NodeSpec
 logger = logging.getLogger(__name__)
 
 
+DEAD_AFTER_MISSED_POLLS = 3
+
+
 class NodeStream:
     """The replies of one request on one node, in order."""
 
@@ -61,6 +67,7 @@ class NodeClient:
         self.report: LoadReport | None = None
         self.healthy = False
         self.pending_tokens = 0
+        self.missed_polls = 0
         self.last_report_at = 0.0
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -91,6 +98,12 @@ class NodeClient:
     def forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def fail_streams(self, message: str) -> None:
+        """End every open request on this node with an error (the node is gone)."""
+        for request_id, stream in list(self._streams.items()):
+            stream.queue.put_nowait(RequestError(request_id, "internal", message))
+            self.forget(request_id)
+
     async def poll_load(self, timeout_s: float) -> LoadReport | None:
         loop = asyncio.get_running_loop()
         self._load_waiter = loop.create_future()
@@ -99,8 +112,11 @@ class NodeClient:
             report = await asyncio.wait_for(self._load_waiter, timeout_s)
         except (TimeoutError, zmq.ZMQError):
             self.healthy = False
+            self.missed_polls += 1
+            if self.missed_polls >= DEAD_AFTER_MISSED_POLLS:
+                self.fail_streams(f"node {self.node_id} stopped answering")
             return None
-        self.report, self.pending_tokens = report, 0
+        self.report, self.pending_tokens, self.missed_polls = report, 0, 0
         self.last_report_at = time.monotonic()
         self.healthy = not report.draining
         return report

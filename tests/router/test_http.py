@@ -229,3 +229,19 @@ def _wait(predicate, timeout_s: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.02)
+
+
+def test_a_node_that_dies_mid_stream_ends_the_request_with_an_error(start_router,
+                                                                    make_node) -> None:
+    node = make_node(delay_s=0.05)
+    router = start_router([node])
+    stream = client(router).completions.create(model="tiny", prompt=TEXT, max_tokens=200,
+                                               stream=True)
+    next(iter(stream))  # the node is streaming
+    started = time.monotonic()
+    node.answer_load = False  # the node goes silent: no more load reports
+    node.close()             # ... and no more tokens
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < 5, "the router should give up after a few missed polls"
