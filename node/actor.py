@@ -31,6 +31,15 @@ class NodeActor:
         stats = self.runtime.engine.connector.worker.stats
         return {name: getattr(stats, name) for name in stats.__dataclass_fields__}
 
+    def pool_state(self) -> dict[str, int]:
+        """For leak checks: blocks free, in total, held by requests, and pinned requests."""
+        engine = self.runtime.engine
+        pool = engine.block_pool
+        return {"num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
+                "num_held_blocks": sum(1 for b in pool.blocks if b.ref_cnt),
+                "num_pinned_requests": len(engine.scheduler.pinned),
+                "num_unfinished": int(engine.has_unfinished_requests())}
+
     def ping(self) -> bool:
         return True
 

@@ -52,6 +52,18 @@ def submit(clients, prefill: dict, decode: dict, prompt: list[int]) -> str:
     return rid
 
 
+def wait_restarted(actor, timeout_s: float = 120.0) -> None:
+    """Ray refuses calls while it restarts an actor (no task retries): poll until it's back."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.ping.remote(), timeout=30)
+            return
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            assert time.monotonic() < deadline, "the actor was not restarted"
+            time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def clients(nodes):
     made = {n["node_id"]: WireClient(n["request_address"])
@@ -110,9 +122,32 @@ def test_a_killed_decode_actor_restarts_and_its_old_blocks_leave_the_index(
             time.sleep(0.05)
         old = {n.node_id: n.epoch for n in client.list_nodes()}["d1"]
         ray.kill(cluster.actors["d1"], no_restart=False)
-        assert ray.get(cluster.actors["d1"].ping.remote(), timeout=120)  # restarted
+        wait_restarted(cluster.actors["d1"])
         deadline = time.monotonic() + 30
         while {n.node_id: n.epoch for n in client.list_nodes()}.get("d1") in (None, old):
             assert time.monotonic() < deadline, "the restarted node did not register"
             time.sleep(0.1)
         assert "d1" not in dict(client.query(chain))
+
+
+def test_a_killed_prefill_actor_makes_decode_recompute(nodes, clients, cluster, model_dirs,
+                                                       hf_reference):
+    prompt = random_prompts(1, 30, 30, seed=74)[0]
+    dead = nodes["prefill"][1]
+    ray.kill(cluster.actors["p1"], no_restart=False)  # its KV address goes dead with it
+    rid = submit(clients, dead, nodes["decode"][0], prompt)  # P's copy goes nowhere
+    got = clients["d0"].collect({rid}, timeout_s=60)[rid]
+    assert tokens_of(got) == hf_reference(model_dirs["llama-gqa"], prompt, N_OUT)
+    wait_restarted(cluster.actors["p1"])
+
+
+def test_survivors_pass_the_leak_check(cluster):
+    for node_id in ("p0", "d0"):
+        deadline = time.monotonic() + 30
+        while True:
+            state = ray.get(cluster.actors[node_id].pool_state.remote())
+            if not state["num_unfinished"] and not state["num_pinned_requests"]:
+                break
+            assert time.monotonic() < deadline, f"{node_id} did not become idle: {state}"
+            time.sleep(0.1)
+        assert state["num_held_blocks"] == 0 and state["num_free_blocks"] == state["num_blocks"]
