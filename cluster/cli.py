@@ -8,6 +8,7 @@ Subcommands:
   bench engine              run the engine benchmark; the last stdout line is its JSON result
   bench metadata            run the metadata-service benchmark (same JSON-last convention)
   bench transfer            run the KV-transfer benchmark (same JSON-last convention)
+  bench serve               run the serving benchmark on a local Ray cluster (JSON last)
   replay --trace FILE       replay a request trace through the routing policy (JSON last)
 
 `pdcluster --help` must stay fast and torch-free, so `engine` and `benchmarks` are imported only
@@ -219,6 +220,15 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     )
     transfer.add_argument("--json", action="store_true", help="print only the JSON line")
     transfer.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+    serve = _add_command(
+        benchmarks,
+        "serve",
+        "TTFT of 2,048-token prompts disaggregated vs colocated on a local 1+1 cluster, "
+        "KV transfer time, inter-token latency and throughput (same run).",
+        _bench_command("serve_bench"),
+    )
+    serve.add_argument("--json", action="store_true", help="print only the JSON line")
+    serve.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
 
 
 REPLAY_POLICIES = ("kv", "round-robin", "least-loaded")

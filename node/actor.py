@@ -27,9 +27,11 @@ class NodeActor:
         report = self.runtime.server.load_report()
         return {name: getattr(report, name) for name in report.__dataclass_fields__}
 
-    def transfer_stats(self) -> dict[str, int]:
+    def transfer_stats(self) -> dict[str, Any]:
         stats = self.runtime.engine.connector.worker.stats
-        return {name: getattr(stats, name) for name in stats.__dataclass_fields__}
+        out = {name: getattr(stats, name) for name in stats.__dataclass_fields__}
+        out["recent_write_s"] = list(stats.recent_write_s)
+        return out
 
     def pool_state(self) -> dict[str, int]:
         """For leak checks: blocks free, in total, held by requests, and pinned requests."""

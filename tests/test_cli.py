@@ -18,7 +18,8 @@ from cluster import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = [["make-tiny-model"], ["generate"], ["bench"], ["bench", "engine"],
-               ["bench", "metadata"], ["bench", "transfer"], ["metadata"], ["serve"],
+               ["bench", "metadata"], ["bench", "transfer"], ["bench", "serve"],
+               ["metadata"], ["serve"],
                ["metadata", "serve"], ["replay"]]
 
 

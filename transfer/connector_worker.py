@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from core.kv_connector import (
     ConnectorPlan,
@@ -67,6 +67,8 @@ class WorkerStats:
     bytes_sent: int = 0
     blocks_received: int = 0
     descriptors_received: int = 0
+    # seconds of the data-plane write of each of the latest sends (benchmarks, metrics)
+    recent_write_s: deque = field(default_factory=lambda: deque(maxlen=1024))
 
 
 class ConnectorWorker(KVConnectorWorker):
@@ -220,9 +222,11 @@ class ConnectorWorker(KVConnectorWorker):
         block_ids = job.block_ids[request.skip_blocks:request.num_blocks]
         src, dst, lengths = coalesce([region.block_addr(b) for b in block_ids],
                                      request.dest_block_addrs, region.block_nbytes)
+        started = time.perf_counter()
         if src:
             self.transport.write(request.dest_session, src, dst, lengths)
         with self._lock:
+            self.stats.recent_write_s.append(time.perf_counter() - started)
             self.stats.blocks_sent += len(block_ids)
             self.stats.descriptors_sent += len(src)
             self.stats.bytes_sent += sum(lengths)

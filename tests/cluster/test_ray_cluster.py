@@ -13,9 +13,9 @@ from cluster.config import ClusterConfig
 from cluster.ray_cluster import RayCluster
 from core.hashing import hash_block_tokens
 from core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
+from engine.node_client import NodeClient, tokens_of
 from metadata_service.client import MetadataClient
 from tests.models import random_prompts
-from tests.nodes.wire_client import WireClient, tokens_of
 
 ray = pytest.importorskip("ray")
 N_OUT = 6
@@ -66,7 +66,7 @@ def wait_restarted(actor, timeout_s: float = 120.0) -> None:
 
 @pytest.fixture(scope="module")
 def clients(nodes):
-    made = {n["node_id"]: WireClient(n["request_address"])
+    made = {n["node_id"]: NodeClient(n["request_address"])
             for role in nodes.values() for n in role}
     yield made
     for client in made.values():

@@ -10,6 +10,7 @@ import pytest
 
 from core.hashing import hash_block_tokens
 from core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
+from engine.node_client import NodeClient, tokens_of
 from metadata_service.client import MetadataClient
 from metadata_service.server import ServerThread
 from node.config import NodeConfig
@@ -17,7 +18,6 @@ from node.runtime import NodeRuntime
 from tests.helpers import assert_pool_clean
 from tests.metadata_service.helpers import make_config
 from tests.models import random_prompts
-from tests.nodes.wire_client import WireClient, tokens_of
 
 OPTIONS = {"num_kv_blocks": 128, "block_size": 8}
 
@@ -46,7 +46,7 @@ def test_nodes_register_serve_and_publish_their_blocks(model_dirs, hf_reference,
     model = model_dirs["llama-gqa"]
     prefill = start_node(model, "p0", "prefill", server.address)
     decode = start_node(model, "d0", "decode", server.address)
-    to_p, to_d = WireClient(prefill.server.address), WireClient(decode.server.address)
+    to_p, to_d = NodeClient(prefill.server.address), NodeClient(decode.server.address)
     try:
         nodes = {n.node_id: n for n in client.list_nodes()}
         assert nodes["p0"].kv_address == prefill.kv_address
@@ -76,7 +76,7 @@ def test_node_serves_without_a_reachable_metadata_service(model_dirs):
                                   engine_options=OPTIONS, metadata_address="127.0.0.1:1",
                                   publish_interval_s=0.02))
     node.start(registration_timeout_s=0.5)
-    wire = WireClient(node.server.address)
+    wire = NodeClient(node.server.address)
     try:
         wire.send(GenerateRequest("r", [1, 2, 3], SamplingSpec(max_tokens=3, ignore_eos=True)))
         assert len(tokens_of(wire.collect({"r"})["r"])) == 3

@@ -18,10 +18,10 @@ from core.node_wire import (
     TransferSpec,
 )
 from engine import LLMEngine
+from engine.node_client import NodeClient, tokens_of
 from engine.node_server import NodeServer
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
-from tests.nodes.wire_client import WireClient, tokens_of
 from tests.transfer.disagg import make_engine
 
 GREEDY = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -31,7 +31,7 @@ GREEDY = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
 def node(model_dirs):
     engine = LLMEngine.from_model(model_dirs["llama-gqa"], num_kv_blocks=128, block_size=8)
     server = NodeServer(engine, "n0", "both").start()
-    client = WireClient(server.address)
+    client = NodeClient(server.address)
     yield server, client
     client.close()
     server.stop(drain=False)
@@ -96,7 +96,7 @@ def test_load_report(node):
 def test_drain_finishes_running_requests_and_refuses_new_ones(model_dirs):
     engine = LLMEngine.from_model(model_dirs["llama-gqa"], num_kv_blocks=64, block_size=8)
     server = NodeServer(engine, "n1", "both").start()
-    client = WireClient(server.address)
+    client = NodeClient(server.address)
     client.send(GenerateRequest("run", [3] * 10, SamplingSpec(max_tokens=30, ignore_eos=True)))
     first = client.recv()
     assert isinstance(first, TokenDelta)
@@ -119,7 +119,7 @@ def test_prefill_and_decode_nodes_over_mooncake(model_dirs, hf_reference):
     prefill = NodeServer(prefill_engine, "p0", "prefill").start()
     decode = NodeServer(decode_engine, "d0", "decode").start()
     kv_addr = prefill_engine.connector.worker.transport.reply_address
-    to_p, to_d = WireClient(prefill.address), WireClient(decode.address)
+    to_p, to_d = NodeClient(prefill.address), NodeClient(decode.address)
     try:
         prompts = random_prompts(3, 10, 60, seed=51)
         for i, prompt in enumerate(prompts):

@@ -1,4 +1,5 @@
-"""A blocking node-protocol client for tests: a DEALER socket speaking core.node_wire."""
+"""`NodeClient`: a blocking client of `NodeServer` (a DEALER socket speaking core.node_wire)
+for tools, benchmarks and tests. Torch-free. The router has its own asyncio client."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import zmq
 from core.node_wire import NodeMessage, RequestError, TokenDelta, decode, encode
 
 
-class WireClient:
+class NodeClient:
     def __init__(self, address: str) -> None:
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
