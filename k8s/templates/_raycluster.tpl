@@ -1,0 +1,81 @@
+{{/*
+The Ray cluster: a CPU head (Ray's control plane and the launcher's driver) and two GPU worker
+groups, prefill and decode, each a fixed size (no autoscaling: every worker hosts node actors).
+*/}}
+{{- define "pdcluster.rayCluster" -}}
+{{- $head := .Values.ray.head -}}
+{{- $headDefaults := dict "dashboard-host" "0.0.0.0" "num-gpus" 0 "metrics-export-port" 8080 -}}
+apiVersion: ray.io/v1
+kind: RayCluster
+metadata:
+  name: {{ include "pdcluster.rayClusterName" . }}
+  labels:
+    {{- include "pdcluster.componentLabels" (list . "ray") | nindent 4 }}
+spec:
+  rayVersion: {{ .Values.ray.version | quote }}
+  enableInTreeAutoscaling: false
+  {{- if ne .Values.ray.upgradeStrategy "None" }}
+  # Ray has no rolling upgrade: a changed pod template recreates every Ray pod (and the new
+  # launch, named by pdcluster.launchHash, starts the node actors again).
+  upgradeStrategy:
+    type: {{ .Values.ray.upgradeStrategy }}
+  {{- end }}
+  {{- if .Values.ray.auth.enabled }}
+  authOptions:
+    mode: token
+    secretName: {{ include "pdcluster.secretName" . }}
+  {{- end }}
+  headGroupSpec:
+    serviceType: {{ $head.serviceType }}
+    rayStartParams:
+      {{- include "pdcluster.rayStartParams" (list $head.rayStartParams $headDefaults) | nindent 6 }}
+    template:
+      metadata:
+        labels:
+          {{- include "pdcluster.componentLabels" (list . "ray-head") | nindent 10 }}
+        {{- with $head.podAnnotations }}
+        annotations:
+          {{- toYaml . | nindent 10 }}
+        {{- end }}
+      spec:
+        {{- with .Values.imagePullSecrets }}
+        imagePullSecrets:
+          {{- toYaml . | nindent 10 }}
+        {{- end }}
+        {{- with include "pdcluster.scheduling" $head | trim }}
+        {{- . | nindent 8 }}
+        {{- end }}
+        {{- with include "pdcluster.modelInitContainers" (list . "metadata") | trim }}
+        initContainers:
+          {{- . | nindent 10 }}
+        {{- end }}
+        containers:
+          - name: ray-head
+            image: {{ include "pdcluster.image" (list . "node") }}
+            imagePullPolicy: {{ .Values.images.node.pullPolicy }}
+            ports:
+              - name: gcs-server
+                containerPort: 6379
+              - name: dashboard
+                containerPort: 8265
+              - name: client
+                containerPort: 10001
+              - name: metrics
+                containerPort: 8080
+            env:
+              {{- include "pdcluster.rayEnv" . | nindent 14 }}
+            resources:
+              {{- toYaml $head.resources | nindent 14 }}
+            {{- include "pdcluster.rayProbes" "head" | nindent 12 }}
+            lifecycle:
+              preStop:
+                exec:
+                  command: [/bin/sh, -c, ray stop]
+            volumeMounts:
+              {{- include "pdcluster.rayVolumeMounts" . | nindent 14 }}
+        volumes:
+          {{- include "pdcluster.rayVolumes" (list . $head.shmSize) | nindent 10 }}
+  workerGroupSpecs:
+    {{- include "pdcluster.workerGroup" (list . "prefill") | nindent 4 }}
+    {{- include "pdcluster.workerGroup" (list . "decode") | nindent 4 }}
+{{- end -}}
