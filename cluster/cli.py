@@ -4,6 +4,7 @@ Subcommands:
   make-tiny-model OUT_DIR   build a small random HF-format model with a real tokenizer
   generate --model DIR      run the engine offline on one prompt
   serve --model DIR         serve the cluster on a local Ray: nodes, metadata service, router
+  router serve              run the router alone (nodes found through the metadata service)
   metadata serve            run the metadata service (gRPC; memory or etcd backend)
   bench engine              run the engine benchmark; the last stdout line is its JSON result
   bench metadata            run the metadata-service benchmark (same JSON-last convention)
@@ -18,9 +19,11 @@ inside the handlers that need them. API: `main(argv) -> int` (exit status).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -256,6 +259,47 @@ def _add_replay(subparsers: argparse._SubParsersAction) -> None:
 METADATA_TOKEN_ENV = "PDCLUSTER_METADATA_TOKEN"
 
 
+def _add_router(subparsers: argparse._SubParsersAction) -> None:
+    router = subparsers.add_parser(
+        "router", help="The OpenAI-compatible router on its own (nodes found through the "
+        "metadata service).", formatter_class=_formatter)
+    commands = router.add_subparsers(dest="router_command", metavar="COMMAND", required=True)
+    serve = _add_command(
+        commands, "serve",
+        "Serve the HTTP API until SIGINT/SIGTERM. API keys, if any, are read from "
+        "$PDCLUSTER_API_KEYS (comma-separated), the metadata token from "
+        f"${METADATA_TOKEN_ENV}.",
+        _cmd_router_serve,
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port")
+    serve.add_argument("--model", required=True,
+                       help="model folder (tokenizer and chat template come from it)")
+    serve.add_argument("--model-name", default="", help="served model name (default: folder)")
+    serve.add_argument("--metadata", required=True, help="metadata service address host:port")
+    serve.add_argument("--block-size", type=int, default=16, help="the nodes' KV block size")
+    serve.add_argument("--local-prefill-threshold", type=int, default=256,
+                       help="uncached prompt tokens below which the decode node prefills")
+
+
+def _cmd_router_serve(args: argparse.Namespace) -> int:
+    _check_model_dir(args.model)
+    from cluster.launch import api_keys_from_env
+    from router.config import RouterConfig
+    from router.policy import PolicyConfig
+    from router.server import serve_forever
+
+    with _config_errors_as_usage():
+        config = RouterConfig(
+            model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
+            metadata_address=args.metadata, api_keys=api_keys_from_env(),
+            metadata_token=os.environ.get(METADATA_TOKEN_ENV),
+            policy=PolicyConfig(block_size=args.block_size,
+                                local_prefill_threshold=args.local_prefill_threshold))
+    asyncio.run(serve_forever(config))
+    return 0
+
+
 def _add_metadata(subparsers: argparse._SubParsersAction) -> None:
     metadata = subparsers.add_parser(
         "metadata",
@@ -304,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_tiny_model(subparsers)
     _add_generate(subparsers)
     _add_serve(subparsers)
+    _add_router(subparsers)
     _add_metadata(subparsers)
     _add_bench(subparsers)
     _add_replay(subparsers)
@@ -431,9 +476,6 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_metadata_serve(args: argparse.Namespace) -> int:
-    import asyncio
-    import os
-
     from metadata_service.config import MetadataConfig
     from metadata_service.server import serve
 

@@ -8,8 +8,10 @@ cluster.yaml:
     engine: {dtype: bfloat16, block_size: 16, max_num_seqs: 64, max_num_batched_tokens: 2048}
     transfer: {protocol: rdma, device_name: "", timeout_s: 30}
     metadata: {address: "metadata:50061"}      # absent: an embedded in-memory service
-    router: {host: 0.0.0.0, port: 8000}
-    node: {gpus: 1, max_restarts: 3, local_prefill_threshold_tokens: 256}
+    router: {host: 0.0.0.0, port: 8000, enabled: true}   # false: a router runs elsewhere
+    node: {gpus: 1, max_restarts: 3, local_prefill_threshold_tokens: 256,
+           role_resource_prefix: pdcluster_}   # actors ask for Ray resource <prefix><role>
+    host: auto                                 # nodes bind and publish $POD_IP (or 127.0.0.1)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class ClusterConfig:
     model: str
     num_prefill: int = 1
     num_decode: int = 1
-    host: str = "127.0.0.1"  # where nodes bind their endpoints
+    host: str = "127.0.0.1"  # where nodes bind their endpoints; "auto": $POD_IP or 127.0.0.1
     engine: dict[str, Any] = field(default_factory=dict)
     kv_protocol: str = "tcp"
     kv_device: str = ""
@@ -35,10 +37,12 @@ class ClusterConfig:
     metadata_address: str | None = None  # None: start an in-memory service in the launcher
     router_host: str = "127.0.0.1"
     router_port: int = 8000
+    router_enabled: bool = True
     node_gpus: float = 0.0
     node_cpus: float = 1.0
     max_restarts: int = 3
     local_prefill_threshold_tokens: int = 256
+    role_resource_prefix: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -75,6 +79,8 @@ class ClusterConfig:
             kv_timeout_s=transfer.get("timeout_s", 30.0),
             metadata_address=metadata.get("address"),
             router_host=router.get("host", "127.0.0.1"), router_port=router.get("port", 8000),
+            router_enabled=router.get("enabled", True),
+            role_resource_prefix=node.get("role_resource_prefix"),
             node_gpus=node.get("gpus", 0.0), node_cpus=node.get("cpus", 1.0),
             max_restarts=node.get("max_restarts", 3),
             local_prefill_threshold_tokens=node.get("local_prefill_threshold_tokens", 256))

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections.abc import Callable
 
@@ -30,40 +29,45 @@ def serve(config: ClusterConfig, ray_address: str | None = None,
           on_ready: Callable[[str], None] | None = None) -> int:
     cluster = RayCluster(config, ray_address).start()
     try:
-        asyncio.run(_run_router(config, cluster.metadata_address, on_ready))
+        asyncio.run(_run(config, cluster.metadata_address, on_ready))
     finally:
         cluster.stop()
     return 0
 
 
-async def _run_router(config: ClusterConfig, metadata_address: str,
-                      on_ready: Callable[[str], None] | None) -> None:
+async def _run(config: ClusterConfig, metadata_address: str,
+               on_ready: Callable[[str], None] | None) -> None:
+    from router.server import serve_forever, wait_for_signal
+
+    if not config.router_enabled:  # e.g. the Helm chart runs the router as a Deployment
+        print(f"pdcluster: {config.num_prefill} prefill + {config.num_decode} decode nodes up",
+              flush=True)
+        await wait_for_signal()
+        return
+
+    def ready(base_url: str) -> None:
+        print(f"pdcluster: serving {config.num_prefill} prefill + {config.num_decode} decode "
+              f"nodes at {base_url}", flush=True)
+        if on_ready is not None:
+            on_ready(base_url)
+
+    await serve_forever(router_config(config, metadata_address), ready)
+
+
+def router_config(config: ClusterConfig, metadata_address: str):
     from router.config import RouterConfig
     from router.policy import PolicyConfig
-    from router.server import RouterApp
 
-    keys = tuple(k for k in os.environ.get(API_KEYS_ENV, "").split(",") if k)
     policy = PolicyConfig(block_size=config.engine.get("block_size", 16),
                           local_prefill_threshold=config.local_prefill_threshold_tokens)
-    app = RouterApp(RouterConfig(
-        model_dir=config.model, host=config.router_host, port=config.router_port,
-        metadata_address=metadata_address,
-        metadata_token=os.environ.get("PDCLUSTER_METADATA_TOKEN"), api_keys=keys,
-        policy=policy))
-    await app.start()
-    endpoint = f"http://{config.router_host}:{app.port}/v1"
-    print(f"pdcluster: serving {config.num_prefill} prefill + {config.num_decode} decode "
-          f"nodes at {endpoint}", flush=True)
-    if on_ready is not None:
-        on_ready(endpoint)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await app.stop()
+    return RouterConfig(model_dir=config.model, host=config.router_host,
+                        port=config.router_port, metadata_address=metadata_address,
+                        metadata_token=os.environ.get("PDCLUSTER_METADATA_TOKEN"),
+                        api_keys=api_keys_from_env(), policy=policy)
+
+
+def api_keys_from_env() -> tuple[str, ...]:
+    return tuple(k for k in os.environ.get(API_KEYS_ENV, "").split(",") if k)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,9 +77,13 @@ class RayCluster:
 
     def _actor(self, ray, cls, node_id: str):
         cfg = self.config
+        resources = {}
+        if cfg.role_resource_prefix and cfg.node_gpus:  # land on this role's worker pods
+            resources[f"{cfg.role_resource_prefix}{cls.role}"] = cfg.node_gpus
         remote = ray.remote(cls).options(
             name=f"pdcluster-{node_id}", num_cpus=cfg.node_cpus, num_gpus=cfg.node_gpus,
-            max_restarts=cfg.max_restarts, max_task_retries=0, max_concurrency=4)
+            resources=resources, max_restarts=cfg.max_restarts, max_task_retries=0,
+            max_concurrency=4)
         return remote.remote(node_id, cfg.model, host=cfg.host, engine_options=dict(cfg.engine),
                              metadata_address=self.metadata_address,
                              kv_protocol=cfg.kv_protocol, kv_device=cfg.kv_device,

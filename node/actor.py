@@ -10,6 +10,7 @@ from node.config import NodeConfig
 from node.runtime import NodeRuntime
 
 TOKEN_ENV = "PDCLUSTER_METADATA_TOKEN"
+POD_IP_ENV = "POD_IP"
 
 
 class NodeActor:
@@ -17,6 +18,8 @@ class NodeActor:
 
     def __init__(self, node_id: str, model: str, **options: Any) -> None:
         options.setdefault("metadata_token", os.environ.get(TOKEN_ENV))
+        if options.get("host") == "auto":  # this pod's address on a cluster, loopback here
+            options["host"] = os.environ.get(POD_IP_ENV) or "127.0.0.1"
         self.runtime = NodeRuntime(NodeConfig(node_id=node_id, role=self.role, model=model,
                                               **options)).start()
 

@@ -7,14 +7,16 @@ Every client mistake is a 4xx in OpenAI's error shape (never a traceback); no he
 handler is cancelled, and `Dispatcher.execute`'s cleanup sends AbortRequest). API keys, if
 configured, are checked in constant time.
 
-API: `RouterApp` (`start()` / `stop()`, `port`), `build_app`.
+API: `RouterApp` (`start()` / `stop()`, `port`), `build_app`, `serve_forever(config)`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+import signal
 import time
 import uuid
 
@@ -157,3 +159,26 @@ def new_detokenizer(router: RouterApp, req: CompletionRequest) -> IncrementalDet
 
 def now_s() -> int:
     return int(time.time())
+
+
+async def wait_for_signal() -> None:
+    """Until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def serve_forever(config: RouterConfig, on_ready=None) -> None:
+    """Run the router until SIGINT/SIGTERM; `on_ready(base_url)` once it listens."""
+    app = RouterApp(config)
+    await app.start()
+    base_url = f"http://{config.host}:{app.port}/v1"
+    logger.info("router listening at %s", base_url)
+    if on_ready is not None:
+        on_ready(base_url)
+    try:
+        await wait_for_signal()
+    finally:
+        await app.stop()

@@ -117,11 +117,13 @@ app.kubernetes.io/component: {{ index . 1 }}
     "device_name" (ternary .Values.rdma.deviceName "" .Values.rdma.enabled)
     "timeout_s" $c.transfer.timeoutS)
   "metadata" (dict "address" (include "pdcluster.metadataAddress" .))
-  "router" (dict "host" "0.0.0.0" "port" (int .Values.router.port))
+  "host" "auto"
+  "router" (dict "host" "0.0.0.0" "port" (int .Values.router.port) "enabled" false)
   "node" (dict
     "gpus" (int $c.node.gpus)
     "max_restarts" (int $c.node.maxRestarts)
-    "local_prefill_threshold_tokens" (int $c.node.localPrefillThresholdTokens))
+    "local_prefill_threshold_tokens" (int $c.node.localPrefillThresholdTokens)
+    "role_resource_prefix" .Values.ray.groupResourcePrefix)
 -}}
 {{- toYaml $config -}}
 {{- end -}}

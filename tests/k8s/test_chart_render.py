@@ -33,7 +33,7 @@ pytestmark = needs_helm
 SETS = sorted(VALUE_SETS)
 CUSTOM_GROUPS = {"ray.io/v1", "monitoring.coreos.com/v1"}
 CLUSTER_KEYS = {"model", "num_prefill", "num_decode", "engine", "transfer", "metadata", "router",
-                "node"}
+                "node", "host"}
 
 
 def values_of(name: str) -> dict:
@@ -140,7 +140,10 @@ def test_cluster_yaml(name: str) -> None:
     assert set(config["engine"]) == {"dtype", "block_size", "max_num_seqs",
                                      "max_num_batched_tokens", "max_model_len"}
     assert set(config["transfer"]) == {"protocol", "device_name", "timeout_s"}
-    assert set(config["node"]) == {"gpus", "max_restarts", "local_prefill_threshold_tokens"}
+    assert set(config["node"]) == {"gpus", "max_restarts", "local_prefill_threshold_tokens",
+                                   "role_resource_prefix"}
+    assert config["node"]["role_resource_prefix"] == values["ray"]["groupResourcePrefix"]
+    assert config["host"] == "auto"  # nodes bind and publish their pod's IP
     assert config["model"] == f"/models/{values['model']['name']}"
     for role in ("prefill", "decode"):
         group = values["ray"][role]
@@ -152,7 +155,9 @@ def test_cluster_yaml(name: str) -> None:
                                   "timeout_s": values["cluster"]["transfer"]["timeoutS"]}
     assert config["engine"]["dtype"] == values["cluster"]["engine"]["dtype"]
     assert config["engine"]["max_model_len"] is None
-    assert config["router"] == {"host": "0.0.0.0", "port": values["router"]["port"]}
+    # The router runs as its own Deployment, so the launcher starts none.
+    assert config["router"] == {"host": "0.0.0.0", "port": values["router"]["port"],
+                                "enabled": False}
     # The metadata address is the metadata Service's in-cluster name and port.
     service = one(docs, "Service", f"{RELEASE}-pdcluster-metadata")
     host, port = config["metadata"]["address"].rsplit(":", 1)
