@@ -6,20 +6,16 @@ Client -> node: `GenerateRequest` (tokens in, streamed tokens out), `AbortReques
 `finished=True`), `RequestError` (the request was refused or failed, with an error code),
 `LoadReport`. Text is the client's business (the router detokenizes); nodes deal in token ids.
 
-`encode` / `decode` are the only (de)serialisers; `decode` raises `WireError` for anything
+`encode` / `decode` (the shared codec of `core.wire`) raise `WireError` for anything
 malformed, unknown, or of another version. Never pickle.
 """
 
 from __future__ import annotations
 
-import types
-import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 
-import msgpack
-
-from core.kv_transfer import WireError
 from core.types import ReqId
+from core.wire import Protocol, WireError
 
 NODE_WIRE_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20
@@ -106,80 +102,25 @@ class LoadReport:
 
 NodeMessage = (GenerateRequest | AbortRequest | LoadQuery | TokenDelta | RequestError
                | LoadReport)
-_TOP_LEVEL = {cls.__name__: cls for cls in (GenerateRequest, AbortRequest, LoadQuery,
-                                             TokenDelta, RequestError, LoadReport)}
+_PROTOCOL = Protocol(NODE_WIRE_VERSION, (GenerateRequest, AbortRequest, LoadQuery, TokenDelta,
+                                         RequestError, LoadReport), MAX_FRAME_BYTES)
 
 
 def encode(msg: NodeMessage) -> bytes:
-    try:
-        data = msgpack.packb({"v": NODE_WIRE_VERSION, "type": type(msg).__name__,
-                              "body": asdict(msg)})
-    except (TypeError, ValueError) as exc:
-        raise WireError(f"cannot encode {type(msg).__name__}: {exc}") from exc
-    if len(data) > MAX_FRAME_BYTES:
-        raise WireError(f"{type(msg).__name__} of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
-    return data
+    return _PROTOCOL.encode(msg)
 
 
 def decode(data: bytes) -> NodeMessage:
-    if len(data) > MAX_FRAME_BYTES:
-        raise WireError(f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
-    try:
-        envelope = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise WireError(f"not msgpack: {exc}") from exc
-    if not isinstance(envelope, dict) or envelope.keys() != {"v", "type", "body"}:
-        raise WireError("expected a {v, type, body} envelope")
-    if envelope["v"] != NODE_WIRE_VERSION:
-        raise WireError(f"unsupported node wire version {envelope['v']!r}")
-    cls = _TOP_LEVEL.get(envelope["type"]) if isinstance(envelope["type"], str) else None
-    if cls is None:
-        raise WireError(f"unknown message type {envelope['type']!r}")
-    msg = _build(cls, envelope["body"], cls.__name__)
+    msg = _PROTOCOL.decode(data)
     _check(msg)
     return msg
 
 
-def _build(cls: type, body: object, where: str):
-    if not isinstance(body, dict):
-        raise WireError(f"{where} must be a map")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in fields(cls)}
-    required = {f.name for f in fields(cls)
-                if f.default is MISSING and f.default_factory is MISSING}
-    if not body.keys() <= names or not required <= body.keys():
-        raise WireError(f"{where} fields {sorted(body)} do not match {sorted(names)}")
-    return cls(**{k: _value(hints[k], v, f"{where}.{k}") for k, v in body.items()})
-
-
-def _value(hint, value, where: str):
-    """Check (and build nested dataclasses for) one field against its type hint."""
-    args = typing.get_args(hint)
-    if isinstance(hint, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _value(inner, value, where)
-    if typing.get_origin(hint) is list:
-        if not isinstance(value, list):
-            raise WireError(f"{where} must be a list")
-        return [_value(args[0], v, f"{where}[]") for v in value]
-    if isinstance(hint, type) and hasattr(hint, "__dataclass_fields__"):
-        return _build(hint, value, where)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise WireError(f"{where} has type {type(value).__name__}, expected {hint.__name__}")
-    return value
-
-
 def _check(msg: NodeMessage) -> None:
-    if isinstance(msg, GenerateRequest):
-        if msg.transfer is not None and msg.transfer.kind not in ("remote_prefill",
-                                                                  "remote_decode"):
+    if isinstance(msg, GenerateRequest) and msg.transfer is not None:
+        if msg.transfer.kind not in ("remote_prefill", "remote_decode"):
             raise WireError(f"unknown transfer kind {msg.transfer.kind!r}")
-        if msg.transfer is not None and msg.transfer.kind == "remote_prefill" \
-                and not msg.transfer.source_addr:
+        if msg.transfer.kind == "remote_prefill" and not msg.transfer.source_addr:
             raise WireError("a remote_prefill transfer needs source_addr")
     if isinstance(msg, RequestError) and msg.code not in ERROR_CODES:
         raise WireError(f"unknown error code {msg.code!r}")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from core.kv_transfer import RemoteDecode, RemotePrefill, WireError
+from core.kv_transfer import RemoteDecode, RemotePrefill
 from core.node_wire import (
     AbortRequest,
     GenerateRequest,
@@ -37,6 +37,7 @@ from core.node_wire import (
     decode,
     encode,
 )
+from core.wire import WireError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from core.kv_transfer import WireError
 from core.node_wire import (
     AbortRequest,
     GenerateRequest,
@@ -35,6 +34,7 @@ from core.node_wire import (
     decode,
     encode,
 )
+from core.wire import WireError
 from router.config import NodeSpec
 
 logger = logging.getLogger(__name__)

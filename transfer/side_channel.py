@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 import zmq
 
-from core.kv_transfer import MAX_MESSAGE_BYTES, SideChannelMessage, WireError, decode, encode
+from core.kv_transfer import MAX_MESSAGE_BYTES, SideChannelMessage, decode, encode
+from core.wire import WireError
 from transfer.errors import TransferError
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,87 @@
+"""The one msgpack codec for the project's typed, versioned wire messages (torch-free).
+
+A frame is `{"v": version, "type": class name, "body": fields}`. `decode` checks the envelope,
+the version, that the type is one of the protocol's message classes, and every field against
+the class's type hints (nested dataclasses, lists, `X | None`; bool is never an int, an int is
+accepted for a float). Anything else raises `WireError`. Never pickle. Protocols
+(`core.kv_transfer`, `core.node_wire`) are a `Protocol(version, classes, max_bytes)`.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, fields
+
+import msgpack
+
+
+class WireError(ValueError):
+    """A message that cannot be accepted (malformed, unknown, wrong version or oversize)."""
+
+
+@dataclass(frozen=True)
+class Protocol:
+    version: int
+    classes: tuple[type, ...]
+    max_bytes: int
+
+    def encode(self, msg) -> bytes:
+        try:
+            data = msgpack.packb({"v": self.version, "type": type(msg).__name__,
+                                  "body": asdict(msg)})
+        except (TypeError, ValueError) as exc:  # e.g. a numpy scalar in a field
+            raise WireError(f"cannot encode {type(msg).__name__}: {exc}") from exc
+        if len(data) > self.max_bytes:
+            raise WireError(f"{type(msg).__name__} of {len(data)} bytes exceeds {self.max_bytes}")
+        return data
+
+    def decode(self, data: bytes):
+        if len(data) > self.max_bytes:
+            raise WireError(f"message of {len(data)} bytes exceeds {self.max_bytes}")
+        try:
+            envelope = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types for bad input
+            raise WireError(f"not msgpack: {exc}") from exc
+        if not isinstance(envelope, dict) or envelope.keys() != {"v", "type", "body"}:
+            raise WireError("expected a {v, type, body} envelope")
+        if envelope["v"] != self.version:
+            raise WireError(f"unsupported wire version {envelope['v']!r}")
+        by_name = {cls.__name__: cls for cls in self.classes}
+        cls = by_name.get(envelope["type"]) if isinstance(envelope["type"], str) else None
+        if cls is None:
+            raise WireError(f"unknown message type {envelope['type']!r}")
+        return build(cls, envelope["body"], cls.__name__)
+
+
+def build(cls: type, body: object, where: str):
+    """A dataclass instance from a decoded map, every field checked against its type hint."""
+    if not isinstance(body, dict):
+        raise WireError(f"{where} must be a map")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls)
+                if f.default is MISSING and f.default_factory is MISSING}
+    if not body.keys() <= names or not required <= body.keys():
+        raise WireError(f"{where} fields {sorted(body)} do not match {sorted(names)}")
+    return cls(**{k: _value(hints[k], v, f"{where}.{k}") for k, v in body.items()})
+
+
+def _value(hint, value, where: str):
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _value(inner, value, where)
+    if typing.get_origin(hint) is list:
+        if not isinstance(value, list):
+            raise WireError(f"{where} must be a list")
+        return [_value(args[0], v, f"{where}[]") for v in value]
+    if isinstance(hint, type) and hasattr(hint, "__dataclass_fields__"):
+        return build(hint, value, where)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise WireError(f"{where} has type {type(value).__name__}, expected {hint.__name__}")
+    return value
