@@ -47,7 +47,7 @@ def _log(msg: str) -> None:
     print(f"[metadata-bench] {msg}", file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as sock:
@@ -60,7 +60,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-class _Population:
+class Population:
     """N nodes' packed block sets: mostly private blocks, plus hot chains shared by prefix."""
 
     def __init__(self, num_nodes: int, num_blocks: int, chain_len: int, seed: int = 0) -> None:
@@ -94,7 +94,7 @@ class _Population:
 
 class _Etcd:
     def __init__(self, folder: Path) -> None:
-        self.port, peer = _free_port(), _free_port()
+        self.port, peer = free_port(), free_port()
         url, peer_url = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{peer}"
         self.proc = subprocess.Popen(
             ["etcd", "--name", "bench", "--data-dir", str(folder / "etcd"),
@@ -109,7 +109,7 @@ class _Etcd:
         self.proc.wait()
 
 
-def _start_service(port: int, etcd_port: int | None) -> subprocess.Popen:
+def start_service(port: int, etcd_port: int | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "cluster.cli", "metadata", "serve", "--port", str(port),
            "--lease-ttl", "300"]
     if etcd_port is not None:
@@ -117,7 +117,7 @@ def _start_service(port: int, etcd_port: int | None) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
 
 
-def _wait_ready(client: MetadataClient, timeout_s: float = 60.0) -> None:
+def wait_ready(client: MetadataClient, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -129,7 +129,7 @@ def _wait_ready(client: MetadataClient, timeout_s: float = 60.0) -> None:
             time.sleep(0.01)
 
 
-def _ingest(address: str, pop: _Population, infos: dict[str, pb.NodeInfo]) -> float:
+def ingest(address: str, pop: Population, infos: dict[str, pb.NodeInfo]) -> float:
     groups = [pop.node_ids[i::INGEST_THREADS] for i in range(INGEST_THREADS)]
     work = {n: pop.batches(n) for n in pop.node_ids}
     errors: list[BaseException] = []
@@ -175,7 +175,7 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _inproc(pop: _Population, chains: list[list[bytes]]) -> tuple[float, float]:
+def _inproc(pop: Population, chains: list[list[bytes]]) -> tuple[float, float]:
     """(query microseconds, resident bytes per distinct block) of the index alone."""
     before = _rss_bytes()
     index = BlockIndex()
@@ -197,25 +197,25 @@ def run(args: argparse.Namespace) -> dict:
     if args.quick:
         nodes, blocks, queries = min(nodes, 8), min(blocks, 50_000), min(queries, 300)
     use_etcd = not args.no_etcd and shutil.which("etcd") is not None
-    pop = _Population(nodes, blocks, args.chain)
+    pop = Population(nodes, blocks, args.chain)
     chains = [[c[i:i + HASH] for i in range(0, len(c), HASH)] for c in pop.hot]
     result: dict = {"nodes": nodes, "blocks": pop.num_blocks, "chain_blocks": args.chain,
                     "backend": "etcd" if use_etcd else "memory"}
     with tempfile.TemporaryDirectory(prefix="metadata-bench-") as tmp:
         etcd = _Etcd(Path(tmp)) if use_etcd else None
-        port = _free_port()
-        procs = {"service": _start_service(port, etcd.port if etcd else None)}
+        port = free_port()
+        procs = {"service": start_service(port, etcd.port if etcd else None)}
         address = f"127.0.0.1:{port}"
         try:
             with MetadataClient(address, timeout_s=30) as client:
-                _wait_ready(client)
+                wait_ready(client)
                 infos = {n: make_node_info(n, "prefill") for n in pop.node_ids}
                 for info in infos.values():
                     client.register(info, 300)
                 time.sleep(0.5)  # let the first (lease + empty base) writes go out
                 writes0 = client.stats().etcd_writes
                 _log(f"ingesting {pop.num_blocks} blocks into {nodes} nodes")
-                ingest_s = _ingest(address, pop, infos)
+                ingest_s = ingest(address, pop, infos)
                 writes = client.stats().etcd_writes - writes0
                 result["ingest_events_per_s"] = round(pop.num_blocks / ingest_s)
                 result["etcd_writes_per_s_per_node"] = round(writes / ingest_s / nodes, 2)
@@ -272,13 +272,13 @@ def _recover(client: MetadataClient, expected: list, chains: list, procs: dict, 
     procs["service"].kill()
     procs["service"].wait()
     started = time.perf_counter()
-    procs["service"] = _start_service(port, etcd_port)
+    procs["service"] = start_service(port, etcd_port)
     # The server listens only after it rebuilt the index from etcd; a fresh channel then
     # avoids gRPC's reconnect backoff skewing the measurement.
     while not _port_open(port):
         time.sleep(0.005)
     with MetadataClient(f"127.0.0.1:{port}", timeout_s=30) as fresh:
-        _wait_ready(fresh)
+        wait_ready(fresh)
         got = fresh.stats().num_blocks
         same = [fresh.query(c) for c in chains] == expected
     elapsed = time.perf_counter() - started

@@ -1,0 +1,250 @@
+"""Router benchmark: `pdcluster bench router [--json] [--quick]` — the router's own cost.
+
+Setup, all on 127.0.0.1: the metadata service (its own process) indexing 1,000,000 blocks over
+64 registered nodes (32 prefill, 32 decode), whose request addresses are "instant" node
+servers in this process (they answer every request at once, so what is timed is the router);
+`pdcluster router serve` in its own process, pointed at that metadata service.
+
+- `route_decision_p99_us`: the decision alone — the index's prefix walk over the request's
+  block hashes (1M blocks, 64 nodes) plus the policy's choice among the 64 nodes;
+- `overhead_p50_ms` / `overhead_p99_ms`: a completion through the router (HTTP, tokenizing,
+  hashing, the metadata query, ZMQ to the node and back) minus the same request sent straight
+  to the node over ZMQ, same run;
+- `requests_per_s` with 64 concurrent streaming clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import zmq
+
+from benchmarks.metadata_bench import HASH, Population, free_port, ingest, start_service, wait_ready
+from core.node_wire import (
+    GenerateRequest,
+    LoadQuery,
+    LoadReport,
+    SamplingSpec,
+    TokenDelta,
+    decode,
+    encode,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    nodes: int = 64
+    blocks: int = 1_000_000
+    samples: int = 1000
+    concurrency: int = 64
+    load_requests: int = 2000
+
+
+QUICK = Sizes(nodes=16, blocks=50_000, samples=200, concurrency=16, load_requests=200)
+
+
+class InstantNode:
+    """A node server that answers every request at once: one TokenDelta with all tokens."""
+
+    def __init__(self) -> None:
+        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self._socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._socket.poll(50):
+                continue
+            identity, frame = self._socket.recv_multipart()
+            msg = decode(frame)
+            if isinstance(msg, LoadQuery):
+                reply = LoadReport("instant", "decode", 0, 0, 1000, 1000, 0)
+            elif isinstance(msg, GenerateRequest):
+                n = msg.sampling.max_tokens
+                reply = TokenDelta(msg.request_id, [100 + i for i in range(n)], True, "length",
+                                   None, len(msg.prompt_token_ids), 0)
+            else:
+                continue
+            self._socket.send_multipart([identity, encode(reply)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._socket.close()
+
+
+def run(args: argparse.Namespace) -> dict:
+    from engine.tiny_model import make_tiny_model
+
+    sizes = QUICK if getattr(args, "quick", False) else Sizes()
+    with tempfile.TemporaryDirectory(prefix="pdcluster-router-bench-") as tmp:
+        model = str(make_tiny_model(f"{tmp}/model"))
+        nodes = [InstantNode() for _ in range(4)]
+        meta_port = free_port()
+        procs = [start_service(meta_port, None)]
+        try:
+            return {**asdict(sizes), **_measure(sizes, model, nodes, meta_port, procs)}
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            for node in nodes:
+                node.close()
+
+
+def _measure(sizes: Sizes, model: str, nodes: list[InstantNode], meta_port: int,
+             procs: list) -> dict:
+    pop = Population(sizes.nodes, sizes.blocks, 128)
+    prompts = _prompts(model)
+    _populate(f"127.0.0.1:{meta_port}", pop, nodes, prompts)
+    decision_us = _decisions(pop, prompts, sizes.samples)
+    port = free_port()
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "router", "serve", "--model", model,
+         "--metadata", f"127.0.0.1:{meta_port}", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    _wait_healthy(port, sizes.nodes)
+    direct = _direct_ms(nodes[0].address, prompts, sizes.samples)
+    routed = _routed_ms(port, prompts, sizes.samples)
+    rps = asyncio.run(_load(port, prompts, sizes))
+    pct = lambda xs, q: statistics.quantiles(xs, n=100)[q - 1]  # noqa: E731
+    return {
+        "route_decision_p50_us": round(pct(decision_us, 50), 1),
+        "route_decision_p99_us": round(pct(decision_us, 99), 1),
+        "direct_node_p50_ms": round(pct(direct, 50), 3),
+        "router_p50_ms": round(pct(routed, 50), 3),
+        "overhead_p50_ms": round(pct(routed, 50) - pct(direct, 50), 3),
+        "overhead_p99_ms": round(pct(routed, 99) - pct(direct, 99), 3),
+        "requests_per_s": round(rps, 1),
+        "targets": {"route_decision_p99_us": 200, "overhead_p99_ms": 5},
+    }
+
+
+def _prompts(model: str) -> list[str]:
+    rng = random.Random(0)
+    system = "You are a helpful assistant. " * 20  # a shared prefix, as real traffic has
+    return [system + " ".join(f"w{rng.randrange(1000)}" for _ in range(30)) for _ in range(64)]
+
+
+def _populate(address: str, pop: Population, nodes: list[InstantNode], prompts) -> None:
+    """Register the nodes, ingest the 1M-block population, and give some nodes the prompts'
+    shared prefix so queries find real matches."""
+    from metadata_service.client import MetadataClient, make_node_info
+
+    infos = {}
+    with MetadataClient(address, timeout_s=30) as client:
+        wait_ready(client)
+        for i, node_id in enumerate(pop.node_ids):
+            role = "prefill" if i % 2 == 0 else "decode"
+            infos[node_id] = make_node_info(node_id, role, request_address=nodes[i % 4].address,
+                                            kv_address="tcp://127.0.0.1:9")
+            client.register(infos[node_id], 300)
+    ingest(address, pop, infos)
+
+
+def _decisions(pop: Population, prompts: list[str], samples: int) -> list[float]:
+    """Microseconds per decision: the index walk plus the policy over every node."""
+    from metadata_service.index import BlockIndex
+    from router.policy import NodeView, PolicyConfig, route
+
+    index = BlockIndex()
+    for node_id, parts in pop.packed.items():
+        index.add_node(node_id)
+        data = b"".join(parts)
+        index.add_blocks(node_id, [data[i:i + HASH] for i in range(0, len(data), HASH)])
+    chains = [[c[i:i + HASH] for i in range(0, len(c), HASH)] for c in pop.hot]
+    roles = {n: ("prefill" if i % 2 == 0 else "decode") for i, n in enumerate(pop.node_ids)}
+    config, rng, out = PolicyConfig(), random.Random(0), []
+    for i in range(samples):
+        start = time.perf_counter()
+        hits = dict(index.query(chains[i % len(chains)]))
+        views = [NodeView(n, roles[n], hits.get(n, 0), queued_prefill_tokens=(i * 7 + j) % 500,
+                          num_running=j % 5) for j, n in enumerate(pop.node_ids)]
+        route(views, 128 * 16 + 100, config, rng)
+        out.append((time.perf_counter() - start) * 1e6)
+    return out
+
+
+def _wait_healthy(port: int, num_nodes: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            body = json.loads(conn.getresponse().read() or b"{}")
+            if sum(n.get("healthy", False) for n in body.get("nodes", {}).values()) == num_nodes:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("the router did not see every node healthy")
+
+
+def _direct_ms(address: str, prompts: list[str], samples: int) -> list[float]:
+    from engine.node_client import NodeClient
+
+    client, out = NodeClient(address), []
+    ids = list(range(3, 203))  # a prompt of the same order of length, already tokenized
+    for i in range(samples + 20):
+        start = time.perf_counter()
+        client.send(GenerateRequest(f"direct-{i}", ids, SamplingSpec(max_tokens=1)))
+        client.recv(10)
+        if i >= 20:  # warm-up excluded
+            out.append((time.perf_counter() - start) * 1e3)
+    client.close()
+    return out
+
+
+def _routed_ms(port: int, prompts: list[str], samples: int) -> list[float]:
+    conn, out = http.client.HTTPConnection("127.0.0.1", port, timeout=30), []
+    for i in range(samples + 20):
+        body = json.dumps({"model": "model", "prompt": prompts[i % len(prompts)],
+                           "max_tokens": 1})
+        start = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        response.read()
+        if response.status != 200:
+            raise RuntimeError(f"router answered {response.status}")
+        if i >= 20:
+            out.append((time.perf_counter() - start) * 1e3)
+    conn.close()
+    return out
+
+
+async def _load(port: int, prompts: list[str], sizes: Sizes) -> float:
+    """Requests per second with `concurrency` clients streaming completions."""
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    counter = iter(range(sizes.load_requests))
+
+    async def client(session) -> None:
+        for i in counter:
+            payload = {"model": "model", "prompt": prompts[i % len(prompts)],
+                       "max_tokens": 8, "stream": True}
+            async with session.post(url, json=payload) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"router answered {response.status}")
+                async for _ in response.content:
+                    pass
+
+    connector = aiohttp.TCPConnector(limit=sizes.concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(sizes.concurrency)))
+        return sizes.load_requests / (time.perf_counter() - start)
