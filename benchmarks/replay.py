@@ -24,6 +24,12 @@ not yet done) times `prefill_tokens_per_s`, `num_running` = its unfinished reque
 contents change when a request is placed (the node will hold those blocks by the time a later
 request could use them: a simplification).
 
+The simulated router keeps the live router's `router.policy.DecayedWork`, on trace time: each
+placement charges the node `request_work(uncached, output_length)` (the live router charges
+the output as it streams; the trace knows it up front), and every view carries the node's
+decayed total as `recent_work`. The policy's default `output_token_weight` (10) is this
+model's prefill/decode rate ratio. The least-loaded baseline runs with `work_weight=0`.
+
 Metrics: `hit_ratio` = cached prompt blocks / prompt blocks; `ideal_hit_ratio` = the same
 with one infinite cache; `work_imbalance` = max / mean of per-node busy time.
 
@@ -43,7 +49,7 @@ from core.events import BlockRemoved, BlockStored, KVEvent
 from core.hashing import hash_block, root_hash
 from core.types import BlockHash
 from metadata_service.index import BlockIndex
-from router.policy import NodeView, PolicyConfig, choose_prefill
+from router.policy import DecayedWork, NodeView, PolicyConfig, choose_prefill, request_work
 
 TRACE_BLOCK_TOKENS = 512
 POLICIES = ("kv", "round-robin", "least-loaded")
@@ -127,12 +133,13 @@ class SimNode:
             events.append(BlockRemoved(tuple(evicted)))
         return events
 
-    def view(self, now: float, cached_blocks: int, rate: float) -> NodeView:
+    def view(self, now: float, cached_blocks: int, rate: float, recent_work: float) -> NodeView:
         while self.unfinished and self.unfinished[0] <= now:
             self.unfinished.popleft()
         backlog = max(0.0, self.busy_until - now)
         return NodeView(self.node_id, "both", cached_blocks, int(backlog * rate),
-                        len(self.unfinished), len(self.cache) / self.capacity)
+                        len(self.unfinished), len(self.cache) / self.capacity,
+                        recent_work=recent_work)
 
     def serve(self, now: float, service_s: float) -> None:
         start = max(now, self.busy_until)
@@ -151,8 +158,7 @@ def apply_events(index: BlockIndex, node_id: str, events: list[KVEvent]) -> None
             index.clear_node(node_id)
 
 
-def _service_s(req: TraceRequest, hit_blocks: int, config: ReplayConfig) -> float:
-    uncached = max(0, req.input_length - hit_blocks * TRACE_BLOCK_TOKENS)
+def _service_s(req: TraceRequest, uncached: int, config: ReplayConfig) -> float:
     return (config.fixed_s + uncached / config.prefill_tokens_per_s
             + req.output_length / config.decode_tokens_per_s)
 
@@ -164,8 +170,9 @@ def replay(requests: list[TraceRequest], policy: str, config: ReplayConfig,
         raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
     pconf = policy_config or PolicyConfig(block_size=TRACE_BLOCK_TOKENS)
     if policy == "least-loaded":
-        pconf = PolicyConfig(block_size=pconf.block_size, prefill_weight=0.0)
+        pconf = PolicyConfig(block_size=pconf.block_size, prefill_weight=0.0, work_weight=0.0)
     rng = random.Random(config.seed)
+    work = DecayedWork(pconf.work_half_life_s)
     nodes = [SimNode(f"node-{i}", config.cache_blocks // config.num_nodes)
              for i in range(config.num_nodes)]
     index = BlockIndex()
@@ -175,12 +182,14 @@ def replay(requests: list[TraceRequest], policy: str, config: ReplayConfig,
     decide_s = 0.0
     for i, req in enumerate(requests):
         started = time.perf_counter()
-        node = _place(i, req, policy, nodes, index, pconf, config, rng)
+        node = _place(i, req, policy, nodes, index, pconf, config, rng, work)
         decide_s += time.perf_counter() - started
         hits = node.leading_hits(req.block_hashes)
+        uncached = max(0, req.input_length - hits * TRACE_BLOCK_TOKENS)
+        work.add(node.node_id, request_work(uncached, req.output_length, pconf), req.arrival_s)
         hit_blocks += hits
         total_blocks += len(req.block_hashes)
-        node.serve(req.arrival_s, _service_s(req, hits, config))
+        node.serve(req.arrival_s, _service_s(req, uncached, config))
         apply_events(index, node.node_id, node.store(req.block_hashes))
     index.check_invariants()
     busy = [n.busy_s for n in nodes]
@@ -190,12 +199,14 @@ def replay(requests: list[TraceRequest], policy: str, config: ReplayConfig,
 
 
 def _place(i: int, req: TraceRequest, policy: str, nodes: list[SimNode], index: BlockIndex,
-           pconf: PolicyConfig, config: ReplayConfig, rng: random.Random) -> SimNode:
+           pconf: PolicyConfig, config: ReplayConfig, rng: random.Random,
+           work: DecayedWork) -> SimNode:
     if policy == "round-robin":
         return nodes[i % len(nodes)]
     hits = dict(index.query(req.block_hashes)) if policy == "kv" else {}
-    views = [n.view(req.arrival_s, hits.get(n.node_id, 0), config.prefill_tokens_per_s)
-             for n in nodes]
+    recent = work.values(req.arrival_s)
+    views = [n.view(req.arrival_s, hits.get(n.node_id, 0), config.prefill_tokens_per_s,
+                    recent.get(n.node_id, 0.0)) for n in nodes]
     prompt_tokens = max(req.input_length, 1)
     chosen = choose_prefill(views, prompt_tokens, pconf, rng)
     return nodes[int(chosen.node_id.rsplit("-", 1)[1])]

@@ -2,6 +2,12 @@
 the load loop; `place` asks the policy where a request goes (pure decision), `execute` sends
 it there and yields the decode node's token deltas.
 
+Work accounting: the dispatcher keeps `work` (`policy.DecayedWork`, advanced by the injected
+`clock`) and charges each node what it sends there: the prompt tokens the prefilling node must
+compute, once the request is sent, and `output_token_weight` per token as D streams them.
+`place` hands each node's decayed total to the policy (`NodeView.recent_work`). A node that
+appears later starts at the others' mean.
+
 Disaggregated requests: D gets the request with transfer kind "remote_prefill" and P's KV
 side-channel address; P gets it with kind "remote_decode" and max_tokens=1; both carry the
 same fresh transfer id and are sent together. Tokens stream from D; P's own reply is drained
@@ -18,7 +24,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import zmq.asyncio
@@ -29,7 +35,14 @@ from router.config import NodeSpec, RouterConfig
 from router.metadata import MetadataLink
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient, NodeStream
-from router.policy import NodeView, NoHealthyNode, RouteDecision, route
+from router.policy import (
+    DecayedWork,
+    NodeView,
+    NoHealthyNode,
+    RouteDecision,
+    request_work,
+    route,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +62,13 @@ class Placement:
 
 
 class Dispatcher:
-    def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.metrics = metrics
+        self.clock = clock
         self.rng = random.Random(config.seed)
+        self.work = DecayedWork(config.policy.work_half_life_s)
         self.nodes: dict[str, NodeClient] = {}
         self.metadata: MetadataLink | None = None
         self._context = zmq.asyncio.Context()
@@ -75,6 +91,7 @@ class Dispatcher:
                 continue
             if known is not None:
                 self._spawn(known.close())
+            self.work.join(spec.node_id, self.clock())
             self.nodes[spec.node_id] = NodeClient(spec, self._context)
 
     async def refresh(self) -> None:
@@ -106,7 +123,9 @@ class Dispatcher:
         if not healthy:
             raise NoHealthyNode("no healthy node")
         hits = await self._prefix_hits(prompt_ids, cache_salt)
-        views = [_view(n, hits.get(n.node_id, 0) if hits else 0) for n in healthy]
+        work = self.work.values(self.clock())
+        views = [_view(n, hits.get(n.node_id, 0) if hits else 0, work.get(n.node_id, 0.0))
+                 for n in healthy]
         decision = route(views, len(prompt_ids), self.config.policy, self.rng)
         return Placement(decision, load_only=hits is None)
 
@@ -142,13 +161,20 @@ class Dispatcher:
                 self._spawn(_drain_prefill(p_stream, failure))
             d_stream = await decode.generate(d_request)
             streams.append((decode, d_stream))
+            self._charge(prefill or decode, len(request.prompt_token_ids) - decision.cached_tokens)
             async for msg in _race(d_stream, failure):
+                self._charge(decode, 0, len(msg.token_ids))
                 yield msg
         finally:
             for node, stream in streams:
                 if not stream.finished:
                     self.metrics.aborts.inc()
                     await node.abort(stream.request_id)
+
+    def _charge(self, node: NodeClient, uncached: int, output_tokens: int = 0) -> None:
+        work = request_work(uncached, output_tokens, self.config.policy)
+        if work > 0:
+            self.work.add(node.node_id, work, self.clock())
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -166,7 +192,7 @@ class Dispatcher:
         self._context.term()
 
 
-def _view(node: NodeClient, cached_blocks: int) -> NodeView:
+def _view(node: NodeClient, cached_blocks: int, recent_work: float) -> NodeView:
     report = node.report
     queued = node.pending_tokens + (report.queued_prefill_tokens if report else 0)
     running = max(node.num_inflight, report.num_running if report else 0)
@@ -174,7 +200,7 @@ def _view(node: NodeClient, cached_blocks: int) -> NodeView:
     if report and report.num_total_blocks > 0:
         usage = 1.0 - report.num_free_blocks / report.num_total_blocks
     return NodeView(node.node_id, node.spec.role, cached_blocks, queued, running, usage,
-                    bool(report and report.draining))
+                    bool(report and report.draining), recent_work=recent_work)
 
 
 async def _drain_prefill(stream: NodeStream, failure: asyncio.Future) -> None:

@@ -11,6 +11,12 @@ Every cost is in *prefill-token equivalents* (the unit of the work a node must d
     load(n)     = queue_weight   * queued_prefill_tokens(n)
                 + running_weight * num_running(n)
                 + kv_weight      * kv_usage(n)                 (kv_usage in [0, 1])
+                + work_weight    * recent_work(n)
+
+    recent_work(n) = sum over requests r the router sent to n of
+                     work(r) * 2 ** (-(now - sent_at(r)) / work_half_life_s)
+    work(r)        = uncached prompt tokens it prefills there
+                   + output_token_weight * output tokens it decodes there
 
     cost_P(n) = prefill_weight  * uncached(n) + load(n)        (prefill work left + queue)
     cost_D(n) = transfer_weight * uncached(n) + load(n)        (blocks D lacks must move)
@@ -19,19 +25,31 @@ D = argmin cost_D; if uncached(D) <= local_prefill_threshold (or there is no pre
 D prefills locally; else P = argmin cost_P. Ties (within `tie_epsilon`) are broken uniformly
 at random with the injected RNG.
 
+Why `recent_work`: the first three load terms are what a node reports *now*. At low
+utilization its queue is empty most of the time, so they cannot tell a node that served ten
+long conversations in the last minute from one that served none, and sticky conversations
+pile up cumulative work on a few nodes. `recent_work` is the router's own memory of the work
+it sent (`DecayedWork`, kept by the caller and advanced with the caller's clock). Only the
+differences between nodes matter to the argmin, so a conversation stays on the node holding
+its prefix until that node's excess recent work, times `work_weight`, outweighs recomputing
+the prefix elsewhere.
+
 Why this does not herd on a shared prefix: once a prefix is cached on several nodes its
 credit is equal on all of them, so load alone decides among them; while it is cached on one
-node only, that node's queue grows with every request sent there and the others win as soon
-as the queue outweighs recomputing the prefix (after which they hold it too). Why it does not
-starve: with no prefix overlap the cost is load alone, i.e. least-loaded with random ties.
+node only, that node's queue (under load) or its recent work (at low load, where the queue
+stays empty) grows with every request sent there, and the others win as soon as that
+outweighs recomputing the prefix (after which they hold it too). Why it does not starve: with
+no prefix overlap the cost is load alone, i.e. least-loaded, recent work breaking what would
+be ties.
 Metadata unreachable: call with every `cached_blocks=0` (load-only routing).
 
-API: `PolicyConfig`, `NodeView`, `RouteDecision`, `NoHealthyNode`, `choose_prefill`,
-`choose_decode`, `route`.
+API: `PolicyConfig`, `NodeView`, `RouteDecision`, `NoHealthyNode`, `DecayedWork`,
+`request_work`, `choose_prefill`, `choose_decode`, `route`.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +71,9 @@ class PolicyConfig:
     queue_weight: float = 0.5
     running_weight: float = 16.0
     kv_weight: float = 512.0
+    work_weight: float = 0.03
+    output_token_weight: float = 10.0  # node time of one output token / of one prompt token
+    work_half_life_s: float = 60.0
     local_prefill_threshold: int = 256
     tie_epsilon: float = 1e-9
 
@@ -60,11 +81,13 @@ class PolicyConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("prefill_weight", "transfer_weight", "queue_weight", "running_weight",
-                     "kv_weight", "tie_epsilon"):
+                     "kv_weight", "work_weight", "output_token_weight", "tie_epsilon"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0")
+        if not self.work_half_life_s > 0:
+            raise ValueError(f"work_half_life_s must be > 0, got {self.work_half_life_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +101,7 @@ class NodeView:
     num_running: int = 0
     kv_usage: float = 0.0
     draining: bool = False
+    recent_work: float = 0.0  # DecayedWork.value(node_id, now)
 
     def can(self, role: str) -> bool:
         return not self.draining and self.role in (role, "both")
@@ -98,7 +122,57 @@ def uncached_tokens(node: NodeView, num_prompt_tokens: int, config: PolicyConfig
 def load_cost(node: NodeView, config: PolicyConfig) -> float:
     return (config.queue_weight * node.queued_prefill_tokens
             + config.running_weight * node.num_running
-            + config.kv_weight * min(max(node.kv_usage, 0.0), 1.0))
+            + config.kv_weight * min(max(node.kv_usage, 0.0), 1.0)
+            + config.work_weight * node.recent_work)
+
+
+def request_work(uncached: int, output_tokens: int, config: PolicyConfig) -> float:
+    """The work one request puts on a node, in prefill-token equivalents."""
+    return uncached + config.output_token_weight * output_tokens
+
+
+class DecayedWork:
+    """Work recently sent to each node, halved every `half_life_s` seconds of the caller's
+    clock (`now` is passed in: the live router's monotonic clock, or trace time in the replay).
+
+    Stored as work * 2 ** ((sent_at - epoch) / half_life_s), so an update is one addition and
+    reading every node costs one exp2; the epoch moves forward (rescaling everything) every
+    `REBASE_HALF_LIVES` half-lives, long before the scaled values could overflow.
+    """
+
+    REBASE_HALF_LIVES = 64
+
+    def __init__(self, half_life_s: float) -> None:
+        if not half_life_s > 0:
+            raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
+        self.half_life_s = half_life_s
+        self._epoch: float | None = None
+        self._scaled: dict[NodeId, float] = {}
+
+    def _decay(self, now: float) -> float:
+        """2 ** (-(now - epoch) / half_life): what one unit stored at the epoch is worth now."""
+        return 1.0 if self._epoch is None else math.exp2((self._epoch - now) / self.half_life_s)
+
+    def value(self, node_id: NodeId, now: float) -> float:
+        return self._scaled.get(node_id, 0.0) * self._decay(now)
+
+    def values(self, now: float) -> dict[NodeId, float]:
+        decay = self._decay(now)
+        return {node_id: scaled * decay for node_id, scaled in self._scaled.items()}
+
+    def add(self, node_id: NodeId, work: float, now: float) -> None:
+        if self._epoch is None or now - self._epoch > self.REBASE_HALF_LIVES * self.half_life_s:
+            self._scaled = self.values(now)
+            self._epoch = now
+        self._scaled[node_id] = self._scaled.get(node_id, 0.0) + work / self._decay(now)
+
+    def join(self, node_id: NodeId, now: float) -> None:
+        """Register a node at the known nodes' mean (0 for the first ones): a node that joins
+        a busy cluster is not flooded until it has caught up with the others."""
+        if node_id in self._scaled:
+            return
+        known = self.values(now)
+        self.add(node_id, sum(known.values()) / len(known) if known else 0.0, now)
 
 
 def _argmin(nodes: Sequence[NodeView], costs: Sequence[float], rng: random.Random,

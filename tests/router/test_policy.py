@@ -1,4 +1,5 @@
-"""The routing policy as a pure function: formula, ties, herding, starvation, fallback."""
+"""The routing policy as a pure function: formula, ties, herding, starvation, fallback, and the
+decayed work count that evens out sticky conversations at low load."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from collections import Counter
 import pytest
 
 from router.policy import (
+    DecayedWork,
     NodeView,
     NoHealthyNode,
     PolicyConfig,
     choose_prefill,
     load_cost,
+    request_work,
     route,
 )
 
@@ -34,9 +37,11 @@ def test_load_outweighs_a_small_hit() -> None:
 
 
 def test_formula_matches_the_documented_weights() -> None:
-    config = PolicyConfig(queue_weight=2.0, running_weight=10.0, kv_weight=100.0)
-    node = NodeView("a", queued_prefill_tokens=7, num_running=3, kv_usage=0.5)
-    assert load_cost(node, config) == 2.0 * 7 + 10.0 * 3 + 100.0 * 0.5
+    config = PolicyConfig(queue_weight=2.0, running_weight=10.0, kv_weight=100.0,
+                          work_weight=0.5, output_token_weight=4.0)
+    node = NodeView("a", queued_prefill_tokens=7, num_running=3, kv_usage=0.5, recent_work=60)
+    assert load_cost(node, config) == 2.0 * 7 + 10.0 * 3 + 100.0 * 0.5 + 0.5 * 60
+    assert request_work(100, 5, config) == 100 + 4.0 * 5
     # a node holding the whole prompt but loaded by exactly the prompt's cost ties an idle,
     # empty one: both cost 320
     nodes = [NodeView("hot", cached_blocks=20, queued_prefill_tokens=160), NodeView("cold")]
@@ -142,7 +147,100 @@ def test_draining_and_missing_roles() -> None:
                  random.Random(0)).prefill_node is None
 
 
+def test_decayed_work_halves_every_half_life() -> None:
+    work = DecayedWork(half_life_s=10.0)
+    work.add("a", 800.0, now=100.0)
+    assert work.value("a", 100.0) == 800.0
+    assert work.value("a", 110.0) == pytest.approx(400.0)
+    assert work.value("a", 130.0) == pytest.approx(100.0)
+    work.add("a", 50.0, now=120.0)  # 200 left of the first, plus the new
+    assert work.value("a", 120.0) == pytest.approx(250.0)
+    assert work.value("never-seen", 120.0) == 0.0
+    assert work.values(130.0) == {"a": pytest.approx(125.0)}
+
+
+def test_decayed_work_stays_exact_over_a_long_run() -> None:
+    work, steady = DecayedWork(half_life_s=1.0), 1 / (1 - 2 ** -0.5)
+    for step in range(2000):  # 1,000 half-lives: the epoch moves forward many times
+        work.add("a", 1.0, now=step * 0.5)
+    # a unit every half half-life converges to 1 / (1 - 2 ** -0.5)
+    assert work.value("a", 999.5) == pytest.approx(steady)
+    assert work.value("a", 1000.5) == pytest.approx(steady / 2)
+
+
+def test_a_joining_node_starts_at_the_mean() -> None:
+    work = DecayedWork(half_life_s=10.0)
+    for node_id in ("a", "b"):
+        work.join(node_id, now=0.0)
+    work.add("a", 1000.0, now=0.0)
+    work.join("c", now=10.0)
+    assert work.value("c", 10.0) == pytest.approx(250.0)  # mean of 500 and 0
+    work.join("a", now=10.0)  # known: unchanged
+    assert work.value("a", 10.0) == pytest.approx(500.0)
+    with pytest.raises(ValueError, match="half_life_s"):
+        DecayedWork(0.0)
+
+
+def test_prefix_affinity_holds_until_recent_work_outweighs_it() -> None:
+    # "hot" holds 100 of the prompt's blocks (1,600 tokens); moving costs 1,600 tokens of
+    # prefill, so hot keeps the request while work_weight * its excess work is below that
+    config = PolicyConfig(block_size=16, work_weight=0.05)
+
+    def pick(excess: float) -> str:
+        nodes = [NodeView("hot", cached_blocks=100, recent_work=10_000 + excess),
+                 NodeView("cold", recent_work=10_000)]
+        return choose_prefill(nodes, 1600 + 32, config, random.Random(0)).node_id
+
+    assert pick(1600 / 0.05 - 100) == "hot"
+    assert pick(1600 / 0.05 + 100) == "cold"
+
+
+def conversation_turns(rng: random.Random, num_conversations: int) -> list[tuple[float, int]]:
+    """(time, conversation) of every turn: a few long conversations among many short ones."""
+    turns = []
+    for conv in range(num_conversations):
+        at = rng.uniform(0.0, 200.0)
+        for _ in range(rng.choice((1, 2, 3, 40))):
+            turns.append((at, conv))
+            at += rng.uniform(1.0, 5.0)
+    return sorted(turns)
+
+
+def sticky_routing(config: PolicyConfig, seed: int) -> tuple[float, float]:
+    """Route conversations over 8 nodes whose queues are always empty (the load report sees
+    nothing, as at low utilization). Returns max / mean of the work each node did, and the
+    share of follow-up turns that stayed on the node holding their history."""
+    rng, work = random.Random(seed), DecayedWork(config.work_half_life_s)
+    done = dict.fromkeys((f"n{i}" for i in range(8)), 0.0)
+    home: dict[int, tuple[str, int]] = {}  # conversation -> (node holding it, history blocks)
+    stayed = follow_ups = 0
+    for now, conv in conversation_turns(rng, 200):
+        holder, history = home.get(conv, ("", 0))
+        prompt = (history + 4) * config.block_size
+        nodes = [NodeView(n, cached_blocks=history if n == holder else 0,
+                          recent_work=work.value(n, now)) for n in done]
+        node = choose_prefill(nodes, prompt, config, rng).node_id
+        uncached = prompt - (history * config.block_size if node == holder else 0)
+        cost = request_work(uncached, rng.randint(10, 300), config)
+        work.add(node, cost, now)
+        done[node] += cost
+        home[conv] = (node, history + 4)
+        follow_ups += bool(holder)
+        stayed += node == holder
+    return max(done.values()) / (sum(done.values()) / len(done)), stayed / follow_ups
+
+
+def test_sticky_conversations_even_out_at_low_load() -> None:
+    for seed in range(3):
+        before, _ = sticky_routing(PolicyConfig(work_weight=0.0), seed)
+        after, stayed = sticky_routing(PolicyConfig(), seed)
+        assert before > 1.25 and after < 1.15, (before, after)
+        assert after - 1 < (before - 1) / 2, (before, after)
+        assert stayed > 0.95, "prefix affinity should still keep almost every follow-up"
+
+
 @pytest.mark.parametrize("field, value", [("block_size", 0), ("queue_weight", -1.0),
+                                          ("work_weight", -0.1), ("work_half_life_s", 0.0),
                                           ("local_prefill_threshold", -1)])
 def test_config_is_validated(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):

@@ -1,5 +1,5 @@
-"""The replay tool: the shared Mooncake trace (target: hit ratio >= 0.97 x ideal with work
-imbalance <= 1.10 on 8 nodes, 100,000 blocks) and a synthetic multi-turn trace."""
+"""The replay tool: the shared Mooncake trace and a synthetic multi-turn trace (target on both:
+hit ratio >= 0.97 x ideal with work imbalance <= 1.10 on 8 nodes, 100,000 blocks)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from benchmarks.replay import (
     apply_events,
     ideal_hit_ratio,
     load_trace,
+    replay,
     replay_all,
 )
 from metadata_service.index import BlockIndex
@@ -48,9 +49,21 @@ def test_synthetic_multi_turn_trace(tmp_path: Path) -> None:
     trace = synthetic_trace(tmp_path / "synth.jsonl", seed=0)
     result = run_replay("--trace", str(trace), "--nodes", "8", "--cache-blocks", "100000")
     assert result["hit_ratio"] >= 0.97 * result["ideal_hit_ratio"], result
-    # Low utilization and sticky conversations: see docs/router.md for why this is 1.20
-    assert result["work_imbalance"] <= 1.20, result
+    assert result["work_imbalance"] <= 1.10, result
     assert result["hit_ratio"] > result["round-robin"]["hit_ratio"] + 0.1
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_synthetic_trace_target_holds_on_other_seeds(tmp_path: Path, seed: int) -> None:
+    requests = load_trace(synthetic_trace(tmp_path / "synth.jsonl", seed=seed))
+    ideal = ideal_hit_ratio(requests)
+    result = replay(requests, "kv", ReplayConfig(num_nodes=8))
+    assert result["hit_ratio"] >= 0.97 * ideal, result
+    assert result["work_imbalance"] <= 1.10, result
+    # 16 nodes (~19% busy): 1.6-2.0 with the live load signal alone, about 1.1-1.25 with the
+    # decayed work term
+    wide = replay(requests, "kv", ReplayConfig(num_nodes=16))
+    assert wide["hit_ratio"] >= 0.97 * ideal and wide["work_imbalance"] <= 1.35, wide
 
 
 def test_baseline_policy_can_be_chosen(tmp_path: Path) -> None:
