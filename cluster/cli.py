@@ -20,32 +20,31 @@ inside the handlers that need them. API: `main(argv) -> int` (exit status).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import json
 import logging
-import os
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
+
+from cluster import cli_services
+from cluster.cli_common import (
+    DEVICES,
+    DTYPES,
+    UsageError,
+    add_command,
+    check_model_dir,
+    config_errors_as_usage,
+    formatter,
+    require_device,
+)
 
 logger = logging.getLogger(__name__)
 
 # Mirrors engine.tiny_model.ARCHS / PRESETS; repeated here so that --help never imports torch.
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 TINY_PRESETS = ("tiny", "bench")
-DTYPES = ("float32", "bfloat16", "float16")
-DEVICES = ("cpu", "cuda")
-
-Handler = Callable[[argparse.Namespace], int]
-
-
-class UsageError(Exception):
-    """A user mistake found after parsing: reported as one line on stderr, exit status 2."""
-
-
 def parse_token_ids(text: str) -> list[int]:
     """Parse "1,2,3" into [1, 2, 3]; argparse reports a bad value as a usage error."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
@@ -60,31 +59,8 @@ def parse_token_ids(text: str) -> list[int]:
     return ids
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the uninformative None and False."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def _formatter(prog: str) -> argparse.HelpFormatter:
-    return _HelpFormatter(prog, max_help_position=32)
-
-
-def _add_command(
-    subparsers: argparse._SubParsersAction, name: str, help_text: str, handler: Handler
-) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        name, help=help_text, description=help_text, formatter_class=_formatter
-    )
-    parser.set_defaults(handler=handler)
-    return parser
-
-
 def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
-    parser = _add_command(
+    parser = add_command(
         subparsers,
         "make-tiny-model",
         "Build a small random-weight HF-format model (safetensors + a real SentencePiece "
@@ -103,7 +79,7 @@ def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
-    parser = _add_command(
+    parser = add_command(
         subparsers,
         "generate",
         "Generate a completion for one prompt with the local engine (no cluster).",
@@ -134,47 +110,41 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
 
 
-def _add_serve(subparsers: argparse._SubParsersAction) -> None:
-    parser = _add_command(
-        subparsers,
-        "serve",
-        "Serve the cluster on a local Ray: prefill and decode node actors, the metadata "
-        "service and the OpenAI-compatible router. Runs until Ctrl-C.",
-        _cmd_serve,
-    )
-    parser.add_argument("--model", required=True, help="HF-format model folder")
-    parser.add_argument("--num-prefill", type=int, default=1, help="prefill node actors")
-    parser.add_argument("--num-decode", type=int, default=1, help="decode node actors")
-    parser.add_argument("--host", default="127.0.0.1", help="router listen address")
-    parser.add_argument("--port", type=int, default=8000, help="router port")
-    parser.add_argument("--metadata", default=None,
-                        help="address of a running metadata service (default: an embedded "
-                        "in-memory one)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="weights and KV dtype (default: float32 on CPU, half on CUDA)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--kv-cache-gib", type=float, default=None,
-                        help="KV cache memory per node (default: the engine's own)")
-    parser.add_argument("--gpus-per-node", type=float, default=0.0,
-                        help="Ray GPUs per node actor (1 on a GPU machine)")
+# name -> (module in benchmarks/, description). Each takes --json and --quick; some take more.
+BENCHMARKS = {
+    "engine": ("engine_bench", "Engine throughput and latency on a tiny random model, against "
+               "a baseline measured in the same run."),
+    "transfer": ("transfer_bench", "KV transfer between two processes through the connector "
+                 "(Mooncake over TCP here), against one raw contiguous Mooncake write of the "
+                 "same bytes in the same run."),
+    "metadata": ("metadata_bench", "Metadata service: prefix-query latency over gRPC (against "
+                 "an empty RPC in the same run), ingest rate, etcd write rate, recovery time "
+                 "and index memory."),
+    "router": ("router_bench", "The router's own cost: decision time over a 1M-block index of "
+               "64 nodes, latency overhead against a direct node call (same run), requests/s "
+               "at 64 streaming clients."),
+    "serve": ("serve_bench", "TTFT of 2,048-token prompts disaggregated vs colocated on a "
+              "local 1+1 cluster, KV transfer time, inter-token latency and throughput (same "
+              "run)."),
+}
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    _check_model_dir(args.model)
-    from cluster.config import ClusterConfig
-    from cluster.launch import serve
+def _engine_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's own choice)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
 
-    engine = {"block_size": args.block_size}
-    if args.dtype:
-        engine["dtype"] = args.dtype
-    if args.kv_cache_gib:
-        engine["kv_cache_memory_gib"] = args.kv_cache_gib
-    with _config_errors_as_usage():
-        config = ClusterConfig(model=args.model, num_prefill=args.num_prefill,
-                               num_decode=args.num_decode, engine=engine,
-                               metadata_address=args.metadata, router_host=args.host,
-                               router_port=args.port, node_gpus=args.gpus_per_node)
-    return serve(config)
+
+def _metadata_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=64, help="registered nodes")
+    parser.add_argument("--blocks", type=int, default=1_000_000, help="indexed blocks")
+    parser.add_argument("--queries", type=int, default=2000, help="timed queries")
+    parser.add_argument("--chain", type=int, default=128, help="blocks per query chain")
+    parser.add_argument("--no-etcd", action="store_true",
+                        help="skip the etcd part (write rate and recovery)")
+
+
+_BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "metadata": _metadata_bench_args}
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
@@ -183,72 +153,22 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         help="Run a benchmark; each prints one JSON object as its last line.",
         description="Run a benchmark. Each prints one JSON object (with its own baseline, "
         "measured in the same run) as the last line of stdout.",
-        formatter_class=_formatter,
+        formatter_class=formatter,
     )
     benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    # Built here rather than by benchmarks.engine_bench so that parsing never imports it.
-    engine = _add_command(
-        benchmarks,
-        "engine",
-        "Engine throughput and latency on a tiny random model, against a baseline "
-        "measured in the same run.",
-        _bench_command("engine_bench"),
-    )
-    engine.add_argument("--json", action="store_true", help="print only the JSON line")
-    engine.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)"
-    )
-    engine.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
-    engine.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
-    metadata = _add_command(
-        benchmarks,
-        "metadata",
-        "Metadata service: prefix-query latency over gRPC (against an empty RPC in the same "
-        "run), ingest rate, etcd write rate, recovery time and index memory.",
-        _bench_command("metadata_bench"),
-    )
-    metadata.add_argument("--json", action="store_true", help="print only the JSON line")
-    metadata.add_argument("--nodes", type=int, default=64, help="registered nodes")
-    metadata.add_argument("--blocks", type=int, default=1_000_000, help="indexed blocks")
-    metadata.add_argument("--queries", type=int, default=2000, help="timed queries")
-    metadata.add_argument("--chain", type=int, default=128, help="blocks per query chain")
-    metadata.add_argument("--no-etcd", action="store_true",
-                          help="skip the etcd part (write rate and recovery)")
-    metadata.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
-    transfer = _add_command(
-        benchmarks,
-        "transfer",
-        "KV transfer between two processes through the connector (Mooncake over TCP here), "
-        "against one raw contiguous Mooncake write of the same bytes in the same run.",
-        _bench_command("transfer_bench"),
-    )
-    transfer.add_argument("--json", action="store_true", help="print only the JSON line")
-    transfer.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
-    router = _add_command(
-        benchmarks,
-        "router",
-        "The router's own cost: decision time over a 1M-block index of 64 nodes, latency "
-        "overhead against a direct node call (same run), requests/s at 64 streaming clients.",
-        _bench_command("router_bench"),
-    )
-    router.add_argument("--json", action="store_true", help="print only the JSON line")
-    router.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
-    serve = _add_command(
-        benchmarks,
-        "serve",
-        "TTFT of 2,048-token prompts disaggregated vs colocated on a local 1+1 cluster, "
-        "KV transfer time, inter-token latency and throughput (same run).",
-        _bench_command("serve_bench"),
-    )
-    serve.add_argument("--json", action="store_true", help="print only the JSON line")
-    serve.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+    # Built here rather than by the benchmark modules so that parsing never imports them.
+    for name, (module, description) in BENCHMARKS.items():
+        parser = add_command(benchmarks, name, description, _bench_command(module))
+        parser.add_argument("--json", action="store_true", help="print only the JSON line")
+        parser.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+        _BENCH_EXTRA_ARGS.get(name, lambda _: None)(parser)
 
 
 REPLAY_POLICIES = ("kv", "round-robin", "least-loaded")
 
 
 def _add_replay(subparsers: argparse._SubParsersAction) -> None:
-    replay = _add_command(
+    replay = add_command(
         subparsers,
         "replay",
         "Replay a request trace (JSONL: timestamp, input_length, output_length, hash_ids) "
@@ -266,87 +186,11 @@ def _add_replay(subparsers: argparse._SubParsersAction) -> None:
     replay.add_argument("--json", action="store_true", help="print only the JSON line")
 
 
-METADATA_TOKEN_ENV = "PDCLUSTER_METADATA_TOKEN"
-
-
-def _add_router(subparsers: argparse._SubParsersAction) -> None:
-    router = subparsers.add_parser(
-        "router", help="The OpenAI-compatible router on its own (nodes found through the "
-        "metadata service).", formatter_class=_formatter)
-    commands = router.add_subparsers(dest="router_command", metavar="COMMAND", required=True)
-    serve = _add_command(
-        commands, "serve",
-        "Serve the HTTP API until SIGINT/SIGTERM. API keys, if any, are read from "
-        "$PDCLUSTER_API_KEYS (comma-separated), the metadata token from "
-        f"${METADATA_TOKEN_ENV}.",
-        _cmd_router_serve,
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port")
-    serve.add_argument("--model", required=True,
-                       help="model folder (tokenizer and chat template come from it)")
-    serve.add_argument("--model-name", default="", help="served model name (default: folder)")
-    serve.add_argument("--metadata", required=True, help="metadata service address host:port")
-    serve.add_argument("--block-size", type=int, default=16, help="the nodes' KV block size")
-    serve.add_argument("--local-prefill-threshold", type=int, default=256,
-                       help="uncached prompt tokens below which the decode node prefills")
-
-
-def _cmd_router_serve(args: argparse.Namespace) -> int:
-    _check_model_dir(args.model)
-    from cluster.launch import api_keys_from_env
-    from router.config import RouterConfig
-    from router.policy import PolicyConfig
-    from router.server import serve_forever
-
-    with _config_errors_as_usage():
-        config = RouterConfig(
-            model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
-            metadata_address=args.metadata, api_keys=api_keys_from_env(),
-            metadata_token=os.environ.get(METADATA_TOKEN_ENV),
-            policy=PolicyConfig(block_size=args.block_size,
-                                local_prefill_threshold=args.local_prefill_threshold))
-    asyncio.run(serve_forever(config))
-    return 0
-
-
-def _add_metadata(subparsers: argparse._SubParsersAction) -> None:
-    metadata = subparsers.add_parser(
-        "metadata",
-        help="The metadata service (global block index, node registry).",
-        description="The metadata service: node registry with leases, the global block "
-        "index and prefix queries over gRPC.",
-        formatter_class=_formatter,
-    )
-    commands = metadata.add_subparsers(dest="metadata_command", metavar="COMMAND", required=True)
-    serve = _add_command(
-        commands, "serve",
-        "Serve until SIGINT/SIGTERM. The shared token, if any, is read from "
-        f"${METADATA_TOKEN_ENV}.",
-        _cmd_metadata_serve,
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=50061, help="port (0: any free port)")
-    serve.add_argument("--backend", choices=("memory", "etcd"), default="memory",
-                       help="memory: embedded, nothing persists; etcd: durable, replicas")
-    serve.add_argument("--etcd", default="127.0.0.1:2379",
-                       help="comma-separated etcd endpoints host:port")
-    serve.add_argument("--etcd-prefix", default="/pdcluster/metadata", help="etcd key prefix")
-    serve.add_argument("--hash-size", type=int, default=32,
-                       help="block hash bytes: 32 (sha256) or 16 (xxh3_128)")
-    serve.add_argument("--lease-ttl", type=int, default=10, help="default node lease TTL, s")
-    serve.add_argument("--flush-interval", type=float, default=0.25,
-                       help="etcd: at most one write per node per this many seconds")
-    serve.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
-    serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    serve.add_argument("--replica-id", default="", help="name in etcd (default: random)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdcluster",
         description="pdcluster: a disaggregated prefill/decode LLM serving cluster.",
-        formatter_class=_formatter,
+        formatter_class=formatter,
     )
     parser.add_argument(
         "--log-level",
@@ -357,20 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_make_tiny_model(subparsers)
     _add_generate(subparsers)
-    _add_serve(subparsers)
-    _add_router(subparsers)
-    _add_metadata(subparsers)
+    cli_services.add_serve(subparsers)
+    cli_services.add_router(subparsers)
+    cli_services.add_metadata(subparsers)
     _add_bench(subparsers)
     _add_replay(subparsers)
     return parser
-
-
-def _require_device(device: str) -> None:
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda given but no CUDA device is available")
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -381,32 +217,14 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_model_dir(model: str) -> None:
-    path = Path(model)
-    if not path.is_dir():
-        raise UsageError(f"model folder not found: {model}")
-    if not (path / "config.json").is_file():
-        raise UsageError(f"not an HF-format model folder (no config.json): {model}")
-
-
-@contextmanager
-def _config_errors_as_usage() -> Iterator[None]:
-    """Configs validate user values with ValueError at construction: report those as usage."""
-    try:
-        yield
-    except ValueError as exc:
-        logger.debug("invalid configuration", exc_info=True)
-        raise UsageError(str(exc)) from exc
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
-    _check_model_dir(args.model)
-    _require_device(args.device)
+    check_model_dir(args.model)
+    require_device(args.device)
     from engine import LLM, SamplingParams
 
     extra = {} if args.num_blocks is None else {"num_kv_blocks": args.num_blocks}
     started = time.perf_counter()
-    with _config_errors_as_usage():
+    with config_errors_as_usage():
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -465,7 +283,7 @@ def _bench_command(module: str) -> Callable[[argparse.Namespace], int]:
 
     def handler(args: argparse.Namespace) -> int:
         if getattr(args, "device", None):
-            _require_device(args.device)
+            require_device(args.device)
         result = importlib.import_module(f"benchmarks.{module}").run(args)
         if not args.json:
             print(format_table(result))
@@ -480,33 +298,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         raise UsageError(f"trace file not found: {args.trace}")
     from benchmarks import replay
 
-    with _config_errors_as_usage():
+    with config_errors_as_usage():
         replay.ReplayConfig(num_nodes=args.nodes, cache_blocks=args.cache_blocks)
     return _bench_command("replay")(args)
-
-
-def _cmd_metadata_serve(args: argparse.Namespace) -> int:
-    from metadata_service.config import MetadataConfig
-    from metadata_service.server import serve
-
-    with _config_errors_as_usage():
-        config = MetadataConfig(
-            host=args.host, port=args.port, backend=args.backend,
-            etcd_endpoints=tuple(e.strip() for e in args.etcd.split(",") if e.strip()),
-            etcd_prefix=args.etcd_prefix, hash_size=args.hash_size,
-            default_lease_ttl_s=args.lease_ttl, flush_interval_s=args.flush_interval,
-            token=os.environ.get(METADATA_TOKEN_ENV) or None,
-            tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, replica_id=args.replica_id,
-        )
-
-    def ready(port: int) -> None:
-        print(f"metadata service ({config.backend}) listening on {config.host}:{port}",
-              flush=True)
-
-    asyncio.run(serve(config, ready))
-    return 0
-
-
 
 
 def main(argv: list[str] | None = None) -> int:

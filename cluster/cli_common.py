@@ -1,0 +1,73 @@
+"""Pieces shared by the `pdcluster` command modules: the help formatter, subcommand
+registration, and turning user mistakes into one-line usage errors (exit status 2)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class UsageError(Exception):
+    """A user mistake found after parsing: reported as one line on stderr, exit status 2."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the uninformative None and False."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def formatter(prog: str) -> argparse.HelpFormatter:
+    return HelpFormatter(prog, max_help_position=32)
+
+
+def add_command(
+    subparsers: argparse._SubParsersAction, name: str, help_text: str, handler: Handler
+) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        name, help=help_text, description=help_text, formatter_class=formatter
+    )
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def require_device(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda given but no CUDA device is available")
+
+
+def check_model_dir(model: str) -> None:
+    path = Path(model)
+    if not path.is_dir():
+        raise UsageError(f"model folder not found: {model}")
+    if not (path / "config.json").is_file():
+        raise UsageError(f"not an HF-format model folder (no config.json): {model}")
+
+
+@contextmanager
+def config_errors_as_usage() -> Iterator[None]:
+    """Configs validate user values with ValueError at construction: report those as usage."""
+    try:
+        yield
+    except ValueError as exc:
+        logger.debug("invalid configuration", exc_info=True)
+        raise UsageError(str(exc)) from exc
+
+
+METADATA_TOKEN_ENV = "PDCLUSTER_METADATA_TOKEN"

@@ -1,0 +1,156 @@
+"""`pdcluster serve`, `pdcluster router serve` and `pdcluster metadata serve`: the commands
+that run services until SIGINT/SIGTERM. Heavy imports happen inside the handlers, so
+`pdcluster --help` stays fast and torch-free."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from cluster.cli_common import (
+    DTYPES,
+    METADATA_TOKEN_ENV,
+    add_command,
+    check_model_dir,
+    config_errors_as_usage,
+    formatter,
+)
+
+
+def add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        subparsers,
+        "serve",
+        "Serve the cluster on a local Ray: prefill and decode node actors, the metadata "
+        "service and the OpenAI-compatible router. Runs until Ctrl-C.",
+        _cmd_serve,
+    )
+    parser.add_argument("--model", required=True, help="HF-format model folder")
+    parser.add_argument("--num-prefill", type=int, default=1, help="prefill node actors")
+    parser.add_argument("--num-decode", type=int, default=1, help="decode node actors")
+    parser.add_argument("--host", default="127.0.0.1", help="router listen address")
+    parser.add_argument("--port", type=int, default=8000, help="router port")
+    parser.add_argument("--metadata", default=None,
+                        help="address of a running metadata service (default: an embedded "
+                        "in-memory one)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="weights and KV dtype (default: float32 on CPU, half on CUDA)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="KV cache memory per node (default: the engine's own)")
+    parser.add_argument("--gpus-per-node", type=float, default=0.0,
+                        help="Ray GPUs per node actor (1 on a GPU machine)")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    check_model_dir(args.model)
+    from cluster.config import ClusterConfig
+    from cluster.launch import serve
+
+    engine = {"block_size": args.block_size}
+    if args.dtype:
+        engine["dtype"] = args.dtype
+    if args.kv_cache_gib:
+        engine["kv_cache_memory_gib"] = args.kv_cache_gib
+    with config_errors_as_usage():
+        config = ClusterConfig(model=args.model, num_prefill=args.num_prefill,
+                               num_decode=args.num_decode, engine=engine,
+                               metadata_address=args.metadata, router_host=args.host,
+                               router_port=args.port, node_gpus=args.gpus_per_node)
+    return serve(config)
+
+
+def add_router(subparsers: argparse._SubParsersAction) -> None:
+    router = subparsers.add_parser(
+        "router", help="The OpenAI-compatible router on its own (nodes found through the "
+        "metadata service).", formatter_class=formatter)
+    commands = router.add_subparsers(dest="router_command", metavar="COMMAND", required=True)
+    serve = add_command(
+        commands, "serve",
+        "Serve the HTTP API until SIGINT/SIGTERM. API keys, if any, are read from "
+        "$PDCLUSTER_API_KEYS (comma-separated), the metadata token from "
+        f"${METADATA_TOKEN_ENV}.",
+        _cmd_router_serve,
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port")
+    serve.add_argument("--model", required=True,
+                       help="model folder (tokenizer and chat template come from it)")
+    serve.add_argument("--model-name", default="", help="served model name (default: folder)")
+    serve.add_argument("--metadata", required=True, help="metadata service address host:port")
+    serve.add_argument("--block-size", type=int, default=16, help="the nodes' KV block size")
+    serve.add_argument("--local-prefill-threshold", type=int, default=256,
+                       help="uncached prompt tokens below which the decode node prefills")
+
+
+def _cmd_router_serve(args: argparse.Namespace) -> int:
+    check_model_dir(args.model)
+    from cluster.launch import api_keys_from_env
+    from router.config import RouterConfig
+    from router.policy import PolicyConfig
+    from router.server import serve_forever
+
+    with config_errors_as_usage():
+        config = RouterConfig(
+            model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
+            metadata_address=args.metadata, api_keys=api_keys_from_env(),
+            metadata_token=os.environ.get(METADATA_TOKEN_ENV),
+            policy=PolicyConfig(block_size=args.block_size,
+                                local_prefill_threshold=args.local_prefill_threshold))
+    asyncio.run(serve_forever(config))
+    return 0
+
+
+def add_metadata(subparsers: argparse._SubParsersAction) -> None:
+    metadata = subparsers.add_parser(
+        "metadata",
+        help="The metadata service (global block index, node registry).",
+        description="The metadata service: node registry with leases, the global block "
+        "index and prefix queries over gRPC.",
+        formatter_class=formatter,
+    )
+    commands = metadata.add_subparsers(dest="metadata_command", metavar="COMMAND", required=True)
+    serve = add_command(
+        commands, "serve",
+        "Serve until SIGINT/SIGTERM. The shared token, if any, is read from "
+        f"${METADATA_TOKEN_ENV}.",
+        _cmd_metadata_serve,
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=50061, help="port (0: any free port)")
+    serve.add_argument("--backend", choices=("memory", "etcd"), default="memory",
+                       help="memory: embedded, nothing persists; etcd: durable, replicas")
+    serve.add_argument("--etcd", default="127.0.0.1:2379",
+                       help="comma-separated etcd endpoints host:port")
+    serve.add_argument("--etcd-prefix", default="/pdcluster/metadata", help="etcd key prefix")
+    serve.add_argument("--hash-size", type=int, default=32,
+                       help="block hash bytes: 32 (sha256) or 16 (xxh3_128)")
+    serve.add_argument("--lease-ttl", type=int, default=10, help="default node lease TTL, s")
+    serve.add_argument("--flush-interval", type=float, default=0.25,
+                       help="etcd: at most one write per node per this many seconds")
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
+    serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    serve.add_argument("--replica-id", default="", help="name in etcd (default: random)")
+
+
+def _cmd_metadata_serve(args: argparse.Namespace) -> int:
+    from metadata_service.config import MetadataConfig
+    from metadata_service.server import serve
+
+    with config_errors_as_usage():
+        config = MetadataConfig(
+            host=args.host, port=args.port, backend=args.backend,
+            etcd_endpoints=tuple(e.strip() for e in args.etcd.split(",") if e.strip()),
+            etcd_prefix=args.etcd_prefix, hash_size=args.hash_size,
+            default_lease_ttl_s=args.lease_ttl, flush_interval_s=args.flush_interval,
+            token=os.environ.get(METADATA_TOKEN_ENV) or None,
+            tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, replica_id=args.replica_id,
+        )
+
+    def ready(port: int) -> None:
+        print(f"metadata service ({config.backend}) listening on {config.host}:{port}",
+              flush=True)
+
+    asyncio.run(serve(config, ready))
+    return 0
