@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from cluster.cli_common import METADATA_TOKEN_ENV
 from cluster.config import ClusterConfig
 from cluster.ray_cluster import RayCluster
 
@@ -62,7 +63,7 @@ def router_config(config: ClusterConfig, metadata_address: str):
                           local_prefill_threshold=config.local_prefill_threshold_tokens)
     return RouterConfig(model_dir=config.model, host=config.router_host,
                         port=config.router_port, metadata_address=metadata_address,
-                        metadata_token=os.environ.get("PDCLUSTER_METADATA_TOKEN"),
+                        metadata_token=os.environ.get(METADATA_TOKEN_ENV),
                         api_keys=api_keys_from_env(), policy=policy)
 
 

@@ -189,22 +189,25 @@ def _candidates(nodes: Sequence[NodeView], role: str) -> list[NodeView]:
     return found
 
 
+def _cheapest(nodes: Sequence[NodeView], role: str, uncached_weight: float,
+              num_prompt_tokens: int, config: PolicyConfig, rng: random.Random) -> NodeView:
+    """The `role` node minimising uncached_weight * uncached tokens + load."""
+    cands = _candidates(nodes, role)
+    costs = [uncached_weight * uncached_tokens(n, num_prompt_tokens, config)
+             + load_cost(n, config) for n in cands]
+    return _argmin(cands, costs, rng, config.tie_epsilon)
+
+
 def choose_prefill(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConfig,
                    rng: random.Random) -> NodeView:
     """The prefill node with the least prefill work left plus load."""
-    cands = _candidates(nodes, "prefill")
-    costs = [config.prefill_weight * uncached_tokens(n, num_prompt_tokens, config)
-             + load_cost(n, config) for n in cands]
-    return _argmin(cands, costs, rng, config.tie_epsilon)
+    return _cheapest(nodes, "prefill", config.prefill_weight, num_prompt_tokens, config, rng)
 
 
 def choose_decode(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConfig,
                   rng: random.Random) -> NodeView:
     """The decode node with the fewest blocks to receive plus load."""
-    cands = _candidates(nodes, "decode")
-    costs = [config.transfer_weight * uncached_tokens(n, num_prompt_tokens, config)
-             + load_cost(n, config) for n in cands]
-    return _argmin(cands, costs, rng, config.tie_epsilon)
+    return _cheapest(nodes, "decode", config.transfer_weight, num_prompt_tokens, config, rng)
 
 
 def route(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConfig,
