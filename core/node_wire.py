@@ -51,12 +51,24 @@ class TransferSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixSource:
+    """Global prefix reuse: the node whose KV side channel is `kv_address` holds the first
+    `num_blocks` blocks of this prompt (per the metadata service when the router looked).
+    The receiving node pulls the blocks it lacks from there instead of recomputing them; a
+    stale hint (blocks evicted since) only means it computes more itself."""
+
+    kv_address: str
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateRequest:
     request_id: ReqId
     prompt_token_ids: list[int]
     sampling: SamplingSpec
     transfer: TransferSpec | None = None
     cache_salt: str | None = None
+    prefix_source: PrefixSource | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,5 +134,8 @@ def _check(msg: NodeMessage) -> None:
             raise WireError(f"unknown transfer kind {msg.transfer.kind!r}")
         if msg.transfer.kind == "remote_prefill" and not msg.transfer.source_addr:
             raise WireError("a remote_prefill transfer needs source_addr")
+    if isinstance(msg, GenerateRequest) and msg.prefix_source is not None:
+        if not msg.prefix_source.kv_address or msg.prefix_source.num_blocks < 1:
+            raise WireError("a prefix_source needs kv_address and num_blocks >= 1")
     if isinstance(msg, RequestError) and msg.code not in ERROR_CODES:
         raise WireError(f"unknown error code {msg.code!r}")
