@@ -134,8 +134,8 @@ def _check(msg: NodeMessage) -> None:
             raise WireError(f"unknown transfer kind {msg.transfer.kind!r}")
         if msg.transfer.kind == "remote_prefill" and not msg.transfer.source_addr:
             raise WireError("a remote_prefill transfer needs source_addr")
-    if isinstance(msg, GenerateRequest) and msg.prefix_source is not None:
-        if not msg.prefix_source.kv_address or msg.prefix_source.num_blocks < 1:
-            raise WireError("a prefix_source needs kv_address and num_blocks >= 1")
+    source = msg.prefix_source if isinstance(msg, GenerateRequest) else None
+    if source is not None and (not source.kv_address or source.num_blocks < 1):
+        raise WireError("a prefix_source needs kv_address and num_blocks >= 1")
     if isinstance(msg, RequestError) and msg.code not in ERROR_CODES:
         raise WireError(f"unknown error code {msg.code!r}")
