@@ -168,9 +168,12 @@ def replay(requests: list[TraceRequest], policy: str, config: ReplayConfig,
     """Replay with one policy; returns hit_ratio, work_imbalance, decisions per second."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
-    pconf = policy_config or PolicyConfig(block_size=TRACE_BLOCK_TOKENS)
+    # the simulated nodes do not pull prefixes from each other: global reuse is off
+    pconf = policy_config or PolicyConfig(block_size=TRACE_BLOCK_TOKENS,
+                                          global_reuse_min_tokens=0)
     if policy == "least-loaded":
-        pconf = PolicyConfig(block_size=pconf.block_size, prefill_weight=0.0, work_weight=0.0)
+        pconf = PolicyConfig(block_size=pconf.block_size, prefill_weight=0.0, work_weight=0.0,
+                             global_reuse_min_tokens=0)
     rng = random.Random(config.seed)
     work = DecayedWork(pconf.work_half_life_s)
     nodes = [SimNode(f"node-{i}", config.cache_blocks // config.num_nodes)

@@ -82,6 +82,9 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--block-size", type=int, default=16, help="the nodes' KV block size")
     serve.add_argument("--local-prefill-threshold", type=int, default=256,
                        help="uncached prompt tokens below which the decode node prefills")
+    serve.add_argument("--global-reuse-min-tokens", type=int, default=512,
+                       help="cached prefix tokens worth pulling from the node holding them "
+                       "instead of recomputing (0: never)")
 
 
 def _cmd_router_serve(args: argparse.Namespace) -> int:
@@ -97,7 +100,8 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
             metadata_address=args.metadata, api_keys=api_keys_from_env(),
             metadata_token=os.environ.get(METADATA_TOKEN_ENV),
             policy=PolicyConfig(block_size=args.block_size,
-                                local_prefill_threshold=args.local_prefill_threshold))
+                                local_prefill_threshold=args.local_prefill_threshold,
+                                global_reuse_min_tokens=args.global_reuse_min_tokens))
     asyncio.run(serve_forever(config))
     return 0
 

@@ -10,6 +10,7 @@ cluster.yaml:
     metadata: {address: "metadata:50061"}      # absent: an embedded in-memory service
     router: {host: 0.0.0.0, port: 8000, enabled: true}   # false: a router runs elsewhere
     node: {gpus: 1, max_restarts: 3, local_prefill_threshold_tokens: 256,
+           global_reuse_min_tokens: 512,        # pull a cached prefix this long; 0: never
            role_resource_prefix: pdcluster_}   # actors ask for Ray resource <prefix><role>
     host: auto                                 # nodes bind and publish $POD_IP (or 127.0.0.1)
 """
@@ -42,6 +43,7 @@ class ClusterConfig:
     node_cpus: float = 1.0
     max_restarts: int = 3
     local_prefill_threshold_tokens: int = 256
+    global_reuse_min_tokens: int = 512  # 0: prefilling nodes never pull a prefix
     role_resource_prefix: str | None = None
 
     def __post_init__(self) -> None:
@@ -49,6 +51,9 @@ class ClusterConfig:
             raise ValueError("need at least one decode node (and zero or more prefill nodes)")
         if self.max_restarts < 0 or self.node_gpus < 0 or self.node_cpus < 0:
             raise ValueError("max_restarts, node_gpus and node_cpus must be >= 0")
+        if self.local_prefill_threshold_tokens < 0 or self.global_reuse_min_tokens < 0:
+            raise ValueError("local_prefill_threshold_tokens and global_reuse_min_tokens "
+                             "must be >= 0")
         if not 0 < self.router_port < 65536:
             raise ValueError(f"router port {self.router_port} out of range")
         if self.kv_protocol not in ("tcp", "rdma"):
@@ -83,4 +88,5 @@ class ClusterConfig:
             role_resource_prefix=node.get("role_resource_prefix"),
             node_gpus=node.get("gpus", 0.0), node_cpus=node.get("cpus", 1.0),
             max_restarts=node.get("max_restarts", 3),
-            local_prefill_threshold_tokens=node.get("local_prefill_threshold_tokens", 256))
+            local_prefill_threshold_tokens=node.get("local_prefill_threshold_tokens", 256),
+            global_reuse_min_tokens=node.get("global_reuse_min_tokens", 512))

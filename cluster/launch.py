@@ -60,7 +60,8 @@ def router_config(config: ClusterConfig, metadata_address: str):
     from router.policy import PolicyConfig
 
     policy = PolicyConfig(block_size=config.engine.get("block_size", 16),
-                          local_prefill_threshold=config.local_prefill_threshold_tokens)
+                          local_prefill_threshold=config.local_prefill_threshold_tokens,
+                          global_reuse_min_tokens=config.global_reuse_min_tokens)
     return RouterConfig(model_dir=config.model, host=config.router_host,
                         port=config.router_port, metadata_address=metadata_address,
                         metadata_token=os.environ.get(METADATA_TOKEN_ENV),

@@ -123,6 +123,7 @@ app.kubernetes.io/component: {{ index . 1 }}
     "gpus" (int $c.node.gpus)
     "max_restarts" (int $c.node.maxRestarts)
     "local_prefill_threshold_tokens" (int $c.node.localPrefillThresholdTokens)
+    "global_reuse_min_tokens" (int $c.node.globalReuseMinTokens)
     "role_resource_prefix" .Values.ray.groupResourcePrefix)
 -}}
 {{- toYaml $config -}}

@@ -15,7 +15,8 @@ def test_yaml_sections_map_to_fields(tmp_path):
                     "transfer: {protocol: rdma, device_name: mlx5_0, timeout_s: 12}\n"
                     "metadata: {address: 'meta:50061'}\n"
                     "router: {host: 0.0.0.0, port: 9000, enabled: false}\n"
-                    "node: {gpus: 1, max_restarts: 5, role_resource_prefix: pdcluster_}\n")
+                    "node: {gpus: 1, max_restarts: 5, role_resource_prefix: pdcluster_,\n"
+                    "       local_prefill_threshold_tokens: 64, global_reuse_min_tokens: 0}\n")
     config = ClusterConfig.from_yaml(path)
     assert (config.num_prefill, config.num_decode, config.host) == (2, 3, "auto")
     assert config.engine == {"dtype": "bfloat16", "block_size": 32}  # nulls mean "default"
@@ -23,7 +24,9 @@ def test_yaml_sections_map_to_fields(tmp_path):
     assert config.metadata_address == "meta:50061" and not config.router_enabled
     assert (config.node_gpus, config.max_restarts, config.role_resource_prefix) == \
         (1, 5, "pdcluster_")
-    assert router_config(config, "meta:50061").policy.block_size == 32
+    policy = router_config(config, "meta:50061").policy
+    assert (policy.block_size, policy.local_prefill_threshold, policy.global_reuse_min_tokens) \
+        == (32, 64, 0)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -31,6 +34,7 @@ def test_yaml_sections_map_to_fields(tmp_path):
     ({"model": "m", "num_decode": 0}, "decode node"),
     ({"model": "m", "transfer": {"protocol": "udp"}}, "tcp or rdma"),
     ({"model": "m", "router": {"port": 0}}, "port"),
+    ({"model": "m", "node": {"global_reuse_min_tokens": -1}}, "global_reuse_min_tokens"),
 ])
 def test_bad_configs_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -217,6 +217,9 @@ def test_router_command_env_and_service() -> None:
     assert "--model=/models/Qwen2.5-7B-Instruct" in router["args"]
     assert ("--metadata=" + f"{RELEASE}-pdcluster-metadata.serving.svc.cluster.local:50061"
             in router["args"])
+    # the router hashes prompts exactly as the nodes store blocks, and routes by the same policy
+    assert {"--block-size=16", "--local-prefill-threshold=256",
+            "--global-reuse-min-tokens=512"} <= set(router["args"])
     env = env_of(router)
     assert env["PDCLUSTER_API_KEYS"]["valueFrom"]["secretKeyRef"]["key"] == "api-keys"
     assert env["PDCLUSTER_METADATA_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] \

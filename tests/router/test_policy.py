@@ -184,7 +184,8 @@ def test_a_joining_node_starts_at_the_mean() -> None:
 def test_prefix_affinity_holds_until_recent_work_outweighs_it() -> None:
     # "hot" holds 100 of the prompt's blocks (1,600 tokens); moving costs 1,600 tokens of
     # prefill, so hot keeps the request while work_weight * its excess work is below that
-    config = PolicyConfig(block_size=16, work_weight=0.05)
+    # (without global reuse: with it, cold could pull the prefix instead)
+    config = PolicyConfig(block_size=16, work_weight=0.05, global_reuse_min_tokens=0)
 
     def pick(excess: float) -> str:
         nodes = [NodeView("hot", cached_blocks=100, recent_work=10_000 + excess),
@@ -208,7 +209,8 @@ def conversation_turns(rng: random.Random, num_conversations: int) -> list[tuple
 
 def sticky_routing(config: PolicyConfig, seed: int) -> tuple[float, float]:
     """Route conversations over 8 nodes whose queues are always empty (the load report sees
-    nothing, as at low utilization). Returns max / mean of the work each node did, and the
+    nothing, as at low utilization); the nodes do not pull prefixes from each other.
+    Returns max / mean of the work each node did, and the
     share of follow-up turns that stayed on the node holding their history."""
     rng, work = random.Random(seed), DecayedWork(config.work_half_life_s)
     done = dict.fromkeys((f"n{i}" for i in range(8)), 0.0)
@@ -232,8 +234,9 @@ def sticky_routing(config: PolicyConfig, seed: int) -> tuple[float, float]:
 
 def test_sticky_conversations_even_out_at_low_load() -> None:
     for seed in range(3):
-        before, _ = sticky_routing(PolicyConfig(work_weight=0.0), seed)
-        after, stayed = sticky_routing(PolicyConfig(), seed)
+        before, _ = sticky_routing(PolicyConfig(work_weight=0.0, global_reuse_min_tokens=0),
+                                   seed)
+        after, stayed = sticky_routing(PolicyConfig(global_reuse_min_tokens=0), seed)
         assert before > 1.25 and after < 1.15, (before, after)
         assert after - 1 < (before - 1) / 2, (before, after)
         assert stayed > 0.95, "prefix affinity should still keep almost every follow-up"
@@ -241,7 +244,55 @@ def test_sticky_conversations_even_out_at_low_load() -> None:
 
 @pytest.mark.parametrize("field, value", [("block_size", 0), ("queue_weight", -1.0),
                                           ("work_weight", -0.1), ("work_half_life_s", 0.0),
-                                          ("local_prefill_threshold", -1)])
+                                          ("local_prefill_threshold", -1),
+                                          ("global_reuse_min_tokens", -1)])
 def test_config_is_validated(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         PolicyConfig(**{field: value})
+
+
+# --- global prefix reuse ---------------------------------------------------------------------
+
+REUSE = PolicyConfig(block_size=16, local_prefill_threshold=64, global_reuse_min_tokens=128)
+
+
+def test_a_busy_holder_lends_its_prefix_to_an_idle_prefill_node() -> None:
+    # "holder" has 40 of 45 blocks but a long queue; "idle" pulls 40 blocks and computes 5
+    nodes = [NodeView("holder", "prefill", cached_blocks=40, queued_prefill_tokens=4000),
+             NodeView("idle", "prefill"), NodeView("d", "decode")]
+    decision = route(nodes, 45 * 16, REUSE, random.Random(0))
+    assert decision.prefill_node == "idle" and decision.decode_node == "d"
+    assert (decision.prefix_source, decision.prefix_source_blocks) == ("holder", 40)
+    assert decision.cached_tokens == 0  # its own cache: the pulled blocks are not in it yet
+
+
+def test_a_pull_shorter_than_the_threshold_is_not_worth_it() -> None:
+    nodes = [NodeView("holder", "prefill", cached_blocks=7), NodeView("other", "prefill",
+             queued_prefill_tokens=10), NodeView("d", "decode")]
+    decision = route(nodes, 30 * 16, REUSE, random.Random(0))  # 7 blocks = 112 < 128 tokens
+    assert decision.prefix_source is None
+
+
+def test_the_decode_node_pulls_too_when_it_prefills_locally() -> None:
+    # D is cheapest (it holds half the conversation); the rest is on a prefill node
+    nodes = [NodeView("p", "prefill", cached_blocks=20, queued_prefill_tokens=9000),
+             NodeView("d", "decode", cached_blocks=10)]
+    decision = route(nodes, 20 * 16 + 8, REUSE, random.Random(0))
+    assert decision.reason == "local_prefill" and decision.decode_node == "d"
+    assert (decision.prefix_source, decision.prefix_source_blocks) == ("p", 20)
+
+
+def test_the_block_of_the_last_prompt_token_is_never_pulled() -> None:
+    nodes = [NodeView("holder", "prefill", cached_blocks=32, queued_prefill_tokens=9000),
+             NodeView("idle", "prefill"), NodeView("d", "decode")]
+    decision = route(nodes, 32 * 16, REUSE, random.Random(0))  # the whole prompt is cached
+    assert decision.prefix_source == "holder" and decision.prefix_source_blocks == 31
+
+
+def test_no_pull_when_disabled_or_when_the_holder_drains() -> None:
+    nodes = [NodeView("holder", "prefill", cached_blocks=40, queued_prefill_tokens=4000),
+             NodeView("idle", "prefill"), NodeView("d", "decode")]
+    off = PolicyConfig(block_size=16, local_prefill_threshold=64, global_reuse_min_tokens=0)
+    assert route(nodes, 45 * 16, off, random.Random(0)).prefix_source is None
+    nodes[0].draining = True
+    assert route(nodes, 45 * 16, REUSE, random.Random(0)).prefix_source is None
