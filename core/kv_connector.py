@@ -4,10 +4,13 @@ Split as in vLLM's KVConnectorBase_V1 (our own version):
 - `KVConnectorScheduler` runs with the engine's scheduler. It answers "how many tokens beyond
   my local prefix hit will arrive from outside?", records which local blocks a remote transfer
   must fill, says whether a finished request's blocks stay pinned for a send (delay-free), and
-  builds one `ConnectorPlan` per step.
+  builds one `ConnectorPlan` per step. For global prefix reuse it also decides whether a
+  `PrefixPull` hint is worth following (`num_pull_blocks`, the threshold is its policy).
 - `KVConnectorWorker` moves the bytes: it registers the engine's whole KV region once,
   executes plans (which it treats as opaque instructions), and reports `ConnectorResults`:
-  receives that completed or failed, and pinned requests whose blocks may now be freed.
+  receives and pulls that completed or failed, pinned requests whose blocks may now be freed,
+  and on a holder node the pull requests of peers (`lookups`), which only the engine can
+  resolve against its prefix cache, and the served pulls whose blocks may be unreferenced.
 Only plain data crosses this boundary (ids, block ids, addresses), so the engine needs no
 transfer code and the connector no engine code.
 """
@@ -17,8 +20,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from core.kv_transfer import KVTransferParams, RemoteDecode, RemotePrefill, TransferId
-from core.types import ReqId
+from core.kv_transfer import (
+    KVTransferParams,
+    PrefixPull,
+    RemoteDecode,
+    RemotePrefill,
+    TransferId,
+)
+from core.types import BlockHash, ReqId
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +66,38 @@ class SendJob:
     first_logprob: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PullJob:
+    """Requester: fill `block_ids` (blocks [k0, k) of the prompt, hashes `block_hashes`) from
+    the holder at `source_addr`; the holder may send only a leading part of them."""
+
+    request_id: ReqId
+    transfer_id: TransferId
+    source_addr: str
+    block_ids: list[int]
+    block_hashes: list[BlockHash]
+
+
+@dataclass(frozen=True, slots=True)
+class ServeJob:
+    """Holder: the engine resolved lookup `transfer_id`; `block_ids` (possibly none) are the
+    leading run of the asked hashes it holds, referenced until the worker reports `served`."""
+
+    transfer_id: TransferId
+    block_ids: list[int]
+
+
 @dataclass(slots=True)
 class ConnectorPlan:
     recvs: list[RecvJob] = field(default_factory=list)
     sends: list[SendJob] = field(default_factory=list)
     cancelled: list[TransferId] = field(default_factory=list)
+    pulls: list[PullJob] = field(default_factory=list)
+    serves: list[ServeJob] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.recvs or self.sends or self.cancelled)
+        return not (self.recvs or self.sends or self.cancelled or self.pulls or self.serves)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +109,32 @@ class RecvResult:
     error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PullResult:
+    """Requester: `num_blocks` leading blocks of the pull's `block_ids` hold the holder's KV
+    (0 on failure: the engine computes them)."""
+
+    request_id: ReqId
+    ok: bool
+    num_blocks: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PullLookup:
+    """Holder: a peer asks for these blocks; the engine answers with a `ServeJob`."""
+
+    transfer_id: TransferId
+    block_hashes: list[BlockHash]
+
+
 @dataclass(slots=True)
 class ConnectorResults:
     received: list[RecvResult] = field(default_factory=list)
     released: list[ReqId] = field(default_factory=list)  # P: pinned blocks may be freed
+    pulled: list[PullResult] = field(default_factory=list)
+    lookups: list[PullLookup] = field(default_factory=list)
+    served: list[TransferId] = field(default_factory=list)  # holder: unreference the blocks
 
 
 class KVConnectorScheduler(ABC):
@@ -100,6 +154,22 @@ class KVConnectorScheduler(ABC):
         """D: blocks for the whole prompt exist; `block_ids[skip_blocks:]` await the remote KV."""
 
     @abstractmethod
+    def num_pull_blocks(self, request_id: ReqId, pull: PrefixPull, num_full_blocks: int,
+                        num_local_blocks: int) -> int:
+        """Blocks past the local hit to pull from `pull.source_addr` (0: compute them).
+        `num_full_blocks`: the prompt's blocks that may come from elsewhere (never the one
+        holding the last prompt token, whose logits the first sample needs)."""
+
+    @abstractmethod
+    def on_pull_allocated(self, request_id: ReqId, pull: PrefixPull, block_ids: list[int],
+                          block_hashes: list[BlockHash]) -> None:
+        """Requester: `block_ids` (unhashed, named by `block_hashes`) await the pulled KV."""
+
+    @abstractmethod
+    def on_serve(self, transfer_id: TransferId, block_ids: list[int]) -> None:
+        """Holder: lookup `transfer_id` resolved to `block_ids`, referenced for the write."""
+
+    @abstractmethod
     def on_finished(self, request_id: ReqId, transfer: KVTransferParams | None,
                     block_ids: list[int], output_token_ids: list[int],
                     logprobs: list[float]) -> bool:
@@ -108,8 +178,8 @@ class KVConnectorScheduler(ABC):
 
     @abstractmethod
     def on_aborted(self, request_id: ReqId, transfer: KVTransferParams | None) -> bool:
-        """A request was aborted. True: a transfer may still touch its blocks, keep them
-        pinned until the worker reports it (received or released)."""
+        """A request was aborted. True: a transfer (or a pull) may still touch its blocks,
+        keep them pinned until the worker reports it (received, pulled or released)."""
 
     @abstractmethod
     def build_plan(self) -> ConnectorPlan:
@@ -131,6 +201,10 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def get_results(self) -> ConnectorResults:
         """What completed, failed or expired since the last call."""
+
+    @abstractmethod
+    def has_pending_work(self) -> bool:
+        """Whether the engine must step for the worker's sake (a peer's pull to look up)."""
 
     @abstractmethod
     def close(self) -> None: ...

@@ -2,10 +2,14 @@
 
 - Transfer parameters a request carries: `RemotePrefill` on the decode node D (its KV comes
   from prefill node P) and `RemoteDecode` on P (its KV goes to a decode node, which contacts P).
-- Side-channel messages (D <-> P, ZMQ + msgpack), versioned and typed:
+  Independently of those, `PrefixPull` (global prefix reuse): the leading blocks of the prompt
+  may be fetched from a holder node H instead of computed.
+- Side-channel messages (ZMQ + msgpack), versioned and typed:
   `XferRequest` (D -> P: "transfer T for request R: write your blocks [skip:] into these byte
-  ranges of my registered region"), `XferAbort` (D -> P: "forget T") and `XferDone`
-  (P -> D: "T done" with the first token, or "T failed: reason").
+  ranges of my registered region"), `PrefixPullRequest` (requester -> H: "write the leading
+  run you hold of these blocks, named by hash, into these byte ranges"), `XferAbort`
+  ("forget T") and `XferDone` ("T done" with the first token or the number of blocks written,
+  or "T failed: reason").
   `encode` / `decode` (the shared codec of `core.wire`) raise `WireError` for anything
   malformed, of an unknown type or of another version. Never pickle.
 """
@@ -43,6 +47,20 @@ KVTransferParams = RemotePrefill | RemoteDecode
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixPull:
+    """The node whose KV side channel is `source_addr` holds (per the metadata service) the
+    first `num_blocks` blocks of this prompt: fetch the ones missing locally from there rather
+    than compute them, if that saves enough blocks. A hint: a stale one only costs compute."""
+
+    source_addr: str
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        if not self.source_addr or self.num_blocks < 1:
+            raise ValueError("a PrefixPull needs source_addr and num_blocks >= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class XferRequest:
     transfer_id: TransferId
     request_id: ReqId  # D's request id, echoed back for logging
@@ -52,6 +70,20 @@ class XferRequest:
     num_blocks: int  # blocks of the whole prompt
     skip_blocks: int  # leading blocks D already holds (its own prefix hit)
     dest_block_addrs: list[int]  # address of D's block i for i in [skip_blocks, num_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPullRequest:
+    """Requester -> holder H: write the leading run of `block_hashes` that H still caches into
+    `dest_block_addrs` (same order), then answer `XferDone(num_blocks_sent=n)`."""
+
+    transfer_id: TransferId
+    request_id: ReqId  # the requester's request id, for logging
+    reply_addr: str
+    dest_session: str
+    block_nbytes: int
+    block_hashes: list[bytes]  # chained block hashes (core.hashing), salt included
+    dest_block_addrs: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +102,9 @@ class XferDone:
     num_descriptors: int = 0
 
 
-SideChannelMessage = XferRequest | XferAbort | XferDone
-_PROTOCOL = Protocol(WIRE_VERSION, (XferRequest, XferAbort, XferDone), MAX_MESSAGE_BYTES)
+SideChannelMessage = XferRequest | PrefixPullRequest | XferAbort | XferDone
+_PROTOCOL = Protocol(WIRE_VERSION, (XferRequest, PrefixPullRequest, XferAbort, XferDone),
+                     MAX_MESSAGE_BYTES)
 
 
 def encode(msg: SideChannelMessage) -> bytes:
@@ -82,6 +115,8 @@ def decode(data: bytes) -> SideChannelMessage:
     msg = _PROTOCOL.decode(data)
     if isinstance(msg, XferRequest):
         _check_request(msg)
+    elif isinstance(msg, PrefixPullRequest):
+        _check_pull(msg)
     return msg
 
 
@@ -94,3 +129,12 @@ def _check_request(msg: XferRequest) -> None:
         raise WireError("XferRequest needs one destination address per block past skip_blocks")
     if msg.block_nbytes <= 0:
         raise WireError("XferRequest.block_nbytes must be positive")
+
+
+def _check_pull(msg: PrefixPullRequest) -> None:
+    if not msg.block_hashes or len(msg.block_hashes) != len(msg.dest_block_addrs):
+        raise WireError("PrefixPullRequest needs one destination address per block hash")
+    if not all(a > 0 for a in msg.dest_block_addrs):
+        raise WireError("PrefixPullRequest.dest_block_addrs must be positive integers")
+    if msg.block_nbytes <= 0:
+        raise WireError("PrefixPullRequest.block_nbytes must be positive")

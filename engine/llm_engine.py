@@ -13,7 +13,10 @@ model runner (torch). Bad requests raise ValueError at `add_request`, before any
 With a `KVConnector` (see core/kv_connector.py) the engine takes part in disaggregated
 serving: `add_request(..., kv_transfer=RemotePrefill(...))` on a decode node waits for its
 prompt's KV instead of computing it; `kv_transfer=RemoteDecode(...)` on a prefill node keeps
-the blocks pinned after prefill until the connector has sent them. Each step first applies
+the blocks pinned after prefill until the connector has sent them. `prefix_pull=PrefixPull(
+holder's side channel, blocks it holds)` (global prefix reuse) pulls the prompt's cached
+prefix from another node when that saves enough blocks, computing whatever does not arrive;
+the engine also serves other nodes' pulls from its own prefix cache. Each step first applies
 the connector's results, then schedules and runs the model, then hands the connector the
 step's plan.
 """
@@ -28,7 +31,7 @@ import torch
 
 from core.hashing import BlockExtra
 from core.kv_connector import KVConnector, KVRegion
-from core.kv_transfer import KVTransferParams
+from core.kv_transfer import KVTransferParams, PrefixPull, RemotePrefill
 from core.types import ReqId
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
@@ -129,16 +132,21 @@ class LLMEngine:
     def add_request(self, request_id: ReqId, prompt: str | list[int],
                     params: SamplingParams | None = None, *, cache_salt: str | None = None,
                     arrival_time: float | None = None,
-                    kv_transfer: KVTransferParams | None = None) -> Request:
+                    kv_transfer: KVTransferParams | None = None,
+                    prefix_pull: PrefixPull | None = None) -> Request:
+        """`prefix_pull` is ignored with `RemotePrefill`: the whole prompt's KV arrives."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
-        if kv_transfer is not None and self.connector is None:
-            raise ValueError("kv_transfer was given but this engine has no KV connector")
+        if (kv_transfer is not None or prefix_pull is not None) and self.connector is None:
+            raise ValueError("kv_transfer or prefix_pull was given but this engine has no KV "
+                             "connector")
+        if isinstance(kv_transfer, RemotePrefill):
+            prefix_pull = None
         extra = BlockExtra(cache_salt=cache_salt) if cache_salt else None
         req = Request(request_id, token_ids, params, self.config.block_size,
                       self.model_config.eos_token_ids, extra, self.config.hash_config,
-                      arrival_time, kv_transfer)
+                      arrival_time, kv_transfer, prefix_pull)
         self.scheduler.add_request(req)
         return req
 
@@ -169,8 +177,12 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def has_pinned_blocks(self) -> bool:
-        """Finished requests whose blocks still wait for a transfer (drain before shutdown)."""
-        return bool(self.scheduler.pinned)
+        """Transfer work that holds blocks or soon will (drain it before shutdown): finished
+        requests waiting to send, blocks serving another node's pull, or such a pull still
+        waiting for a step to look it up."""
+        if self.scheduler.pinned or self.scheduler.pulls.serving:
+            return True
+        return self.connector is not None and self.connector.worker.has_pending_work()
 
     def close(self) -> None:
         if self.connector is not None:

@@ -15,7 +15,7 @@ from engine.kv_cache import PagedKVCache
 from engine.models.llama import CausalLM
 from engine.outputs import SampledToken
 from engine.sampler import Sampler
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class ModelRunner:

@@ -6,7 +6,10 @@ messages, runs an engine step when there is work, and sends each request's new t
 to the client that submitted it as `TokenDelta`s. The role of a node is not a mode of the
 server: a request's `TransferSpec` says whether its KV comes from a prefill node
 ("remote_prefill") or goes to a decode node ("remote_decode"); without one the node serves
-the request alone. Refusals are `RequestError`s with a code, never a dropped request.
+the request alone. A `PrefixSource` hint (global prefix reuse) becomes the engine's
+`PrefixPull`: the node fetches the prompt's cached prefix from the named holder when that
+saves enough blocks (docs/transfer.md). Refusals are `RequestError`s with a code, never a
+dropped request.
 `stop(drain=True)` stops admitting (new requests get "draining"), lets running requests and
 pinned transfers finish, then exits.
 
@@ -24,13 +27,14 @@ from dataclasses import dataclass
 
 import zmq
 
-from core.kv_transfer import RemoteDecode, RemotePrefill
+from core.kv_transfer import PrefixPull, RemoteDecode, RemotePrefill
 from core.node_wire import (
     AbortRequest,
     GenerateRequest,
     LoadQuery,
     LoadReport,
     NodeMessage,
+    PrefixSource,
     RequestError,
     TokenDelta,
     TransferSpec,
@@ -171,13 +175,19 @@ class NodeServer:
             params = _sampling_params(msg)
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
                                     cache_salt=msg.cache_salt,
-                                    kv_transfer=_transfer_params(msg.transfer))
+                                    kv_transfer=_transfer_params(msg.transfer),
+                                    prefix_pull=self._prefix_pull(msg.prefix_source))
         except ValueError as exc:
             self._refuse(identity, msg.request_id, "invalid_request", str(exc))
             return
         self.stats.num_requests += 1
         self._owners[msg.request_id] = identity
         self._prompt_lens[msg.request_id] = len(msg.prompt_token_ids)
+
+    def _prefix_pull(self, source: PrefixSource | None) -> PrefixPull | None:
+        if source is None or self.engine.connector is None:
+            return None  # a hint: a node without a connector just computes
+        return PrefixPull(source.kv_address, source.num_blocks)
 
     def _refuse(self, identity: bytes, request_id: str, code: str, message: str) -> None:
         self.stats.num_refused += 1

@@ -12,7 +12,7 @@ import enum
 import time
 
 from core.hashing import BlockExtra, BlockHasher, HashConfig
-from core.kv_transfer import KVTransferParams
+from core.kv_transfer import KVTransferParams, PrefixPull
 from core.types import ReqId
 from engine.sampling_params import SamplingParams
 
@@ -41,7 +41,8 @@ class Request:
                  block_size: int, eos_token_ids: tuple[int, ...] = (),
                  extra: BlockExtra | None = None, hash_config: HashConfig | None = None,
                  arrival_time: float | None = None,
-                 kv_transfer: KVTransferParams | None = None) -> None:
+                 kv_transfer: KVTransferParams | None = None,
+                 prefix_pull: PrefixPull | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -57,6 +58,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.kv_transfer = kv_transfer
+        self.prefix_pull = prefix_pull  # cleared once the pull has been tried
         self.num_emitted_tokens = 0  # output tokens already returned by LLMEngine.step
         self.error: str | None = None
         hasher_args = {"extra": extra} if extra else {}

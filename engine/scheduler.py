@@ -22,58 +22,22 @@ token budget. `apply_connector_results` turns an arrival into a running request 
 computed, first token appended) and a failure into a local recompute or an error, by policy.
 A finished or aborted request whose blocks a transfer may still read or write stays in
 `pinned` until the connector releases it, then its blocks are freed exactly once.
+Global prefix reuse (engine/prefix_pulls.py) parks a request the same way while blocks past
+its local hit are pulled from another node, and serves other nodes' pulls from this cache.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
-from core.kv_connector import ConnectorResults, KVConnectorScheduler, RecvResult
+from core.kv_connector import ConnectorResults, KVConnectorScheduler, PullResult, RecvResult
 from core.kv_transfer import RemotePrefill
 from core.types import ReqId
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import SampledToken
+from engine.prefix_pulls import PrefixPulls
 from engine.request import Request, RequestStatus
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int = 2048
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    start: int  # first position computed this step
-    num_tokens: int
-    block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the request's last known token (so a token is drawn)."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[ReqId] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from engine.scheduler_output import ScheduledRequest, SchedulerConfig, SchedulerOutput
 
 
 class Scheduler:
@@ -86,6 +50,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_remote: dict[ReqId, Request] = {}
         self.pinned: dict[ReqId, Request] = {}
+        self.pulls = PrefixPulls(kv_manager, connector)
         self.requests: dict[ReqId, Request] = {}
         self.num_preemptions = 0
 
@@ -151,7 +116,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(req)
-            num_external = self._num_external_tokens(req, num_hit_tokens)
+            num_external = (self._num_external_tokens(req, num_hit_tokens)
+                            or self.pulls.num_pull_tokens(req, len(hit_blocks)))
             if num_external:
                 if not self._park_for_remote_kv(req, hit_blocks, num_hit_tokens, num_external):
                     break
@@ -184,13 +150,25 @@ class Scheduler:
         req.num_computed_tokens = req.num_cached_tokens = num_hit_tokens
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_remote[req.request_id] = req
-        self.connector.on_allocated(req.request_id, req.kv_transfer,
-                                    self.kv.block_ids(req.request_id), len(hit_blocks))
+        if isinstance(req.kv_transfer, RemotePrefill):
+            self.connector.on_allocated(req.request_id, req.kv_transfer,
+                                        self.kv.block_ids(req.request_id), len(hit_blocks))
+        else:
+            self.pulls.on_parked(req, len(hit_blocks))
         return True
 
     def apply_connector_results(self, results: ConnectorResults) -> list[Request]:
-        """Arrivals and failures of remote KV, and releases of pinned blocks."""
+        """Arrivals and failures of remote KV and of pulls, releases of pinned blocks, and
+        other nodes' pulls to serve."""
         self.connector.update_from_results(results)
+        for pulled in results.pulled:
+            req = self.waiting_for_remote.get(pulled.request_id)
+            if req is None:
+                self._release(pulled.request_id)  # aborted while in flight: now safe
+            else:
+                self._pull_done(req, pulled)
+        self.pulls.serve(results.lookups)
+        self.pulls.release(results.served)
         updated = []
         for result in results.received:
             req = self.waiting_for_remote.get(result.request_id)
@@ -215,6 +193,12 @@ class Scheduler:
         if status is not None:
             self.finish_request(req.request_id, status)
         return req
+
+    def _pull_done(self, req: Request, result: PullResult) -> None:
+        del self.waiting_for_remote[req.request_id]
+        self.pulls.apply_result(req, result)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _remote_kv_failed(self, req: Request, error: str | None) -> bool:
         """Recompute locally (returns False: nothing to report yet) or fail (True)."""
@@ -293,10 +277,13 @@ class Scheduler:
             self.waiting.remove(req)
 
     def _must_pin(self, req: Request) -> bool:
-        if self.connector is None or req.kv_transfer is None:
+        if self.connector is None:
             return False
         if req.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
             return self.connector.on_aborted(req.request_id, req.kv_transfer)
         return self.connector.on_finished(req.request_id, req.kv_transfer,
                                           self.kv.block_ids(req.request_id),
                                           req.output_token_ids, req.logprobs)
+
+
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]

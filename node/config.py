@@ -27,6 +27,9 @@ class NodeConfig:
     kv_device: str = ""
     kv_timeout_s: float = 30.0
     recompute_on_failure: bool = True
+    # Global prefix reuse: follow a router's PrefixSource hint only when it saves at least
+    # this many blocks of compute (below it, the round trip costs more than computing).
+    min_pull_blocks: int = 2
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -39,5 +42,7 @@ class NodeConfig:
             raise ValueError("lease_ttl_s must be >= 1")
         if self.publish_interval_s <= 0 or self.kv_timeout_s <= 0:
             raise ValueError("publish_interval_s and kv_timeout_s must be > 0")
+        if self.min_pull_blocks < 1:
+            raise ValueError(f"min_pull_blocks must be >= 1, got {self.min_pull_blocks}")
         if "model" in self.engine_options:
             raise ValueError("give the model as NodeConfig.model, not in engine_options")

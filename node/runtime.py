@@ -33,7 +33,8 @@ class NodeRuntime:
                                                      device_name=config.kv_device),
                                       host=config.host)
         worker = ConnectorWorker(transport, timeout_s=config.kv_timeout_s)
-        connector = KVConnector(ConnectorScheduler(config.recompute_on_failure), worker)
+        connector = KVConnector(ConnectorScheduler(config.recompute_on_failure,
+                                                   config.min_pull_blocks), worker)
         engine_config = EngineConfig(model=config.model,
                                      enable_kv_events=config.metadata_address is not None,
                                      **config.engine_options)

@@ -5,34 +5,56 @@
   the prefill node; once its blocks exist, a `RecvJob` asks the worker to fetch them.
 - P: a request with `RemoteDecode` that finishes normally is pinned (delay-free) and a
   `SendJob` hands its blocks and first token to the worker.
-- Aborts on either side become `cancelled` transfer ids. A cancelled receive stays pinned
-  until the worker reports it (a write into those blocks may still be landing); a cancelled
-  send stays pinned until the worker releases it.
+- Global prefix reuse: a request with a `PrefixPull` hint pulls the blocks past its local hit
+  from the holder named in the hint when that saves at least `min_pull_blocks` blocks (the
+  threshold: below it, the round trip costs more than computing). A `PullJob` under a fresh
+  transfer id asks the worker to fetch them. On a holder, a lookup the engine resolved
+  becomes a `ServeJob`.
+- Aborts on either side become `cancelled` transfer ids (a request's pull included). A
+  cancelled receive or pull stays pinned until the worker reports it (a write into those
+  blocks may still be landing); a cancelled send stays pinned until the worker releases it.
 """
 
 from __future__ import annotations
+
+import uuid
 
 from core.kv_connector import (
     ConnectorPlan,
     ConnectorResults,
     KVConnectorScheduler,
+    PullJob,
     RecvJob,
     SendJob,
+    ServeJob,
 )
-from core.kv_transfer import KVTransferParams, RemoteDecode, RemotePrefill
-from core.types import ReqId
+from core.kv_transfer import (
+    KVTransferParams,
+    PrefixPull,
+    RemoteDecode,
+    RemotePrefill,
+    TransferId,
+)
+from core.types import BlockHash, ReqId
+
+DEFAULT_MIN_PULL_BLOCKS = 2
 
 
 class ConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, recompute_on_failure: bool = True) -> None:
+    def __init__(self, recompute_on_failure: bool = True,
+                 min_pull_blocks: int = DEFAULT_MIN_PULL_BLOCKS) -> None:
+        if min_pull_blocks < 1:
+            raise ValueError(f"min_pull_blocks must be >= 1, got {min_pull_blocks}")
         self.recompute_on_failure = recompute_on_failure
+        self.min_pull_blocks = min_pull_blocks
         self._receiving: set[ReqId] = set()
         self._sending: set[ReqId] = set()
+        self._pulling: dict[ReqId, TransferId] = {}
         self._plan = ConnectorPlan()
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._receiving) + len(self._sending)
+        return len(self._receiving) + len(self._sending) + len(self._pulling)
 
     def num_external_tokens(self, request_id: ReqId, transfer: KVTransferParams | None,
                             num_tokens: int, num_local_tokens: int) -> int:
@@ -44,6 +66,22 @@ class ConnectorScheduler(KVConnectorScheduler):
                      skip_blocks: int) -> None:
         self._receiving.add(request_id)
         self._plan.recvs.append(RecvJob(request_id, transfer, list(block_ids), skip_blocks))
+
+    def num_pull_blocks(self, request_id: ReqId, pull: PrefixPull, num_full_blocks: int,
+                        num_local_blocks: int) -> int:
+        num_blocks = min(pull.num_blocks, num_full_blocks) - num_local_blocks
+        return num_blocks if num_blocks >= self.min_pull_blocks else 0
+
+    def on_pull_allocated(self, request_id: ReqId, pull: PrefixPull, block_ids: list[int],
+                          block_hashes: list[BlockHash]) -> None:
+        # Unique across requesters: the holder keys its state by transfer id alone.
+        transfer_id = f"pull-{uuid.uuid4().hex}"
+        self._pulling[request_id] = transfer_id
+        self._plan.pulls.append(PullJob(request_id, transfer_id, pull.source_addr,
+                                        list(block_ids), list(block_hashes)))
+
+    def on_serve(self, transfer_id: TransferId, block_ids: list[int]) -> None:
+        self._plan.serves.append(ServeJob(transfer_id, list(block_ids)))
 
     def on_finished(self, request_id: ReqId, transfer: KVTransferParams | None,
                     block_ids: list[int], output_token_ids: list[int],
@@ -57,12 +95,15 @@ class ConnectorScheduler(KVConnectorScheduler):
         return True
 
     def on_aborted(self, request_id: ReqId, transfer: KVTransferParams | None) -> bool:
-        if transfer is None:
-            return False
-        # Also for a prefill request aborted before it finished: D may already be waiting on
-        # this transfer id, and the worker answers it with a failure instead of silence.
-        self._plan.cancelled.append(transfer.transfer_id)
-        return request_id in self._receiving or request_id in self._sending
+        pull_id = self._pulling.get(request_id)
+        if pull_id is not None:  # the holder may be writing: pinned until it answers
+            self._plan.cancelled.append(pull_id)
+        if transfer is not None:
+            # Also for a prefill request aborted before it finished: D may already be waiting
+            # on this transfer id, and the worker answers it with a failure, not silence.
+            self._plan.cancelled.append(transfer.transfer_id)
+        return (pull_id is not None or request_id in self._receiving
+                or request_id in self._sending)
 
     def build_plan(self) -> ConnectorPlan:
         plan, self._plan = self._plan, ConnectorPlan()
@@ -73,3 +114,5 @@ class ConnectorScheduler(KVConnectorScheduler):
             self._receiving.discard(result.request_id)
         for request_id in results.released:
             self._sending.discard(request_id)
+        for pulled in results.pulled:
+            self._pulling.pop(pulled.request_id, None)

@@ -9,7 +9,8 @@ told. Everything is keyed by transfer id; duplicate and late messages are answer
 ignored, never fatal. Timeouts: a receive not done in `timeout_s` fails (D aborts it at P);
 a send whose request has not come in `timeout_s` releases its blocks. Keep the data plane's
 own timeout (Mooncake's MC_TRANSFER_TIMEOUT) below `timeout_s`, so a write can no longer
-land in blocks D has given up on.
+land in blocks D has given up on. Prefix pulls (global prefix reuse, either side) are in
+`transfer.pull_worker`, with the same timeouts and abort rules.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from core.kv_connector import (
     ConnectorPlan,
@@ -30,48 +30,26 @@ from core.kv_connector import (
     RecvResult,
     SendJob,
 )
-from core.kv_transfer import SideChannelMessage, TransferId, XferAbort, XferDone, XferRequest
-from core.types import ReqId
+from core.kv_transfer import (
+    PrefixPullRequest,
+    SideChannelMessage,
+    TransferId,
+    XferAbort,
+    XferDone,
+    XferRequest,
+)
 from transfer.descriptors import coalesce
+from transfer.pull_worker import PullWorkerMixin
 from transfer.transport import Transport
+from transfer.worker_state import Recv, Send, ServeTable, WorkerStats
 
 logger = logging.getLogger(__name__)
 _FORGET_AFTER = 4096  # finished transfer ids remembered to answer late messages
 
-
-@dataclass(slots=True)
-class _Recv:
-    request_id: ReqId
-    source_addr: str
-    deadline: float
+__all__ = ["ConnectorWorker", "WorkerStats"]
 
 
-@dataclass(slots=True)
-class _Send:
-    job: SendJob | None = None
-    request: XferRequest | None = None
-    deadline: float = 0.0
-    started: bool = False
-
-
-@dataclass(slots=True)
-class WorkerStats:
-    sends_ok: int = 0
-    sends_failed: int = 0
-    recvs_ok: int = 0
-    recvs_failed: int = 0
-    timeouts: int = 0
-    late_messages: int = 0
-    blocks_sent: int = 0
-    descriptors_sent: int = 0
-    bytes_sent: int = 0
-    blocks_received: int = 0
-    descriptors_received: int = 0
-    # seconds of the data-plane write of each of the latest sends (benchmarks, metrics)
-    recent_write_s: deque = field(default_factory=lambda: deque(maxlen=1024))
-
-
-class ConnectorWorker(KVConnectorWorker):
+class ConnectorWorker(PullWorkerMixin, KVConnectorWorker):
     def __init__(self, transport: Transport, timeout_s: float = 30.0, clock=time.monotonic,
                  max_parallel_sends: int = 2) -> None:
         if timeout_s <= 0:
@@ -83,8 +61,9 @@ class ConnectorWorker(KVConnectorWorker):
         self._region: KVRegion | None = None
         self._lock = threading.Lock()
         self._results = ConnectorResults()
-        self._recvs: dict[TransferId, _Recv] = {}
-        self._sends: dict[TransferId, _Send] = {}
+        self._recvs: dict[TransferId, Recv] = {}
+        self._sends: dict[TransferId, Send] = {}
+        self._serves = ServeTable()
         self._finished: OrderedDict[TransferId, str] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
         transport.start(self._on_message)
@@ -102,6 +81,10 @@ class ConnectorWorker(KVConnectorWorker):
                 outbox.append(self._start_recv(recv))
             for send in plan.sends:
                 self._add_send(send, outbox)
+            for pull in plan.pulls:
+                outbox.append(self._start_pull(pull))
+            for serve in plan.serves:
+                self._add_serve(serve)
             for transfer_id in plan.cancelled:
                 self._cancel(transfer_id, outbox)
             self._expire(outbox)
@@ -114,6 +97,10 @@ class ConnectorWorker(KVConnectorWorker):
             results, self._results = self._results, ConnectorResults()
         self._flush(outbox)
         return results
+
+    def has_pending_work(self) -> bool:
+        with self._lock:
+            return bool(self._results.lookups) or self._serves.num_waiting > 0
 
     @property
     def num_pending_receives(self) -> int:
@@ -135,8 +122,8 @@ class ConnectorWorker(KVConnectorWorker):
     def _start_recv(self, job: RecvJob) -> tuple[str, XferRequest]:
         region = self._require_region()
         tid = job.transfer.transfer_id
-        self._recvs[tid] = _Recv(job.request_id, job.transfer.source_addr,
-                                 self._clock() + self.timeout_s)
+        self._recvs[tid] = Recv(job.request_id, job.transfer.source_addr,
+                                self._clock() + self.timeout_s)
         request = XferRequest(
             transfer_id=tid, request_id=job.request_id,
             reply_addr=self.transport.reply_address, dest_session=self.transport.session_id,
@@ -151,11 +138,17 @@ class ConnectorWorker(KVConnectorWorker):
             if recv is None:
                 self.stats.late_messages += 1
                 return
+            if recv.is_pull:
+                self._finish_pull(recv, msg.ok, msg.num_blocks_sent, msg.error)
+                return
             self.stats.blocks_received += msg.num_blocks_sent
             self.stats.descriptors_received += msg.num_descriptors
             self._finish_recv(recv, msg.ok, msg.first_token, msg.first_logprob, msg.error)
 
-    def _finish_recv(self, recv: _Recv, ok: bool, token=None, logprob=None, error=None) -> None:
+    def _finish_recv(self, recv: Recv, ok: bool, token=None, logprob=None, error=None) -> None:
+        if recv.is_pull:
+            self._finish_pull(recv, ok, 0, error)
+            return
         if ok:
             self.stats.recvs_ok += 1
         else:
@@ -170,7 +163,7 @@ class ConnectorWorker(KVConnectorWorker):
         if tid in self._finished:  # cancelled before prefill finished
             self._results.released.append(job.request_id)
             return
-        entry = self._sends.setdefault(tid, _Send())
+        entry = self._sends.setdefault(tid, Send())
         entry.job, entry.deadline = job, self._clock() + self.timeout_s
         self._maybe_start(tid, entry)
 
@@ -181,14 +174,14 @@ class ConnectorWorker(KVConnectorWorker):
             if reason is not None:
                 outbox.append((msg.reply_addr, XferDone(msg.transfer_id, False, error=reason)))
             else:
-                entry = self._sends.setdefault(msg.transfer_id, _Send())
+                entry = self._sends.setdefault(msg.transfer_id, Send())
                 if entry.request is None:  # a duplicate request is harmless
                     entry.request = msg
                     entry.deadline = entry.deadline or self._clock() + self.timeout_s
                     self._maybe_start(msg.transfer_id, entry)
         self._flush(outbox)
 
-    def _maybe_start(self, tid: TransferId, entry: _Send) -> None:
+    def _maybe_start(self, tid: TransferId, entry: Send) -> None:
         if entry.job is not None and entry.request is not None and not entry.started:
             entry.started = True
             self._pool.submit(self._send, tid, entry.job, entry.request)
@@ -213,30 +206,39 @@ class ConnectorWorker(KVConnectorWorker):
         self._flush([(request.reply_addr, done)])
 
     def _write_blocks(self, job: SendJob, request: XferRequest) -> int:
-        region = self._require_region()
-        if request.block_nbytes != region.block_nbytes:
-            raise ValueError(f"block size mismatch: {request.block_nbytes} bytes asked, "
-                             f"{region.block_nbytes} held (same model, dtype, block size?)")
         if len(job.block_ids) < request.num_blocks:
             raise ValueError(f"{request.num_blocks} blocks asked, {len(job.block_ids)} held")
         block_ids = job.block_ids[request.skip_blocks:request.num_blocks]
-        src, dst, lengths = coalesce([region.block_addr(b) for b in block_ids],
-                                     request.dest_block_addrs, region.block_nbytes)
         started = time.perf_counter()
-        if src:
-            self.transport.write(request.dest_session, src, dst, lengths)
+        num_descriptors, nbytes = self._write(block_ids, request.dest_block_addrs,
+                                              request.dest_session, request.block_nbytes)
         with self._lock:
             self.stats.recent_write_s.append(time.perf_counter() - started)
             self.stats.blocks_sent += len(block_ids)
-            self.stats.descriptors_sent += len(src)
-            self.stats.bytes_sent += sum(lengths)
-        return len(src)
+            self.stats.descriptors_sent += num_descriptors
+            self.stats.bytes_sent += nbytes
+        return num_descriptors
+
+    def _write(self, block_ids: list[int], dest_addrs: list[int], dest_session: str,
+               block_nbytes: int) -> tuple[int, int]:
+        """Write local blocks to a peer's addresses: (descriptors, bytes) written."""
+        region = self._require_region()
+        if block_nbytes != region.block_nbytes:
+            raise ValueError(f"block size mismatch: {block_nbytes} bytes asked, "
+                             f"{region.block_nbytes} held (same model, dtype, block size?)")
+        src, dst, lengths = coalesce([region.block_addr(b) for b in block_ids], dest_addrs,
+                                     region.block_nbytes)
+        if src:
+            self.transport.write(dest_session, src, dst, lengths)
+        return len(src), sum(lengths)
 
     # ---- both sides -------------------------------------------------------------------
 
     def _on_message(self, msg: SideChannelMessage) -> None:
         if isinstance(msg, XferRequest):
             self._on_request(msg)
+        elif isinstance(msg, PrefixPullRequest):
+            self._on_pull_request(msg)
         elif isinstance(msg, XferDone):
             self._on_done(msg)
         elif isinstance(msg, XferAbort):
@@ -249,6 +251,9 @@ class ConnectorWorker(KVConnectorWorker):
         recv = self._recvs.get(tid)
         if recv is not None:  # D: ask P to stop; blocks stay pinned until P answers
             outbox.append((recv.source_addr, XferAbort(tid)))
+            return
+        if tid in self._serves:
+            self._cancel_serve(tid, outbox)
             return
         entry = self._sends.get(tid)
         if entry is not None and entry.started:
@@ -271,8 +276,9 @@ class ConnectorWorker(KVConnectorWorker):
             self.stats.timeouts += 1
             self._remember(tid, "transfer expired on the prefill node")
             self._release_unsent(tid, entry, "transfer expired on the prefill node", outbox)
+        self._expire_serves(now, outbox)
 
-    def _release_unsent(self, tid: TransferId, entry: _Send, reason: str, outbox) -> None:
+    def _release_unsent(self, tid: TransferId, entry: Send, reason: str, outbox) -> None:
         if entry.job is not None:
             self._results.released.append(entry.job.request_id)
         if entry.request is not None:
@@ -289,8 +295,8 @@ class ConnectorWorker(KVConnectorWorker):
                 self.transport.send(address, msg)
             except Exception as exc:  # a dead peer must not break this node
                 logger.warning("side-channel send to %s failed: %s", address, exc)
-                if isinstance(msg, XferRequest):
-                    self._fail_recv(msg.transfer_id, f"prefill node unreachable: {exc}")
+                if isinstance(msg, XferRequest | PrefixPullRequest):
+                    self._fail_recv(msg.transfer_id, f"KV source unreachable: {exc}")
 
     def _fail_recv(self, tid: TransferId, error: str) -> None:
         with self._lock:

@@ -12,7 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TORCH_FREE = ["engine.block_pool", "engine.kv_cache_manager", "engine.scheduler",
               "engine.request", "engine.sampling_params", "engine.outputs",
-              "engine.model_config", "engine.config"]
+              "engine.model_config", "engine.config", "engine.prefix_pulls",
+              "engine.scheduler_output"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

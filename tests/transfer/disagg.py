@@ -25,9 +25,10 @@ class FakeClock:
 
 
 def make_engine(model_dir: str, transport, *, timeout_s: float = 5.0, clock=time.monotonic,
-                recompute_on_failure: bool = True, **options) -> LLMEngine:
+                recompute_on_failure: bool = True, min_pull_blocks: int = 2,
+                **options) -> LLMEngine:
     worker = ConnectorWorker(transport, timeout_s=timeout_s, clock=clock)
-    connector = KVConnector(ConnectorScheduler(recompute_on_failure), worker)
+    connector = KVConnector(ConnectorScheduler(recompute_on_failure, min_pull_blocks), worker)
     options.setdefault("num_kv_blocks", 128)
     options.setdefault("block_size", 8)
     return LLMEngine.from_model(model_dir, kv_connector=connector, **options)

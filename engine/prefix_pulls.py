@@ -1,0 +1,80 @@
+"""Global prefix reuse, the engine's half (torch-free): pulling a prompt's cached prefix from
+another node instead of computing it, and serving such pulls to other nodes.
+
+Requester (a request with a `PrefixPull` hint, admitted from the waiting queue):
+1. Its local prefix hit is k0 blocks; the hint names a holder with k blocks. The connector
+   decides how many to pull (`num_pull_blocks`: its threshold; never the block holding the
+   last prompt token). If any, the scheduler allocates blocks [k0, k) unhashed and parks the
+   request in `WAITING_FOR_REMOTE_KVS`; `on_parked` hands the connector their ids and hashes.
+2. `apply_result`: n <= k - k0 blocks arrived (the holder sends the leading run it still
+   has; 0 on failure or timeout). They are hashed into the prefix cache, the request counts
+   k0 + n blocks as computed (and cached), and it prefills the rest like any other request.
+   A pull never fails a request.
+Holder (any node): `serve` resolves a peer's lookup against the prefix cache, references the
+leading run of blocks it holds (so no eviction can reuse them mid-write) and hands the ids to
+the connector; `release` drops the references once the worker reports the write done,
+failed or expired.
+"""
+
+from __future__ import annotations
+
+from core.kv_connector import KVConnectorScheduler, PullLookup, PullResult
+from core.kv_transfer import TransferId
+from engine.block_pool import KVCacheBlock
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+
+
+class PrefixPulls:
+    def __init__(self, kv: KVCacheManager, connector: KVConnectorScheduler | None) -> None:
+        self.kv = kv
+        self.connector = connector
+        self.serving: dict[TransferId, list[KVCacheBlock]] = {}
+
+    # ---- requester ----------------------------------------------------------------------
+
+    def num_pull_tokens(self, req: Request, num_local_blocks: int) -> int:
+        """Tokens past the local hit to pull for `req` (whole blocks), 0 to compute them."""
+        if req.prefix_pull is None or self.connector is None or not self.kv.enable_caching:
+            return 0
+        num_full_blocks = (req.num_tokens - 1) // self.kv.block_size
+        num_blocks = self.connector.num_pull_blocks(req.request_id, req.prefix_pull,
+                                                    num_full_blocks, num_local_blocks)
+        return num_blocks * self.kv.block_size
+
+    def on_parked(self, req: Request, num_local_blocks: int) -> None:
+        """`req` holds its local hit plus the unhashed blocks the pull is to fill."""
+        block_ids = self.kv.block_ids(req.request_id)
+        hashes = req.block_hashes[num_local_blocks:len(block_ids)]
+        assert len(hashes) == len(block_ids) - num_local_blocks, "pulled blocks must be full"
+        self.connector.on_pull_allocated(req.request_id, req.prefix_pull,
+                                         block_ids[num_local_blocks:], hashes)
+
+    def apply_result(self, req: Request, result: PullResult) -> None:
+        """Count the blocks that arrived as computed and cached; the rest gets computed."""
+        block_size = self.kv.block_size
+        num_local = req.num_computed_tokens // block_size
+        num_asked = len(self.kv.block_ids(req.request_id)) - num_local
+        num_pulled = min(max(result.num_blocks, 0), num_asked) if result.ok else 0
+        req.num_computed_tokens = req.num_cached_tokens = (num_local + num_pulled) * block_size
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        req.prefix_pull = None
+
+    # ---- holder -------------------------------------------------------------------------
+
+    def serve(self, lookups: list[PullLookup]) -> None:
+        for lookup in lookups:
+            if lookup.transfer_id in self.serving:
+                continue  # the worker never asks twice; never reference twice either
+            blocks: list[KVCacheBlock] = []
+            if self.kv.enable_caching:
+                blocks = self.kv.pool.find_longest_prefix(lookup.block_hashes)
+            self.kv.pool.touch(blocks)
+            self.serving[lookup.transfer_id] = blocks
+            self.connector.on_serve(lookup.transfer_id, [b.block_id for b in blocks])
+
+    def release(self, transfer_ids: list[TransferId]) -> None:
+        for transfer_id in transfer_ids:
+            blocks = self.serving.pop(transfer_id, None)
+            if blocks:
+                self.kv.pool.free_blocks(reversed(blocks))

@@ -1,0 +1,48 @@
+"""The scheduler's configuration and its per-step plan (torch-free): `SchedulerConfig`, and
+`SchedulerOutput`, the list of `ScheduledRequest` chunks the model runner computes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.types import ReqId
+from engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    start: int  # first position computed this step
+    num_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the request's last known token (so a token is drawn)."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[ReqId] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

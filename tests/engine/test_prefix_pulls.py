@@ -1,0 +1,118 @@
+"""The scheduler's half of global prefix reuse, torch-free: the production connector
+scheduler plans the pulls, and the test plays the worker by feeding `ConnectorResults`. Every
+scenario ends with a leak check of the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.kv_connector import ConnectorResults, PullLookup, PullResult
+from core.kv_transfer import PrefixPull, RemoteDecode
+from engine.block_pool import BlockPool
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import RequestStatus
+from engine.scheduler import Scheduler, SchedulerConfig
+from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request
+from tests.engine.test_scheduler import run_all, step
+from tests.helpers import assert_pool_clean
+from transfer.connector_scheduler import ConnectorScheduler
+
+HOLDER = "tcp://holder:1"
+
+
+def make_scheduler(min_pull_blocks: int = 2, num_blocks: int = 32):
+    pool = BlockPool(num_blocks, BLOCK_SIZE)
+    connector = ConnectorScheduler(min_pull_blocks=min_pull_blocks)
+    sched = Scheduler(SchedulerConfig(64, 8, 256), KVCacheManager(pool), connector)
+    return sched, pool, connector
+
+
+def pulling(prompt_len: int, num_blocks: int, request_id: str = "r", **kw):
+    req = make_request(request_id, prompt_len, **kw)
+    req.prefix_pull = PrefixPull(HOLDER, num_blocks)
+    return req
+
+
+def test_pull_parks_the_request_and_names_blocks_by_hash():
+    sched, pool, connector = make_scheduler()
+    req = pulling(22, 5)  # 5 full blocks before the one holding the last token
+    sched.add_request(req)
+    assert step(sched).chunks == []  # parked: no compute this step
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    (job,) = connector.build_plan().pulls
+    assert job.source_addr == HOLDER and job.block_hashes == req.block_hashes[:5]
+    assert job.block_ids == sched.kv.block_ids("r")
+    assert not pool.cached_block_map  # nothing hashed before the bytes arrive
+    sched.apply_connector_results(ConnectorResults(pulled=[PullResult("r", True, 5)]))
+    assert req.num_computed_tokens == req.num_cached_tokens == 20 and req.prefix_pull is None
+    assert len(pool.cached_block_map) == 5
+    (chunk,) = step(sched).chunks
+    assert (chunk.start, chunk.num_tokens, chunk.samples) == (20, 2, True)
+    run_all(sched)
+    assert_pool_clean(pool)
+
+
+def test_partial_or_failed_pull_computes_the_rest():
+    sched, pool, connector = make_scheduler()
+    partial, failed = pulling(22, 5, "partial"), pulling(22, 5, "failed")
+    for req in (partial, failed):
+        sched.add_request(req)
+    step(sched)
+    results = ConnectorResults(pulled=[PullResult("partial", True, 2),
+                                       PullResult("failed", False, 5, "holder gone")])
+    sched.apply_connector_results(results)
+    assert partial.num_computed_tokens == 8 and failed.num_computed_tokens == 0
+    chunks = {c.request_id: (c.start, c.num_tokens) for c in step(sched).chunks}
+    assert chunks == {"partial": (8, 14), "failed": (0, 22)}
+    run_all(sched)
+    assert partial.status is failed.status is RequestStatus.FINISHED_LENGTH
+    assert_pool_clean(pool)
+
+
+@pytest.mark.parametrize("hint_blocks, min_pull_blocks", [(1, 2), (3, 4), (9, 1)])
+def test_threshold_and_last_block(hint_blocks, min_pull_blocks):
+    sched, pool, connector = make_scheduler(min_pull_blocks)
+    req = pulling(12, hint_blocks)  # 3 blocks: only 2 may be pulled
+    sched.add_request(req)
+    step(sched)
+    pulls = connector.build_plan().pulls
+    if min_pull_blocks <= min(hint_blocks, 2):
+        assert len(pulls[0].block_ids) == 2
+        sched.apply_connector_results(ConnectorResults(pulled=[PullResult("r", True, 2)]))
+    else:
+        assert not pulls and req.status is RequestStatus.RUNNING
+    run_all(sched)
+    assert_pool_clean(pool)
+
+
+def test_abort_while_pulling_pins_until_the_result():
+    sched, pool, connector = make_scheduler()
+    req = pulling(22, 5, max_tokens=1)
+    req.kv_transfer = RemoteDecode("t-d")  # also cancelled, so D hears of it
+    sched.add_request(req)
+    step(sched)
+    (job,) = connector.build_plan().pulls
+    sched.finish_request("r", RequestStatus.FINISHED_ABORTED)
+    assert "r" in sched.pinned
+    assert sorted(connector.build_plan().cancelled) == sorted([job.transfer_id, "t-d"])
+    sched.apply_connector_results(ConnectorResults(pulled=[PullResult("r", False, 0, "x")]))
+    assert not sched.pinned
+    assert_pool_clean(pool)
+
+
+def test_holder_references_the_leading_run_until_served():
+    sched, pool, connector = make_scheduler()
+    sched.add_request(make_request("h", 22))
+    run_all(sched)
+    cached = list(pool.cached_block_map)
+    wanted = cached[:3] + [b"\x00" * 32] + cached[4:5]  # a miss after three hits
+    lookup = PullLookup("pull-1", wanted)
+    sched.apply_connector_results(ConnectorResults(lookups=[lookup]))
+    (serve,) = connector.build_plan().serves
+    assert serve.block_ids == [pool.get_cached_block(h).block_id for h in cached[:3]]
+    assert all(pool.get_cached_block(h).ref_cnt == 1 for h in cached[:3])
+    sched.apply_connector_results(ConnectorResults(lookups=[lookup]))  # a duplicate
+    assert not connector.build_plan().serves
+    sched.apply_connector_results(ConnectorResults(served=["pull-1"]))
+    assert not sched.pulls.serving
+    assert_pool_clean(pool)

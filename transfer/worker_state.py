@@ -1,0 +1,115 @@
+"""The connector worker's bookkeeping records (plain data, no behaviour beyond lookups):
+its statistics and the state of each transfer it takes part in, keyed by transfer id."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from core.kv_connector import SendJob
+from core.kv_transfer import PrefixPullRequest, TransferId, XferRequest
+from core.types import ReqId
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """Counters of one node's worker. The send/receive ones cover prefill -> decode
+    transfers; pulls (global prefix reuse) have their own: `pulls_*` and `blocks_pulled` on
+    the requesting node, `pull_requests_served` / `blocks_served` / `pull_serves_failed` on
+    the holder. `timeouts` and `late_messages` count both kinds."""
+
+    sends_ok: int = 0
+    sends_failed: int = 0
+    recvs_ok: int = 0
+    recvs_failed: int = 0
+    timeouts: int = 0
+    late_messages: int = 0
+    blocks_sent: int = 0
+    descriptors_sent: int = 0
+    bytes_sent: int = 0
+    blocks_received: int = 0
+    descriptors_received: int = 0
+    pulls_ok: int = 0
+    pulls_failed: int = 0
+    blocks_pulled: int = 0
+    pull_requests_served: int = 0
+    pull_serves_failed: int = 0
+    blocks_served: int = 0
+    # seconds of the data-plane write of each of the latest sends (benchmarks, metrics)
+    recent_write_s: deque = field(default_factory=lambda: deque(maxlen=1024))
+
+
+@dataclass(slots=True)
+class Recv:
+    """A receive in flight: prefill -> decode KV, or a prefix pull (`is_pull`)."""
+
+    request_id: ReqId
+    source_addr: str
+    deadline: float
+    is_pull: bool = False
+
+
+@dataclass(slots=True)
+class Send:
+    """A prefill -> decode send: complete once both the job and D's request are here."""
+
+    job: SendJob | None = None
+    request: XferRequest | None = None
+    deadline: float = 0.0
+    started: bool = False
+
+
+@dataclass(slots=True)
+class Serve:
+    """A peer's pull on the holder: waiting for the engine's lookup, then being written."""
+
+    request: PrefixPullRequest
+    deadline: float
+    started: bool = False
+
+
+class ServeTable:
+    """The holder's pulls by transfer id. Not thread-safe: the worker holds its lock."""
+
+    def __init__(self) -> None:
+        self._serves: dict[TransferId, Serve] = {}
+
+    def __contains__(self, transfer_id: TransferId) -> bool:
+        return transfer_id in self._serves
+
+    @property
+    def num_waiting(self) -> int:
+        """Pulls the engine has not resolved yet."""
+        return sum(1 for s in self._serves.values() if not s.started)
+
+    def add(self, msg: PrefixPullRequest, deadline: float) -> bool:
+        """False for a duplicate request (harmless, ignored)."""
+        if msg.transfer_id in self._serves:
+            return False
+        self._serves[msg.transfer_id] = Serve(msg, deadline)
+        return True
+
+    def start(self, transfer_id: TransferId) -> PrefixPullRequest | None:
+        """The engine's blocks are here: the pull's request, or None if it expired or was
+        aborted meanwhile (the blocks are to be released at once)."""
+        serve = self._serves.get(transfer_id)
+        if serve is None or serve.started:
+            return None
+        serve.started = True
+        return serve.request
+
+    def finish(self, transfer_id: TransferId) -> None:
+        self._serves.pop(transfer_id, None)
+
+    def cancel(self, transfer_id: TransferId) -> PrefixPullRequest | None:
+        """Forget a pull not yet being written; returns its request (to answer), or None if
+        it is unknown or its write is under way (the write answers)."""
+        serve = self._serves.get(transfer_id)
+        if serve is None or serve.started:
+            return None
+        del self._serves[transfer_id]
+        return serve.request
+
+    def expire(self, now: float) -> list[PrefixPullRequest]:
+        expired = [t for t, s in self._serves.items() if not s.started and s.deadline <= now]
+        return [self._serves.pop(t).request for t in expired]
