@@ -61,6 +61,7 @@ class InstantNode:
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self.address = f"tcp://127.0.0.1:{self._socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self._rng = random.Random(len(self.address))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -71,8 +72,10 @@ class InstantNode:
                 continue
             identity, frame = self._socket.recv_multipart()
             msg = decode(frame)
-            if isinstance(msg, LoadQuery):
-                reply = LoadReport("instant", "decode", 0, 0, 1000, 1000, 0)
+            if isinstance(msg, LoadQuery):  # varied loads, so the policy has work to do
+                queued = self._rng.randrange(500)
+                reply = LoadReport("instant", "decode", 0, queued % 5, 1000 - queued, 1000,
+                                   queued)
             elif isinstance(msg, GenerateRequest):
                 n = msg.sampling.max_tokens
                 reply = TokenDelta(msg.request_id, [100 + i for i in range(n)], True, "length",
@@ -111,7 +114,7 @@ def _measure(sizes: Sizes, model: str, nodes: list[InstantNode], meta_port: int,
     pop = Population(sizes.nodes, sizes.blocks, 128)
     prompts = _prompts(model)
     _populate(f"127.0.0.1:{meta_port}", pop, nodes, prompts)
-    decision_us = _decisions(pop, prompts, sizes.samples)
+    decision_us = _decisions(pop, nodes, model, sizes.samples)
     port = free_port()
     procs.append(subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "router", "serve", "--model", model,
@@ -156,10 +159,15 @@ def _populate(address: str, pop: Population, nodes: list[InstantNode], prompts) 
     ingest(address, pop, infos)
 
 
-def _decisions(pop: Population, prompts: list[str], samples: int) -> list[float]:
-    """Microseconds per decision: the index walk plus the policy over every node."""
+def _decisions(pop: Population, nodes: list[InstantNode], model: str,
+               samples: int) -> list[float]:
+    """Microseconds per decision: the index walk over the request's chain, then the live
+    router's `Dispatcher.decide` (views refreshed in place, the policy) over the 64 nodes,
+    whose load it has polled from the instant nodes like the live router."""
     from metadata_service.index import BlockIndex
-    from router.policy import NodeView, PolicyConfig, route
+    from router.config import NodeSpec, RouterConfig
+    from router.dispatch import Dispatcher
+    from router.metrics import RouterMetrics
 
     index = BlockIndex()
     for node_id, parts in pop.packed.items():
@@ -167,16 +175,24 @@ def _decisions(pop: Population, prompts: list[str], samples: int) -> list[float]
         data = b"".join(parts)
         index.add_blocks(node_id, [data[i:i + HASH] for i in range(0, len(data), HASH)])
     chains = [[c[i:i + HASH] for i in range(0, len(c), HASH)] for c in pop.hot]
-    roles = {n: ("prefill" if i % 2 == 0 else "decode") for i, n in enumerate(pop.node_ids)}
-    config, rng, out = PolicyConfig(), random.Random(0), []
-    for i in range(samples):
-        start = time.perf_counter()
-        hits = dict(index.query(chains[i % len(chains)]))
-        views = [NodeView(n, roles[n], hits.get(n, 0), queued_prefill_tokens=(i * 7 + j) % 500,
-                          num_running=j % 5) for j, n in enumerate(pop.node_ids)]
-        route(views, 128 * 16 + 100, config, rng)
-        out.append((time.perf_counter() - start) * 1e6)
-    return out
+    specs = tuple(NodeSpec(n, "prefill" if i % 2 == 0 else "decode", nodes[i % 4].address,
+                           "tcp://127.0.0.1:9") for i, n in enumerate(pop.node_ids))
+    config = RouterConfig(model_dir=model, nodes=specs, seed=0)
+
+    async def measure() -> list[float]:
+        dispatcher, out = Dispatcher(config, RouterMetrics()), []
+        await dispatcher.start()
+        try:
+            for i in range(samples):
+                chain = chains[i % len(chains)]
+                start = time.perf_counter()
+                dispatcher.decide(dict(index.query(chain)), len(chain) * 16 + 100)
+                out.append((time.perf_counter() - start) * 1e6)
+        finally:
+            await dispatcher.close()
+        return out
+
+    return asyncio.run(measure())
 
 
 def _wait_healthy(port: int, num_nodes: int, timeout_s: float = 120.0) -> None:

@@ -45,10 +45,15 @@ class RouterConfig:
     metadata_timeout_s: float = 0.5
     metadata_retry_s: float = 1.0
     seed: int | None = None
+    # times a request may move to another node when its decode node is lost mid-stream
+    # (router.migration); 0: the client gets the error
+    max_migrations: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
         for name in ("load_interval_s", "node_timeout_s", "metadata_timeout_s",

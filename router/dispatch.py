@@ -11,8 +11,11 @@ appears later starts at the others' mean.
 Disaggregated requests: D gets the request with transfer kind "remote_prefill" and P's KV
 side-channel address; P gets it with kind "remote_decode" and max_tokens=1; both carry the
 same fresh transfer id and are sent together. Tokens stream from D; P's own reply is drained
-in the background, and a refusal by P fails the request. Whatever ends the stream early
-(client gone, stop string, error), `execute`'s cleanup aborts the request on both nodes.
+in the background: a refusal by P fails the request, while a P that is lost (disconnected,
+stopped answering) is ignored — D times out waiting for the KV and recomputes the prompt.
+Whatever ends the stream early (client gone, stop string, error), `execute`'s cleanup aborts
+the request on both nodes. `execute` is one attempt; router.migration moves a request whose
+D is lost to another node.
 
 API: `Dispatcher`, `Placement`, `NodeFailure`.
 """
@@ -30,7 +33,14 @@ from dataclasses import dataclass, replace
 import zmq.asyncio
 
 from core.hashing import BlockExtra, hash_block_tokens
-from core.node_wire import GenerateRequest, RequestError, SamplingSpec, TokenDelta, TransferSpec
+from core.node_wire import (
+    GenerateRequest,
+    PrefixSource,
+    RequestError,
+    SamplingSpec,
+    TokenDelta,
+    TransferSpec,
+)
 from router.config import NodeSpec, RouterConfig
 from router.metadata import MetadataLink
 from router.metrics import RouterMetrics
@@ -48,11 +58,14 @@ logger = logging.getLogger(__name__)
 
 
 class NodeFailure(Exception):
-    """A node refused or failed the request (`code` from core.node_wire.ERROR_CODES)."""
+    """A node refused or failed the request (`code` from core.node_wire.ERROR_CODES).
+    `lost`: the node is gone (disconnected, stopped answering) rather than refusing, so the
+    request may be moved elsewhere (router.migration)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, lost: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.lost = lost
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +83,8 @@ class Dispatcher:
         self.rng = random.Random(config.seed)
         self.work = DecayedWork(config.policy.work_half_life_s)
         self.nodes: dict[str, NodeClient] = {}
+        # each node with the policy's view of it, refreshed in place for every decision
+        self._views: dict[str, tuple[NodeClient, NodeView]] = {}
         self.metadata: MetadataLink | None = None
         self._context = zmq.asyncio.Context()
         self._loop_task: asyncio.Task[None] | None = None
@@ -93,6 +108,8 @@ class Dispatcher:
                 self._spawn(known.close())
             self.work.join(spec.node_id, self.clock())
             self.nodes[spec.node_id] = NodeClient(spec, self._context)
+            self._views[spec.node_id] = (self.nodes[spec.node_id],
+                                         NodeView(spec.node_id, spec.role))
 
     async def refresh(self) -> None:
         """Discover nodes (metadata service) and poll every node's load once."""
@@ -119,15 +136,39 @@ class Dispatcher:
         return self.metadata is not None and self.metadata.available
 
     async def place(self, prompt_ids: list[int], cache_salt: str | None) -> Placement:
-        healthy = [n for n in self.nodes.values() if n.healthy]
-        if not healthy:
-            raise NoHealthyNode("no healthy node")
         hits = await self._prefix_hits(prompt_ids, cache_salt)
-        work = self.work.values(self.clock())
-        views = [_view(n, hits.get(n.node_id, 0) if hits else 0, work.get(n.node_id, 0.0))
-                 for n in healthy]
-        decision = route(views, len(prompt_ids), self.config.policy, self.rng)
-        return Placement(decision, load_only=hits is None)
+        return Placement(self.decide(hits or {}, len(prompt_ids)), load_only=hits is None)
+
+    def decide(self, hits: dict[str, int], num_prompt_tokens: int) -> RouteDecision:
+        """The decision proper, no I/O: `hits` (leading blocks per node) and the nodes'
+        state through the policy."""
+        views = self._refresh_views(hits)
+        if not views:
+            raise NoHealthyNode("no healthy node")
+        return route(views, num_prompt_tokens, self.config.policy, self.rng)
+
+    def _refresh_views(self, hits: dict[str, int]) -> list[NodeView]:
+        """The healthy nodes' views, refreshed in place (one per node, kept across decisions):
+        this request's prefix hits, each node's last report plus what the router sent it
+        since, and its decayed recent work."""
+        decay, scaled = self.work.decay(self.clock()), self.work.scaled
+        views = []
+        for node, view in self._views.values():
+            if not node.healthy:
+                continue
+            node_id, report = view.node_id, node.report
+            view.cached_blocks = hits.get(node_id, 0)
+            view.recent_work = scaled.get(node_id, 0.0) * decay
+            view.queued_prefill_tokens, view.num_running = node.pending_tokens, node.num_inflight
+            if report is not None:
+                view.queued_prefill_tokens += report.queued_prefill_tokens
+                if report.num_running > view.num_running:
+                    view.num_running = report.num_running
+                total = report.num_total_blocks
+                view.kv_usage = 1.0 - report.num_free_blocks / total if total > 0 else 0.0
+                view.draining = report.draining
+            views.append(view)
+        return views
 
     async def _prefix_hits(self, prompt_ids: list[int], salt: str | None) -> dict | None:
         if self.metadata is None:
@@ -152,6 +193,12 @@ class Dispatcher:
                 "remote_prefill", transfer_id, prefill.spec.kv_address or None))
             p_request = replace(request, transfer=TransferSpec("remote_decode", transfer_id),
                                 sampling=replace(request.sampling, max_tokens=1))
+        source = self._prefix_source(decision)
+        if source is not None:  # global prefix reuse: the prefilling node pulls the prefix
+            if p_request is not None:
+                p_request = replace(p_request, prefix_source=source)
+            else:
+                d_request = replace(d_request, prefix_source=source)
         streams: list[tuple[NodeClient, NodeStream]] = []
         failure: asyncio.Future[NodeFailure] = asyncio.get_running_loop().create_future()
         try:
@@ -167,9 +214,17 @@ class Dispatcher:
                 yield msg
         finally:
             for node, stream in streams:
-                if not stream.finished:
+                # a lost node may come back (it hung, its connection dropped): the abort
+                # waits in the socket's queue and stops the request there
+                if stream.lost or not stream.finished:
                     self.metrics.aborts.inc()
                     await node.abort(stream.request_id)
+
+    def _prefix_source(self, decision: RouteDecision) -> PrefixSource | None:
+        holder = self.nodes.get(decision.prefix_source or "")
+        if holder is None or not holder.spec.kv_address:
+            return None
+        return PrefixSource(holder.spec.kv_address, decision.prefix_source_blocks)
 
     def _charge(self, node: NodeClient, uncached: int, output_tokens: int = 0) -> None:
         work = request_work(uncached, output_tokens, self.config.policy)
@@ -192,20 +247,9 @@ class Dispatcher:
         self._context.term()
 
 
-def _view(node: NodeClient, cached_blocks: int, recent_work: float) -> NodeView:
-    report = node.report
-    queued = node.pending_tokens + (report.queued_prefill_tokens if report else 0)
-    running = max(node.num_inflight, report.num_running if report else 0)
-    usage = 0.0
-    if report and report.num_total_blocks > 0:
-        usage = 1.0 - report.num_free_blocks / report.num_total_blocks
-    return NodeView(node.node_id, node.spec.role, cached_blocks, queued, running, usage,
-                    bool(report and report.draining), recent_work=recent_work)
-
-
 async def _drain_prefill(stream: NodeStream, failure: asyncio.Future) -> None:
     async for msg in stream:
-        if isinstance(msg, RequestError) and not failure.done():
+        if isinstance(msg, RequestError) and not stream.lost and not failure.done():
             failure.set_result(NodeFailure(msg.code, f"prefill node: {msg.message}"))
 
 
@@ -223,7 +267,7 @@ async def _race(stream: NodeStream, failure: asyncio.Future) -> AsyncIterator[To
         except StopAsyncIteration:
             return
         if isinstance(msg, RequestError):
-            raise NodeFailure(msg.code, msg.message)
+            raise NodeFailure(msg.code, msg.message, lost=stream.lost)
         yield msg
 
 

@@ -4,7 +4,10 @@ One generation path for both endpoints: validate -> tokenize -> place -> execute
 stream SSE chunks (the response is prepared only when the first tokens arrive, so a node that
 refuses still yields a proper JSON error status) or collect one body. A stop string ends the
 stream early; leaving the `execute` generator (stop, disconnect, error) aborts the request on
-its nodes.
+its nodes. Deltas come through `router.migration.execute_migrating`, so a request whose
+decode node is lost mid-stream continues on another node within the same response. An error
+after the stream has started (no move left, no healthy node) is sent as an SSE event
+`{"error": {...}}` followed by `[DONE]`: the `openai` client raises it as an `APIError`.
 
 API: `Handlers`.
 """
@@ -22,8 +25,9 @@ from aiohttp import web
 
 from core.node_wire import TokenDelta
 from router.dispatch import NodeFailure, Placement
+from router.migration import execute_migrating
 from router.policy import NoHealthyNode
-from router.protocol import ApiError, CompletionRequest, parse_chat, parse_completion
+from router.protocol import ApiError, CompletionRequest, error_body, parse_chat, parse_completion
 from router.server import (
     RouterApp,
     json_error,
@@ -43,6 +47,14 @@ class _Result:
     num_cached: int = 0
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
+
+
+class _EndedWithError(Exception):
+    """A stream that had started ended with an error event (sent already)."""
+
+    def __init__(self, response: web.StreamResponse, status: int) -> None:
+        super().__init__(status)
+        self.response, self.status = response, status
 
 
 class Handlers:
@@ -66,7 +78,8 @@ class Handlers:
 
     async def health(self, request: web.Request) -> web.Response:
         dispatcher = self.router.dispatcher
-        nodes = {n.node_id: {"role": n.spec.role, "healthy": n.healthy}
+        nodes = {n.node_id: {"role": n.spec.role, "healthy": n.healthy,
+                             "connected": not n.disconnected, "inflight": n.num_inflight}
                  for n in dispatcher.nodes.values()}
         healthy = any(n.healthy for n in dispatcher.nodes.values())
         link = dispatcher.metadata
@@ -90,9 +103,12 @@ class Handlers:
             counter.labels(endpoint, str(exc.status)).inc()
             return json_error(exc)
         except (NoHealthyNode, NodeFailure) as exc:
-            error = node_api_error(exc)
+            error = _api_error(exc)
             counter.labels(endpoint, str(error.status)).inc()
             return json_error(error)
+        except _EndedWithError as exc:
+            counter.labels(endpoint, str(exc.status)).inc()
+            return exc.response
         counter.labels(endpoint, str(response.status)).inc()
         return response
 
@@ -106,7 +122,7 @@ class Handlers:
         self._count(placement, len(ids))
         started = time.perf_counter()
         node_request = make_generate(router, req, ids)
-        deltas = router.dispatcher.execute(placement, node_request)
+        deltas = execute_migrating(router.dispatcher, placement, node_request)
         async with aclosing(deltas):
             if req.stream:
                 return await self._stream(request, req, deltas, len(ids), started)
@@ -151,15 +167,31 @@ class Handlers:
 
     async def _stream(self, request: web.Request, req: CompletionRequest, deltas,
                       num_prompt: int, started: float) -> web.StreamResponse:
+        request_id = f"cmpl-{uuid_hex()}"
+        stream = _SseStream(request, request_id)
+        try:
+            return await self._stream_into(stream, req, deltas, num_prompt, started)
+        except (NoHealthyNode, NodeFailure) as exc:
+            if stream.response is None:
+                raise
+            error = _api_error(exc)
+            await _send(stream.response, error_body(error))
+            await stream.response.write(b"data: [DONE]\n\n")
+            await stream.response.write_eof()
+            raise _EndedWithError(stream.response, error.status) from exc
+
+    async def _stream_into(self, stream: _SseStream, req: CompletionRequest, deltas,
+                           num_prompt: int, started: float) -> web.StreamResponse:
         result, detok = _Result(), new_detokenizer(self.router, req)
+        request, request_id, last = stream.request, stream.request_id, started
         response: web.StreamResponse | None = None
-        request_id, last = f"cmpl-{uuid_hex()}", started
         async for delta in deltas:
             text = self._absorb(result, delta, detok, started)
             if response is None:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache"})
                 await response.prepare(request)
+                stream.response = response
                 if req.chat:
                     await _send(response, _chunk(req, request_id, {"role": "assistant",
                                                                    "content": ""}, None))
@@ -197,6 +229,20 @@ class Handlers:
             kind = "text_completion"
         return {"id": f"cmpl-{request_id}", "object": kind, "created": now_s(), "model": name,
                 "choices": [choice], "usage": _usage(num_prompt, result)}
+
+
+@dataclass(slots=True)
+class _SseStream:
+    request: web.Request
+    request_id: str
+    response: web.StreamResponse | None = None
+
+
+def _api_error(exc: NodeFailure | NoHealthyNode) -> ApiError:
+    if isinstance(exc, NodeFailure) and exc.lost:  # gone, not a refusal
+        return ApiError(502, f"the node serving the request failed: {exc}", None, exc.code,
+                        "server_error")
+    return node_api_error(exc)
 
 
 def uuid_hex() -> str:

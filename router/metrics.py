@@ -38,6 +38,11 @@ class RouterMetrics:
                                    registry=r)
         self.aborts = Counter("router_aborts", "requests aborted on the nodes (disconnects, "
                               "stop strings)", registry=r)
+        self.migrations = Counter("router_migrations", "requests moved to another node after "
+                                  "their decode node was lost mid-stream", registry=r)
+        self.migration_failures = Counter(
+            "router_migration_failures", "requests whose decode node was lost and that could "
+            "not move (no migration left, no healthy node)", ["reason"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,6 +10,14 @@ all land on the node that looked idle at the last report. A node that misses
 `RequestError` instead of waiting forever (one miss is not enough — a node answers between
 engine steps, and a long prefill step can delay one reply).
 
+Fast death detection: a ZMQ socket monitor watches the DEALER's connection. When the node's
+process dies its TCP connection closes (`EVENT_DISCONNECTED`): the node is unhealthy at once,
+its open streams end with `RequestError("internal", "node X disconnected")`, and requests
+sent to it fail immediately, until it reconnects and answers a load poll again. The
+missed-poll rule stays as the backstop for a node that hangs while its connection stays up.
+Streams ended this way are marked `lost` (the node is gone, it did not refuse the request), so
+the router may move the request elsewhere (router.migration).
+
 API: `NodeClient`, `NodeStream`.
 """
 
@@ -22,6 +30,7 @@ from collections.abc import AsyncIterator
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from core.node_wire import (
     AbortRequest,
@@ -41,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 
 DEAD_AFTER_MISSED_POLLS = 3
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 class NodeStream:
@@ -51,6 +61,7 @@ class NodeStream:
         self.request_id = request_id
         self.queue: asyncio.Queue[TokenDelta | RequestError] = asyncio.Queue()
         self.finished = False
+        self.lost = False  # ended because the node is gone (not a refusal by the node)
 
     async def __aiter__(self) -> AsyncIterator[TokenDelta | RequestError]:
         while not self.finished:
@@ -69,12 +80,15 @@ class NodeClient:
         self.pending_tokens = 0
         self.missed_polls = 0
         self.last_report_at = 0.0
+        self.disconnected = False  # the connection closed and has not come back yet
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._socket.get_monitor_socket(_MONITORED)
         self._socket.connect(spec.request_address)
         self._streams: dict[str, NodeStream] = {}
         self._load_waiter: asyncio.Future[LoadReport] | None = None
         self._receiver = asyncio.create_task(self._receive_forever(), name=f"recv-{spec.node_id}")
+        self._watcher = asyncio.create_task(self._watch_forever(), name=f"mon-{spec.node_id}")
 
     @property
     def node_id(self) -> str:
@@ -88,21 +102,34 @@ class NodeClient:
         stream = NodeStream(self, request.request_id)
         self._streams[request.request_id] = stream
         self.pending_tokens += len(request.prompt_token_ids)
-        await self._send(request)
+        if self.disconnected:  # it would wait in the socket's queue for a node that is gone
+            self._fail(stream, f"node {self.node_id} disconnected")
+            return stream
+        try:
+            await self._send(request)
+        except zmq.ZMQError as exc:
+            self._fail(stream, f"node {self.node_id} is unreachable: {exc}")
         return stream
 
     async def abort(self, request_id: str) -> None:
         self.forget(request_id)
-        await self._send(AbortRequest(request_id))
+        try:
+            await self._send(AbortRequest(request_id))
+        except zmq.ZMQError as exc:  # the node is unreachable: nothing to abort there now
+            logger.debug("abort of %s on node %s not sent: %s", request_id, self.node_id, exc)
 
     def forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
     def fail_streams(self, message: str) -> None:
         """End every open request on this node with an error (the node is gone)."""
-        for request_id, stream in list(self._streams.items()):
-            stream.queue.put_nowait(RequestError(request_id, "internal", message))
-            self.forget(request_id)
+        for stream in list(self._streams.values()):
+            self._fail(stream, message)
+
+    def _fail(self, stream: NodeStream, message: str) -> None:
+        stream.lost = True
+        stream.queue.put_nowait(RequestError(stream.request_id, "internal", message))
+        self.forget(stream.request_id)
 
     async def poll_load(self, timeout_s: float) -> LoadReport | None:
         loop = asyncio.get_running_loop()
@@ -118,11 +145,13 @@ class NodeClient:
             return None
         self.report, self.pending_tokens, self.missed_polls = report, 0, 0
         self.last_report_at = time.monotonic()
-        self.healthy = not report.draining
+        self.healthy = not report.draining and not self.disconnected
         return report
 
     async def _send(self, msg: NodeMessage) -> None:
-        await self._socket.send(encode(msg))
+        # Never wait: with the node gone the socket queues up to its high-water mark and then
+        # would block forever; `zmq.Again` instead.
+        await self._socket.send(encode(msg), zmq.NOBLOCK)
 
     async def _receive_forever(self) -> None:
         while True:
@@ -136,6 +165,23 @@ class NodeClient:
                 return
             self._dispatch(msg)
 
+    async def _watch_forever(self) -> None:
+        while True:
+            try:
+                event = await recv_monitor_message(self._monitor)
+            except (asyncio.CancelledError, zmq.ZMQError):
+                return
+            self._on_event(event["event"])
+
+    def _on_event(self, event: int) -> None:
+        if event == zmq.EVENT_DISCONNECTED:
+            logger.warning("node %s disconnected", self.node_id)
+            self.disconnected, self.healthy = True, False
+            self.fail_streams(f"node {self.node_id} disconnected")
+        elif event == zmq.EVENT_CONNECTED and self.disconnected:
+            logger.info("node %s reconnected", self.node_id)
+            self.disconnected = False  # healthy again once it answers a load poll
+
     def _dispatch(self, msg: NodeMessage) -> None:
         if isinstance(msg, LoadReport):
             if self._load_waiter is not None and not self._load_waiter.done():
@@ -148,6 +194,10 @@ class NodeClient:
             logger.warning("node %s sent a %s to the router", self.node_id, type(msg).__name__)
 
     async def close(self) -> None:
+        self.fail_streams(f"node {self.node_id} left the router's view")
         self._receiver.cancel()
-        await asyncio.gather(self._receiver, return_exceptions=True)
+        self._watcher.cancel()
+        await asyncio.gather(self._receiver, self._watcher, return_exceptions=True)
+        self._socket.disable_monitor()
+        self._monitor.close(0)
         self._socket.close(0)

@@ -12,7 +12,7 @@ import pytest
 from cluster.config import ClusterConfig
 from cluster.ray_cluster import RayCluster
 from core.hashing import hash_block_tokens
-from core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
+from core.node_wire import GenerateRequest, PrefixSource, SamplingSpec, TransferSpec
 from engine.node_client import NodeClient, tokens_of
 from metadata_service.client import MetadataClient
 from tests.models import random_prompts
@@ -40,7 +40,8 @@ def nodes(cluster):
     return by_role
 
 
-def submit(clients, prefill: dict, decode: dict, prompt: list[int]) -> str:
+def submit(clients, prefill: dict, decode: dict, prompt: list[int],
+           prefix_source: PrefixSource | None = None) -> str:
     n = next(_ids)
     rid, tid = f"r{n}", f"t{n}"
     clients[decode["node_id"]].send(GenerateRequest(
@@ -48,7 +49,7 @@ def submit(clients, prefill: dict, decode: dict, prompt: list[int]) -> str:
         TransferSpec("remote_prefill", tid, prefill["kv_address"])))
     clients[prefill["node_id"]].send(GenerateRequest(
         f"p{n}", prompt, SamplingSpec(max_tokens=1, temperature=0.0),
-        TransferSpec("remote_decode", tid)))
+        TransferSpec("remote_decode", tid), prefix_source=prefix_source))
     return rid
 
 
@@ -107,6 +108,19 @@ def test_second_turn_hits_the_decode_cache_and_moves_fewer_blocks(nodes, clients
     assert tokens_of(got) == hf_reference(model_dirs["llama-gqa"], turn2, N_OUT)
     assert got[-1].num_cached_tokens == 48  # 53 tokens computed in turn 1: 6 full blocks
     assert ray.get(actor.transfer_stats.remote())["blocks_received"] - before == 10 - 6
+
+
+def test_a_prefill_node_pulls_a_prefix_another_prefill_node_holds(nodes, clients, cluster,
+                                                                  model_dirs, hf_reference):
+    (p0, p1), d = nodes["prefill"], nodes["decode"][1]
+    shared = random_prompts(1, 64, 64, seed=75)[0]  # 8 blocks of 8 tokens
+    clients[d["node_id"]].collect({submit(clients, p0, d, shared)})  # now cached on p0
+    before = ray.get(cluster.actors["p1"].transfer_stats.remote())["blocks_pulled"]
+    prompt = shared + random_prompts(1, 12, 12, seed=76)[0]
+    rid = submit(clients, p1, d, prompt, PrefixSource(p0["kv_address"], 8))
+    got = clients[d["node_id"]].collect({rid})[rid]
+    assert tokens_of(got) == hf_reference(model_dirs["llama-gqa"], prompt, N_OUT)
+    assert ray.get(cluster.actors["p1"].transfer_stats.remote())["blocks_pulled"] - before == 8
 
 
 def test_a_killed_decode_actor_restarts_and_its_old_blocks_leave_the_index(

@@ -3,7 +3,12 @@ answering deterministic tokens. Swap it for a real node (engine.node_server.Node
 pointing the router at that node's address instead: the router sees only the protocol.
 
 `FakeNode(script)` answers every GenerateRequest with `script` token ids (cycled up to
-max_tokens), one TokenDelta per token every `delay_s`; `refuse` answers RequestError instead.
+max_tokens), the first after `ttft_s`, then one TokenDelta per token every `delay_s`;
+`refuse` answers RequestError instead. With `model` (a function of the whole sequence,
+prompt + tokens so far, to the next token) it behaves like greedy decoding instead: a
+request continued on another node (router migration) goes on exactly. `frozen = True`
+makes it hang (connected, silent); `close()` makes it die (its connection closes); `port`
+binds a given port (a node coming back).
 Everything received is recorded in `received` for assertions.
 """
 
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -28,16 +34,23 @@ from core.node_wire import (
 
 class FakeNode:
     def __init__(self, node_id: str, script: list[int], role: str = "both",
-                 delay_s: float = 0.0, refuse: str | None = None) -> None:
+                 delay_s: float = 0.0, refuse: str | None = None,
+                 model: Callable[[list[int]], int] | None = None, port: int | None = None,
+                 ttft_s: float = 0.0) -> None:
         self.node_id, self.role, self.script = node_id, role, script
-        self.delay_s, self.refuse = delay_s, refuse
+        self.delay_s, self.refuse, self.model, self.ttft_s = delay_s, refuse, model, ttft_s
         self.received: list[object] = []
         self.answer_load = True
-        self._active: dict[str, list] = {}  # request id -> [identity, request, sent, due]
+        self.frozen = False
+        self._active: dict[str, list] = {}  # request id -> [identity, request, sent, due, tokens]
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        if port is None:
+            port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        else:
+            self._socket.bind(f"tcp://127.0.0.1:{port}")
+        self.port = port
         self.address = f"tcp://127.0.0.1:{port}"
         self.kv_address = f"tcp://127.0.0.1:{port + 1}"  # never dialled by the router
         self._stop = threading.Event()
@@ -46,6 +59,9 @@ class FakeNode:
 
     def requests(self) -> list[GenerateRequest]:
         return [m for m in self.received if isinstance(m, GenerateRequest)]
+
+    def num_active(self) -> int:
+        return len(self._active)
 
     def aborts(self) -> list[str]:
         return [m.request_id for m in self.received if isinstance(m, AbortRequest)]
@@ -60,6 +76,9 @@ class FakeNode:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stop.is_set():
+            if self.frozen:
+                time.sleep(0.002)
+                continue
             if poller.poll(timeout=2):
                 identity, frame = self._socket.recv_multipart()
                 self._handle(identity, decode(frame))
@@ -77,15 +96,17 @@ class FakeNode:
             if self.refuse:
                 self._send(identity, RequestError(msg.request_id, self.refuse, "refused"))
             else:
-                self._active[msg.request_id] = [identity, msg, 0, time.monotonic()]
+                self._active[msg.request_id] = [identity, msg, 0, time.monotonic() + self.ttft_s,
+                                                  []]
 
     def _step(self) -> None:
         now = time.monotonic()
         for request_id, state in list(self._active.items()):
-            identity, msg, sent, due = state
+            identity, msg, sent, due, generated = state
             if now < due:
                 continue
-            token = self.script[sent % len(self.script)]
+            token = self._next_token(msg, generated, sent)
+            generated.append(token)
             sent += 1
             done = sent >= msg.sampling.max_tokens
             self._send(identity, TokenDelta(request_id, [token], done,
@@ -95,6 +116,11 @@ class FakeNode:
                 del self._active[request_id]
             else:
                 state[2], state[3] = sent, now + self.delay_s
+
+    def _next_token(self, msg: GenerateRequest, generated: list[int], sent: int) -> int:
+        if self.model is not None:
+            return self.model(msg.prompt_token_ids + generated)
+        return self.script[sent % len(self.script)]
 
     def _send(self, identity: bytes, msg: object) -> None:
         self._socket.send_multipart([identity, encode(msg)])

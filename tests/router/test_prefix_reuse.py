@@ -1,0 +1,66 @@
+"""Global prefix reuse on the router side: when the policy names a prefix source, the request
+sent to the prefilling node (and only that one) carries the holder's KV address and block
+count, against fake nodes over ZMQ."""
+
+from __future__ import annotations
+
+import asyncio
+
+from core.node_wire import PrefixSource
+from router.config import NodeSpec, RouterConfig
+from router.dispatch import Dispatcher, Placement
+from router.metrics import RouterMetrics
+from router.policy import PolicyConfig
+from tests.router.test_dispatch import make_request
+
+POLICY = PolicyConfig(block_size=16, local_prefill_threshold=16, global_reuse_min_tokens=128)
+
+
+def run_one(nodes, hits: dict[str, int], busy: str, num_prompt_tokens: int):
+    """Decide with `hits`, the node `busy` loaded with a backlog, then run the request."""
+    config = RouterConfig(
+        model_dir="unused", load_interval_s=60.0, node_timeout_s=1.0, seed=0, policy=POLICY,
+        nodes=tuple(NodeSpec(n.node_id, n.role, n.address, n.kv_address) for n in nodes))
+
+    async def scenario():
+        dispatcher = Dispatcher(config, RouterMetrics())
+        await dispatcher.start()
+        try:
+            dispatcher.nodes[busy].pending_tokens = 20_000  # sent there since its last report
+            decision = dispatcher.decide(hits, num_prompt_tokens)
+            request = make_request("r1", num_prompt_tokens, 2)
+            async for _ in dispatcher.execute(Placement(decision, False), request):
+                pass
+            return decision
+        finally:
+            await dispatcher.close()
+
+    return asyncio.run(scenario())
+
+
+def test_the_prefill_node_is_told_where_to_pull_the_prefix(make_node) -> None:
+    holder, idle = make_node("h", role="prefill"), make_node("p", role="prefill")
+    decode = make_node("d", role="decode")
+    decision = run_one([holder, idle, decode], {"h": 40}, "h", 45 * 16)
+    assert (decision.prefill_node, decision.decode_node) == ("p", "d")
+    (sent_to_p,) = idle.requests()
+    (sent_to_d,) = decode.requests()
+    assert sent_to_p.prefix_source == PrefixSource(holder.kv_address, 40)
+    assert sent_to_d.prefix_source is None  # D receives the whole prompt from P
+    assert not holder.requests()  # the holder serves the pull on its KV side channel only
+
+
+def test_a_decode_node_prefilling_locally_pulls_itself(make_node) -> None:
+    holder, decode = make_node("h", role="prefill"), make_node("d", role="decode")
+    decision = run_one([holder, decode], {"h": 20, "d": 10}, "h", 20 * 16 + 8)
+    assert decision.prefill_node is None and decision.decode_node == "d"
+    (sent_to_d,) = decode.requests()
+    assert sent_to_d.prefix_source == PrefixSource(holder.kv_address, 20)
+    assert sent_to_d.transfer is None
+
+
+def test_no_hint_without_a_worthwhile_holder(make_node) -> None:
+    idle, other = make_node("p", role="prefill"), make_node("q", role="prefill")
+    decode = make_node("d", role="decode")
+    run_one([idle, other, decode], {"q": 4}, "q", 45 * 16)  # 64 tokens < 128: not worth it
+    assert all(r.prefix_source is None for n in (idle, other, decode) for r in n.requests())
