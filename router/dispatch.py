@@ -120,6 +120,8 @@ class Dispatcher:
         await asyncio.gather(*(n.poll_load(self.config.node_timeout_s)
                                for n in self.nodes.values()))
         self.metrics.healthy_nodes.set(sum(n.healthy for n in self.nodes.values()))
+        for node_id, work in self.work.values(self.clock()).items():
+            self.metrics.recent_work.labels(node_id).set(work)
         if self.metadata is not None:
             self.metrics.metadata_available.set(int(self.metadata.available))
 
@@ -195,6 +197,7 @@ class Dispatcher:
                                 sampling=replace(request.sampling, max_tokens=1))
         source = self._prefix_source(decision)
         if source is not None:  # global prefix reuse: the prefilling node pulls the prefix
+            self.metrics.prefix_pulls.inc()
             if p_request is not None:
                 p_request = replace(p_request, prefix_source=source)
             else:
@@ -208,7 +211,7 @@ class Dispatcher:
                 self._spawn(_drain_prefill(p_stream, failure))
             d_stream = await decode.generate(d_request)
             streams.append((decode, d_stream))
-            self._charge(prefill or decode, len(request.prompt_token_ids) - decision.cached_tokens)
+            self._charge(prefill or decode, self._tokens_to_compute(decision, request, source))
             async for msg in _race(d_stream, failure):
                 self._charge(decode, 0, len(msg.token_ids))
                 yield msg
@@ -219,6 +222,14 @@ class Dispatcher:
                 if stream.lost or not stream.finished:
                     self.metrics.aborts.inc()
                     await node.abort(stream.request_id)
+
+    def _tokens_to_compute(self, decision: RouteDecision, request: GenerateRequest,
+                           source: PrefixSource | None) -> int:
+        """Prompt tokens the prefilling node computes: not those it holds, nor those it pulls."""
+        held = decision.cached_tokens
+        if source is not None:
+            held = max(held, source.num_blocks * self.config.policy.block_size)
+        return len(request.prompt_token_ids) - held
 
     def _prefix_source(self, decision: RouteDecision) -> PrefixSource | None:
         holder = self.nodes.get(decision.prefix_source or "")

@@ -36,6 +36,11 @@ class RouterMetrics:
                                         registry=r)
         self.healthy_nodes = Gauge("router_healthy_nodes", "nodes answering load queries",
                                    registry=r)
+        self.recent_work = Gauge("router_node_recent_work", "decayed work the router sent "
+                                 "each node, in prefill-token equivalents (the policy's "
+                                 "recent_work)", ["node"], registry=r)
+        self.prefix_pulls = Counter("router_prefix_pulls", "requests whose prefilling node was "
+                                    "told to pull its prefix from another node", registry=r)
         self.aborts = Counter("router_aborts", "requests aborted on the nodes (disconnects, "
                               "stop strings)", registry=r)
         self.migrations = Counter("router_migrations", "requests moved to another node after "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from core.node_wire import PrefixSource
 from router.config import NodeSpec, RouterConfig
 from router.dispatch import Dispatcher, Placement
@@ -16,14 +18,15 @@ from tests.router.test_dispatch import make_request
 POLICY = PolicyConfig(block_size=16, local_prefill_threshold=16, global_reuse_min_tokens=128)
 
 
-def run_one(nodes, hits: dict[str, int], busy: str, num_prompt_tokens: int):
+def run_one(nodes, hits: dict[str, int], busy: str, num_prompt_tokens: int,
+            metrics: RouterMetrics | None = None):
     """Decide with `hits`, the node `busy` loaded with a backlog, then run the request."""
     config = RouterConfig(
         model_dir="unused", load_interval_s=60.0, node_timeout_s=1.0, seed=0, policy=POLICY,
         nodes=tuple(NodeSpec(n.node_id, n.role, n.address, n.kv_address) for n in nodes))
 
     async def scenario():
-        dispatcher = Dispatcher(config, RouterMetrics())
+        dispatcher = Dispatcher(config, metrics or RouterMetrics())
         await dispatcher.start()
         try:
             dispatcher.nodes[busy].pending_tokens = 20_000  # sent there since its last report
@@ -31,6 +34,7 @@ def run_one(nodes, hits: dict[str, int], busy: str, num_prompt_tokens: int):
             request = make_request("r1", num_prompt_tokens, 2)
             async for _ in dispatcher.execute(Placement(decision, False), request):
                 pass
+            await dispatcher.refresh()
             return decision
         finally:
             await dispatcher.close()
@@ -41,7 +45,13 @@ def run_one(nodes, hits: dict[str, int], busy: str, num_prompt_tokens: int):
 def test_the_prefill_node_is_told_where_to_pull_the_prefix(make_node) -> None:
     holder, idle = make_node("h", role="prefill"), make_node("p", role="prefill")
     decode = make_node("d", role="decode")
-    decision = run_one([holder, idle, decode], {"h": 40}, "h", 45 * 16)
+    metrics = RouterMetrics()
+    decision = run_one([holder, idle, decode], {"h": 40}, "h", 45 * 16, metrics)
+    sample = metrics.registry.get_sample_value
+    assert sample("router_prefix_pulls_total") == 1
+    # p was charged the 5 blocks it computes; d the 2 tokens it decoded (x output weight 10)
+    assert sample("router_node_recent_work", {"node": "p"}) == pytest.approx(45 * 16 - 640, rel=1e-3)
+    assert sample("router_node_recent_work", {"node": "d"}) == pytest.approx(20, rel=1e-3)
     assert (decision.prefill_node, decision.decode_node) == ("p", "d")
     (sent_to_p,) = idle.requests()
     (sent_to_d,) = decode.requests()
