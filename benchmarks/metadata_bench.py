@@ -31,8 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+from core.block_index import BlockIndex
 from metadata_service.client import MetadataClient, make_node_info
-from metadata_service.index import BlockIndex
 from proto import metadata_pb2 as pb
 
 HASH = 32

@@ -9,7 +9,7 @@ the same kind of keys as in production.
 Simulated nodes: N nodes, each an LRU cache of C/N blocks. Serving a request touches its
 blocks (the first block becomes the most recently used, so a chain is evicted tail first),
 inserts the missing ones and evicts beyond capacity; every change is a `core.events`
-`BlockStored` / `BlockRemoved` applied to `metadata_service.index.BlockIndex`. The policy
+`BlockStored` / `BlockRemoved` applied to `core.block_index.BlockIndex`. The policy
 gets its per-node prefix hits from `BlockIndex.query`, exactly as the router does.
 
 Service-time model: a node serves one request at a time in arrival order (FIFO); a request
@@ -45,11 +45,12 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.block_index import BlockIndex
 from core.events import BlockRemoved, BlockStored, KVEvent
 from core.hashing import hash_block, root_hash
 from core.types import BlockHash
-from metadata_service.index import BlockIndex
-from router.policy import DecayedWork, NodeView, PolicyConfig, choose_prefill, request_work
+from router.policy import NodeView, PolicyConfig, choose_prefill, request_work
+from router.work import DecayedWork
 
 TRACE_BLOCK_TOKENS = 512
 POLICIES = ("kv", "round-robin", "least-loaded")

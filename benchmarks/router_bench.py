@@ -6,10 +6,12 @@ servers in this process (they answer every request at once, so what is timed is 
 `pdcluster router serve` in its own process, pointed at that metadata service.
 
 - `route_decision_p99_us`: the decision alone — the index's prefix walk over the request's
-  block hashes (1M blocks, 64 nodes) plus the policy's choice among the 64 nodes;
+  block hashes (1M blocks, 64 nodes) plus `Dispatcher.decide` (views refreshed, the policy)
+  over the 64 nodes;
 - `overhead_p50_ms` / `overhead_p99_ms`: a completion through the router (HTTP, tokenizing,
-  hashing, the metadata query, ZMQ to the node and back) minus the same request sent straight
-  to the node over ZMQ, same run;
+  hashing, the prefix lookup in the router's mirror of the index, ZMQ to the node and back)
+  minus the same request sent straight to the node over ZMQ, same run; timed once the router
+  reports its mirror in sync (the service streamed it the whole index);
 - `requests_per_s` with 64 concurrent streaming clients.
 """
 
@@ -164,7 +166,7 @@ def _decisions(pop: Population, nodes: list[InstantNode], model: str,
     """Microseconds per decision: the index walk over the request's chain, then the live
     router's `Dispatcher.decide` (views refreshed in place, the policy) over the 64 nodes,
     whose load it has polled from the instant nodes like the live router."""
-    from metadata_service.index import BlockIndex
+    from core.block_index import BlockIndex
     from router.config import NodeSpec, RouterConfig
     from router.dispatch import Dispatcher
     from router.metrics import RouterMetrics
@@ -202,12 +204,13 @@ def _wait_healthy(port: int, num_nodes: int, timeout_s: float = 120.0) -> None:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.request("GET", "/health")
             body = json.loads(conn.getresponse().read() or b"{}")
-            if sum(n.get("healthy", False) for n in body.get("nodes", {}).values()) == num_nodes:
+            healthy = sum(n.get("healthy", False) for n in body.get("nodes", {}).values())
+            if healthy == num_nodes and (body.get("metadata") or {}).get("mirror_in_sync"):
                 return
         except OSError:
             pass
         time.sleep(0.2)
-    raise TimeoutError("the router did not see every node healthy")
+    raise TimeoutError("the router did not see every node healthy and its index in sync")
 
 
 def _direct_ms(address: str, prompts: list[str], samples: int) -> list[float]:

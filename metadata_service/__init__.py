@@ -3,8 +3,9 @@ block index ``block_hash -> nodes``, prefix queries and the node watch stream, o
 in-memory (the embedded default) storage. Never imports torch, ray or ``engine``: it runs in
 small CPU-only pods. See docs/metadata_service.md.
 
-Modules: ``config`` (MetadataConfig), ``index`` (BlockIndex), ``service`` (the logic),
-``store`` / ``etcd_store`` (backends), ``server`` (gRPC), ``client`` (sync + asyncio clients),
+Modules: ``config`` (MetadataConfig), ``watch`` (the index that streams its changes; the
+index itself is ``core.block_index``), ``service`` (the logic), ``store`` / ``etcd_store``
+(backends), ``server`` (gRPC), ``client`` (sync + asyncio clients),
 ``publisher`` (the node side of the event protocol), ``errors``. Other rooms may import the
 client library (``client``, ``publisher``) and nothing else; this package's ``__init__`` stays
 light so that importing the client never loads the index, the server or the stores.

@@ -27,6 +27,9 @@ class MetadataConfig:
     max_batch_hashes: int = 65536
     max_snapshot_hashes: int = 1_000_000
     max_query_blocks: int = 16384
+    # WatchBlocks: hashes queued for one subscriber before it is cut off (it resubscribes and
+    # gets a fresh snapshot); bounds the service's memory per slow subscriber (32 MB at 32 B).
+    watch_max_pending_hashes: int = 1_000_000
     # etcd persistence: at most one write per node per flush interval, whatever the event rate.
     flush_interval_s: float = 0.25
     compact_after_deltas: int = 64
@@ -56,7 +59,7 @@ class MetadataConfig:
                 f"{self.max_lease_ttl_s}"
             )
         for name in ("max_batch_events", "max_batch_hashes", "max_snapshot_hashes",
-                     "max_query_blocks", "compact_after_deltas"):
+                     "max_query_blocks", "compact_after_deltas", "watch_max_pending_hashes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("flush_interval_s", "etcd_timeout_s", "health_interval_s",

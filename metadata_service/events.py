@@ -2,12 +2,14 @@
 and decoding on the service side. A batch is validated whole before anything is applied.
 
 API: ``Op``, ``encode_events`` (core events -> protobuf), ``decode_events`` (protobuf ->
-[(Op, hashes)], raising ``InvalidBatch`` with a precise message).
+[(Op, hashes)], raising ``InvalidBatch`` with a precise message); the other requests' checks:
+``check_node_info``, ``unpack_snapshot``, ``unpack_query``.
 """
 
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable, Sequence
 
 from core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -16,6 +18,8 @@ from metadata_service.codec import pack_hashes, unpack_hashes
 from metadata_service.config import MetadataConfig
 from metadata_service.errors import InvalidBatch
 from proto import metadata_pb2 as pb
+
+_NODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class Op(enum.Enum):
@@ -75,3 +79,25 @@ def decode_events(
             raise InvalidBatch("too_many_hashes", f"batch has more than max_batch_hashes="
                                f"{config.max_batch_hashes} hashes")
     return ops
+
+
+def check_node_info(info: pb.NodeInfo) -> None:
+    if not _NODE_ID.fullmatch(info.node_id):
+        raise InvalidBatch("bad_node_id",
+                           f"node_id {info.node_id!r} must match {_NODE_ID.pattern}")
+    if info.role not in (pb.PREFILL, pb.DECODE):
+        raise InvalidBatch("bad_role", f"node {info.node_id}: role must be PREFILL or DECODE")
+
+
+def unpack_snapshot(packed: bytes, config: MetadataConfig) -> list[BlockHash]:
+    if len(packed) > config.max_snapshot_hashes * config.hash_size:
+        raise InvalidBatch("snapshot_too_large", f"snapshot of {len(packed) // config.hash_size} "
+                           f"blocks exceeds max_snapshot_hashes={config.max_snapshot_hashes}")
+    return unpack_hashes(packed, config.hash_size)
+
+
+def unpack_query(packed: bytes, config: MetadataConfig) -> list[BlockHash]:
+    if len(packed) > config.max_query_blocks * config.hash_size:
+        raise InvalidBatch("query_too_long",
+                           f"query chain exceeds max_query_blocks={config.max_query_blocks}")
+    return unpack_hashes(packed, config.hash_size)

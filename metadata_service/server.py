@@ -27,6 +27,7 @@ from metadata_service.config import MetadataConfig
 from metadata_service.errors import InvalidBatch
 from metadata_service.service import MetadataService
 from metadata_service.store import IndexStore, MemoryIndexStore
+from metadata_service.watch import SubscriberTooSlow
 from metadata_service.wire import AUTH_HEADER, GRPC_OPTIONS
 from proto import metadata_pb2 as pb
 from proto import metadata_pb2_grpc as pb_grpc
@@ -34,6 +35,9 @@ from proto import metadata_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# Let clients keepalive-ping an idle stream (a WatchBlocks follower detecting a dead peer)
+# down to once a second; gRPC's default (5 min) answers faster pings with GOAWAY.
+_SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000)]
 
 
 def make_store(config: MetadataConfig) -> IndexStore:
@@ -64,14 +68,26 @@ class _Servicer(pb_grpc.MetadataServiceServicer):
         return pb.ListNodesReply(nodes=self.service.list_nodes(request.role))
 
     async def WatchNodes(self, request, context):  # noqa: N802
-        queue = self.service.subscribe()
+        watch = self.service.node_watch
+        queue = watch.subscribe(self.service.list_nodes())
         try:
             while True:
                 change = await queue.get()
                 if request.role in (pb.ROLE_UNSPECIFIED, change.node.role):
                     yield change
         finally:
-            self.service.unsubscribe(queue)
+            watch.unsubscribe(queue)
+
+    async def WatchBlocks(self, request, context):  # noqa: N802
+        index = self.service.index
+        subscriber = index.subscribe()
+        try:
+            async for update in subscriber.updates():
+                yield update
+        except SubscriberTooSlow as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        finally:
+            index.unsubscribe(subscriber)
 
     async def Publish(self, request, context):  # noqa: N802
         status, seq = await _checked(context, self.service.publish, request.node_id,
@@ -145,7 +161,7 @@ class MetadataServer:
     async def start(self) -> int:
         await self.service.start()
         interceptors = [_TokenInterceptor(self.config.token)] if self.config.token else []
-        server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+        server = grpc.aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
         pb_grpc.add_MetadataServiceServicer_to_server(_Servicer(self.service), server)
         address = self.config.address
         if self.config.tls_cert_file:

@@ -19,25 +19,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from core.types import BlockHash, NodeId
-from metadata_service.codec import Delta, unpack_hashes
+from metadata_service.codec import Delta
 from metadata_service.config import MetadataConfig
 from metadata_service.errors import InvalidBatch
-from metadata_service.events import Op, decode_events
-from metadata_service.index import BlockIndex
+from metadata_service.events import (
+    Op,
+    check_node_info,
+    decode_events,
+    unpack_query,
+    unpack_snapshot,
+)
 from metadata_service.store import IndexStore, NodeState
+from metadata_service.watch import NodeWatch, WatchedIndex
 from proto import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 PublishStatus = pb.PublishReply.Status
-_NODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -58,10 +64,10 @@ class MetadataService:
     ) -> None:
         self.config = config
         self.store = store
-        self.index = BlockIndex()
+        self.index = WatchedIndex(config.hash_size, config.watch_max_pending_hashes)
+        self.node_watch = NodeWatch()
         self._clock = clock
         self._nodes: dict[NodeId, _Node] = {}
-        self._watchers: list[asyncio.Queue[pb.NodeChange]] = []
         self._sweeper: asyncio.Task[None] | None = None
         self.counters: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
@@ -87,12 +93,7 @@ class MetadataService:
 
     def register(self, info: pb.NodeInfo, lease_ttl_s: int) -> tuple[int, int]:
         """Register or refresh a node; returns (granted TTL, last applied seq)."""
-        if not _NODE_ID.fullmatch(info.node_id):
-            self._reject(info.node_id, InvalidBatch(
-                "bad_node_id", f"node_id {info.node_id!r} must match {_NODE_ID.pattern}"))
-        if info.role not in (pb.PREFILL, pb.DECODE):
-            self._reject(info.node_id, InvalidBatch(
-                "bad_role", f"node {info.node_id}: role must be PREFILL or DECODE"))
+        self._checked(info.node_id, check_node_info, info)
         ttl = self.config.clamp_ttl(lease_ttl_s)
         node = self._nodes.get(info.node_id)
         restarted = node is not None and node.epoch != info.epoch
@@ -107,7 +108,7 @@ class MetadataService:
         node.lease_ttl_s = ttl
         self._touch(node)
         self.store.node_up(node.info, ttl, restarted)
-        self._notify(pb.NodeChange.UP, node.info)
+        self.node_watch.notify(pb.NodeChange.UP, node.info)
         return ttl, node.seq
 
     def heartbeat(self, node_id: NodeId, epoch: int) -> bool:
@@ -126,27 +127,13 @@ class MetadataService:
         return [node.info for node_id, node in sorted(self._nodes.items())
                 if role in (pb.ROLE_UNSPECIFIED, node.info.role)]
 
-    def subscribe(self) -> asyncio.Queue[pb.NodeChange]:
-        """A queue that gets every live node as UP, then each change."""
-        queue: asyncio.Queue[pb.NodeChange] = asyncio.Queue()
-        for info in self.list_nodes():
-            queue.put_nowait(pb.NodeChange(kind=pb.NodeChange.UP, node=info))
-        self._watchers.append(queue)
-        return queue
-
-    def unsubscribe(self, queue: asyncio.Queue[pb.NodeChange]) -> None:
-        self._watchers.remove(queue)
-
     # -- block events ----------------------------------------------------------------------
 
     def publish(
         self, node_id: NodeId, epoch: int, seq: int, events: Sequence[pb.KVEventMsg]
     ) -> tuple[int, int]:
         """Apply one batch; returns (PublishStatus, last applied seq)."""
-        try:
-            ops = decode_events(events, self.config)
-        except InvalidBatch as exc:
-            self._reject(node_id, exc)
+        ops = self._checked(node_id, decode_events, events, self.config)
         node = self._nodes.get(node_id)
         if node is None:
             return PublishStatus.UNKNOWN_NODE, 0
@@ -163,14 +150,7 @@ class MetadataService:
 
     def snapshot(self, node_id: NodeId, epoch: int, seq: int, packed: bytes) -> int:
         """Replace the node's block set with a full snapshot as of ``seq``."""
-        if len(packed) > self.config.max_snapshot_hashes * self.config.hash_size:
-            self._reject(node_id, InvalidBatch(
-                "snapshot_too_large", f"snapshot of {len(packed) // self.config.hash_size} "
-                f"blocks exceeds max_snapshot_hashes={self.config.max_snapshot_hashes}"))
-        try:
-            block_hashes = unpack_hashes(packed, self.config.hash_size)
-        except InvalidBatch as exc:
-            self._reject(node_id, exc)
+        block_hashes = self._checked(node_id, unpack_snapshot, packed, self.config)
         node = self._nodes.get(node_id)
         if node is None or node.epoch != epoch:
             self._reject(node_id, InvalidBatch(
@@ -200,6 +180,13 @@ class MetadataService:
             num_events += max(1, len(block_hashes))
         self.counters["events_ingested"] += num_events
 
+    def _checked(self, node_id: NodeId, check: Callable[..., T], *args: Any) -> T:
+        try:
+            return check(*args)
+        except InvalidBatch as exc:
+            self._reject(node_id, exc)
+            raise
+
     def _reject(self, node_id: NodeId, exc: InvalidBatch) -> None:
         self.rejected[exc.reason] += 1
         logger.debug("rejected a request from %s: %s", node_id, exc)
@@ -214,14 +201,7 @@ class MetadataService:
         node_ids: Sequence[NodeId] = (),
         include_zero: bool = False,
     ) -> list[tuple[NodeId, int]]:
-        if len(packed) > self.config.max_query_blocks * self.config.hash_size:
-            self._reject("query", InvalidBatch(
-                "query_too_long", f"query chain exceeds max_query_blocks="
-                f"{self.config.max_query_blocks}"))
-        try:
-            chain = unpack_hashes(packed, self.config.hash_size)
-        except InvalidBatch as exc:
-            self._reject("query", exc)
+        chain = self._checked("query", unpack_query, packed, self.config)
         self.counters["queries"] += 1
         candidates: Sequence[NodeId] | None = None
         if role != pb.ROLE_UNSPECIFIED or node_ids:
@@ -249,6 +229,8 @@ class MetadataService:
             persistence_pending_nodes=store.num_pending_nodes,
             etcd_writes=store.num_writes,
             persistence_policy=store.persistence_policy,
+            block_watchers=len(self.index.subscribers),
+            block_watchers_cut=self.index.num_cut,
         )
 
     # -- StoreSink: changes made elsewhere -------------------------------------------------
@@ -265,7 +247,7 @@ class MetadataService:
             self.index.clear_node(info.node_id)
             node.epoch, node.seq = info.epoch, 0
         node.info.CopyFrom(info)
-        self._notify(pb.NodeChange.UP, node.info)
+        self.node_watch.notify(pb.NodeChange.UP, node.info)
 
     def remote_node_down(self, node_id: NodeId) -> None:
         self._drop(node_id)
@@ -318,12 +300,8 @@ class MetadataService:
         if node is None:
             return False
         self.index.remove_node(node_id)
-        self._notify(pb.NodeChange.DOWN, node.info)
+        self.node_watch.notify(pb.NodeChange.DOWN, node.info)
         return True
-
-    def _notify(self, kind: int, info: pb.NodeInfo) -> None:
-        for queue in self._watchers:
-            queue.put_nowait(pb.NodeChange(kind=kind, node=info))
 
     def expire_leases(self) -> list[NodeId]:
         """Drop every node whose lease deadline passed (memory backend); returns them."""

@@ -2,7 +2,7 @@
 the load loop; `place` asks the policy where a request goes (pure decision), `execute` sends
 it there and yields the decode node's token deltas.
 
-Work accounting: the dispatcher keeps `work` (`policy.DecayedWork`, advanced by the injected
+Work accounting: the dispatcher keeps `work` (`router.work.DecayedWork`, advanced by the injected
 `clock`) and charges each node what it sends there: the prompt tokens the prefilling node must
 compute, once the request is sent, and `output_token_weight` per token as D streams them.
 `place` hands each node's decayed total to the policy (`NodeView.recent_work`). A node that
@@ -46,13 +46,13 @@ from router.metadata import MetadataLink
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient, NodeStream
 from router.policy import (
-    DecayedWork,
     NodeView,
     NoHealthyNode,
     RouteDecision,
     request_work,
     route,
 )
+from router.work import DecayedWork
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,8 @@ class Dispatcher:
             self.metrics.recent_work.labels(node_id).set(work)
         if self.metadata is not None:
             self.metrics.metadata_available.set(int(self.metadata.available))
+            self.metrics.mirror_in_sync.set(int(self.metadata.mirror_in_sync))
+            self.metrics.mirror_blocks.set(self.metadata.mirror_blocks)
 
     async def _refresh_forever(self) -> None:
         while True:

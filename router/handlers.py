@@ -87,7 +87,8 @@ class Handlers:
                 "routing": "prefix_aware" if dispatcher.prefix_aware else "load_only",
                 "metadata": None if link is None else {
                     "address": link.address, "available": link.available,
-                    "last_error": link.last_error}}
+                    "last_error": link.last_error, "mirror_in_sync": link.mirror_in_sync,
+                    "mirror_blocks": link.mirror_blocks, "watch_error": link.watch_error}}
         return web.json_response(body, status=200 if healthy else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:

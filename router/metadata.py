@@ -1,23 +1,42 @@
-"""The router's thin client of the metadata service, over the generated gRPC stubs in
-`proto/` (the router may not import `metadata_service`: two services never import each other).
+"""The router's link to the metadata service, over the generated gRPC stubs in `proto/` (the
+router may not import `metadata_service`: two services never import each other).
 
-`MetadataLink.prefix_hits(chain)` asks which nodes hold how many leading blocks. When the
-service cannot be reached (or answers too slowly), the link goes *degraded*: it returns no
-hits (the policy then routes on load alone), stops asking for `retry_s`, and recovers on the
-first successful query after that. `available`, `failures` and `last_error` feed /health
-and /metrics. `list_nodes()` is node discovery.
+`MetadataLink.prefix_hits(chain)`: which nodes hold how many leading blocks of the chain.
+It answers from a **mirror** of the service's block index in the router's memory while the
+mirror is in sync: a background task follows `WatchBlocks` (a snapshot of the whole index,
+then every change in the order the service applied it) into a `core.block_index.BlockIndex`,
+so a routing decision walks a local index (microseconds, no RPC). The mirror trails the
+service by the time a change takes to arrive (milliseconds): fine for routing, whose answer is
+a hint (a node sent a prefix it evicted a moment ago recomputes it).
+
+While the mirror is not in sync (before the first snapshot completes; after the stream broke,
+until a new snapshot completes) `prefix_hits` asks the service per request (`Query`). When
+that fails too (unreachable, too slow), the link goes *degraded*: it returns None (the policy
+routes on load alone), stops asking for `retry_s`, and recovers on the first successful query
+or completed snapshot after that. The watch resubscribes after `backoff_s`, doubling up to
+`max_backoff_s`, back to `backoff_s` once a snapshot completes; a subscriber the service cut
+off for falling behind resubscribes the same way.
+
+State for /health and /metrics: `available`, `failures`, `last_error` (the per-request path),
+`mirror_in_sync`, `mirror_blocks`, `mirror_syncs` (snapshots loaded), `watch_error`,
+`bad_updates` (messages of a kind this router does not know, skipped).
+`list_nodes()` is node discovery. Construct the link inside the running event loop (the
+gRPC channel needs one): the constructor starts the watch; `close()` cancels it.
 
 API: `MetadataLink`, `PrefixHits`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 import grpc
 
+from core.block_index import BlockIndex
 from core.types import BlockHash, NodeId
 from proto import metadata_pb2 as pb
 from proto import metadata_pb2_grpc as pb_grpc
@@ -27,27 +46,57 @@ logger = logging.getLogger(__name__)
 
 PrefixHits = dict[NodeId, int]
 _ROLE_NAMES = {pb.PREFILL: "prefill", pb.DECODE: "decode"}
+_Update = pb.BlockUpdate
+
+
+class _BadUpdate(Exception):
+    """A WatchBlocks message the mirror cannot apply: resubscribe for a fresh snapshot."""
 
 
 class MetadataLink:
     def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 0.5,
-                 retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 mirror: bool = True, backoff_s: float = 0.1, max_backoff_s: float = 5.0,
+                 keepalive_s: float = 10.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.retry_s = retry_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
         self.available = True
         self.failures = 0
         self.last_error = ""
+        self.mirror_in_sync = False
+        self.mirror_syncs = 0
+        self.watch_error = ""
+        self.bad_updates = 0
+        self._synced_at = 0.0
+        self._mirror: BlockIndex | None = None
+        self._watch_task: asyncio.Task[None] | None = None
         self._clock = clock
         self._retry_at = 0.0
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._channel = grpc.aio.insecure_channel(address)
+        # keepalive: a silently dead peer breaks the stream (the mirror would go stale)
+        self._channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(max(1.0, keepalive_s / 2) * 1000))])
         self._stub = pb_grpc.MetadataServiceStub(self._channel)
+        if mirror:
+            self._watch_task = asyncio.create_task(self._watch_forever(), name="metadata-watch")
+
+    @property
+    def mirror_blocks(self) -> int:
+        """Distinct blocks in the mirror (0 while it is not in sync)."""
+        mirror = self._mirror
+        return mirror.num_blocks if self.mirror_in_sync and mirror is not None else 0
 
     async def prefix_hits(self, chain: Sequence[BlockHash]) -> PrefixHits | None:
         """Leading blocks held per node; None when degraded (route on load alone)."""
         if not chain:
             return {}
+        mirror = self._mirror
+        if self.mirror_in_sync and mirror is not None:
+            return dict(mirror.query(chain))
         if not self.available and self._clock() < self._retry_at:
             return None
         request = pb.QueryRequest(block_hashes=b"".join(chain))
@@ -71,6 +120,67 @@ class MetadataLink:
         return [NodeSpec(n.node_id, _ROLE_NAMES.get(n.role, "both"), n.request_address,
                          n.kv_address) for n in reply.nodes if n.request_address]
 
+    async def close(self) -> None:
+        task, self._watch_task = self._watch_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._channel.close()
+
+    # -- the mirror ------------------------------------------------------------------------
+
+    async def _watch_forever(self) -> None:
+        backoff = self.backoff_s
+        while True:
+            try:
+                await self._follow()
+                reason = "the stream ended"
+            except grpc.RpcError as exc:
+                reason = f"{exc.code().name}: {exc.details()}"
+            except _BadUpdate as exc:
+                reason = str(exc)
+            except Exception as exc:  # the watch must outlive any one stream
+                logger.exception("metadata watch failed")
+                reason = repr(exc)
+            if self.mirror_in_sync and self._clock() - self._synced_at > self.max_backoff_s:
+                backoff = self.backoff_s  # a long-lived stream broke: retry soon
+            self._lose_sync(reason)
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, self.max_backoff_s)
+
+    async def _follow(self) -> None:
+        call = self._stub.WatchBlocks(pb.WatchBlocksRequest(), metadata=self._metadata)
+        mirror = BlockIndex()
+        try:
+            async for update in call:
+                if update.kind == _Update.SNAPSHOT_COMPLETE:
+                    self._sync(mirror)
+                elif not _apply(mirror, update):
+                    self.bad_updates += 1
+        finally:
+            call.cancel()
+
+    def _sync(self, mirror: BlockIndex) -> None:
+        self._mirror = mirror
+        self.mirror_in_sync = True
+        self.mirror_syncs += 1
+        self._synced_at = self._clock()
+        self.watch_error = ""
+        self._recover()
+        logger.info("block index mirror in sync with %s: %d blocks on %d nodes",
+                    self.address, mirror.num_blocks, len(mirror.node_ids))
+
+    def _lose_sync(self, reason: str) -> None:
+        if self.mirror_in_sync:
+            logger.warning("block index mirror lost (%s): querying %s per request until it "
+                           "resyncs", reason, self.address)
+        self.mirror_in_sync = False
+        self._mirror = None
+        self.watch_error = reason
+
+    # -- the per-request path --------------------------------------------------------------
+
     def _fail(self, exc: grpc.RpcError) -> None:
         if self.available:
             logger.error("metadata service %s unreachable, routing on load only: %s",
@@ -86,5 +196,30 @@ class MetadataLink:
         self.available = True
         self.last_error = ""
 
-    async def close(self) -> None:
-        await self._channel.close()
+
+def _apply(mirror: BlockIndex, update: pb.BlockUpdate) -> bool:
+    """One WatchBlocks message into the mirror (every change is an idempotent set operation);
+    False for a kind this router does not know (a newer service), which is skipped."""
+    kind, node_id = update.kind, update.node_id
+    if kind in (_Update.SNAPSHOT, _Update.STORED):
+        if not mirror.has_node(node_id):
+            mirror.add_node(node_id)
+        mirror.add_blocks(node_id, _unpack(update))
+    elif kind not in (_Update.REMOVED, _Update.CLEARED, _Update.NODE_REMOVED):
+        return False
+    elif not mirror.has_node(node_id):
+        pass  # removing from a node the mirror does not know: nothing to do
+    elif kind == _Update.REMOVED:
+        mirror.remove_blocks(node_id, _unpack(update))
+    elif kind == _Update.CLEARED:
+        mirror.clear_node(node_id)
+    else:
+        mirror.remove_node(node_id)
+    return True
+
+
+def _unpack(update: pb.BlockUpdate) -> list[BlockHash]:
+    data, size = update.block_hashes, update.hash_size
+    if size == 0 or len(data) % size:
+        raise _BadUpdate(f"BlockUpdate with {len(data)} bytes of {size}-byte hashes")
+    return [data[i:i + size] for i in range(0, len(data), size)]

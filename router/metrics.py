@@ -34,6 +34,12 @@ class RouterMetrics:
         self.metadata_available = Gauge("router_metadata_available",
                                         "1 if prefix-aware routing is on, 0 if load-only",
                                         registry=r)
+        self.mirror_in_sync = Gauge("router_index_mirror_in_sync", "1 while the router's copy "
+                                    "of the block index follows the metadata service (prefix "
+                                    "hits answered in memory), 0 while it asks per request",
+                                    registry=r)
+        self.mirror_blocks = Gauge("router_index_mirror_blocks", "distinct block hashes in "
+                                   "the router's copy of the index", registry=r)
         self.healthy_nodes = Gauge("router_healthy_nodes", "nodes answering load queries",
                                    registry=r)
         self.recent_work = Gauge("router_node_recent_work", "decayed work the router sent "

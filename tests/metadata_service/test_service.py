@@ -191,7 +191,7 @@ def test_watchers_see_up_and_down() -> None:
     async def scenario() -> list[tuple[int, str]]:
         service, _, _ = make_service()
         register(service, "p0")
-        queue = service.subscribe()
+        queue = service.node_watch.subscribe(service.list_nodes())
         register(service, "d0", "decode")
         service.deregister("p0")
         return [(c.kind, c.node.node_id) for c in

@@ -9,7 +9,6 @@ from collections import Counter
 import pytest
 
 from router.policy import (
-    DecayedWork,
     NodeView,
     NoHealthyNode,
     PolicyConfig,
@@ -18,6 +17,7 @@ from router.policy import (
     request_work,
     route,
 )
+from router.work import DecayedWork
 
 CONFIG = PolicyConfig(block_size=16, local_prefill_threshold=64)
 

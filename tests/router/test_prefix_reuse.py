@@ -50,7 +50,8 @@ def test_the_prefill_node_is_told_where_to_pull_the_prefix(make_node) -> None:
     sample = metrics.registry.get_sample_value
     assert sample("router_prefix_pulls_total") == 1
     # p was charged the 5 blocks it computes; d the 2 tokens it decoded (x output weight 10)
-    assert sample("router_node_recent_work", {"node": "p"}) == pytest.approx(45 * 16 - 640, rel=1e-3)
+    computed = 45 * 16 - 40 * 16
+    assert sample("router_node_recent_work", {"node": "p"}) == pytest.approx(computed, rel=1e-3)
     assert sample("router_node_recent_work", {"node": "d"}) == pytest.approx(20, rel=1e-3)
     assert (decision.prefill_node, decision.decode_node) == ("p", "d")
     (sent_to_p,) = idle.requests()

@@ -19,7 +19,7 @@ from benchmarks.replay import (
     replay,
     replay_all,
 )
-from metadata_service.index import BlockIndex
+from core.block_index import BlockIndex
 from tests.router.synth_trace import synthetic_trace
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,10 @@ whose bit drops out hold exactly i leading blocks. Stop when no candidate is lef
 one dict lookup and two int operations per block of the shared prefix, independent of the
 number of nodes (up to a machine word of nodes, and cheaply beyond).
 
-Not thread-safe by design: one owner (the service's event loop) mutates and queries it.
+Not thread-safe by design: one owner mutates and queries it (the metadata service's event
+loop; the router's mirror of it, fed by the service's WatchBlocks stream, on the router's loop).
+The public mutators never call one another (they share private helpers), so a subclass can
+observe each change exactly once (``metadata_service.watch.WatchedIndex`` does).
 
 API: ``BlockIndex`` with ``add_node``, ``remove_node``, ``add_blocks``, ``remove_blocks``,
 ``clear_node``, ``replace_node_blocks``, ``node_blocks``, ``query``, ``check_invariants``.
@@ -65,7 +68,7 @@ class BlockIndex:
         """Drop the node and all of its blocks; returns how many blocks it held."""
         if node_id not in self._slot_of:
             return 0
-        num_removed = self.clear_node(node_id)
+        num_removed = self._remove_blocks(node_id, list(self._node_blocks[node_id]))
         slot = self._slot_of.pop(node_id)
         del self._node_of[slot]
         del self._node_blocks[node_id]
@@ -74,6 +77,29 @@ class BlockIndex:
 
     def add_blocks(self, node_id: NodeId, block_hashes: Iterable[BlockHash]) -> int:
         """Record that the node holds these blocks; returns how many were new for it."""
+        return self._add_blocks(node_id, block_hashes)
+
+    def remove_blocks(self, node_id: NodeId, block_hashes: Iterable[BlockHash]) -> int:
+        """Forget these blocks of the node (unknown ones are ignored); returns how many went."""
+        return self._remove_blocks(node_id, block_hashes)
+
+    def clear_node(self, node_id: NodeId) -> int:
+        """Forget every block of the node, keeping its slot."""
+        return self._remove_blocks(node_id, list(self._node_blocks[node_id]))
+
+    def replace_node_blocks(
+        self, node_id: NodeId, block_hashes: Iterable[BlockHash]
+    ) -> tuple[set[BlockHash], set[BlockHash]]:
+        """Make the node's set exactly ``block_hashes`` (a snapshot), touching only the diff;
+        returns the diff as (removed, added)."""
+        wanted = set(block_hashes)
+        owned = self._node_blocks[node_id]
+        removed, added = owned - wanted, wanted - owned
+        self._remove_blocks(node_id, removed)
+        self._add_blocks(node_id, added)
+        return removed, added
+
+    def _add_blocks(self, node_id: NodeId, block_hashes: Iterable[BlockHash]) -> int:
         bit = 1 << self._slot_of[node_id]
         owned = self._node_blocks[node_id]
         bitmaps = self._bitmaps
@@ -86,8 +112,7 @@ class BlockIndex:
         self._num_entries += num_new
         return num_new
 
-    def remove_blocks(self, node_id: NodeId, block_hashes: Iterable[BlockHash]) -> int:
-        """Forget these blocks of the node (unknown ones are ignored); returns how many went."""
+    def _remove_blocks(self, node_id: NodeId, block_hashes: Iterable[BlockHash]) -> int:
         mask = ~(1 << self._slot_of[node_id])
         owned = self._node_blocks[node_id]
         bitmaps = self._bitmaps
@@ -103,18 +128,6 @@ class BlockIndex:
         num_removed = before - len(owned)
         self._num_entries -= num_removed
         return num_removed
-
-    def clear_node(self, node_id: NodeId) -> int:
-        """Forget every block of the node, keeping its slot."""
-        owned = self._node_blocks[node_id]
-        return self.remove_blocks(node_id, list(owned))
-
-    def replace_node_blocks(self, node_id: NodeId, block_hashes: Iterable[BlockHash]) -> None:
-        """Make the node's set exactly ``block_hashes`` (a snapshot), touching only the diff."""
-        wanted = set(block_hashes)
-        owned = self._node_blocks[node_id]
-        self.remove_blocks(node_id, owned - wanted)
-        self.add_blocks(node_id, wanted - owned)
 
     def node_blocks(self, node_id: NodeId) -> frozenset[BlockHash]:
         return frozenset(self._node_blocks[node_id])

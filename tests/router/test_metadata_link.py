@@ -1,0 +1,199 @@
+"""MetadataLink against a real metadata service on 127.0.0.1 (memory backend): the mirror
+answers like the service's Query after publishes, evictions, clears, restarts, lease expiry
+and resyncs; Query while out of sync; load-only while the service is down; cut off when too
+slow and re-synced; re-synced with a restarted service; clean close."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from metadata_service.client import MetadataClient, make_node_info
+from metadata_service.publisher import NodePublisher
+from metadata_service.server import ServerThread
+from metadata_service.watch import BlockSubscriber
+from router.metadata import MetadataLink
+from tests.metadata_service.helpers import (
+    free_port,
+    make_chain,
+    make_config,
+    make_publisher,
+)
+
+CHAINS = [make_chain(f"link{i}", 24) for i in range(4)]
+
+
+async def until(predicate, timeout_s: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def service_hits(client: MetadataClient) -> list[dict[str, int]]:
+    return [dict(client.query(chain)) for chain in CHAINS]
+
+
+async def link_hits(link: MetadataLink) -> list[dict[str, int] | None]:
+    return [await link.prefix_hits(chain) for chain in CHAINS]
+
+
+async def mirrors(link: MetadataLink, client: MetadataClient, what: str = "") -> None:
+    """Wait until the link is in sync and answers like the service; then check that those
+    answers came from the mirror (no Query reached the service)."""
+    async def same() -> bool:
+        return link.mirror_in_sync and await link_hits(link) == service_hits(client)
+    await until(same, what=what or "the mirror to match the service")
+    queries = client.stats().queries
+    assert await link_hits(link) == service_hits(client)
+    assert client.stats().queries == queries + len(CHAINS), "the link asked the service"
+
+
+def test_mirror_follows_every_kind_of_change() -> None:
+    async def scenario(server: ServerThread, client: MetadataClient) -> None:
+        link = MetadataLink(server.address)
+        p0, n0 = make_publisher(client, "p0", ttl=30)
+        p1, n1 = make_publisher(client, "p1", ttl=1)  # stops heartbeating: expires
+        d0, nd = make_publisher(client, "d0", "decode", ttl=30)
+        p0.publish([n0.store(CHAINS[0][:10]), n0.store(CHAINS[1][:4])])
+        p1.publish([n1.store(CHAINS[0][:16])])
+        await mirrors(link, client, "the first snapshot")
+        assert link.mirror_blocks == client.stats().num_blocks
+        d0.publish([nd.store(CHAINS[2][:8])])
+        p0.publish([n0.evict(CHAINS[0][5:6]), n0.store(CHAINS[3][:3])])
+        await mirrors(link, client, "stores and evictions")
+        p0.seq += 1  # a lost batch: the next one resyncs p0 with a snapshot
+        n0.evict(CHAINS[1][:4])
+        p0.publish([n0.store(CHAINS[1][10:12])])
+        d0.publish([nd.evict(list(nd.cached))])
+        await mirrors(link, client, "a resync and a full eviction")
+        restarted = NodePublisher(client, make_node_info("d0", "decode"), lambda: set(), 30)
+        restarted.register()  # a new epoch: d0's blocks are dropped
+        await until(lambda: _no_node(client, "p1"), what="p1's lease to expire")
+        await mirrors(link, client, "a restart and a lease expiry")
+        assert all("p1" not in hits for hits in service_hits(client))
+        await link.close()
+        assert link._watch_task is None
+
+    with ServerThread(make_config()) as server, MetadataClient(server.address) as client:
+        asyncio.run(scenario(server, client))
+
+
+async def _no_node(client: MetadataClient, node_id: str) -> bool:
+    return node_id not in [n.node_id for n in client.list_nodes()]
+
+
+def test_query_while_out_of_sync_then_mirror(monkeypatch) -> None:
+    gate = threading.Event()
+    original = BlockSubscriber.updates
+
+    async def gated(self):
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        async for update in original(self):
+            yield update
+
+    monkeypatch.setattr(BlockSubscriber, "updates", gated)
+
+    async def scenario(server: ServerThread, client: MetadataClient) -> None:
+        p0, n0 = make_publisher(client, "p0", ttl=30)
+        p0.publish([n0.store(CHAINS[0][:7])])
+        link = MetadataLink(server.address)
+        await asyncio.sleep(0.1)
+        assert not link.mirror_in_sync and link.mirror_blocks == 0
+        queries = client.stats().queries
+        assert await link.prefix_hits(CHAINS[0]) == {"p0": 7}
+        assert client.stats().queries == queries + 1, "out of sync: answered by Query"
+        gate.set()
+        await mirrors(link, client)
+        await link.close()
+
+    with ServerThread(make_config()) as server, MetadataClient(server.address) as client:
+        asyncio.run(scenario(server, client))
+
+
+def test_load_only_while_the_service_is_down() -> None:
+    async def scenario() -> None:
+        link = MetadataLink(f"127.0.0.1:{free_port()}", timeout_s=0.2, retry_s=60)
+        assert await link.prefix_hits(CHAINS[0]) is None
+        assert not link.available and link.failures == 1 and not link.mirror_in_sync
+        assert await link.prefix_hits(CHAINS[0]) is None
+        assert link.failures == 1, "no retry before retry_s"
+        assert await link.prefix_hits([]) == {}
+        await link.close()
+
+    asyncio.run(scenario())
+
+
+def test_restarted_service_is_resynced_and_a_dead_one_means_load_only() -> None:
+    port = free_port()
+    config = make_config(port=port)
+
+    async def scenario() -> None:
+        link = MetadataLink(f"127.0.0.1:{port}", timeout_s=0.3, retry_s=0.1)
+        with ServerThread(config) as server, MetadataClient(server.address) as client:
+            p0, n0 = make_publisher(client, "p0", ttl=30)
+            p0.publish([n0.store(CHAINS[0][:9])])
+            await mirrors(link, client, "the first service")
+        await until(_out_of_sync(link), what="the stream to break")
+        assert await link.prefix_hits(CHAINS[0]) is None and not link.available
+        with ServerThread(config) as server, MetadataClient(server.address) as client:
+            p1, n1 = make_publisher(client, "p1", ttl=30)
+            p1.publish([n1.store(CHAINS[0][:3]), n1.store(CHAINS[2][:5])])
+            await mirrors(link, client, "the restarted service")
+            assert link.mirror_syncs == 2 and link.available
+            assert await link.prefix_hits(CHAINS[0]) == {"p1": 3}
+        await link.close()
+
+    asyncio.run(scenario())
+
+
+def _out_of_sync(link: MetadataLink):
+    async def check() -> bool:
+        return not link.mirror_in_sync
+    return check
+
+
+def test_a_stalled_router_is_cut_off_and_resyncs() -> None:
+    async def scenario(server: ServerThread, client: MetadataClient) -> None:
+        link = MetadataLink(server.address, backoff_s=0.05)
+        p0, n0 = make_publisher(client, "p0", ttl=30)
+        p0.publish([n0.store(CHAINS[0][:6])])
+        await mirrors(link, client, "the first snapshot")
+
+        def flood() -> None:
+            for i in range(150):
+                p0.publish([n0.store(make_chain(f"flood{i}", 2048))])
+                if client.stats().block_watchers_cut:
+                    break
+            p0.publish([n0.evict(CHAINS[0][3:4])])
+
+        flooder = threading.Thread(target=flood)
+        flooder.start()
+        while flooder.is_alive():
+            time.sleep(0.2)  # the router's loop is stuck: it reads nothing meanwhile
+        assert client.stats().block_watchers_cut == 1
+        await mirrors(link, client, "the resync after the cut")
+        assert link.mirror_syncs == 2 and await link.prefix_hits(CHAINS[0]) == {"p0": 3}
+        await link.close()
+
+    with ServerThread(make_config(watch_max_pending_hashes=4096)) as server, \
+            MetadataClient(server.address) as client:
+        asyncio.run(scenario(server, client))
+
+
+@pytest.mark.slow
+def test_keepalive_pings_do_not_break_an_idle_stream() -> None:
+    async def scenario(server: ServerThread, client: MetadataClient) -> None:
+        link = MetadataLink(server.address, keepalive_s=1.5)
+        await mirrors(link, client)
+        await asyncio.sleep(4)
+        assert link.mirror_in_sync and link.mirror_syncs == 1, link.watch_error
+        await link.close()
+
+    with ServerThread(make_config()) as server, MetadataClient(server.address) as client:
+        asyncio.run(scenario(server, client))
