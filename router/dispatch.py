@@ -2,11 +2,13 @@
 the load loop; `place` asks the policy where a request goes (pure decision), `execute` sends
 it there and yields the decode node's token deltas.
 
-Work accounting: the dispatcher keeps `work` (`router.work.DecayedWork`, advanced by the injected
-`clock`) and charges each node what it sends there: the prompt tokens the prefilling node must
-compute, once the request is sent, and `output_token_weight` per token as D streams them.
-`place` hands each node's decayed total to the policy (`NodeView.recent_work`). A node that
-appears later starts at the others' mean.
+Work accounting: the dispatcher keeps `work` (`router.work.DecayedWork`, advanced by the
+injected `clock`) and charges each node what it computes for it: the prompt tokens the
+prefilling node neither holds nor pulls, once the request is sent, and `output_token_weight`
+per token as D streams them. The policy sees each node's decayed total as
+`NodeView.recent_work`, through `views` (`router.views.NodeViews`: one view per node, kept
+current by events rather than rebuilt per request). A node that appears later starts at the
+others' mean.
 
 Disaggregated requests: D gets the request with transfer kind "remote_prefill" and P's KV
 side-channel address; P gets it with kind "remote_decode" and max_tokens=1; both carry the
@@ -46,12 +48,12 @@ from router.metadata import MetadataLink
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient, NodeStream
 from router.policy import (
-    NodeView,
     NoHealthyNode,
     RouteDecision,
     request_work,
     route,
 )
+from router.views import NodeViews
 from router.work import DecayedWork
 
 logger = logging.getLogger(__name__)
@@ -83,8 +85,7 @@ class Dispatcher:
         self.rng = random.Random(config.seed)
         self.work = DecayedWork(config.policy.work_half_life_s)
         self.nodes: dict[str, NodeClient] = {}
-        # each node with the policy's view of it, refreshed in place for every decision
-        self._views: dict[str, tuple[NodeClient, NodeView]] = {}
+        self.views = NodeViews(self.work, config.policy, clock)  # the policy's view of each node
         self.metadata: MetadataLink | None = None
         self._context = zmq.asyncio.Context()
         self._loop_task: asyncio.Task[None] | None = None
@@ -108,8 +109,7 @@ class Dispatcher:
                 self._spawn(known.close())
             self.work.join(spec.node_id, self.clock())
             self.nodes[spec.node_id] = NodeClient(spec, self._context)
-            self._views[spec.node_id] = (self.nodes[spec.node_id],
-                                         NodeView(spec.node_id, spec.role))
+            self.views.add(self.nodes[spec.node_id])
 
     async def refresh(self) -> None:
         """Discover nodes (metadata service) and poll every node's load once."""
@@ -146,33 +146,10 @@ class Dispatcher:
     def decide(self, hits: dict[str, int], num_prompt_tokens: int) -> RouteDecision:
         """The decision proper, no I/O: `hits` (leading blocks per node) and the nodes'
         state through the policy."""
-        views = self._refresh_views(hits)
+        views = self.views.current(hits)
         if not views:
             raise NoHealthyNode("no healthy node")
         return route(views, num_prompt_tokens, self.config.policy, self.rng)
-
-    def _refresh_views(self, hits: dict[str, int]) -> list[NodeView]:
-        """The healthy nodes' views, refreshed in place (one per node, kept across decisions):
-        this request's prefix hits, each node's last report plus what the router sent it
-        since, and its decayed recent work."""
-        decay, scaled = self.work.decay(self.clock()), self.work.scaled
-        views = []
-        for node, view in self._views.values():
-            if not node.healthy:
-                continue
-            node_id, report = view.node_id, node.report
-            view.cached_blocks = hits.get(node_id, 0)
-            view.recent_work = scaled.get(node_id, 0.0) * decay
-            view.queued_prefill_tokens, view.num_running = node.pending_tokens, node.num_inflight
-            if report is not None:
-                view.queued_prefill_tokens += report.queued_prefill_tokens
-                if report.num_running > view.num_running:
-                    view.num_running = report.num_running
-                total = report.num_total_blocks
-                view.kv_usage = 1.0 - report.num_free_blocks / total if total > 0 else 0.0
-                view.draining = report.draining
-            views.append(view)
-        return views
 
     async def _prefix_hits(self, prompt_ids: list[int], salt: str | None) -> dict | None:
         if self.metadata is None:
@@ -243,6 +220,7 @@ class Dispatcher:
         work = request_work(uncached, output_tokens, self.config.policy)
         if work > 0:
             self.work.add(node.node_id, work, self.clock())
+            self.views.charged(node.node_id)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

@@ -81,6 +81,9 @@ class NodeClient:
         self.missed_polls = 0
         self.last_report_at = 0.0
         self.disconnected = False  # the connection closed and has not come back yet
+        # bumped whenever what the policy sees of this node changes (report, health, pending
+        # tokens, requests in flight): the dispatcher refreshes its view of the node only then
+        self.version = 0
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._monitor = self._socket.get_monitor_socket(_MONITORED)
@@ -102,6 +105,7 @@ class NodeClient:
         stream = NodeStream(self, request.request_id)
         self._streams[request.request_id] = stream
         self.pending_tokens += len(request.prompt_token_ids)
+        self.version += 1
         if self.disconnected:  # it would wait in the socket's queue for a node that is gone
             self._fail(stream, f"node {self.node_id} disconnected")
             return stream
@@ -119,7 +123,8 @@ class NodeClient:
             logger.debug("abort of %s on node %s not sent: %s", request_id, self.node_id, exc)
 
     def forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        if self._streams.pop(request_id, None) is not None:
+            self.version += 1
 
     def fail_streams(self, message: str) -> None:
         """End every open request on this node with an error (the node is gone)."""
@@ -139,6 +144,7 @@ class NodeClient:
             report = await asyncio.wait_for(self._load_waiter, timeout_s)
         except (TimeoutError, zmq.ZMQError):
             self.healthy = False
+            self.version += 1
             self.missed_polls += 1
             if self.missed_polls >= DEAD_AFTER_MISSED_POLLS:
                 self.fail_streams(f"node {self.node_id} stopped answering")
@@ -146,6 +152,7 @@ class NodeClient:
         self.report, self.pending_tokens, self.missed_polls = report, 0, 0
         self.last_report_at = time.monotonic()
         self.healthy = not report.draining and not self.disconnected
+        self.version += 1
         return report
 
     async def _send(self, msg: NodeMessage) -> None:
@@ -177,6 +184,7 @@ class NodeClient:
         if event == zmq.EVENT_DISCONNECTED:
             logger.warning("node %s disconnected", self.node_id)
             self.disconnected, self.healthy = True, False
+            self.version += 1
             self.fail_streams(f"node {self.node_id} disconnected")
         elif event == zmq.EVENT_CONNECTED and self.disconnected:
             logger.info("node %s reconnected", self.node_id)

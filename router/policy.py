@@ -118,6 +118,9 @@ class NodeView:
     kv_usage: float = 0.0
     draining: bool = False
     recent_work: float = 0.0  # DecayedWork.value(node_id, now)
+    # load_cost(self, config), for a caller that keeps views current and recomputes it on
+    # every change of the fields above (router.views); None: the policy computes it
+    load: float | None = None
 
     def can(self, role: str) -> bool:
         return not self.draining and self.role in (role, "both")
@@ -176,9 +179,7 @@ class _Scores:
 
 
 def _score(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConfig) -> _Scores:
-    bs, qw, rw, kw, ww = (config.block_size, config.queue_weight, config.running_weight,
-                          config.kv_weight, config.work_weight)
-    pw, tw = config.prefill_weight, config.transfer_weight
+    bs, pw, tw = config.block_size, config.prefill_weight, config.transfer_weight
     live = [n for n in nodes if not n.draining]
     best = _pull_blocks(live, num_prompt_tokens, config)
     min_pull, pull_saving = config.global_reuse_min_tokens, (pw - tw) * bs
@@ -188,9 +189,9 @@ def _score(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConf
     for n in live:  # conditionals rather than min/max calls: this loop is most of a decision
         uncached = num_prompt_tokens - n.cached_blocks * bs
         uncached = uncached if uncached > 0 else 0
-        kv = n.kv_usage
-        load = (qw * n.queued_prefill_tokens + rw * n.num_running + ww * n.recent_work
-                + kw * (kv if 0.0 <= kv <= 1.0 else 0.0 if kv < 0.0 else 1.0))
+        load = n.load
+        if load is None:
+            load = load_cost(n, config)
         if n.role != "prefill":
             d_nodes(n)
             d_costs(tw * uncached + load)
