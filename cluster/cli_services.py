@@ -82,6 +82,12 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--block-size", type=int, default=16, help="the nodes' KV block size")
     serve.add_argument("--local-prefill-threshold", type=int, default=256,
                        help="uncached prompt tokens below which the decode node prefills")
+    serve.add_argument("--max-migrations", type=int, default=1,
+                       help="times a request may move to another node when its decode node "
+                       "is lost mid-stream (0: end it with an error)")
+    serve.add_argument("--no-index-mirror", dest="index_mirror", action="store_false",
+                       help="ask the metadata service per request instead of following its "
+                       "index in memory (saves ~225 bytes per indexed block)")
     serve.add_argument("--global-reuse-min-tokens", type=int, default=512,
                        help="cached prefix tokens worth pulling from the node holding them "
                        "instead of recomputing (0: never)")
@@ -99,6 +105,7 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
             model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
             metadata_address=args.metadata, api_keys=api_keys_from_env(),
             metadata_token=os.environ.get(METADATA_TOKEN_ENV),
+            max_migrations=args.max_migrations, index_mirror=args.index_mirror,
             policy=PolicyConfig(block_size=args.block_size,
                                 local_prefill_threshold=args.local_prefill_threshold,
                                 global_reuse_min_tokens=args.global_reuse_min_tokens))

@@ -48,6 +48,8 @@ class RouterConfig:
     # times a request may move to another node when its decode node is lost mid-stream
     # (router.migration); 0: the client gets the error
     max_migrations: int = 1
+    # follow the metadata service's index in memory (WatchBlocks); False: one Query per request
+    index_mirror: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -95,7 +95,8 @@ class Dispatcher:
         if self.config.metadata_address:
             self.metadata = MetadataLink(
                 self.config.metadata_address, token=self.config.metadata_token,
-                timeout_s=self.config.metadata_timeout_s, retry_s=self.config.metadata_retry_s)
+                timeout_s=self.config.metadata_timeout_s, retry_s=self.config.metadata_retry_s,
+                mirror=self.config.index_mirror)
         self._sync_nodes(list(self.config.nodes))
         await self.refresh()
         self._loop_task = asyncio.create_task(self._refresh_forever(), name="router-load")

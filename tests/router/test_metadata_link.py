@@ -116,6 +116,22 @@ def test_query_while_out_of_sync_then_mirror(monkeypatch) -> None:
         asyncio.run(scenario(server, client))
 
 
+def test_without_the_mirror_every_lookup_is_a_query() -> None:
+    async def scenario(server: ServerThread, client: MetadataClient) -> None:
+        p0, n0 = make_publisher(client, "p0", ttl=30)
+        p0.publish([n0.store(CHAINS[0][:5])])
+        link = MetadataLink(server.address, mirror=False)
+        await asyncio.sleep(0.2)
+        queries = client.stats().queries
+        assert await link.prefix_hits(CHAINS[0]) == {"p0": 5}
+        assert client.stats().queries == queries + 1
+        assert not link.mirror_in_sync and client.stats().block_watchers == 0
+        await link.close()
+
+    with ServerThread(make_config()) as server, MetadataClient(server.address) as client:
+        asyncio.run(scenario(server, client))
+
+
 def test_load_only_while_the_service_is_down() -> None:
     async def scenario() -> None:
         link = MetadataLink(f"127.0.0.1:{free_port()}", timeout_s=0.2, retry_s=60)
