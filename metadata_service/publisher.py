@@ -30,14 +30,11 @@ SnapshotFn = Callable[[], Iterable[BlockHash]]
 Status = pb.PublishReply.Status
 
 
-class NodePublisher:
-    def __init__(
-        self,
-        client: MetadataClient,
-        info: pb.NodeInfo,
-        snapshot_fn: SnapshotFn,
-        lease_ttl_s: int = 0,
-    ) -> None:
+class _PublisherState:
+    """What both publishers keep: the node, its lease, the last batch's sequence number."""
+
+    def __init__(self, client, info: pb.NodeInfo, snapshot_fn: SnapshotFn,
+                 lease_ttl_s: int = 0) -> None:
         self.client = client
         self.info = info
         self.snapshot_fn = snapshot_fn
@@ -49,6 +46,10 @@ class NodePublisher:
     @property
     def node_id(self) -> str:
         return self.info.node_id
+
+
+class NodePublisher(_PublisherState):
+    client: MetadataClient
 
     def register(self) -> None:
         reply = self.client.register(self.info, self.requested_ttl_s)
@@ -82,27 +83,10 @@ class NodePublisher:
         self.client.deregister(self.node_id)
 
 
-class AsyncNodePublisher:
+class AsyncNodePublisher(_PublisherState):
     """``NodePublisher`` for asyncio nodes (same protocol)."""
 
-    def __init__(
-        self,
-        client: AsyncMetadataClient,
-        info: pb.NodeInfo,
-        snapshot_fn: SnapshotFn,
-        lease_ttl_s: int = 0,
-    ) -> None:
-        self.client = client
-        self.info = info
-        self.snapshot_fn = snapshot_fn
-        self.requested_ttl_s = lease_ttl_s
-        self.lease_ttl_s = 0
-        self.seq = 0
-        self.num_resyncs = 0
-
-    @property
-    def node_id(self) -> str:
-        return self.info.node_id
+    client: AsyncMetadataClient
 
     async def register(self) -> None:
         reply = await self.client.register(self.info, self.requested_ttl_s)
