@@ -251,9 +251,9 @@ def route(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConfi
     decode = scores.cheapest("decode", rng, config.tie_epsilon)
     local_work = (uncached_tokens(decode, num_prompt_tokens, config)
                   - _pulled(scores, decode, config) * config.block_size)
-    others = [n for n in scores.prefill_nodes if n is not decode]
     prefill = decode
-    if local_work > config.local_prefill_threshold and others:
+    if (local_work > config.local_prefill_threshold
+            and any(n is not decode for n in scores.prefill_nodes)):
         prefill = scores.cheapest("prefill", rng, config.tie_epsilon)
     source, source_blocks = _source(scores, nodes, prefill, config)
     cached = num_prompt_tokens - uncached_tokens(prefill, num_prompt_tokens, config)
