@@ -27,7 +27,7 @@ from core.kv_transfer import (
     RemotePrefill,
     TransferId,
 )
-from core.types import BlockHash, ReqId
+from core.types import ReqId
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,15 +67,29 @@ class SendJob:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixTokens:
+    """What names a prompt's blocks [first_block, len(token_ids) // block_size) to a holder:
+    the tokens of every block up to the last one (from block 0: hashes chain) and the extra
+    keys of their hashes. The holder hashes them itself, so a requester must know the prompt
+    and its cache salt; a block hash seen in the index opens nothing."""
+
+    token_ids: list[int]
+    block_size: int
+    first_block: int
+    cache_salt: str | None = None
+    lora_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PullJob:
-    """Requester: fill `block_ids` (blocks [k0, k) of the prompt, hashes `block_hashes`) from
-    the holder at `source_addr`; the holder may send only a leading part of them."""
+    """Requester: fill `block_ids` (blocks [k0, k) of the prompt, named by `prefix`) from the
+    holder at `source_addr`; the holder may send only a leading part of them."""
 
     request_id: ReqId
     transfer_id: TransferId
     source_addr: str
     block_ids: list[int]
-    block_hashes: list[BlockHash]
+    prefix: PrefixTokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,10 +136,11 @@ class PullResult:
 
 @dataclass(frozen=True, slots=True)
 class PullLookup:
-    """Holder: a peer asks for these blocks; the engine answers with a `ServeJob`."""
+    """Holder: a peer asks for the blocks `prefix` names; the engine answers with a
+    `ServeJob`."""
 
     transfer_id: TransferId
-    block_hashes: list[BlockHash]
+    prefix: PrefixTokens
 
 
 @dataclass(slots=True)
@@ -162,8 +177,8 @@ class KVConnectorScheduler(ABC):
 
     @abstractmethod
     def on_pull_allocated(self, request_id: ReqId, pull: PrefixPull, block_ids: list[int],
-                          block_hashes: list[BlockHash]) -> None:
-        """Requester: `block_ids` (unhashed, named by `block_hashes`) await the pulled KV."""
+                          prefix: PrefixTokens) -> None:
+        """Requester: `block_ids` (unhashed, named by `prefix`) await the pulled KV."""
 
     @abstractmethod
     def on_serve(self, transfer_id: TransferId, block_ids: list[int]) -> None:

@@ -7,7 +7,9 @@
 - Side-channel messages (ZMQ + msgpack), versioned and typed:
   `XferRequest` (D -> P: "transfer T for request R: write your blocks [skip:] into these byte
   ranges of my registered region"), `PrefixPullRequest` (requester -> H: "write the leading
-  run you hold of these blocks, named by hash, into these byte ranges"), `XferAbort`
+  run you hold of these blocks into these byte ranges"; the blocks are named by the prompt's
+  tokens and cache salt, never by hash, so that only a requester who knows both can read
+  them: hashes are visible to anyone who watches the index), `XferAbort`
   ("forget T") and `XferDone` ("T done" with the first token or the number of blocks written,
   or "T failed: reason").
   `encode` / `decode` (the shared codec of `core.wire`) raise `WireError` for anything
@@ -22,7 +24,7 @@ from core.types import ReqId
 from core.wire import Protocol, WireError
 
 TransferId = str
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: PrefixPullRequest names blocks by tokens + salt
 MAX_MESSAGE_BYTES = 16 << 20
 
 
@@ -74,16 +76,22 @@ class XferRequest:
 
 @dataclass(frozen=True, slots=True)
 class PrefixPullRequest:
-    """Requester -> holder H: write the leading run of `block_hashes` that H still caches into
-    `dest_block_addrs` (same order), then answer `XferDone(num_blocks_sent=n)`."""
+    """Requester -> holder H: H hashes `token_ids` (whole blocks of `block_size`) with the
+    extra keys `cache_salt` / `lora_id` itself, and writes the leading run it still caches of
+    blocks [first_block, first_block + len(dest_block_addrs)) into `dest_block_addrs` (same
+    order), then answers `XferDone(num_blocks_sent=n)`."""
 
     transfer_id: TransferId
     request_id: ReqId  # the requester's request id, for logging
     reply_addr: str
     dest_session: str
     block_nbytes: int
-    block_hashes: list[bytes]  # chained block hashes (core.hashing), salt included
+    block_size: int
+    first_block: int
+    token_ids: list[int]  # blocks [0, first_block + len(dest_block_addrs)) of the prompt
     dest_block_addrs: list[int]
+    cache_salt: str | None = None
+    lora_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +140,12 @@ def _check_request(msg: XferRequest) -> None:
 
 
 def _check_pull(msg: PrefixPullRequest) -> None:
-    if not msg.block_hashes or len(msg.block_hashes) != len(msg.dest_block_addrs):
-        raise WireError("PrefixPullRequest needs one destination address per block hash")
+    if msg.block_size <= 0 or msg.first_block < 0 or not msg.dest_block_addrs:
+        raise WireError("PrefixPullRequest needs block_size > 0, first_block >= 0 and at "
+                        "least one destination")
+    if len(msg.token_ids) != (msg.first_block + len(msg.dest_block_addrs)) * msg.block_size:
+        raise WireError("PrefixPullRequest.token_ids must hold exactly the blocks up to the "
+                        "last one asked for")
     if not all(a > 0 for a in msg.dest_block_addrs):
         raise WireError("PrefixPullRequest.dest_block_addrs must be positive integers")
     if msg.block_nbytes <= 0:

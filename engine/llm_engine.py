@@ -71,7 +71,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                             self.max_model_len), self.kv_manager,
-            kv_connector.scheduler if kv_connector else None)
+            kv_connector.scheduler if kv_connector else None, config.hash_config)
         if kv_connector is not None:
             kv_connector.worker.register_kv_region(self.kv_region)
         self._stops = StopStringChecker(self.tokenizer)

@@ -5,20 +5,24 @@ Requester (a request with a `PrefixPull` hint, admitted from the waiting queue):
 1. Its local prefix hit is k0 blocks; the hint names a holder with k blocks. The connector
    decides how many to pull (`num_pull_blocks`: its threshold; never the block holding the
    last prompt token). If any, the scheduler allocates blocks [k0, k) unhashed and parks the
-   request in `WAITING_FOR_REMOTE_KVS`; `on_parked` hands the connector their ids and hashes.
+   request in `WAITING_FOR_REMOTE_KVS`; `on_parked` hands the connector their ids and what
+   names them (`PrefixTokens`: the prompt's leading tokens and its cache salt).
 2. `apply_result`: n <= k - k0 blocks arrived (the holder sends the leading run it still
    has; 0 on failure or timeout). They are hashed into the prefix cache, the request counts
    k0 + n blocks as computed (and cached), and it prefills the rest like any other request.
    A pull never fails a request.
-Holder (any node): `serve` resolves a peer's lookup against the prefix cache, references the
-leading run of blocks it holds (so no eviction can reuse them mid-write) and hands the ids to
+Holder (any node): `serve` hashes a peer's lookup (its tokens and salt, with this node's own
+hash function: a peer cannot name a block by a hash it merely saw in the index, so another
+tenant's salted blocks stay out of reach) and resolves it against the prefix cache, references
+the leading run of blocks it holds (so no eviction can reuse them mid-write) and hands the ids to
 the connector; `release` drops the references once the worker reports the write done,
 failed or expired.
 """
 
 from __future__ import annotations
 
-from core.kv_connector import KVConnectorScheduler, PullLookup, PullResult
+from core.hashing import BlockExtra, HashConfig, hash_block_tokens
+from core.kv_connector import KVConnectorScheduler, PrefixTokens, PullLookup, PullResult
 from core.kv_transfer import TransferId
 from engine.block_pool import KVCacheBlock
 from engine.kv_cache_manager import KVCacheManager
@@ -26,9 +30,11 @@ from engine.request import Request
 
 
 class PrefixPulls:
-    def __init__(self, kv: KVCacheManager, connector: KVConnectorScheduler | None) -> None:
+    def __init__(self, kv: KVCacheManager, connector: KVConnectorScheduler | None,
+                 hash_config: HashConfig) -> None:
         self.kv = kv
         self.connector = connector
+        self.hash_config = hash_config
         self.serving: dict[TransferId, list[KVCacheBlock]] = {}
 
     # ---- requester ----------------------------------------------------------------------
@@ -45,10 +51,12 @@ class PrefixPulls:
     def on_parked(self, req: Request, num_local_blocks: int) -> None:
         """`req` holds its local hit plus the unhashed blocks the pull is to fill."""
         block_ids = self.kv.block_ids(req.request_id)
-        hashes = req.block_hashes[num_local_blocks:len(block_ids)]
-        assert len(hashes) == len(block_ids) - num_local_blocks, "pulled blocks must be full"
+        num_tokens = len(block_ids) * self.kv.block_size
+        assert num_tokens <= req.num_prompt_tokens, "pulled blocks must be full prompt blocks"
+        prefix = PrefixTokens(req.prompt_token_ids[:num_tokens], self.kv.block_size,
+                              num_local_blocks, req.extra.cache_salt, req.extra.lora_id)
         self.connector.on_pull_allocated(req.request_id, req.prefix_pull,
-                                         block_ids[num_local_blocks:], hashes)
+                                         block_ids[num_local_blocks:], prefix)
 
     def apply_result(self, req: Request, result: PullResult) -> None:
         """Count the blocks that arrived as computed and cached; the rest gets computed."""
@@ -67,11 +75,20 @@ class PrefixPulls:
             if lookup.transfer_id in self.serving:
                 continue  # the worker never asks twice; never reference twice either
             blocks: list[KVCacheBlock] = []
-            if self.kv.enable_caching:
-                blocks = self.kv.pool.find_longest_prefix(lookup.block_hashes)
+            if self.kv.enable_caching and lookup.prefix.block_size == self.kv.block_size:
+                blocks = self.kv.pool.find_longest_prefix(self._hashes(lookup.prefix))
             self.kv.pool.touch(blocks)
             self.serving[lookup.transfer_id] = blocks
             self.connector.on_serve(lookup.transfer_id, [b.block_id for b in blocks])
+
+    def _hashes(self, prefix: PrefixTokens) -> list[bytes]:
+        try:
+            extra = BlockExtra(prefix.cache_salt, prefix.lora_id)
+            hashes = hash_block_tokens(prefix.token_ids, prefix.block_size, extra,
+                                       self.hash_config)
+        except ValueError:  # a bad token id or key: nothing matches it
+            return []
+        return hashes[prefix.first_block:]
 
     def release(self, transfer_ids: list[TransferId]) -> None:
         for transfer_id in transfer_ids:

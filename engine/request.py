@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 
-from core.hashing import BlockExtra, BlockHasher, HashConfig
+from core.hashing import NO_EXTRA, BlockExtra, BlockHasher, HashConfig
 from core.kv_transfer import KVTransferParams, PrefixPull
 from core.types import ReqId
 from engine.sampling_params import SamplingParams
@@ -61,6 +61,7 @@ class Request:
         self.prefix_pull = prefix_pull  # cleared once the pull has been tried
         self.num_emitted_tokens = 0  # output tokens already returned by LLMEngine.step
         self.error: str | None = None
+        self.extra = extra or NO_EXTRA  # the hash's extra keys: cache salt, LoRA
         hasher_args = {"extra": extra} if extra else {}
         if hash_config:
             hasher_args["config"] = hash_config

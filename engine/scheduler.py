@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from core.hashing import DEFAULT_HASH_CONFIG, HashConfig
 from core.kv_connector import ConnectorResults, KVConnectorScheduler, PullResult, RecvResult
 from core.kv_transfer import RemotePrefill
 from core.types import ReqId
@@ -42,7 +43,8 @@ from engine.scheduler_output import ScheduledRequest, SchedulerConfig, Scheduler
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 connector: KVConnectorScheduler | None = None) -> None:
+                 connector: KVConnectorScheduler | None = None,
+                 hash_config: HashConfig = DEFAULT_HASH_CONFIG) -> None:
         self.config = config
         self.kv = kv_manager
         self.connector = connector
@@ -50,7 +52,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_remote: dict[ReqId, Request] = {}
         self.pinned: dict[ReqId, Request] = {}
-        self.pulls = PrefixPulls(kv_manager, connector)
+        self.pulls = PrefixPulls(kv_manager, connector, hash_config)
         self.requests: dict[ReqId, Request] = {}
         self.num_preemptions = 0
 

@@ -23,6 +23,7 @@ from core.kv_connector import (
     ConnectorPlan,
     ConnectorResults,
     KVConnectorScheduler,
+    PrefixTokens,
     PullJob,
     RecvJob,
     SendJob,
@@ -35,7 +36,7 @@ from core.kv_transfer import (
     RemotePrefill,
     TransferId,
 )
-from core.types import BlockHash, ReqId
+from core.types import ReqId
 
 DEFAULT_MIN_PULL_BLOCKS = 2
 
@@ -73,12 +74,12 @@ class ConnectorScheduler(KVConnectorScheduler):
         return num_blocks if num_blocks >= self.min_pull_blocks else 0
 
     def on_pull_allocated(self, request_id: ReqId, pull: PrefixPull, block_ids: list[int],
-                          block_hashes: list[BlockHash]) -> None:
+                          prefix: PrefixTokens) -> None:
         # Unique across requesters: the holder keys its state by transfer id alone.
         transfer_id = f"pull-{uuid.uuid4().hex}"
         self._pulling[request_id] = transfer_id
         self._plan.pulls.append(PullJob(request_id, transfer_id, pull.source_addr,
-                                        list(block_ids), list(block_hashes)))
+                                        list(block_ids), prefix))
 
     def on_serve(self, transfer_id: TransferId, block_ids: list[int]) -> None:
         self._plan.serves.append(ServeJob(transfer_id, list(block_ids)))

@@ -1,13 +1,14 @@
 """Global prefix reuse, the worker's half: `PullWorkerMixin`, mixed into `ConnectorWorker`
 (it uses the worker's lock, clock, timeout, results, stats, send pool and transport).
 
-Requester: a `PullJob` becomes a `PrefixPullRequest` to the holder, naming each wanted block
-by its chained hash and the byte address to write it to; the holder's `XferDone` (or the
+Requester: a `PullJob` becomes a `PrefixPullRequest` to the holder, naming the wanted blocks
+by the prompt's tokens and cache salt (the holder hashes them itself) and the byte address to
+write each to; the holder's `XferDone` (or the
 timeout, or an unreachable holder) becomes a `PullResult` with the number of leading blocks
 written (0 on failure).
 Holder: a `PrefixPullRequest` is recorded and handed to the engine as a `PullLookup` (only
 the engine thread may touch the prefix cache); the engine answers with a `ServeJob` naming
-the blocks it referenced, the leading run of the asked hashes it holds. The write runs on the
+the blocks it referenced, the leading run of the asked blocks it holds. The write runs on the
 send pool (consecutive blocks coalesced into one descriptor), then the requester gets
 `XferDone(num_blocks_sent=n)` and the engine `served` (drop the references). A pull not
 resolved within `timeout_s`, or aborted by the requester before its write, is answered as
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from core.kv_connector import PullJob, PullLookup, PullResult, ServeJob
+from core.kv_connector import PrefixTokens, PullJob, PullLookup, PullResult, ServeJob
 from core.kv_transfer import PrefixPullRequest, XferDone
 from transfer.worker_state import Recv
 
@@ -35,8 +36,10 @@ class PullWorkerMixin:
         request = PrefixPullRequest(
             transfer_id=job.transfer_id, request_id=job.request_id,
             reply_addr=self.transport.reply_address, dest_session=self.transport.session_id,
-            block_nbytes=region.block_nbytes, block_hashes=list(job.block_hashes),
-            dest_block_addrs=[region.block_addr(b) for b in job.block_ids])
+            block_nbytes=region.block_nbytes, block_size=job.prefix.block_size,
+            first_block=job.prefix.first_block, token_ids=list(job.prefix.token_ids),
+            dest_block_addrs=[region.block_addr(b) for b in job.block_ids],
+            cache_salt=job.prefix.cache_salt, lora_id=job.prefix.lora_id)
         return job.source_addr, request
 
     def _finish_pull(self, recv: Recv, ok: bool, num_blocks: int, error: str | None) -> None:
@@ -59,8 +62,9 @@ class PullWorkerMixin:
             if reason is not None:
                 outbox.append((msg.reply_addr, XferDone(msg.transfer_id, False, error=reason)))
             elif self._serves.add(msg, self._clock() + self.timeout_s):
-                self._results.lookups.append(PullLookup(msg.transfer_id,
-                                                        list(msg.block_hashes)))
+                prefix = PrefixTokens(msg.token_ids, msg.block_size, msg.first_block,
+                                      msg.cache_salt, msg.lora_id)
+                self._results.lookups.append(PullLookup(msg.transfer_id, prefix))
         self._flush(outbox)
 
     def _add_serve(self, job: ServeJob) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.kv_connector import ConnectorResults, PullLookup, PullResult
+from core.kv_connector import ConnectorResults, PrefixTokens, PullLookup, PullResult
 from core.kv_transfer import PrefixPull, RemoteDecode
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
@@ -33,14 +33,15 @@ def pulling(prompt_len: int, num_blocks: int, request_id: str = "r", **kw):
     return req
 
 
-def test_pull_parks_the_request_and_names_blocks_by_hash():
+def test_pull_parks_the_request_and_names_blocks_by_tokens_and_salt():
     sched, pool, connector = make_scheduler()
-    req = pulling(22, 5)  # 5 full blocks before the one holding the last token
+    req = pulling(22, 5, cache_salt="tenant-a")  # 5 full blocks before the last token's
     sched.add_request(req)
     assert step(sched).chunks == []  # parked: no compute this step
     assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
     (job,) = connector.build_plan().pulls
-    assert job.source_addr == HOLDER and job.block_hashes == req.block_hashes[:5]
+    assert job.source_addr == HOLDER
+    assert job.prefix == PrefixTokens(req.prompt_token_ids[:20], BLOCK_SIZE, 0, "tenant-a")
     assert job.block_ids == sched.kv.block_ids("r")
     assert not pool.cached_block_map  # nothing hashed before the bytes arrive
     sched.apply_connector_results(ConnectorResults(pulled=[PullResult("r", True, 5)]))
@@ -102,11 +103,13 @@ def test_abort_while_pulling_pins_until_the_result():
 
 def test_holder_references_the_leading_run_until_served():
     sched, pool, connector = make_scheduler()
-    sched.add_request(make_request("h", 22))
+    held = make_request("h", 22)
+    sched.add_request(held)
     run_all(sched)
     cached = list(pool.cached_block_map)
-    wanted = cached[:3] + [b"\x00" * 32] + cached[4:5]  # a miss after three hits
-    lookup = PullLookup("pull-1", wanted)
+    tokens = list(held.prompt_token_ids[:20])
+    tokens[13] += 1  # block 3 differs: a miss after three hits
+    lookup = PullLookup("pull-1", PrefixTokens(tokens, BLOCK_SIZE, 0))
     sched.apply_connector_results(ConnectorResults(lookups=[lookup]))
     (serve,) = connector.build_plan().serves
     assert serve.block_ids == [pool.get_cached_block(h).block_id for h in cached[:3]]
@@ -115,4 +118,25 @@ def test_holder_references_the_leading_run_until_served():
     assert not connector.build_plan().serves
     sched.apply_connector_results(ConnectorResults(served=["pull-1"]))
     assert not sched.pulls.serving
+    assert_pool_clean(pool)
+
+
+@pytest.mark.parametrize("salt, block_size, expect_blocks", [
+    ("tenant-a", BLOCK_SIZE, 4),  # the owner's salt: served
+    (None, BLOCK_SIZE, 0),  # the same tokens without the salt: nothing
+    ("tenant-b", BLOCK_SIZE, 0),  # another tenant's salt: nothing
+    ("tenant-a", 2 * BLOCK_SIZE, 0),  # another block size names other blocks
+])
+def test_holder_honours_the_cache_salt(salt, block_size, expect_blocks):
+    """A pull names blocks by tokens + salt and the holder hashes them itself, so knowing a
+    salted tenant's block hashes (visible in the index) or its prompt opens nothing."""
+    sched, pool, connector = make_scheduler()
+    held = make_request("h", 22, cache_salt="tenant-a")
+    sched.add_request(held)
+    run_all(sched)
+    prefix = PrefixTokens(list(held.prompt_token_ids[:16]), block_size, 0, salt)
+    sched.apply_connector_results(ConnectorResults(lookups=[PullLookup("pull-1", prefix)]))
+    (serve,) = connector.build_plan().serves
+    assert len(serve.block_ids) == expect_blocks
+    sched.apply_connector_results(ConnectorResults(served=["pull-1"]))
     assert_pool_clean(pool)

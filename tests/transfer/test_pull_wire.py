@@ -9,8 +9,9 @@ from core import kv_transfer
 from core.kv_transfer import PrefixPull, PrefixPullRequest
 from core.wire import WireError
 
-GOOD = PrefixPullRequest("pull-1", "r", "tcp://a:1", "127.0.0.1:2", 4096,
-                         [b"\x01" * 32, b"\x02" * 32], [8192, 12288])
+GOOD = PrefixPullRequest("pull-1", "r", "tcp://a:1", "127.0.0.1:2", 4096, block_size=4,
+                         first_block=1, token_ids=list(range(12)),
+                         dest_block_addrs=[8192, 12288], cache_salt="tenant-a")
 
 
 def test_round_trip():
@@ -18,11 +19,15 @@ def test_round_trip():
 
 
 @pytest.mark.parametrize("change", [
-    {"block_hashes": []},  # nothing asked
-    {"dest_block_addrs": [8192]},  # one address short
+    {"dest_block_addrs": []},  # nothing asked
+    {"dest_block_addrs": [8192]},  # tokens for one block more than asked
     {"dest_block_addrs": [8192, 0]},
     {"block_nbytes": 0},
-    {"block_hashes": ["not-bytes", "x"]},
+    {"block_size": 0},
+    {"first_block": -1},
+    {"token_ids": list(range(11))},  # a partial block
+    {"token_ids": ["not-an-int"] * 12},
+    {"cache_salt": 5},
 ])
 def test_malformed_pull_requests_are_rejected(change):
     fields = {f: getattr(GOOD, f) for f in GOOD.__dataclass_fields__}
