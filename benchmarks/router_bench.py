@@ -167,6 +167,7 @@ def _decisions(pop: Population, nodes: list[InstantNode], model: str,
     router's `Dispatcher.decide` (views refreshed in place, the policy) over the 64 nodes,
     whose load it has polled from the instant nodes like the live router."""
     from core.block_index import BlockIndex
+    from core.credentials import ClusterSecret
     from router.config import NodeSpec, RouterConfig
     from router.dispatch import Dispatcher
     from router.metrics import RouterMetrics
@@ -179,7 +180,8 @@ def _decisions(pop: Population, nodes: list[InstantNode], model: str,
     chains = [[c[i:i + HASH] for i in range(0, len(c), HASH)] for c in pop.hot]
     specs = tuple(NodeSpec(n, "prefill" if i % 2 == 0 else "decode", nodes[i % 4].address,
                            "tcp://127.0.0.1:9") for i, n in enumerate(pop.node_ids))
-    config = RouterConfig(model_dir=model, nodes=specs, seed=0)
+    config = RouterConfig(model_dir=model, nodes=specs, seed=0,
+                          cluster_secret=ClusterSecret.generate())
 
     async def measure() -> list[float]:
         dispatcher, out = Dispatcher(config, RouterMetrics()), []

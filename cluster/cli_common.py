@@ -70,4 +70,19 @@ def config_errors_as_usage() -> Iterator[None]:
         raise UsageError(str(exc)) from exc
 
 
+def cluster_secret_from_env(command: str):
+    """The cluster secret from $PDCLUSTER_CLUSTER_SECRET[_FILE]; a usage error without it."""
+    from core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, CredentialError
+
+    try:
+        secret = ClusterSecret.from_env()
+    except CredentialError as exc:
+        raise UsageError(str(exc)) from exc
+    if secret is None:
+        raise UsageError(f"{command} needs the cluster secret: set ${SECRET_FILE_ENV} to a file "
+                         f"holding it (e.g. the one `pdcluster serve` printed) or "
+                         f"${SECRET_ENV} to its hex text")
+    return secret
+
+
 METADATA_TOKEN_ENV = "PDCLUSTER_METADATA_TOKEN"

@@ -13,6 +13,7 @@ from cluster.cli_common import (
     METADATA_TOKEN_ENV,
     add_command,
     check_model_dir,
+    cluster_secret_from_env,
     config_errors_as_usage,
     formatter,
 )
@@ -23,7 +24,9 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         subparsers,
         "serve",
         "Serve the cluster on a local Ray: prefill and decode node actors, the metadata "
-        "service and the OpenAI-compatible router. Runs until Ctrl-C.",
+        "service and the OpenAI-compatible router. Runs until Ctrl-C. The cluster secret "
+        "comes from $PDCLUSTER_CLUSTER_SECRET or $PDCLUSTER_CLUSTER_SECRET_FILE; without "
+        "either a new one is generated and written to a 0600 file whose path is printed.",
         _cmd_serve,
     )
     parser.add_argument("--model", required=True, help="HF-format model folder")
@@ -58,7 +61,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                num_decode=args.num_decode, engine=engine,
                                metadata_address=args.metadata, router_host=args.host,
                                router_port=args.port, node_gpus=args.gpus_per_node)
-    return serve(config)
+    return serve(config, cluster_secret=_serve_secret())
+
+
+def _serve_secret():
+    """The secret from the environment, or a new one written (0600) under the user's cache,
+    for operators' tools (`PDCLUSTER_CLUSTER_SECRET_FILE=<path> pdcluster router serve`).
+    The file is named per process and removed at exit: it is good for this cluster only."""
+    import atexit
+    from pathlib import Path
+
+    from core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, write_secret_file
+
+    if os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV):
+        return cluster_secret_from_env("pdcluster serve")
+    secret = ClusterSecret.generate()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdcluster"
+    path = write_secret_file(secret, cache / f"cluster-secret-{os.getpid()}")
+    atexit.register(path.unlink, missing_ok=True)
+    print(f"pdcluster: generated a cluster secret, saved to {path} (mode 0600; "
+          f"{SECRET_FILE_ENV}={path} lets other tools join this cluster)", flush=True)
+    return secret
 
 
 def add_router(subparsers: argparse._SubParsersAction) -> None:
@@ -69,8 +92,8 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
     serve = add_command(
         commands, "serve",
         "Serve the HTTP API until SIGINT/SIGTERM. API keys, if any, are read from "
-        "$PDCLUSTER_API_KEYS (comma-separated), the metadata token from "
-        f"${METADATA_TOKEN_ENV}.",
+        "$PDCLUSTER_API_KEYS (comma-separated); the cluster secret (required) from "
+        "$PDCLUSTER_CLUSTER_SECRET or the file $PDCLUSTER_CLUSTER_SECRET_FILE names.",
         _cmd_router_serve,
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -95,6 +118,7 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_router_serve(args: argparse.Namespace) -> int:
     check_model_dir(args.model)
+    secret = cluster_secret_from_env("pdcluster router serve")
     from cluster.launch import api_keys_from_env
     from router.config import RouterConfig
     from router.policy import PolicyConfig
@@ -104,7 +128,7 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
         config = RouterConfig(
             model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
             metadata_address=args.metadata, api_keys=api_keys_from_env(),
-            metadata_token=os.environ.get(METADATA_TOKEN_ENV),
+            cluster_secret=secret,
             max_migrations=args.max_migrations, index_mirror=args.index_mirror,
             policy=PolicyConfig(block_size=args.block_size,
                                 local_prefill_threshold=args.local_prefill_threshold,

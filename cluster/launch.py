@@ -5,8 +5,10 @@ the router in front — the all-in-one `pdcluster serve` (local Ray) and the ent
     ray job submit --working-dir . -- python -m cluster.launch --config cluster.yaml
 
 Runs until SIGINT/SIGTERM, then stops the router, drains the nodes and releases Ray.
-API keys for the router come from PDCLUSTER_API_KEYS (comma-separated), the metadata token
-from PDCLUSTER_METADATA_TOKEN.
+API keys for the router come from PDCLUSTER_API_KEYS (comma-separated). The cluster secret
+(core.credentials) comes from PDCLUSTER_CLUSTER_SECRET or the file PDCLUSTER_CLUSTER_SECRET_FILE
+names (the Helm chart mounts it); it is required unless the metadata service and the router are
+both embedded here, in which case a fresh one is generated.
 """
 
 from __future__ import annotations
@@ -18,25 +20,26 @@ import os
 import sys
 from collections.abc import Callable
 
-from cluster.cli_common import METADATA_TOKEN_ENV
 from cluster.config import ClusterConfig
 from cluster.ray_cluster import RayCluster
+from core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, CredentialError
 
 logger = logging.getLogger(__name__)
 API_KEYS_ENV = "PDCLUSTER_API_KEYS"
 
 
 def serve(config: ClusterConfig, ray_address: str | None = None,
-          on_ready: Callable[[str], None] | None = None) -> int:
-    cluster = RayCluster(config, ray_address).start()
+          on_ready: Callable[[str], None] | None = None,
+          cluster_secret: ClusterSecret | None = None) -> int:
+    cluster = RayCluster(config, ray_address, cluster_secret).start()
     try:
-        asyncio.run(_run(config, cluster.metadata_address, on_ready))
+        asyncio.run(_run(config, cluster, on_ready))
     finally:
         cluster.stop()
     return 0
 
 
-async def _run(config: ClusterConfig, metadata_address: str,
+async def _run(config: ClusterConfig, cluster: RayCluster,
                on_ready: Callable[[str], None] | None) -> None:
     from router.server import serve_forever, wait_for_signal
 
@@ -52,10 +55,11 @@ async def _run(config: ClusterConfig, metadata_address: str,
         if on_ready is not None:
             on_ready(base_url)
 
-    await serve_forever(router_config(config, metadata_address), ready)
+    await serve_forever(router_config(config, cluster.metadata_address, cluster.cluster_secret),
+                        ready)
 
 
-def router_config(config: ClusterConfig, metadata_address: str):
+def router_config(config: ClusterConfig, metadata_address: str, cluster_secret: ClusterSecret):
     from router.config import RouterConfig
     from router.policy import PolicyConfig
 
@@ -64,7 +68,7 @@ def router_config(config: ClusterConfig, metadata_address: str):
                           global_reuse_min_tokens=config.global_reuse_min_tokens)
     return RouterConfig(model_dir=config.model, host=config.router_host,
                         port=config.router_port, metadata_address=metadata_address,
-                        metadata_token=os.environ.get(METADATA_TOKEN_ENV),
+                        cluster_secret=cluster_secret,
                         api_keys=api_keys_from_env(), policy=policy)
 
 
@@ -86,7 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"cluster.launch: bad config {args.config}: {exc}", file=sys.stderr)
         return 2
-    return serve(config, ray_address=args.ray_address)
+    try:
+        secret = ClusterSecret.from_env()
+    except CredentialError as exc:
+        print(f"cluster.launch: {exc}", file=sys.stderr)
+        return 2
+    if secret is None and (config.metadata_address or not config.router_enabled):
+        print(f"cluster.launch: the cluster secret is required when the metadata service or "
+              f"the router runs elsewhere: set ${SECRET_FILE_ENV} (a mounted Secret) or "
+              f"${SECRET_ENV}", file=sys.stderr)
+        return 2
+    return serve(config, ray_address=args.ray_address, cluster_secret=secret)
 
 
 if __name__ == "__main__":

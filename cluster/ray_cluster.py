@@ -1,7 +1,8 @@
 """Launch the node actors on Ray (a local Ray started here, or the cluster a `ray job submit`
 driver is attached to), with the metadata service they register with.
 
-    cluster = RayCluster(ClusterConfig(model=path, num_prefill=1, num_decode=1)).start()
+    cluster = RayCluster(ClusterConfig(model=path, num_prefill=1, num_decode=1),
+                         cluster_secret=secret).start()   # None: a fresh one (all embedded)
     cluster.nodes()     # [{"node_id", "role", "request_address", "kv_address"}, ...]
     cluster.stop()      # drain the nodes, stop the embedded metadata service, shut Ray down
 
@@ -16,13 +17,20 @@ import os
 import tempfile
 
 from cluster.config import ClusterConfig
+from core.credentials import ClusterSecret
 
 logger = logging.getLogger(__name__)
 
 
 class RayCluster:
-    def __init__(self, config: ClusterConfig, ray_address: str | None = None) -> None:
+    def __init__(self, config: ClusterConfig, ray_address: str | None = None,
+                 cluster_secret: ClusterSecret | None = None) -> None:
+        if cluster_secret is None and config.metadata_address is not None:
+            raise ValueError("a cluster using an external metadata service needs its cluster "
+                             "secret ($PDCLUSTER_CLUSTER_SECRET or $PDCLUSTER_CLUSTER_SECRET_FILE)")
         self.config = config
+        # None: everything is embedded here, so a fresh secret that only this launcher knows
+        self.cluster_secret = cluster_secret or ClusterSecret.generate()
         self.ray_address = ray_address  # None: start a local Ray; "auto": join a running one
         self.metadata_server = None
         self.metadata_address = config.metadata_address
@@ -86,6 +94,8 @@ class RayCluster:
             max_concurrency=4)
         return remote.remote(node_id, cfg.model, host=cfg.host, engine_options=dict(cfg.engine),
                              metadata_address=self.metadata_address,
+                             # the hex text, as a constructor option (node/actor.py says why)
+                             cluster_secret=self.cluster_secret.to_text(),
                              kv_protocol=cfg.kv_protocol, kv_device=cfg.kv_device,
                              kv_timeout_s=cfg.kv_timeout_s)
 

@@ -106,14 +106,26 @@ class ClusterSecret:
         """The cluster's CURVE key pair: every member serves with it and connects with it, and
         servers admit only clients presenting its public key (core.curve)."""
         import zmq  # lazily: only ZMQ users pay for it
+        from zmq.utils import z85
 
-        secret_key = zmq.utils.z85.encode(self.derive("curve"))
+        secret_key = z85.encode(self.derive("curve"))
         return CurveKeys(public=zmq.curve_public(secret_key), secret=secret_key)
 
     def metadata_token(self, principal: str) -> str:
         """The bearer token `principal` presents to the metadata service."""
         check_principal(principal)
         return f"{principal}:{self.derive('metadata/' + principal).hex()}"
+
+
+def write_secret_file(secret: ClusterSecret, path: str | os.PathLike[str]) -> Path:
+    """Write the hex form to a new file readable by its owner only (0600; its folder 0700)."""
+    path = Path(path)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        os.fchmod(file.fileno(), 0o600)  # an existing file keeps its mode through O_CREAT
+        file.write(secret.to_text() + "\n")
+    return path
 
 
 def node_principal(node_id: str) -> str:

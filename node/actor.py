@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
+from core.credentials import ClusterSecret
 from node.config import NodeConfig
 from node.runtime import NodeRuntime
 
-TOKEN_ENV = "PDCLUSTER_METADATA_TOKEN"
 POD_IP_ENV = "POD_IP"
 
 
@@ -17,7 +17,14 @@ class NodeActor:
     role: ClassVar[str]
 
     def __init__(self, node_id: str, model: str, **options: Any) -> None:
-        options.setdefault("metadata_token", os.environ.get(TOKEN_ENV))
+        # The launcher hands the secret over as its hex text in the `cluster_secret` constructor
+        # option (Ray keeps constructor arguments out of logs and the dashboard, unlike a
+        # runtime_env); without it, the worker's own $PDCLUSTER_CLUSTER_SECRET[_FILE].
+        secret = options.get("cluster_secret")
+        if isinstance(secret, str):
+            options["cluster_secret"] = ClusterSecret.from_text(secret)
+        elif secret is None:
+            options["cluster_secret"] = ClusterSecret.from_env()
         if options.get("host") == "auto":  # this pod's address on a cluster, loopback here
             options["host"] = os.environ.get(POD_IP_ENV) or "127.0.0.1"
         self.runtime = NodeRuntime(NodeConfig(node_id=node_id, role=self.role, model=model,

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.credentials import ClusterSecret
+
 ROLES = ("prefill", "decode")
 _NODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -20,7 +22,9 @@ class NodeConfig:
     port: int = 0  # request endpoint; 0 picks a free port
     engine_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig keywords
     metadata_address: str | None = None  # None: run without the global index
-    metadata_token: str | None = None
+    # Required (None is refused below): the node's CURVE keys and its metadata-service
+    # credential (principal node/<node_id>) derive from it. Nothing serves a stranger.
+    cluster_secret: ClusterSecret | None = None
     lease_ttl_s: int = 10
     publish_interval_s: float = 0.05
     kv_protocol: str = "tcp"  # "rdma" on a GPU cluster
@@ -46,3 +50,6 @@ class NodeConfig:
             raise ValueError(f"min_pull_blocks must be >= 1, got {self.min_pull_blocks}")
         if "model" in self.engine_options:
             raise ValueError("give the model as NodeConfig.model, not in engine_options")
+        if not isinstance(self.cluster_secret, ClusterSecret):
+            raise ValueError(f"node {self.node_id}: cluster_secret (a core.credentials."
+                             "ClusterSecret) is required: a node never serves without it")

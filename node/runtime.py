@@ -1,7 +1,8 @@
 """`NodeRuntime`: assembles one node — engine, KV connector over Mooncake, node server, and
 (when a metadata service is configured) registration under a lease plus KV event publishing.
 
-    runtime = NodeRuntime(NodeConfig(node_id="p0", role="prefill", model=path)).start()
+    runtime = NodeRuntime(NodeConfig(node_id="p0", role="prefill", model=path,
+                                     cluster_secret=secret)).start()
     runtime.info()        # addresses for the router: requests and KV side channel
     runtime.stop()        # drain, deregister, release
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from core.credentials import node_principal
 from core.kv_connector import KVConnector
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -28,10 +30,11 @@ logger = logging.getLogger(__name__)
 class NodeRuntime:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
+        curve = config.cluster_secret.curve_keys()  # request socket and KV side channel
         transport = MooncakeTransport(MooncakeConfig(hostname=config.host,
                                                      protocol=config.kv_protocol,
                                                      device_name=config.kv_device),
-                                      host=config.host)
+                                      host=config.host, curve=curve)
         worker = ConnectorWorker(transport, timeout_s=config.kv_timeout_s)
         connector = KVConnector(ConnectorScheduler(config.recompute_on_failure,
                                                    config.min_pull_blocks), worker)
@@ -41,7 +44,7 @@ class NodeRuntime:
         self.engine = LLMEngine(engine_config, connector)
         self.kv_address = transport.reply_address
         self.server = NodeServer(self.engine, config.node_id, config.role, config.host,
-                                 config.port, on_step=self._on_step)
+                                 config.port, on_step=self._on_step, curve=curve)
         self.events = self._publisher() if config.metadata_address else None
 
     def _publisher(self) -> EventPublisherThread:
@@ -50,7 +53,9 @@ class NodeRuntime:
                               kv_address=self.kv_address, model=cfg.model,
                               block_size=engine.config.block_size,
                               capacity_blocks=engine.kv_spec.num_blocks)
-        client = MetadataClient(cfg.metadata_address, token=cfg.metadata_token)
+        # A node presents its own principal: the service lets it act only as itself.
+        token = cfg.cluster_secret.metadata_token(node_principal(cfg.node_id))
+        client = MetadataClient(cfg.metadata_address, token=token)
         pool = engine.block_pool
         # list() of a dict copies it atomically under the GIL: the engine thread may be mid-step.
         return EventPublisherThread(client, info, lambda: list(pool.cached_block_map),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.credentials import ClusterSecret
 from router.policy import ROLES, PolicyConfig
 
 
@@ -35,7 +36,9 @@ class RouterConfig:
     port: int = 8000
     nodes: tuple[NodeSpec, ...] = ()
     metadata_address: str | None = None
-    metadata_token: str | None = None
+    # Required (None is refused below): the router's CURVE keys for the node sockets and its
+    # metadata-service credential (principal SERVICE) derive from it.
+    cluster_secret: ClusterSecret | None = None
     api_keys: tuple[str, ...] = ()
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     max_body_bytes: int = 4 << 20
@@ -66,3 +69,6 @@ class RouterConfig:
             raise ValueError("node ids must be unique")
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
+        if not isinstance(self.cluster_secret, ClusterSecret):
+            raise ValueError("cluster_secret (a core.credentials.ClusterSecret) is required: "
+                             "the router reaches nodes and the metadata service with it")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import zmq.asyncio
 
+from core.credentials import SERVICE
 from core.hashing import BlockExtra, hash_block_tokens
 from core.node_wire import (
     GenerateRequest,
@@ -94,7 +95,8 @@ class Dispatcher:
     async def start(self) -> None:
         if self.config.metadata_address:
             self.metadata = MetadataLink(
-                self.config.metadata_address, token=self.config.metadata_token,
+                self.config.metadata_address,
+                token=self.config.cluster_secret.metadata_token(SERVICE),
                 timeout_s=self.config.metadata_timeout_s, retry_s=self.config.metadata_retry_s,
                 mirror=self.config.index_mirror)
         self._sync_nodes(list(self.config.nodes))

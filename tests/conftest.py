@@ -28,6 +28,15 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def cluster_secret():
+    """The session's cluster secret (tests/cluster_secret.py): every node, router and metadata
+    service a test builds needs one."""
+    from tests.cluster_secret import TEST_SECRET
+
+    return TEST_SECRET
+
+
+@pytest.fixture(scope="session")
 def hf_reference():
     """Memoised transformers greedy reference: (model_dir, prompt_ids, n) -> token ids."""
     from tests.models import make_hf_reference

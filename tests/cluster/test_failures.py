@@ -56,6 +56,7 @@ class Router:
         self.thread.start()
         config = RouterConfig(model_dir=model_dir, port=0,
                               metadata_address=cluster.metadata_address,
+                              cluster_secret=cluster.cluster_secret,
                               policy=PolicyConfig(block_size=BLOCK, local_prefill_threshold=16),
                               load_interval_s=0.2, node_timeout_s=1.0,
                               max_migrations=max_migrations)

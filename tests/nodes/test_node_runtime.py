@@ -15,6 +15,7 @@ from metadata_service.client import MetadataClient
 from metadata_service.server import ServerThread
 from node.config import NodeConfig
 from node.runtime import NodeRuntime
+from tests.cluster_secret import TEST_CURVE, TEST_SECRET
 from tests.helpers import assert_pool_clean
 from tests.metadata_service.helpers import make_config
 from tests.models import random_prompts
@@ -31,7 +32,8 @@ def metadata():
 def start_node(model: str, node_id: str, role: str, metadata_address: str | None):
     return NodeRuntime(NodeConfig(node_id=node_id, role=role, model=model,
                                   engine_options=OPTIONS, metadata_address=metadata_address,
-                                  lease_ttl_s=2, publish_interval_s=0.02)).start()
+                                  lease_ttl_s=2, publish_interval_s=0.02,
+                                  cluster_secret=TEST_SECRET)).start()
 
 
 def until(condition, timeout_s: float = 10.0) -> None:
@@ -46,7 +48,8 @@ def test_nodes_register_serve_and_publish_their_blocks(model_dirs, hf_reference,
     model = model_dirs["llama-gqa"]
     prefill = start_node(model, "p0", "prefill", server.address)
     decode = start_node(model, "d0", "decode", server.address)
-    to_p, to_d = NodeClient(prefill.server.address), NodeClient(decode.server.address)
+    to_p = NodeClient(prefill.server.address, curve=TEST_CURVE)
+    to_d = NodeClient(decode.server.address, curve=TEST_CURVE)
     try:
         nodes = {n.node_id: n for n in client.list_nodes()}
         assert nodes["p0"].kv_address == prefill.kv_address
@@ -74,9 +77,9 @@ def test_nodes_register_serve_and_publish_their_blocks(model_dirs, hf_reference,
 def test_node_serves_without_a_reachable_metadata_service(model_dirs):
     node = NodeRuntime(NodeConfig(node_id="lonely", role="decode", model=model_dirs["llama-gqa"],
                                   engine_options=OPTIONS, metadata_address="127.0.0.1:1",
-                                  publish_interval_s=0.02))
+                                  publish_interval_s=0.02, cluster_secret=TEST_SECRET))
     node.start(registration_timeout_s=0.5)
-    wire = NodeClient(node.server.address)
+    wire = NodeClient(node.server.address, curve=TEST_CURVE)
     try:
         wire.send(GenerateRequest("r", [1, 2, 3], SamplingSpec(max_tokens=3, ignore_eos=True)))
         assert len(tokens_of(wire.collect({"r"})["r"])) == 3
@@ -88,8 +91,16 @@ def test_node_serves_without_a_reachable_metadata_service(model_dirs):
 
 def test_config_is_validated():
     with pytest.raises(ValueError, match="role"):
-        NodeConfig(node_id="x", role="both", model="m")
+        NodeConfig(node_id="x", role="both", model="m", cluster_secret=TEST_SECRET)
     with pytest.raises(ValueError, match="node id"):
-        NodeConfig(node_id="bad id", role="prefill", model="m")
+        NodeConfig(node_id="bad id", role="prefill", model="m", cluster_secret=TEST_SECRET)
     with pytest.raises(ValueError, match="engine_options"):
-        NodeConfig(node_id="x", role="prefill", model="m", engine_options={"model": "m"})
+        NodeConfig(node_id="x", role="prefill", model="m", engine_options={"model": "m"},
+                   cluster_secret=TEST_SECRET)
+
+
+def test_a_node_without_the_cluster_secret_is_refused():
+    with pytest.raises(ValueError, match="cluster_secret"):
+        NodeConfig(node_id="x", role="prefill", model="m")
+    with pytest.raises(ValueError, match="cluster_secret"):
+        NodeConfig(node_id="x", role="prefill", model="m", cluster_secret=TEST_SECRET.to_text())

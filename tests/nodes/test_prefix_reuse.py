@@ -15,6 +15,7 @@ from core.node_wire import GenerateRequest, PrefixSource, SamplingSpec, Transfer
 from decode_node.actor import DecodeNodeActor
 from engine.node_client import NodeClient, tokens_of
 from prefill_node.actor import PrefillNodeActor
+from tests.cluster_secret import TEST_CURVE, TEST_SECRET
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 
@@ -22,7 +23,7 @@ BLOCK = 8
 KV_TIMEOUT_S = 5.0
 GREEDY = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
 OPTIONS = {"engine_options": {"num_kv_blocks": 128, "block_size": BLOCK},
-           "kv_timeout_s": KV_TIMEOUT_S}
+           "kv_timeout_s": KV_TIMEOUT_S, "cluster_secret": TEST_SECRET}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,8 @@ def cluster(model_dirs):
     nodes = {"h": DecodeNodeActor("h0", model, **OPTIONS),
              "p": PrefillNodeActor("p0", model, **OPTIONS),
              "d": DecodeNodeActor("d0", model, **OPTIONS)}
-    clients = {name: NodeClient(node.info()["request_address"]) for name, node in nodes.items()}
+    clients = {name: NodeClient(node.info()["request_address"], curve=TEST_CURVE)
+               for name, node in nodes.items()}
     yield nodes, clients
     for name, node in nodes.items():
         clients[name].close()

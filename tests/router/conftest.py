@@ -13,6 +13,7 @@ import pytest
 
 from router.config import NodeSpec, RouterConfig
 from router.server import RouterApp
+from tests.cluster_secret import TEST_SECRET
 from tests.router.fake_node import FakeNode
 
 MAX_MODEL_LEN = 256
@@ -55,7 +56,8 @@ def start_router(model_dir: Path) -> Iterator[Callable[..., RunningRouter]]:
         specs = tuple(NodeSpec(n.node_id, n.role, n.address, n.kv_address)
                       for n in nodes or [])
         config = RouterConfig(model_dir=str(model_dir), model_name="tiny", port=0, nodes=specs,
-                              load_interval_s=0.1, node_timeout_s=0.5, **overrides)
+                              load_interval_s=0.1, node_timeout_s=0.5,
+                              **{"cluster_secret": TEST_SECRET, **overrides})
         app = RouterApp(config)
         asyncio.run_coroutine_threadsafe(app.start(), loop).result(10)
         started.append(app)

@@ -12,6 +12,7 @@ from router.config import NodeSpec, RouterConfig
 from router.dispatch import Dispatcher, sampling_spec
 from router.metrics import RouterMetrics
 from router.policy import PolicyConfig
+from tests.cluster_secret import TEST_SECRET
 
 HALF_LIFE_S = 30.0
 
@@ -41,7 +42,7 @@ def test_dispatched_work_is_counted_decayed_and_routed_on(make_node) -> None:
     nodes = [make_node("a"), make_node("b")]
     config = RouterConfig(
         model_dir="unused", nodes=tuple(NodeSpec(n.node_id, n.role, n.address) for n in nodes),
-        load_interval_s=60.0, node_timeout_s=1.0, seed=0,
+        load_interval_s=60.0, node_timeout_s=1.0, seed=0, cluster_secret=TEST_SECRET,
         policy=PolicyConfig(work_half_life_s=HALF_LIFE_S, output_token_weight=10.0))
     clock = FakeClock()
 
@@ -70,7 +71,7 @@ def test_remote_prefill_charges_the_prompt_to_p_and_the_output_to_d(make_node) -
     config = RouterConfig(
         model_dir="unused", nodes=tuple(NodeSpec(n.node_id, n.role, n.address, n.kv_address)
                                         for n in nodes),
-        load_interval_s=60.0, node_timeout_s=1.0,
+        load_interval_s=60.0, node_timeout_s=1.0, cluster_secret=TEST_SECRET,
         policy=PolicyConfig(local_prefill_threshold=16, output_token_weight=10.0))
     clock = FakeClock()
 

@@ -13,6 +13,7 @@ from router.config import NodeSpec, RouterConfig
 from router.dispatch import Dispatcher, Placement
 from router.metrics import RouterMetrics
 from router.policy import PolicyConfig
+from tests.cluster_secret import TEST_SECRET
 from tests.router.test_dispatch import make_request
 
 POLICY = PolicyConfig(block_size=16, local_prefill_threshold=16, global_reuse_min_tokens=128)
@@ -23,6 +24,7 @@ def run_one(nodes, hits: dict[str, int], busy: str, num_prompt_tokens: int,
     """Decide with `hits`, the node `busy` loaded with a backlog, then run the request."""
     config = RouterConfig(
         model_dir="unused", load_interval_s=60.0, node_timeout_s=1.0, seed=0, policy=POLICY,
+        cluster_secret=TEST_SECRET,
         nodes=tuple(NodeSpec(n.node_id, n.role, n.address, n.kv_address) for n in nodes))
 
     async def scenario():

@@ -1,0 +1,14 @@
+"""The cluster secret tests give every node, router and metadata service they build (nothing
+serves without one), and the tokens derived from it."""
+
+from __future__ import annotations
+
+from core.credentials import SERVICE, ClusterSecret, node_principal
+
+TEST_SECRET = ClusterSecret(bytes(range(32)))
+SERVICE_TOKEN = TEST_SECRET.metadata_token(SERVICE)
+
+
+def node_token(node_id: str) -> str:
+    return TEST_SECRET.metadata_token(node_principal(node_id))
+TEST_CURVE = TEST_SECRET.curve_keys()  # the ZMQ CURVE key pair derived from it
