@@ -9,7 +9,10 @@ and expects the server to hold the cluster's key. A peer without the key pair ca
 the handshake, so it can neither send nor read anything; traffic is encrypted as a side
 effect (CurveZMQ: Curve25519 + XSalsa20-Poly1305).
 
-`Admission.num_denied` counts refused handshakes per context, for tests and metrics.
+`Admission.num_denied` counts clients the ZAP handler refused (a client with the wrong key pair
+but the right server key); a client without the server's key fails earlier, in the CURVE
+handshake itself, and never reaches it. `stop_authenticator(context)` before terminating a
+context of one's own (the process-wide `zmq.Context.instance()` is never terminated).
 """
 
 from __future__ import annotations
@@ -70,6 +73,14 @@ def authenticator_for(context: zmq.Context) -> Admission:
             entry = (context, auth, admission)
             _handlers[id(context)] = entry
         return entry[2]
+
+
+def stop_authenticator(context: zmq.Context) -> None:
+    """Stop `context`'s ZAP handler (before `context.term()`, which would wait for it)."""
+    with _lock:
+        entry = _handlers.pop(id(context), None)
+    if entry is not None:
+        entry[1].stop()
 
 
 def secure_server(sock: zmq.Socket, keys: CurveKeys) -> None:

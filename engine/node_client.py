@@ -1,5 +1,6 @@
 """`NodeClient`: a blocking client of `NodeServer` (a DEALER socket speaking core.node_wire)
-for tools, benchmarks and tests. Torch-free. The router has its own asyncio client."""
+for tools, benchmarks and tests. Torch-free. The router has its own asyncio client.
+`curve`: the cluster's CURVE key pair (core.curve); a node refuses a client without it."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ import time
 
 import zmq
 
+from core.credentials import CurveKeys
+from core.curve import secure_client
 from core.node_wire import NodeMessage, RequestError, TokenDelta, decode, encode
 
 
 class NodeClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, curve: CurveKeys | None) -> None:
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            secure_client(self.socket, curve)
         self.socket.connect(address)
 
     def send(self, msg: NodeMessage) -> None:

@@ -13,6 +13,10 @@ dropped request.
 `stop(drain=True)` stops admitting (new requests get "draining"), lets running requests and
 pinned transfers finish, then exits.
 
+Authentication: `curve` is the cluster's CURVE key pair; the socket is a CURVE server that
+admits only clients holding it (core.curve), so nobody without the cluster's credentials can
+submit, abort or query anything. `curve=None` is plaintext, for unit tests only.
+
 `on_step` (optional) runs after every step on the server thread; nodes use it to hand the
 block pool's KV events to their metadata publisher.
 """
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from core.credentials import CurveKeys
+from core.curve import secure_server
 from core.kv_transfer import PrefixPull, RemoteDecode, RemotePrefill
 from core.node_wire import (
     AbortRequest,
@@ -48,6 +54,9 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 2
+# A frame larger than this is dropped by ZMQ before it is read (the peer is disconnected):
+# a 1M-token prompt packs into about 5 MiB of msgpack.
+MAX_REQUEST_BYTES = 16 << 20
 
 
 @dataclass(slots=True)
@@ -60,7 +69,8 @@ class ServerStats:
 
 class NodeServer:
     def __init__(self, engine: LLMEngine, node_id: str, role: str, host: str = "127.0.0.1",
-                 port: int = 0, on_step: Callable[[LLMEngine], None] | None = None) -> None:
+                 port: int = 0, on_step: Callable[[LLMEngine], None] | None = None, *,
+                 curve: CurveKeys | None) -> None:
         self.engine = engine
         self.node_id, self.role = node_id, role
         self.on_step = on_step
@@ -68,6 +78,9 @@ class NodeServer:
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client is not an error
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        if curve is not None:
+            secure_server(self._socket, curve)
         if port:
             self._socket.bind(f"tcp://{host}:{port}")
         else:

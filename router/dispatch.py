@@ -89,6 +89,7 @@ class Dispatcher:
         self.views = NodeViews(self.work, config.policy, clock)  # the policy's view of each node
         self.metadata: MetadataLink | None = None
         self._context = zmq.asyncio.Context()
+        self._curve = config.cluster_secret.curve_keys()  # nodes admit only cluster members
         self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -111,7 +112,7 @@ class Dispatcher:
             if known is not None:
                 self._spawn(known.close())
             self.work.join(spec.node_id, self.clock())
-            self.nodes[spec.node_id] = NodeClient(spec, self._context)
+            self.nodes[spec.node_id] = NodeClient(spec, self._context, curve=self._curve)
             self.views.add(self.nodes[spec.node_id])
 
     async def refresh(self) -> None:

@@ -18,6 +18,10 @@ missed-poll rule stays as the backstop for a node that hangs while its connectio
 Streams ended this way are marked `lost` (the node is gone, it did not refuse the request), so
 the router may move the request elsewhere (router.migration).
 
+Authentication: the socket is a CURVE client with the cluster's key pair (core.curve); nodes
+admit nobody else. A failed handshake (a node holding another cluster's secret) is logged as
+such, and the node stays unhealthy.
+
 API: `NodeClient`, `NodeStream`.
 """
 
@@ -32,6 +36,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from core.credentials import CurveKeys
+from core.curve import secure_client
 from core.node_wire import (
     AbortRequest,
     GenerateRequest,
@@ -50,7 +56,9 @@ logger = logging.getLogger(__name__)
 
 
 DEAD_AFTER_MISSED_POLLS = 3
-_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
 
 
 class NodeStream:
@@ -73,7 +81,8 @@ class NodeStream:
 
 
 class NodeClient:
-    def __init__(self, spec: NodeSpec, context: zmq.asyncio.Context) -> None:
+    def __init__(self, spec: NodeSpec, context: zmq.asyncio.Context, *,
+                 curve: CurveKeys | None) -> None:
         self.spec = spec
         self.report: LoadReport | None = None
         self.healthy = False
@@ -81,11 +90,14 @@ class NodeClient:
         self.missed_polls = 0
         self.last_report_at = 0.0
         self.disconnected = False  # the connection closed and has not come back yet
+        self.refused_us = False  # a CURVE handshake with the node failed
         # bumped whenever what the policy sees of this node changes (report, health, pending
         # tokens, requests in flight): the dispatcher refreshes its view of the node only then
         self.version = 0
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            secure_client(self._socket, curve)
         self._monitor = self._socket.get_monitor_socket(_MONITORED)
         self._socket.connect(spec.request_address)
         self._streams: dict[str, NodeStream] = {}
@@ -186,6 +198,10 @@ class NodeClient:
             self.disconnected, self.healthy = True, False
             self.version += 1
             self.fail_streams(f"node {self.node_id} disconnected")
+        elif event & _HANDSHAKE_FAILED and not self.refused_us:
+            self.refused_us = True  # logged once: ZMQ retries the handshake every reconnect
+            logger.error("node %s refused the router's credentials (is it a member of another "
+                         "cluster, with another cluster secret?)", self.node_id)
         elif event == zmq.EVENT_CONNECTED and self.disconnected:
             logger.info("node %s reconnected", self.node_id)
             self.disconnected = False  # healthy again once it answers a load poll

@@ -3,13 +3,18 @@ XferDone from `core.kv_transfer`). Each message is one frame of `encode(msg)`; n
 (de)serialises here, and nothing is pickled.
 
 API:
-- `SideChannelServer(handler, host="127.0.0.1", port=0)`: a ROUTER socket (`.address` is
-  "tcp://host:port"; port 0 picks a free one) drained by a daemon thread that decodes each
-  frame and calls `handler(msg)`. Bad frames are rejected and counted (`.num_rejected`), handler
-  exceptions are counted (`.num_handler_errors`); neither stops the loop. `close()` returns
-  within about `poll_interval_s`. Context manager.
-- `SideChannelClient(send_timeout_s=0.5)`: `send(address, msg)`, fire and forget, over one
-  cached DEALER socket per address; thread-safe. `close()`.
+- `SideChannelServer(handler, host="127.0.0.1", port=0, *, curve=keys)`: a ROUTER socket
+  (`.address` is "tcp://host:port"; port 0 picks a free one) drained by a daemon thread that
+  decodes each frame and calls `handler(msg)`. Bad frames are rejected and counted
+  (`.num_rejected`), handler exceptions are counted (`.num_handler_errors`); neither stops
+  the loop. `close()` returns within about `poll_interval_s`. Context manager.
+- `SideChannelClient(send_timeout_s=0.5, *, curve=keys)`: `send(address, msg)`, fire and
+  forget, over one cached DEALER socket per address; thread-safe. `close()`.
+
+Authentication: with `curve` (the cluster's key pair, `ClusterSecret.curve_keys()`), both ends
+speak ZMQ CURVE (core.curve): a peer without the cluster's keys cannot complete the handshake,
+so it can send nothing (no forged XferRequest, XferDone or PrefixPullRequest) and read nothing.
+`curve=None` is plaintext, for unit tests of this room only; nodes always pass the keys.
 
 Delivery: `send` returning means the message was queued for a connected peer, not that it was
 handled. If no peer is connected at `address` within `send_timeout_s`, `send` raises
@@ -26,6 +31,8 @@ from collections.abc import Callable
 
 import zmq
 
+from core.credentials import CurveKeys
+from core.curve import secure_client, secure_server
 from core.kv_transfer import MAX_MESSAGE_BYTES, SideChannelMessage, decode, encode
 from core.wire import WireError
 from transfer.errors import TransferError
@@ -69,7 +76,8 @@ class SideChannelServer:
     `num_handler_errors` those whose handler raised."""
 
     def __init__(self, handler: MessageHandler, host: str = "127.0.0.1", port: int = 0, *,
-                 poll_interval_s: float = 0.05, log_interval_s: float = 10.0) -> None:
+                 curve: CurveKeys | None, poll_interval_s: float = 0.05,
+                 log_interval_s: float = 10.0) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {port}")
         if poll_interval_s <= 0:
@@ -82,7 +90,7 @@ class SideChannelServer:
         self._reject_log = _Throttle(log_interval_s)
         self._error_log = _Throttle(log_interval_s)
         self._stop = threading.Event()
-        self._socket = _router_socket(host, port)
+        self._socket = _router_socket(host, port, curve)
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         # From here on only the loop thread touches the socket (zmq sockets are not
         # thread-safe); it also closes it.
@@ -154,10 +162,12 @@ class SideChannelServer:
                            self._reject_log.take_suppressed(), self.num_rejected)
 
 
-def _router_socket(host: str, port: int) -> zmq.Socket:
+def _router_socket(host: str, port: int, curve: CurveKeys | None) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    if curve is not None:
+        secure_server(sock, curve)
     try:
         sock.bind(f"tcp://{host}:{port or '*'}")
     except zmq.ZMQError:
@@ -171,10 +181,11 @@ class SideChannelClient:
     created on first use and guarded by its own lock, so a slow peer holds up only its own
     senders."""
 
-    def __init__(self, send_timeout_s: float = 0.5) -> None:
+    def __init__(self, send_timeout_s: float = 0.5, *, curve: CurveKeys | None) -> None:
         if send_timeout_s <= 0:
             raise ValueError(f"send_timeout_s must be positive, got {send_timeout_s}")
         self._send_timeout_ms = max(1, round(send_timeout_s * 1000))
+        self._curve = curve
         self._lock = threading.Lock()
         self._sockets: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
         self._closed = False
@@ -231,6 +242,8 @@ class SideChannelClient:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
         sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        if self._curve is not None:
+            secure_client(sock, self._curve)
         try:
             sock.connect(address)
         except zmq.ZMQError as exc:

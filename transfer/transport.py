@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from core.credentials import CurveKeys
 from core.kv_transfer import SideChannelMessage
 from transfer.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
 from transfer.side_channel import MessageHandler, SideChannelClient, SideChannelServer
@@ -47,13 +48,14 @@ class Transport(ABC):
 
 class MooncakeTransport(Transport):
     """The real transport: ZMQ + msgpack side channel, Mooncake Transfer Engine for bytes
-    (RDMA on a GPU cluster, TCP here)."""
+    (RDMA on a GPU cluster, TCP here). `curve`: the cluster's CURVE key pair, which every
+    side-channel peer must hold (None: plaintext, for unit tests only)."""
 
     def __init__(self, mooncake: MooncakeConfig | None = None, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, *, curve: CurveKeys | None) -> None:
         self._engine = MooncakeTransferEngine(mooncake)
-        self._client = SideChannelClient()
-        self._host, self._port = host, port
+        self._client = SideChannelClient(curve=curve)
+        self._host, self._port, self._curve = host, port, curve
         self._server: SideChannelServer | None = None
 
     @property
@@ -67,7 +69,7 @@ class MooncakeTransport(Transport):
         return self._engine.session_id
 
     def start(self, on_message: MessageHandler) -> None:
-        self._server = SideChannelServer(on_message, self._host, self._port)
+        self._server = SideChannelServer(on_message, self._host, self._port, curve=self._curve)
 
     def register(self, addr: int, nbytes: int) -> None:
         self._engine.register(addr, nbytes)

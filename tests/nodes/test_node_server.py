@@ -20,6 +20,7 @@ from core.node_wire import (
 from engine import LLMEngine
 from engine.node_client import NodeClient, tokens_of
 from engine.node_server import NodeServer
+from tests.cluster_secret import TEST_CURVE
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import make_engine
@@ -30,8 +31,8 @@ GREEDY = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
 @pytest.fixture
 def node(model_dirs):
     engine = LLMEngine.from_model(model_dirs["llama-gqa"], num_kv_blocks=128, block_size=8)
-    server = NodeServer(engine, "n0", "both").start()
-    client = NodeClient(server.address)
+    server = NodeServer(engine, "n0", "both", curve=TEST_CURVE).start()
+    client = NodeClient(server.address, curve=TEST_CURVE)
     yield server, client
     client.close()
     server.stop(drain=False)
@@ -95,8 +96,8 @@ def test_load_report(node):
 
 def test_drain_finishes_running_requests_and_refuses_new_ones(model_dirs):
     engine = LLMEngine.from_model(model_dirs["llama-gqa"], num_kv_blocks=64, block_size=8)
-    server = NodeServer(engine, "n1", "both").start()
-    client = NodeClient(server.address)
+    server = NodeServer(engine, "n1", "both", curve=TEST_CURVE).start()
+    client = NodeClient(server.address, curve=TEST_CURVE)
     client.send(GenerateRequest("run", [3] * 10, SamplingSpec(max_tokens=30, ignore_eos=True)))
     first = client.recv()
     assert isinstance(first, TokenDelta)
@@ -114,12 +115,13 @@ def test_prefill_and_decode_nodes_over_mooncake(model_dirs, hf_reference):
     from transfer.transport import MooncakeTransport
 
     model = model_dirs["llama-gqa"]
-    prefill_engine = make_engine(model, MooncakeTransport())
-    decode_engine = make_engine(model, MooncakeTransport())
-    prefill = NodeServer(prefill_engine, "p0", "prefill").start()
-    decode = NodeServer(decode_engine, "d0", "decode").start()
+    prefill_engine = make_engine(model, MooncakeTransport(curve=TEST_CURVE))
+    decode_engine = make_engine(model, MooncakeTransport(curve=TEST_CURVE))
+    prefill = NodeServer(prefill_engine, "p0", "prefill", curve=TEST_CURVE).start()
+    decode = NodeServer(decode_engine, "d0", "decode", curve=TEST_CURVE).start()
     kv_addr = prefill_engine.connector.worker.transport.reply_address
-    to_p, to_d = NodeClient(prefill.address), NodeClient(decode.address)
+    to_p = NodeClient(prefill.address, curve=TEST_CURVE)
+    to_d = NodeClient(decode.address, curve=TEST_CURVE)
     try:
         prompts = random_prompts(3, 10, 60, seed=51)
         for i, prompt in enumerate(prompts):

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import zmq
 
+from core.curve import secure_server, stop_authenticator
 from core.node_wire import (
     AbortRequest,
     GenerateRequest,
@@ -30,6 +31,7 @@ from core.node_wire import (
     decode,
     encode,
 )
+from tests.cluster_secret import TEST_CURVE
 
 
 class FakeNode:
@@ -46,6 +48,7 @@ class FakeNode:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        secure_server(self._socket, TEST_CURVE)  # as real nodes: the router must hold the keys
         if port is None:
             port = self._socket.bind_to_random_port("tcp://127.0.0.1")
         else:
@@ -70,6 +73,7 @@ class FakeNode:
         self._stop.set()
         self._thread.join(5)
         self._socket.close(0)
+        stop_authenticator(self._context)
         self._context.term()
 
     def _run(self) -> None:

@@ -51,10 +51,11 @@ def _handle(engine, conn, finished: dict, cmd: str, args: list) -> bool:
 
 
 def _serve(model_dir: str, conn, timeout_s: float) -> None:
+    from tests.cluster_secret import TEST_CURVE
     from tests.transfer.disagg import make_engine
     from transfer.transport import MooncakeTransport
 
-    engine = make_engine(model_dir, MooncakeTransport(), timeout_s=timeout_s)
+    engine = make_engine(model_dir, MooncakeTransport(curve=TEST_CURVE), timeout_s=timeout_s)
     conn.send(engine.connector.worker.transport.reply_address)
     finished: dict[str, list[int]] = {}
     while True:

@@ -10,6 +10,7 @@ import pytest
 from core.hashing import hash_block_tokens
 from core.kv_transfer import RemoteDecode, RemotePrefill
 from engine import SamplingParams
+from tests.cluster_secret import TEST_CURVE
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import drive, idle, make_engine
@@ -30,7 +31,7 @@ def prefill_node(model_dirs):
 
 @pytest.fixture
 def decode(model_dirs):
-    engine = make_engine(model_dirs["llama-gqa"], MooncakeTransport())
+    engine = make_engine(model_dirs["llama-gqa"], MooncakeTransport(curve=TEST_CURVE))
     yield engine
     engine.close()
 
@@ -87,7 +88,8 @@ def test_kv_arrives_byte_identical(prefill_node, decode):
 
 def test_prefill_dies_mid_transfer_decode_recomputes(model_dirs, hf_reference):
     node = NodeProcess(model_dirs["llama-gqa"])
-    decode = make_engine(model_dirs["llama-gqa"], MooncakeTransport(), timeout_s=2.0)
+    decode = make_engine(model_dirs["llama-gqa"], MooncakeTransport(curve=TEST_CURVE),
+                         timeout_s=2.0)
     try:
         prompt = random_prompts(1, 30, 30, seed=47)[0]
         decode.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=N_OUT,
@@ -108,7 +110,8 @@ def test_prefill_dies_mid_transfer_decode_recomputes(model_dirs, hf_reference):
 
 def test_decode_dies_prefill_releases_and_keeps_serving(model_dirs):
     node = NodeProcess(model_dirs["llama-gqa"])
-    prefill = make_engine(model_dirs["llama-gqa"], MooncakeTransport(), timeout_s=2.0)
+    prefill = make_engine(model_dirs["llama-gqa"], MooncakeTransport(curve=TEST_CURVE),
+                          timeout_s=2.0)
     try:
         prompt = random_prompts(1, 30, 30, seed=48)[0]
         node.send("add", "d", prompt, N_OUT, "prefill", "t-d", prefill.connector.worker

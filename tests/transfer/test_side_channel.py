@@ -15,6 +15,7 @@ import msgpack
 import pytest
 import zmq
 
+from core.curve import secure_client
 from core.kv_transfer import (
     MAX_MESSAGE_BYTES,
     WIRE_VERSION,
@@ -25,6 +26,7 @@ from core.kv_transfer import (
     XferRequest,
     encode,
 )
+from tests.cluster_secret import TEST_CURVE
 from transfer import side_channel
 from transfer.errors import TransferError
 from transfer.side_channel import SideChannelClient, SideChannelServer, _Throttle
@@ -81,21 +83,22 @@ def collector() -> Collector:
 
 @pytest.fixture
 def server(collector: Collector):
-    with SideChannelServer(collector) as srv:
+    with SideChannelServer(collector, curve=TEST_CURVE) as srv:
         yield srv
 
 
 @pytest.fixture
 def client():
-    with SideChannelClient() as cli:
+    with SideChannelClient(curve=TEST_CURVE) as cli:
         yield cli
 
 
 @pytest.fixture
 def raw_sender(server: SideChannelServer):
-    """A bare DEALER that can put arbitrary frames on the wire."""
+    """A bare DEALER (a cluster member) that can put arbitrary frames on the wire."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure_client(sock, TEST_CURVE)
     sock.connect(server.address)
     yield sock
     sock.close()
@@ -116,9 +119,9 @@ def test_each_message_type_round_trips(server, client, collector) -> None:
 
 def _echo_peer(conn) -> None:
     """Child process: a server whose handler echoes every message to the parent's server."""
-    with SideChannelClient() as cli:
+    with SideChannelClient(curve=TEST_CURVE) as cli:
         reply_to = conn.recv()
-        with SideChannelServer(lambda msg: cli.send(reply_to, msg)) as srv:
+        with SideChannelServer(lambda msg: cli.send(reply_to, msg), curve=TEST_CURVE) as srv:
             conn.send(srv.address)
             conn.recv()  # parent says it has everything: only now may queued frames go
 
@@ -194,7 +197,8 @@ def test_handler_exception_is_counted_and_loop_survives(caplog) -> None:
         got(msg)
 
     with caplog.at_level(logging.ERROR, logger="transfer.side_channel"), \
-            SideChannelServer(handler) as srv, SideChannelClient() as cli:
+            SideChannelServer(handler, curve=TEST_CURVE) as srv, \
+            SideChannelClient(curve=TEST_CURVE) as cli:
         for i in range(3):
             cli.send(srv.address, XferAbort(f"boom-{i}"))
         cli.send(srv.address, XferAbort("fine"))
@@ -217,7 +221,7 @@ def test_send_to_nobody_raises_transfer_error_promptly(client) -> None:
 
 
 def test_sends_resume_when_a_peer_comes_back_at_the_same_address(client, collector) -> None:
-    with SideChannelServer(Collector()) as first:
+    with SideChannelServer(Collector(), curve=TEST_CURVE) as first:
         address = first.address
         client.send(address, XferAbort("to the first"))
     port = int(address.rsplit(":", 1)[1])
@@ -236,7 +240,7 @@ def _refused(client: SideChannelClient, address: str) -> bool:
 
 
 def test_close_is_prompt_and_releases_the_port(collector) -> None:
-    srv = SideChannelServer(collector)
+    srv = SideChannelServer(collector, curve=TEST_CURVE)
     port = int(srv.address.rsplit(":", 1)[1])
     start = time.monotonic()
     srv.close()
@@ -253,7 +257,7 @@ def rebind(handler: Callable[[SideChannelMessage], None], port: int) -> SideChan
     deadline = time.monotonic() + 2.0
     while True:
         try:
-            return SideChannelServer(handler, port=port)
+            return SideChannelServer(handler, port=port, curve=TEST_CURVE)
         except zmq.ZMQError:
             if time.monotonic() > deadline:
                 raise
@@ -261,11 +265,13 @@ def rebind(handler: Callable[[SideChannelMessage], None], port: int) -> SideChan
 
 
 def test_close_leaves_the_shared_context_usable(collector) -> None:
-    with SideChannelServer(collector) as srv, SideChannelClient() as cli:
+    with SideChannelServer(collector, curve=TEST_CURVE) as srv, \
+            SideChannelClient(curve=TEST_CURVE) as cli:
         cli.send(srv.address, XferAbort("one"))
         collector.wait_for(1)
     assert not zmq.Context.instance().closed
-    with SideChannelServer(collector) as srv, SideChannelClient() as cli:
+    with SideChannelServer(collector, curve=TEST_CURVE) as srv, \
+            SideChannelClient(curve=TEST_CURVE) as cli:
         cli.send(srv.address, XferAbort("two"))
         assert collector.wait_for(2)[-1] == XferAbort("two")
 
@@ -291,7 +297,7 @@ def test_many_messages_from_several_threads_all_arrive(server, client, collector
 
 
 def test_client_refuses_oversize_messages_and_sends_after_close(server, monkeypatch) -> None:
-    cli = SideChannelClient()
+    cli = SideChannelClient(curve=TEST_CURVE)
     monkeypatch.setattr(side_channel, "MAX_MESSAGE_BYTES", 1000)  # a 16 MiB message is slow
     cli.send(server.address, make_request(num_addrs=50))
     with pytest.raises(WireError, match="exceeds"):
@@ -306,9 +312,9 @@ def test_bad_arguments_raise_value_error(client, collector) -> None:
     with pytest.raises(ValueError):
         client.send("127.0.0.1:5600", XferAbort("t"))
     with pytest.raises(ValueError):
-        SideChannelClient(send_timeout_s=0)
+        SideChannelClient(send_timeout_s=0, curve=TEST_CURVE)
     with pytest.raises(ValueError):
-        SideChannelServer(collector, port=70000)
+        SideChannelServer(collector, port=70000, curve=TEST_CURVE)
 
 
 def test_throttle_allows_one_line_per_interval() -> None:
