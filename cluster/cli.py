@@ -11,6 +11,7 @@ Subcommands:
   bench transfer            run the KV-transfer benchmark (same JSON-last convention)
   bench serve               run the serving benchmark on a local Ray cluster (JSON last)
   bench router              run the router-overhead benchmark (JSON last)
+  bench curve               run the CURVE-cost benchmark (JSON last)
   replay --trace FILE       replay a request trace through the routing policy (JSON last)
 
 `pdcluster --help` must stay fast and torch-free, so `engine` and `benchmarks` are imported only
@@ -126,6 +127,9 @@ BENCHMARKS = {
     "serve": ("serve_bench", "TTFT of 2,048-token prompts disaggregated vs colocated on a "
               "local 1+1 cluster, KV transfer time, inter-token latency and throughput (same "
               "run)."),
+    "curve": ("curve_bench", "The price of ZMQ CURVE on node and KV side-channel sockets: "
+              "handshake, round trips and bulk throughput against plaintext sockets in the "
+              "same run."),
 }
 
 
