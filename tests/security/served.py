@@ -1,0 +1,131 @@
+"""A real `pdcluster serve` to attack: a process tree on 127.0.0.1 (local Ray, one prefill and
+one decode node actor, the embedded metadata service, the router) with a cluster secret and
+router API keys set, and what an attacker on the same network can learn of it: the nodes'
+request and KV side-channel addresses (the test asks the metadata service for them with the
+cluster's read credential; an attacker would scan the ports)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from core.credentials import SERVICE, ClusterSecret
+from core.curve import secure_client
+
+ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "sk-security-test"
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen
+    base_url: str
+    metadata_address: str
+    secret: ClusterSecret
+    nodes: dict[str, dict[str, str]]  # role -> {"request_address", "kv_address", "node_id"}
+    model_dir: str
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_served(model_dir: str, port: int) -> Served:
+    secret = ClusterSecret.generate()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDCLUSTER_CLUSTER_SECRET": secret.to_text(),
+           "PDCLUSTER_API_KEYS": API_KEY}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir, "--num-prefill",
+         "1", "--num-decode", "1", "--port", str(port), "--block-size", str(BLOCK_SIZE),
+         "--kv-cache-gib", "0.05"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, deadline = [], time.monotonic() + 180
+    for line in proc.stdout:
+        lines.append(line)
+        if "serving" in line or time.monotonic() > deadline:
+            break
+    found = re.search(r"metadata service at (\S+?)\)", lines[-1] if lines else "")
+    if found is None:
+        proc.kill()
+        raise RuntimeError("pdcluster serve did not start:\n" + "".join(lines[-40:]))
+    served = Served(proc, f"http://127.0.0.1:{port}/v1", found.group(1), secret, {}, model_dir)
+    served.nodes = _nodes(served)
+    return served
+
+
+def _nodes(served: Served) -> dict[str, dict[str, str]]:
+    from metadata_service.client import MetadataClient
+
+    client = MetadataClient(served.metadata_address,
+                            token=served.secret.metadata_token(SERVICE))
+    deadline = time.monotonic() + 60
+    while True:
+        nodes = {_role(n.role): {"node_id": n.node_id, "request_address": n.request_address,
+                                 "kv_address": n.kv_address} for n in client.list_nodes()}
+        if len(nodes) == 2 or time.monotonic() > deadline:
+            client.close()
+            return nodes
+        time.sleep(0.2)
+
+
+def _role(role: int) -> str:
+    from proto import metadata_pb2 as pb
+
+    return "prefill" if role == pb.PREFILL else "decode"
+
+
+def dealer(address: str, keys=None, server_key: bytes | None = None):
+    """A DEALER to `address`: plaintext without `keys`; CURVE with `keys` (and the server key
+    `server_key`, default: the keys' own public key, as cluster members use)."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        secure_client(sock, keys)
+        if server_key is not None:
+            sock.curve_serverkey = server_key
+    sock.connect(address)
+    return sock
+
+
+def block_nbytes(model_dir: str) -> int:
+    """Bytes of one KV block of `model_dir` in float32 (the engine's block-contiguous
+    layout: K and V of every layer)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * BLOCK_SIZE * 4
+
+
+class Memory:
+    """An attacker's (or a test member's) Mooncake-registered buffer, to be written into."""
+
+    def __init__(self, nbytes: int) -> None:
+        from transfer.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
+
+        self.buf = np.zeros(nbytes, dtype=np.uint8)
+        self.engine = MooncakeTransferEngine(MooncakeConfig())
+        self.engine.register(self.buf.ctypes.data, nbytes)
+
+    def addr(self, offset: int) -> int:
+        return self.buf.ctypes.data + offset
+
+    @property
+    def touched(self) -> bool:
+        return bool(self.buf.any())
+
+    def close(self) -> None:
+        self.engine.close()

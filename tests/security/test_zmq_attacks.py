@@ -1,0 +1,195 @@
+"""Attacks on a real `pdcluster serve` (tiny model, secret and API keys set) from a peer on the
+same network without the cluster's credentials, over the node request sockets and the KV side
+channel (ZMQ), with the real router, Mooncake over TCP and node actors on a local Ray.
+
+Each attack is paired with the same move made by a cluster member (holding the secret), so a
+test shows the move would work, and that credentials are what stops it. These tests fail on a
+cluster without CURVE: there, every stranger's message is served."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from core.credentials import ClusterSecret
+from core.kv_transfer import PrefixPullRequest, XferDone, XferRequest
+from core.kv_transfer import encode as encode_kv
+from core.node_wire import GenerateRequest, SamplingSpec, TokenDelta, TransferSpec, decode
+from core.node_wire import encode as encode_node
+from tests.security.served import API_KEY, BLOCK_SIZE, Memory, block_nbytes, dealer, start_served
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow
+PROMPT = list(range(100, 164))  # 4 full blocks
+QUIET_S = 2.0  # how long a refused stranger waits for an answer that never comes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(model_dirs):
+    cluster = start_served(model_dirs["llama-gqa"], _free_port())
+    yield cluster
+    cluster.stop()
+
+
+def _members_keys(served):
+    return served.secret.curve_keys()
+
+
+def _generate(request_id: str, **kw) -> bytes:
+    return encode_node(GenerateRequest(request_id, PROMPT, SamplingSpec(max_tokens=4), **kw))
+
+
+def _answer(sock, timeout_s: float = QUIET_S):
+    return decode(sock.recv()) if sock.poll(int(timeout_s * 1000)) else None
+
+
+def _routed_text(served, prompt: str = "The capital of France is") -> str:
+    client = openai.OpenAI(base_url=served.base_url, api_key=API_KEY, max_retries=0,
+                           timeout=60)
+    out = client.completions.create(model=_model(served), prompt=prompt, max_tokens=8,
+                                    temperature=0)
+    return out.choices[0].text
+
+
+def _model(served) -> str:
+    from pathlib import Path
+
+    return Path(served.model_dir).name
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_stranger_cannot_generate_on_a_node(served, role):
+    address = served.nodes[role]["request_address"]
+    strangers = {
+        "plaintext": dealer(address),
+        "another cluster's keys": dealer(address, ClusterSecret.generate().curve_keys()),
+        # knows the node's public key (keys are not secret) but holds no cluster key pair:
+        # the node's ZAP handler refuses it
+        "right server key, own key pair": dealer(
+            address, ClusterSecret.generate().curve_keys(), _members_keys(served).public),
+    }
+    for name, sock in strangers.items():
+        sock.send(_generate(f"attack-{role}-{name}"))
+    for name, sock in strangers.items():
+        assert _answer(sock) is None, f"a stranger ({name}) was served by the {role} node"
+        sock.close()
+    member = dealer(address, _members_keys(served))
+    member.send(_generate(f"member-{role}"))
+    reply = _answer(member, 30)
+    assert isinstance(reply, TokenDelta), reply  # the same message from a member is served
+    member.close()
+
+
+def test_router_api_keys_cannot_be_bypassed(served):
+    client = openai.OpenAI(base_url=served.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.completions.create(model=_model(served), prompt="hi", max_tokens=2)
+    assert _routed_text(served)  # with the key it answers
+
+
+def test_a_stranger_cannot_poison_a_decode_nodes_cache(served):
+    """The attack: ask D to take a prompt's KV from the attacker (remote_prefill pointing at
+    an attacker's side channel), then forge the transfer's completion. Refused at the
+    handshake, so D never hands out its block addresses and the cache stays clean."""
+    before = _routed_text(served)
+    attacker_kv = dealer(served.nodes["decode"]["kv_address"])  # no credentials
+    decode_node = dealer(served.nodes["decode"]["request_address"])
+    spec = TransferSpec("remote_prefill", "forged-t1", "tcp://127.0.0.1:9")
+    decode_node.send(_generate("poison", transfer=spec))
+    for tid in ("forged-t1", "poison"):
+        attacker_kv.send(encode_kv(XferDone(tid, True, first_token=5, num_blocks_sent=4)))
+    assert _answer(decode_node) is None
+    attacker_kv.close()
+    decode_node.close()
+    assert _routed_text(served) == before
+
+
+@pytest.mark.parametrize("member_control", [False, True])
+def test_side_channel_refuses_strangers(served, member_control):
+    """XferRequest and PrefixPullRequest to P's side channel asking it to write a cached
+    prompt's KV into the sender's memory: a member gets the bytes, a stranger nothing."""
+    prefill = served.nodes["prefill"]
+    member = dealer(prefill["request_address"], _members_keys(served))
+    member.send(_generate("cache-it"))  # P now caches PROMPT's blocks
+    while not getattr(_answer(member, 30), "finished", True):
+        pass
+    member.close()
+    nbytes = block_nbytes(served.model_dir)
+    memory = Memory(8 * nbytes)
+    replies = _Inbox(_members_keys(served) if member_control else None)
+    keys = _members_keys(served) if member_control else None
+    sock = dealer(prefill["kv_address"], keys)
+    pull = PrefixPullRequest("pull-1", "r", replies.address, memory.engine.session_id, nbytes,
+                             BLOCK_SIZE, 0, PROMPT, [memory.addr(i * nbytes) for i in range(4)])
+    sock.send(encode_kv(pull))
+    sock.send(encode_kv(XferRequest("xfer-1", "r", replies.address, memory.engine.session_id,
+                                    nbytes, 4, 0, [memory.addr((4 + i) * nbytes)
+                                                   for i in range(4)])))
+    got = replies.wait(10 if member_control else QUIET_S)
+    sock.close()
+    try:
+        if member_control:
+            assert any(isinstance(m, XferDone) and m.num_blocks_sent == 4 for m in got), got
+            assert memory.touched
+        else:
+            assert got == [] and not memory.touched
+    finally:
+        replies.close()
+        memory.close()
+
+
+def test_a_member_cannot_pull_another_tenants_blocks(served):
+    """Pulls honour the cache salt: the same tokens without the tenant's salt name other
+    blocks, so even a cluster member gets none of a salted tenant's KV."""
+    prefill, keys = served.nodes["prefill"], _members_keys(served)
+    member = dealer(prefill["request_address"], keys)
+    salted = [t + 1000 for t in PROMPT]  # cached only under the tenant's salt
+    member.send(encode_node(GenerateRequest("salted", salted, SamplingSpec(max_tokens=4),
+                                            cache_salt="tenant-a")))
+    while not getattr(_answer(member, 30), "finished", True):
+        pass
+    member.close()
+    nbytes = block_nbytes(served.model_dir)
+    results = {}
+    for salt in (None, "tenant-b", "tenant-a"):
+        memory, replies = Memory(4 * nbytes), _Inbox(keys)
+        sock = dealer(prefill["kv_address"], keys)
+        sock.send(encode_kv(PrefixPullRequest(
+            f"pull-{salt}", "r", replies.address, memory.engine.session_id, nbytes, BLOCK_SIZE,
+            0, salted, [memory.addr(i * nbytes) for i in range(4)], cache_salt=salt)))
+        (done,) = replies.wait(10)
+        results[salt] = (done.num_blocks_sent, memory.touched)
+        sock.close()
+        replies.close()
+        memory.close()
+    # the tenant itself (its salt) gets its blocks: the refusals above are the salt's doing
+    assert results == {None: (0, False), "tenant-b": (0, False), "tenant-a": (4, True)}
+
+
+class _Inbox:
+    """A side-channel server receiving the node's replies (CURVE when given keys)."""
+
+    def __init__(self, keys) -> None:
+        from transfer.side_channel import SideChannelServer
+
+        self.messages: list = []
+        self._server = SideChannelServer(self.messages.append, curve=keys)
+        self.address = self._server.address
+
+    def wait(self, timeout_s: float) -> list:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.messages:
+            time.sleep(0.01)
+        time.sleep(0.1)  # anything else in flight
+        return list(self.messages)
+
+    def close(self) -> None:
+        self._server.close()
