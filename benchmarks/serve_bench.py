@@ -60,8 +60,9 @@ class _Bench:
         self.cluster, self.sizes = cluster, sizes
         nodes = {info["role"]: info for info in cluster.nodes()}
         self.prefill, self.decode = nodes["prefill"], nodes["decode"]
-        self.to_p = NodeClient(self.prefill["request_address"])
-        self.to_d = NodeClient(self.decode["request_address"])
+        keys = cluster.cluster_secret.curve_keys()  # nodes admit only cluster members
+        self.to_p = NodeClient(self.prefill["request_address"], curve=keys)
+        self.to_d = NodeClient(self.decode["request_address"], curve=keys)
         self.rng = random.Random(0)
         self.ids = itertools.count()
 

@@ -10,7 +10,8 @@ worker, exactly as the engine does, and times plan -> `RecvResult`:
 - `raw_mooncake_gbps`: one contiguous `batch_transfer_sync_write` of the same bytes between
   the same two processes (the baseline), measured in the same run;
 - `efficiency` = connector / raw; `descriptors_per_request`; `handshake_ms`: a transfer of zero
-  blocks — the side-channel round trip alone.
+  blocks — the side-channel round trip alone (CURVE-encrypted, as in a cluster; `pdcluster
+  bench curve` prices CURVE against plaintext).
 Bytes are checked after the run (a wrong copy fails the benchmark).
 """
 
@@ -55,15 +56,16 @@ def _region(num_blocks: int, fill: int | None):
     return buf, region
 
 
-def _prefill_side(conn, num_blocks: int) -> None:
+def _prefill_side(conn, num_blocks: int, secret_text: str) -> None:
     """Child: serve SendJobs, and time raw Mooncake writes on request."""
+    from core.credentials import ClusterSecret
     from core.kv_connector import ConnectorPlan, SendJob
     from core.kv_transfer import RemoteDecode
     from transfer.connector_worker import ConnectorWorker
     from transfer.transport import MooncakeTransport
 
     buf, region = _region(num_blocks, fill=7)
-    transport = MooncakeTransport()
+    transport = MooncakeTransport(curve=ClusterSecret.from_text(secret_text).curve_keys())
     worker = ConnectorWorker(transport, timeout_s=120)
     worker.register_kv_region(region)
     conn.send((transport.reply_address, transport.session_id))
@@ -87,6 +89,7 @@ def _prefill_side(conn, num_blocks: int) -> None:
 
 class _Bench:
     def __init__(self, sizes: Sizes) -> None:
+        from core.credentials import ClusterSecret
         from transfer.connector_worker import ConnectorWorker
         from transfer.transport import MooncakeTransport
 
@@ -95,12 +98,13 @@ class _Bench:
         self.num_blocks = self.blocks_per_request * sizes.num_requests
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.child = ctx.Process(target=_prefill_side, args=(child, self.num_blocks),
-                                 daemon=True)
+        secret = ClusterSecret.generate()  # the side channel speaks CURVE, as in a cluster
+        self.child = ctx.Process(target=_prefill_side,
+                                 args=(child, self.num_blocks, secret.to_text()), daemon=True)
         self.child.start()
         self.peer_addr, _ = self.conn.recv()
         self.buf, self.region = _region(self.num_blocks, fill=None)
-        self.transport = MooncakeTransport()
+        self.transport = MooncakeTransport(curve=secret.curve_keys())
         self.worker = ConnectorWorker(self.transport, timeout_s=120)
         self.worker.register_kv_region(self.region)
         self._ids = iter(range(10**9))
