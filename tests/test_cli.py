@@ -19,8 +19,8 @@ from cluster import cli
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = [["make-tiny-model"], ["generate"], ["bench"], ["bench", "engine"],
                ["bench", "metadata"], ["bench", "transfer"], ["bench", "serve"],
-               ["bench", "router"], ["bench", "curve"], ["metadata"], ["serve"], ["router"], ["router", "serve"],
-               ["metadata", "serve"], ["replay"]]
+               ["bench", "router"], ["bench", "curve"], ["metadata"], ["serve"], ["router"],
+               ["router", "serve"], ["metadata", "serve"], ["replay"]]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
