@@ -21,6 +21,7 @@ Prints progress on stderr; the CLI prints the JSON object last.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
 import statistics
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 
 from core.block_index import BlockIndex
+from core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, node_principal
 from metadata_service.client import MetadataClient, make_node_info
 from proto import metadata_pb2 as pb
 
@@ -109,12 +111,20 @@ class _Etcd:
         self.proc.wait()
 
 
-def start_service(port: int, etcd_port: int | None) -> subprocess.Popen:
+def start_service(port: int, etcd_port: int | None, secret: ClusterSecret) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "cluster.cli", "metadata", "serve", "--port", str(port),
            "--lease-ttl", "300"]
     if etcd_port is not None:
         cmd += ["--backend", "etcd", "--etcd", f"127.0.0.1:{etcd_port}"]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    env = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                            env={**env, SECRET_ENV: secret.to_text()})
+
+
+def node_client(address: str, secret: ClusterSecret, node_id: str) -> MetadataClient:
+    """A node may act only as itself: one client (credential) per node."""
+    return MetadataClient(address, cluster_secret=secret, principal=node_principal(node_id),
+                          timeout_s=30)
 
 
 def wait_ready(client: MetadataClient, timeout_s: float = 60.0) -> None:
@@ -129,15 +139,16 @@ def wait_ready(client: MetadataClient, timeout_s: float = 60.0) -> None:
             time.sleep(0.01)
 
 
-def ingest(address: str, pop: Population, infos: dict[str, pb.NodeInfo]) -> float:
+def ingest(address: str, pop: Population, infos: dict[str, pb.NodeInfo],
+           secret: ClusterSecret) -> float:
     groups = [pop.node_ids[i::INGEST_THREADS] for i in range(INGEST_THREADS)]
     work = {n: pop.batches(n) for n in pop.node_ids}
     errors: list[BaseException] = []
 
     def run(node_ids: list[str]) -> None:
         try:
-            with MetadataClient(address, timeout_s=30) as client:
-                for node_id in node_ids:
+            for node_id in node_ids:
+                with node_client(address, secret, node_id) as client:
                     for seq, events in enumerate(work[node_id], start=1):
                         reply = client.publish_raw(pb.PublishRequest(
                             node_id=node_id, epoch=infos[node_id].epoch, seq=seq, events=events))
@@ -204,18 +215,20 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="metadata-bench-") as tmp:
         etcd = _Etcd(Path(tmp)) if use_etcd else None
         port = free_port()
-        procs = {"service": start_service(port, etcd.port if etcd else None)}
+        secret = ClusterSecret.generate()
+        procs = {"service": start_service(port, etcd.port if etcd else None, secret)}
         address = f"127.0.0.1:{port}"
         try:
-            with MetadataClient(address, timeout_s=30) as client:
+            with MetadataClient(address, cluster_secret=secret, timeout_s=30) as client:
                 wait_ready(client)
                 infos = {n: make_node_info(n, "prefill") for n in pop.node_ids}
                 for info in infos.values():
-                    client.register(info, 300)
+                    with node_client(address, secret, info.node_id) as node:
+                        node.register(info, 300)
                 time.sleep(0.5)  # let the first (lease + empty base) writes go out
                 writes0 = client.stats().etcd_writes
                 _log(f"ingesting {pop.num_blocks} blocks into {nodes} nodes")
-                ingest_s = ingest(address, pop, infos)
+                ingest_s = ingest(address, pop, infos, secret)
                 writes = client.stats().etcd_writes - writes0
                 result["ingest_events_per_s"] = round(pop.num_blocks / ingest_s)
                 result["etcd_writes_per_s_per_node"] = round(writes / ingest_s / nodes, 2)
@@ -230,7 +243,7 @@ def run(args: argparse.Namespace) -> dict:
                 expected = [client.query(c) for c in chains]
                 if etcd is not None:
                     result["recovery_s"] = _recover(client, expected, chains, procs, port,
-                                                    etcd.port)
+                                                    etcd.port, secret)
         finally:
             procs["service"].kill()
             procs["service"].wait()
@@ -264,7 +277,7 @@ def _drain(client: MetadataClient) -> float:
 
 
 def _recover(client: MetadataClient, expected: list, chains: list, procs: dict, port: int,
-             etcd_port: int) -> float:
+             etcd_port: int, secret: ClusterSecret) -> float:
     """Kill the service once etcd holds everything; seconds from respawn to the same index."""
     want = client.stats().num_blocks
     _drain(client)
@@ -272,12 +285,12 @@ def _recover(client: MetadataClient, expected: list, chains: list, procs: dict, 
     procs["service"].kill()
     procs["service"].wait()
     started = time.perf_counter()
-    procs["service"] = start_service(port, etcd_port)
+    procs["service"] = start_service(port, etcd_port, secret)
     # The server listens only after it rebuilt the index from etcd; a fresh channel then
     # avoids gRPC's reconnect backoff skewing the measurement.
     while not _port_open(port):
         time.sleep(0.005)
-    with MetadataClient(f"127.0.0.1:{port}", timeout_s=30) as fresh:
+    with MetadataClient(f"127.0.0.1:{port}", cluster_secret=secret, timeout_s=30) as fresh:
         wait_ready(fresh)
         got = fresh.stats().num_blocks
         same = [fresh.query(c) for c in chains] == expected

@@ -84,5 +84,3 @@ def cluster_secret_from_env(command: str):
                          f"${SECRET_ENV} to its hex text")
     return secret
 
-
-METADATA_TOKEN_ENV = "PDCLUSTER_METADATA_TOKEN"

@@ -10,7 +10,6 @@ import os
 
 from cluster.cli_common import (
     DTYPES,
-    METADATA_TOKEN_ENV,
     add_command,
     check_model_dir,
     cluster_secret_from_env,
@@ -148,8 +147,9 @@ def add_metadata(subparsers: argparse._SubParsersAction) -> None:
     commands = metadata.add_subparsers(dest="metadata_command", metavar="COMMAND", required=True)
     serve = add_command(
         commands, "serve",
-        "Serve until SIGINT/SIGTERM. The shared token, if any, is read from "
-        f"${METADATA_TOKEN_ENV}.",
+        "Serve until SIGINT/SIGTERM. Every call must carry a token derived from the cluster "
+        "secret (required), read from $PDCLUSTER_CLUSTER_SECRET or the file "
+        "$PDCLUSTER_CLUSTER_SECRET_FILE names.",
         _cmd_metadata_serve,
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -170,6 +170,7 @@ def add_metadata(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_metadata_serve(args: argparse.Namespace) -> int:
+    secret = cluster_secret_from_env("pdcluster metadata serve")
     from metadata_service.config import MetadataConfig
     from metadata_service.server import serve
 
@@ -179,7 +180,7 @@ def _cmd_metadata_serve(args: argparse.Namespace) -> int:
             etcd_endpoints=tuple(e.strip() for e in args.etcd.split(",") if e.strip()),
             etcd_prefix=args.etcd_prefix, hash_size=args.hash_size,
             default_lease_ttl_s=args.lease_ttl, flush_interval_s=args.flush_interval,
-            token=os.environ.get(METADATA_TOKEN_ENV) or None,
+            cluster_secret=secret,
             tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, replica_id=args.replica_id,
         )
 

@@ -68,7 +68,8 @@ class RayCluster:
         from metadata_service.config import MetadataConfig
         from metadata_service.server import ServerThread
 
-        self.metadata_server = ServerThread(MetadataConfig(host="127.0.0.1", port=0)).start()
+        config = MetadataConfig(host="127.0.0.1", port=0, cluster_secret=self.cluster_secret)
+        self.metadata_server = ServerThread(config).start()
         self.metadata_address = self.metadata_server.address
 
     def _start_nodes(self, ray) -> None:

@@ -2,6 +2,10 @@
 any thread) and ``AsyncMetadataClient`` (asyncio), with the same methods. gRPC failures become
 ``MetadataUnavailable`` / ``MetadataAuthError`` / ``MetadataRequestError``.
 
+Credentials: ``token=`` (a bearer token, ``ClusterSecret.metadata_token(principal)``), or
+``cluster_secret=`` and ``principal=`` (default ``SERVICE``: read, never act as a node; a node
+passes ``node_principal(its id)``). The service refuses a call without one.
+
 Nodes use ``NodePublisher`` (in ``metadata_service.publisher``) on top of a client: it numbers
 batches and answers resync requests with snapshots.
 
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from core.credentials import SERVICE, ClusterSecret
 from core.events import KVEvent
 from core.types import BlockHash, NodeId
 from metadata_service.codec import pack_hashes
@@ -71,7 +76,10 @@ def make_node_info(
 def translate_error(exc: grpc.RpcError) -> MetadataError:
     code, details = exc.code(), exc.details()
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        return MetadataAuthError(f"metadata service refused the credentials: {details}")
+        return MetadataAuthError(f"metadata service refused the credentials (UNAUTHENTICATED): "
+                                 f"{details}")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return MetadataAuthError(f"metadata service denied the call (PERMISSION_DENIED): {details}")
     if code in _UNAVAILABLE:
         return MetadataUnavailable(f"metadata service unavailable ({code.name}): {details}")
     return MetadataRequestError(f"metadata service rejected the request ({code.name}): {details}")
@@ -109,12 +117,18 @@ class _Base:
         address: str,
         *,
         token: str | None = None,
+        cluster_secret: ClusterSecret | None = None,
+        principal: str = SERVICE,
         tls_ca_file: str | None = None,
         tls_server_name: str | None = None,
         timeout_s: float = 5.0,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        if cluster_secret is not None:
+            if token is not None:
+                raise ValueError("give token or cluster_secret, not both")
+            token = cluster_secret.metadata_token(principal)
         self._metadata = ((AUTH_HEADER, f"Bearer {token}"),) if token else None
         self._credentials = _credentials(tls_ca_file)
         self._options = _channel_options(tls_server_name)

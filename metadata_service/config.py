@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.credentials import ClusterSecret
+
 BACKENDS = ("memory", "etcd")
 HASH_SIZES = (16, 32)
 
@@ -36,7 +38,11 @@ class MetadataConfig:
     etcd_timeout_s: float = 2.0
     health_interval_s: float = 0.5
     sweep_interval_s: float = 0.2  # memory backend: how often expired leases are swept
-    token: str | None = None  # required on every call when set
+    # Every call must present a token derived from this secret (core.credentials); a node's
+    # token lets it act only as itself. Required unless allow_unauthenticated.
+    cluster_secret: ClusterSecret | None = None
+    # Unit tests of this room only: no credentials checked. No product entry point sets it.
+    allow_unauthenticated: bool = False
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     replica_id: str = ""  # empty: a random one per process
@@ -68,8 +74,12 @@ class MetadataConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("TLS needs both tls_cert_file and tls_key_file, or neither")
-        if self.token is not None and not self.token:
-            raise ValueError("token must be non-empty when set")
+        if self.allow_unauthenticated:
+            if self.cluster_secret is not None:
+                raise ValueError("give cluster_secret or allow_unauthenticated, not both")
+        elif not isinstance(self.cluster_secret, ClusterSecret):
+            raise ValueError("the metadata service needs cluster_secret (a core.credentials."
+                             "ClusterSecret): it never answers a caller without credentials")
 
     @property
     def address(self) -> str:

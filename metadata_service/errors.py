@@ -3,7 +3,8 @@
 Server side, ``InvalidBatch`` carries a short ``reason`` (counted in stats) and a precise
 message (sent to the caller as INVALID_ARGUMENT). Client side, gRPC status codes become
 ``MetadataUnavailable`` (cannot reach the service), ``MetadataAuthError`` (token or TLS
-refused) and ``MetadataRequestError`` (the service rejected the request).
+refused, or the token's principal may not do this) and ``MetadataRequestError`` (the
+service rejected the request).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ class MetadataUnavailable(MetadataError):
 
 
 class MetadataAuthError(MetadataError):
-    """The service refused the call's credentials (missing or wrong token)."""
+    """The service refused the call's credentials (missing or wrong token: UNAUTHENTICATED)
+    or its principal may not do this (another node's id: PERMISSION_DENIED)."""
 
 
 class MetadataRequestError(MetadataError):

@@ -1,9 +1,16 @@
-"""The gRPC face of the metadata service: servicer, token check, TLS, and ways to run it.
+"""The gRPC face of the metadata service: servicer, authentication, TLS, and ways to run it.
 
 Every RPC runs on the server's asyncio loop, which also owns the ``MetadataService`` (and so
 the index): handlers call its synchronous methods directly. ``InvalidBatch`` becomes
-INVALID_ARGUMENT with the precise message. With a token configured, a call without
-``authorization: Bearer <token>`` metadata is refused with UNAUTHENTICATED before any work.
+INVALID_ARGUMENT with the precise message.
+
+Authentication (always on unless the config says ``allow_unauthenticated``, for unit tests):
+every call must carry ``authorization: Bearer <token>`` with a token derived from the cluster
+secret for a principal (``core.credentials``); one without a valid token is refused with
+UNAUTHENTICATED before any work, streams included. Authorization: any principal may read
+(ListNodes, WatchNodes, WatchBlocks, Query, Stats, Ping); Register, Heartbeat, Publish,
+Snapshot and Deregister for node X are allowed only to principal ``node/X`` (PERMISSION_DENIED
+otherwise), checked in the servicer, which alone sees the request's node id.
 
 API: ``make_store``, ``MetadataServer`` (run in the current loop), ``ServerThread`` (run in a
 background thread: embedding, tests, benchmarks), ``serve`` (the CLI's foreground server).
@@ -12,7 +19,6 @@ background thread: embedding, tests, benchmarks), ``serve`` (the CLI's foregroun
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 import threading
@@ -23,6 +29,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from core.credentials import ClusterSecret, node_principal, verify_metadata_token
 from metadata_service.config import MetadataConfig
 from metadata_service.errors import InvalidBatch
 from metadata_service.service import MetadataService
@@ -49,18 +56,38 @@ def make_store(config: MetadataConfig) -> IndexStore:
 
 
 class _Servicer(pb_grpc.MetadataServiceServicer):
-    def __init__(self, service: MetadataService) -> None:
+    def __init__(self, service: MetadataService, secret: ClusterSecret | None) -> None:
         self.service = service
+        self._secret = secret  # None: unauthenticated (unit tests of this room only)
+
+    async def _acting_as(self, context: grpc.aio.ServicerContext, node_id: str) -> None:
+        """Abort unless the caller's principal is ``node/<node_id>``. The interceptor has
+        already refused calls without a valid token; this re-reads the token (one HMAC)
+        because only the servicer sees which node a request acts for."""
+        if self._secret is None:
+            return
+        principal = _principal(self._secret, context.invocation_metadata())
+        if principal is None:  # only if a call got past the interceptor somehow
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token")
+        if principal != node_principal(node_id):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"principal {principal!r} may not act as node {node_id!r}: only its own "
+                f"credential ({node_principal(node_id)!r}) may register, heartbeat, publish, "
+                "snapshot or deregister it")
 
     async def Register(self, request, context):  # noqa: N802 (gRPC method names)
+        await self._acting_as(context, request.node.node_id)
         ttl, seq = await _checked(context, self.service.register, request.node,
                                   request.lease_ttl_s)
         return pb.RegisterReply(lease_ttl_s=ttl, last_seq=seq)
 
     async def Heartbeat(self, request, context):  # noqa: N802
+        await self._acting_as(context, request.node_id)
         return pb.HeartbeatReply(known=self.service.heartbeat(request.node_id, request.epoch))
 
     async def Deregister(self, request, context):  # noqa: N802
+        await self._acting_as(context, request.node_id)
         self.service.deregister(request.node_id)
         return pb.Empty()
 
@@ -90,11 +117,13 @@ class _Servicer(pb_grpc.MetadataServiceServicer):
             index.unsubscribe(subscriber)
 
     async def Publish(self, request, context):  # noqa: N802
+        await self._acting_as(context, request.node_id)
         status, seq = await _checked(context, self.service.publish, request.node_id,
                                      request.epoch, request.seq, request.events)
         return pb.PublishReply(status=status, last_seq=seq)
 
     async def Snapshot(self, request, context):  # noqa: N802
+        await self._acting_as(context, request.node_id)
         seq = await _checked(context, self.service.snapshot, request.node_id, request.epoch,
                              request.seq, request.block_hashes)
         return pb.SnapshotReply(last_seq=seq)
@@ -122,23 +151,34 @@ async def _checked(context: grpc.aio.ServicerContext, fn: Callable[..., T], *arg
         raise AssertionError("abort returned") from exc
 
 
-class _TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call whose metadata lacks the shared token (constant-time compare)."""
+def _principal(secret: ClusterSecret, metadata: Any) -> str | None:
+    """The principal a call's ``authorization: Bearer <token>`` proves, or None."""
+    for key, value in metadata or ():
+        if key == AUTH_HEADER:
+            scheme, _, token = str(value).partition(" ")
+            return verify_metadata_token(secret, token) if scheme == "Bearer" else None
+    return None
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call, streams included, that lacks a token derived from the cluster
+    secret (constant-time compare, in ``verify_metadata_token``)."""
+
+    def __init__(self, secret: ClusterSecret) -> None:
+        self._secret = secret
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        given = str(metadata.get(AUTH_HEADER, "")).encode()
-        if handler is None or hmac.compare_digest(given, self._expected):
+        if handler is None or _principal(self._secret,
+                                         handler_call_details.invocation_metadata):
             return handler
         return _denying_handler(handler)
 
 
 async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                        "missing or invalid token: send 'authorization: Bearer <token>' with "
+                        "a token derived from the cluster secret")
 
 
 def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -160,9 +200,10 @@ class MetadataServer:
 
     async def start(self) -> int:
         await self.service.start()
-        interceptors = [_TokenInterceptor(self.config.token)] if self.config.token else []
+        secret = self.config.cluster_secret
+        interceptors = [_AuthInterceptor(secret)] if secret is not None else []
         server = grpc.aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
-        pb_grpc.add_MetadataServiceServicer_to_server(_Servicer(self.service), server)
+        pb_grpc.add_MetadataServiceServicer_to_server(_Servicer(self.service, secret), server)
         address = self.config.address
         if self.config.tls_cert_file:
             key = Path(self.config.tls_key_file).read_bytes()
@@ -172,6 +213,9 @@ class MetadataServer:
             self.port = server.add_insecure_port(address)
         await server.start()
         self._server = server
+        if secret is None:
+            logger.warning("metadata service WITHOUT authentication (allow_unauthenticated: "
+                           "for tests only)")
         logger.info("metadata service (%s backend) listening on %s:%d",
                     self.service.store.name, self.config.host, self.port)
         return self.port

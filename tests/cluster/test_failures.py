@@ -129,12 +129,12 @@ def stream_request(router: Router, prompt: list[int]):
 
 
 def epochs(cluster) -> dict[str, int]:
-    with MetadataClient(cluster.metadata_address) as client:
+    with MetadataClient(cluster.metadata_address, cluster_secret=cluster.cluster_secret) as client:
         return {n.node_id: n.epoch for n in client.list_nodes()}
 
 
 def held_by(cluster, prompt: list[int]) -> dict[str, int]:
-    with MetadataClient(cluster.metadata_address) as client:
+    with MetadataClient(cluster.metadata_address, cluster_secret=cluster.cluster_secret) as client:
         return dict(client.query(hash_block_tokens(prompt, BLOCK)))
 
 

@@ -76,7 +76,7 @@ def clients(nodes):
 
 
 def test_nodes_registered_with_the_metadata_service(cluster, nodes):
-    with MetadataClient(cluster.metadata_address) as client:
+    with MetadataClient(cluster.metadata_address, cluster_secret=cluster.cluster_secret) as client:
         registered = {n.node_id for n in client.list_nodes()}
     assert registered == {"p0", "p1", "d0", "d1"}
 
@@ -130,7 +130,7 @@ def test_a_killed_decode_actor_restarts_and_its_old_blocks_leave_the_index(
     rid = submit(clients, nodes["prefill"][1], nodes["decode"][1], prompt)
     clients["d1"].collect({rid})
     chain = hash_block_tokens(prompt, 8)
-    with MetadataClient(cluster.metadata_address) as client:
+    with MetadataClient(cluster.metadata_address, cluster_secret=cluster.cluster_secret) as client:
         deadline = time.monotonic() + 10
         while dict(client.query(chain)).get("d1") != 5:
             assert time.monotonic() < deadline

@@ -31,8 +31,11 @@ def make_chain(name: str, length: int) -> list[BlockHash]:
 
 
 def make_config(**overrides: object) -> MetadataConfig:
+    """Unauthenticated unless ``cluster_secret`` is given: most tests of this room exercise the
+    index, not the credentials (test_security.py and tests/security/ do those)."""
     base = dict(port=0, min_lease_ttl_s=1, flush_interval_s=0.05, health_interval_s=0.2,
-                sweep_interval_s=0.05, etcd_timeout_s=1.0)
+                sweep_interval_s=0.05, etcd_timeout_s=1.0,
+                allow_unauthenticated="cluster_secret" not in overrides)
     base.update(overrides)
     return MetadataConfig(**base)
 

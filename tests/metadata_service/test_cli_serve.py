@@ -10,23 +10,32 @@ from pathlib import Path
 
 import pytest
 
+from core.credentials import SECRET_ENV, SECRET_FILE_ENV, write_secret_file
 from metadata_service.client import MetadataClient, make_node_info
 from metadata_service.errors import MetadataAuthError
+from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import free_port, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_serve_with_token_from_env() -> None:
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    return {**env, **extra}
+
+
+def test_serve_with_the_cluster_secret_from_a_file(tmp_path) -> None:
     port = free_port()
-    env = {**os.environ, "PDCLUSTER_METADATA_TOKEN": "tok"}
+    secret_file = write_secret_file(TEST_SECRET, tmp_path / "secret")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "metadata", "serve", "--port", str(port)],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        cwd=REPO_ROOT, env=_env(**{SECRET_FILE_ENV: str(secret_file)}),
+        stdout=subprocess.PIPE, text=True)
     try:
         assert "listening on 127.0.0.1:" in proc.stdout.readline()
-        with MetadataClient(f"127.0.0.1:{port}", token="tok") as client:
+        with MetadataClient(f"127.0.0.1:{port}", token=node_token("p0")) as client:
             wait_until(lambda: client.register(make_node_info("p0", "prefill"), 5), timeout_s=10)
+        with MetadataClient(f"127.0.0.1:{port}", token=SERVICE_TOKEN) as client:
             assert [n.node_id for n in client.list_nodes()] == ["p0"]
         with MetadataClient(f"127.0.0.1:{port}") as client, pytest.raises(MetadataAuthError):
             client.ping()
@@ -35,10 +44,20 @@ def test_serve_with_token_from_env() -> None:
         assert proc.wait(timeout=10) == 0
 
 
+def test_serve_refuses_to_start_without_the_cluster_secret() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "metadata", "serve", "--port", "0"],
+        cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "needs the cluster secret" in proc.stderr
+    assert SECRET_FILE_ENV in proc.stderr and SECRET_ENV in proc.stderr
+
+
 def test_serve_rejects_bad_config() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "metadata", "serve", "--hash-size", "20"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        cwd=REPO_ROOT, env=_env(**{SECRET_ENV: TEST_SECRET.to_text()}), capture_output=True,
+        text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "pdcluster metadata serve: error: hash_size must be one of (16, 32), got 20")

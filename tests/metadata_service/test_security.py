@@ -1,4 +1,7 @@
-"""Shared token on every call, and TLS: missing or wrong credentials are refused."""
+"""Credentials on every call, node identity, and TLS: missing or wrong credentials are refused
+(UNAUTHENTICATED), a node's credential acts only for that node (PERMISSION_DENIED), the
+service credential reads but never acts as a node. tests/security/ attacks the real processes.
+"""
 
 from __future__ import annotations
 
@@ -12,40 +15,80 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from core.credentials import SERVICE, ClusterSecret, node_principal
 from metadata_service.client import MetadataClient, make_node_info
 from metadata_service.errors import MetadataAuthError, MetadataUnavailable
 from metadata_service.server import ServerThread
+from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import make_chain, make_config
 
-TOKEN = "s3cret-token"
+OTHER_SECRET = ClusterSecret(bytes(range(1, 33)))
 
 
 @pytest.fixture(scope="module")
-def token_server():
-    with ServerThread(make_config(token=TOKEN)) as server:
+def secure_server():
+    with ServerThread(make_config(cluster_secret=TEST_SECRET)) as server:
         yield server
 
 
-@pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x"])
+@pytest.mark.parametrize("token", [None, "wrong", SERVICE_TOKEN + "x", "Bearer",
+                                   OTHER_SECRET.metadata_token(SERVICE),
+                                   OTHER_SECRET.metadata_token(node_principal("p0"))])
 @pytest.mark.parametrize("call", ["ping", "stats", "query", "register", "list_nodes"])
-def test_missing_or_wrong_token_is_refused(token_server, token, call) -> None:
+def test_missing_or_wrong_token_is_refused(secure_server, token, call) -> None:
     args = {"query": (make_chain("t", 2),), "register": (make_node_info("p0", "prefill"),)}
-    with MetadataClient(token_server.address, token=token) as c, \
-            pytest.raises(MetadataAuthError, match="UNAUTHENTICATED|missing or wrong token"):
+    with MetadataClient(secure_server.address, token=token) as c, \
+            pytest.raises(MetadataAuthError, match="UNAUTHENTICATED|missing or invalid token"):
         getattr(c, call)(*args.get(call, ()))
-    assert token_server.call(lambda s: s.list_nodes()) == [], "a refused call did no work"
+    assert secure_server.call(lambda s: s.list_nodes()) == [], "a refused call did no work"
 
 
-def test_streaming_call_is_refused_without_token(token_server) -> None:
-    with MetadataClient(token_server.address) as c, pytest.raises(MetadataAuthError):
+def test_streaming_call_is_refused_without_token(secure_server) -> None:
+    with MetadataClient(secure_server.address) as c, pytest.raises(MetadataAuthError):
         next(iter(c.watch_nodes()))
 
 
-def test_right_token_is_accepted(token_server) -> None:
-    with MetadataClient(token_server.address, token=TOKEN) as c:
-        c.register(make_node_info("ok", "decode"), 5)
-        assert [n.node_id for n in c.list_nodes()] == ["ok"]
-        c.deregister("ok")
+def test_a_node_acts_as_itself_only(secure_server) -> None:
+    with MetadataClient(secure_server.address, token=node_token("p0")) as p0, \
+            MetadataClient(secure_server.address, cluster_secret=TEST_SECRET,
+                           principal=node_principal("d0")) as d0:
+        info = make_node_info("d0", "decode", request_address="tcp://10.0.0.1:1")
+        d0.register(info, 5)
+        for call, args in [("register", (make_node_info("d0", "decode"), 5)),
+                           ("heartbeat", ("d0", info.epoch)),
+                           ("publish", ("d0", info.epoch, 1, [])),
+                           ("snapshot", ("d0", info.epoch, 1, [])),
+                           ("deregister", ("d0",))]:
+            with pytest.raises(MetadataAuthError, match="PERMISSION_DENIED.*'node/p0' may not "
+                               "act as node 'd0'"):
+                getattr(p0, call)(*args)
+        assert [n.request_address for n in p0.list_nodes()] == ["tcp://10.0.0.1:1"]
+        p0.register(make_node_info("p0", "prefill"), 5)
+        d0.deregister("d0")
+        p0.deregister("p0")
+        assert p0.list_nodes() == []
+
+
+def test_the_service_credential_reads_but_never_acts_as_a_node(secure_server) -> None:
+    with MetadataClient(secure_server.address, cluster_secret=TEST_SECRET) as service:
+        assert service.list_nodes() == [] and service.query(make_chain("t", 2)) == []
+        service.ping()
+        with pytest.raises(MetadataAuthError, match="PERMISSION_DENIED.*'service' may not"):
+            service.register(make_node_info("d0", "decode"), 5)
+        with pytest.raises(MetadataAuthError, match="PERMISSION_DENIED"):
+            service.deregister("d0")
+
+
+def test_client_takes_a_token_or_a_secret_not_both() -> None:
+    with pytest.raises(ValueError, match="not both"):
+        MetadataClient("127.0.0.1:1", token=SERVICE_TOKEN, cluster_secret=TEST_SECRET)
+
+
+def test_config_needs_a_secret_unless_explicitly_unauthenticated() -> None:
+    with pytest.raises(ValueError, match="needs cluster_secret"):
+        make_config(allow_unauthenticated=False)
+    with pytest.raises(ValueError, match="not both"):
+        make_config(cluster_secret=TEST_SECRET, allow_unauthenticated=True)
 
 
 def _write_self_signed(folder: Path) -> tuple[str, str]:
@@ -73,18 +116,22 @@ def test_tls_with_token(tmp_path: Path) -> None:
     cert, key = _write_self_signed(tmp_path)
     (tmp_path / "other").mkdir()
     other_cert, _ = _write_self_signed(tmp_path / "other")
-    config = make_config(token=TOKEN, tls_cert_file=cert, tls_key_file=key)
+    config = make_config(cluster_secret=TEST_SECRET, tls_cert_file=cert, tls_key_file=key)
     with ServerThread(config) as server:
-        with MetadataClient(server.address, token=TOKEN, tls_ca_file=cert) as c:
+        with MetadataClient(server.address, token=node_token("p0"), tls_ca_file=cert) as c:
             c.ping()
+            c.register(make_node_info("p0", "prefill"), 5)
+            with pytest.raises(MetadataAuthError, match="PERMISSION_DENIED"):
+                c.deregister("d0")
+            c.deregister("p0")
         with MetadataClient(server.address, token="bad", tls_ca_file=cert) as c, \
                 pytest.raises(MetadataAuthError):
             c.ping()
         # Plaintext to a TLS port, and TLS with a CA that did not sign the server's cert.
-        with MetadataClient(server.address, token=TOKEN, timeout_s=1) as c, \
+        with MetadataClient(server.address, token=SERVICE_TOKEN, timeout_s=1) as c, \
                 pytest.raises(MetadataUnavailable):
             c.ping()
-        with MetadataClient(server.address, token=TOKEN, tls_ca_file=other_cert,
+        with MetadataClient(server.address, token=SERVICE_TOKEN, tls_ca_file=other_cert,
                             timeout_s=1) as c, pytest.raises(MetadataUnavailable):
             c.ping()
 

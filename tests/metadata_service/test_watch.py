@@ -17,6 +17,7 @@ from metadata_service.server import ServerThread
 from metadata_service.watch import CHUNK_HASHES, SubscriberTooSlow, WatchedIndex
 from proto import metadata_pb2 as pb
 from proto import metadata_pb2_grpc as pb_grpc
+from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET
 from tests.metadata_service.helpers import make_chain, make_config, make_publisher
 
 U = pb.BlockUpdate
@@ -204,7 +205,7 @@ def _stub(server: ServerThread) -> tuple[grpc.Channel, pb_grpc.MetadataServiceSt
 
 
 def test_watch_blocks_needs_the_token() -> None:
-    with ServerThread(make_config(token="tok")) as server:
+    with ServerThread(make_config(cluster_secret=TEST_SECRET)) as server:
         channel, stub = _stub(server)
         with channel, pytest.raises(grpc.RpcError) as info:
             next(iter(stub.WatchBlocks(pb.WatchBlocksRequest())))
@@ -212,7 +213,7 @@ def test_watch_blocks_needs_the_token() -> None:
         channel, stub = _stub(server)
         with channel:
             stream = stub.WatchBlocks(pb.WatchBlocksRequest(),
-                                      metadata=(("authorization", "Bearer tok"),))
+                                      metadata=(("authorization", f"Bearer {SERVICE_TOKEN}"),))
             assert next(iter(stream)).kind == U.SNAPSHOT_COMPLETE
             stream.cancel()
 

@@ -25,7 +25,9 @@ OPTIONS = {"num_kv_blocks": 128, "block_size": 8}
 
 @pytest.fixture
 def metadata():
-    with ServerThread(make_config()) as server, MetadataClient(server.address) as client:
+    """A metadata service that checks credentials: the nodes present their own."""
+    with ServerThread(make_config(cluster_secret=TEST_SECRET)) as server, \
+            MetadataClient(server.address, cluster_secret=TEST_SECRET) as client:
         yield server, client
 
 

@@ -16,6 +16,7 @@ from metadata_service.publisher import NodePublisher
 from metadata_service.server import ServerThread
 from metadata_service.watch import BlockSubscriber
 from router.metadata import MetadataLink
+from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import (
     free_port,
     make_chain,
@@ -130,6 +131,39 @@ def test_without_the_mirror_every_lookup_is_a_query() -> None:
 
     with ServerThread(make_config()) as server, MetadataClient(server.address) as client:
         asyncio.run(scenario(server, client))
+
+
+def test_with_credentials_the_service_token_mirrors_and_lists_and_no_token_gets_nothing():
+    """The router presents the SERVICE credential: enough to follow the index and discover
+    nodes. A link without a token learns nothing (and routes on load alone)."""
+    async def scenario(server: ServerThread, p0_client: MetadataClient) -> None:
+        p0, n0 = make_publisher(p0_client, "p0", ttl=30)
+        p0.publish([n0.store(CHAINS[0][:6])])
+        link = MetadataLink(server.address, token=SERVICE_TOKEN)
+        await until(lambda: _in_sync(link), what="the mirror to sync with the token")
+        assert await link.prefix_hits(CHAINS[0]) == {"p0": 6}
+        assert await link.list_nodes() == []  # answered (None: refused); p0 has no address
+        stranger = MetadataLink(server.address, mirror=False, retry_s=60)
+        assert await stranger.prefix_hits(CHAINS[0]) is None
+        assert await stranger.list_nodes() is None
+        assert "UNAUTHENTICATED" in stranger.last_error
+        watcher = MetadataLink(server.address, backoff_s=0.05)
+        await until(lambda: _watch_refused(watcher), what="the watch to be refused")
+        assert not watcher.mirror_in_sync
+        for each in (link, stranger, watcher):
+            await each.close()
+
+    with ServerThread(make_config(cluster_secret=TEST_SECRET)) as server, \
+            MetadataClient(server.address, token=node_token("p0")) as client:
+        asyncio.run(scenario(server, client))
+
+
+async def _in_sync(link: MetadataLink) -> bool:
+    return link.mirror_in_sync
+
+
+async def _watch_refused(link: MetadataLink) -> bool:
+    return "UNAUTHENTICATED" in link.watch_error
 
 
 def test_load_only_while_the_service_is_down() -> None:
