@@ -6,6 +6,7 @@ import pytest
 
 from cluster.config import ClusterConfig
 from cluster.launch import router_config
+from tests.cluster_secret import TEST_SECRET
 
 
 def test_yaml_sections_map_to_fields(tmp_path):
@@ -24,7 +25,7 @@ def test_yaml_sections_map_to_fields(tmp_path):
     assert config.metadata_address == "meta:50061" and not config.router_enabled
     assert (config.node_gpus, config.max_restarts, config.role_resource_prefix) == \
         (1, 5, "pdcluster_")
-    policy = router_config(config, "meta:50061").policy
+    policy = router_config(config, "meta:50061", TEST_SECRET).policy
     assert (policy.block_size, policy.local_prefill_threshold, policy.global_reuse_min_tokens) \
         == (32, 64, 0)
 

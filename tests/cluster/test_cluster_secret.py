@@ -1,0 +1,125 @@
+"""The cluster secret's plumbing at the edges (no Ray): where each entry point reads it, that
+the ones that join a running cluster refuse to start without it, and that `pdcluster serve`
+keeps a generated one in a 0600 file whose path, never the secret, it prints."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster import launch
+from cluster.cli_services import _serve_secret
+from cluster.config import ClusterConfig
+from cluster.ray_cluster import RayCluster
+from core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, write_secret_file
+from node.actor import NodeActor
+from router.config import RouterConfig
+from tests.cluster_secret import TEST_SECRET
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def no_secret_env(monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+
+
+def _env_without_secret(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    return {**env, **extra}
+
+
+def test_router_serve_refuses_to_start_without_the_secret(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "router", "serve", "--model", str(tmp_path),
+         "--metadata", "127.0.0.1:1"],
+        cwd=ROOT, env=_env_without_secret(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "pdcluster router serve needs the cluster secret" in proc.stderr
+    assert SECRET_FILE_ENV in proc.stderr and SECRET_ENV in proc.stderr
+
+
+def test_a_malformed_secret_is_a_usage_error(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "metadata", "serve", "--port", "0"],
+        cwd=ROOT, env=_env_without_secret(**{SECRET_ENV: "not hex"}), capture_output=True,
+        text=True, timeout=60)
+    assert proc.returncode == 2 and "must be hex" in proc.stderr
+
+
+def test_launcher_needs_the_secret_unless_everything_is_embedded(tmp_path, no_secret_env,
+                                                                 capsys) -> None:
+    external = tmp_path / "external.yaml"
+    external.write_text("model: /m\nmetadata: {address: 'meta:50061'}\n")
+    router_elsewhere = tmp_path / "router.yaml"
+    router_elsewhere.write_text("model: /m\nrouter: {enabled: false}\n")
+    for path in (external, router_elsewhere):
+        assert launch.main(["--config", str(path)]) == 2
+        assert f"set ${SECRET_FILE_ENV}" in capsys.readouterr().err
+
+
+def test_launcher_reads_the_secret_file(tmp_path, monkeypatch) -> None:
+    path = write_secret_file(TEST_SECRET, tmp_path / "secret")
+    config = tmp_path / "cluster.yaml"
+    config.write_text("model: /m\nmetadata: {address: 'meta:50061'}\n")
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(path))
+    seen = {}
+    monkeypatch.setattr(launch, "serve", lambda config, **kw: seen.update(kw) or 0)
+    assert launch.main(["--config", str(config)]) == 0
+    assert seen["cluster_secret"] == TEST_SECRET
+
+
+def test_serve_writes_a_generated_secret_to_a_private_file(tmp_path, no_secret_env,
+                                                           monkeypatch, capsys) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    secret = _serve_secret()
+    out = capsys.readouterr().out
+    (path,) = (tmp_path / "pdcluster").iterdir()
+    assert str(path) in out and secret.to_text() not in out
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert ClusterSecret.from_file(path) == secret
+
+
+def test_serve_uses_the_secret_from_the_environment(no_secret_env, monkeypatch, capsys) -> None:
+    monkeypatch.setenv(SECRET_ENV, TEST_SECRET.to_text())
+    assert _serve_secret() == TEST_SECRET
+    assert capsys.readouterr().out == ""
+
+
+def test_configs_refuse_to_run_without_a_secret() -> None:
+    with pytest.raises(ValueError, match="cluster_secret"):
+        RouterConfig(model_dir="m")
+    with pytest.raises(ValueError, match="external metadata service needs its cluster secret"):
+        RayCluster(ClusterConfig(model="m", metadata_address="meta:50061"))
+    assert RayCluster(ClusterConfig(model="m")).cluster_secret is not None  # all embedded
+
+
+def test_a_node_actor_takes_the_secret_as_hex_text_or_from_the_environment(
+        no_secret_env, monkeypatch) -> None:
+    seen = []
+    monkeypatch.setattr("node.actor.NodeRuntime", lambda config: seen.append(config) or _Started())
+
+    class Prefill(NodeActor):
+        role = "prefill"
+
+    Prefill("p0", "m", cluster_secret=TEST_SECRET.to_text())
+    monkeypatch.setenv(SECRET_ENV, TEST_SECRET.to_text())
+    Prefill("p1", "m")
+    assert [c.cluster_secret for c in seen] == [TEST_SECRET, TEST_SECRET]
+    monkeypatch.delenv(SECRET_ENV)
+    with pytest.raises(ValueError, match="cluster_secret"):
+        Prefill("p2", "m")
+
+
+class _Started:
+    def start(self):
+        return self
