@@ -1,7 +1,9 @@
 """`ray job submit` launches the cluster on a running Ray cluster: a real `ray start --head` on
 127.0.0.1 (token auth on, as the chart runs it), the launcher Job's script (files/
 launch_nodes.py) submitting the chart's entrypoint with a cluster.yaml of the chart's shape,
-pointed at a tiny model on CPU. The launched router must answer a completion; then the job is
+pointed at a tiny model on CPU, with the cluster secret as a 0400 file named by
+$PDCLUSTER_CLUSTER_SECRET_FILE in the Ray processes' environment, as the chart mounts it. The
+launched router must answer a completion; then the job is
 stopped and the Ray head's processes are ended by their process group (never `ray stop`, which
 would end every Ray on the machine)."""
 
@@ -41,13 +43,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ray_env(token: str) -> dict[str, str]:
+def ray_env(token: str, secret_file: Path) -> dict[str, str]:
     return {**os.environ,
             "PATH": f"{RAY.parent}{os.pathsep}{os.environ['PATH']}",
             # Keeps every Ray listener on 127.0.0.1 (../shared/ENVIRONMENT.md).
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "PDCLUSTER_CLUSTER_SECRET_FILE": str(secret_file)}
 
 
 def wait_for_dashboard(address: str, env: dict[str, str], head: subprocess.Popen) -> None:
@@ -66,8 +69,11 @@ def wait_for_dashboard(address: str, env: dict[str, str], head: subprocess.Popen
 @pytest.fixture
 def ray_head():
     token = secrets.token_hex(16)
-    env = ray_env(token)
     temp_dir = tempfile.mkdtemp(prefix="pdk8s-ray-")  # short: Ray's socket paths have a limit
+    secret_file = Path(temp_dir) / "cluster-secret"
+    secret_file.write_text(secrets.token_hex(32))  # what the chart's Secret holds
+    secret_file.chmod(0o400)
+    env = ray_env(token, secret_file)
     dashboard = free_port()
     workers = free_port()
     command = [str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
