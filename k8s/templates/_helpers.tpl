@@ -99,7 +99,11 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- div $gpus $perNode -}}
 {{- end -}}
 
-{{/* The body of cluster.yaml, the launcher's config (python -m cluster.launch --config). */}}
+{{/*
+The body of cluster.yaml, the launcher's config (python -m cluster.launch --config). Nodes bind
+and publish $POD_IP (host: auto). The launcher starts no router (router.enabled false: it is
+its own Deployment), so router.host here is never bound.
+*/}}
 {{- define "pdcluster.clusterConfig" -}}
 {{- $c := .Values.cluster -}}
 {{- $config := dict
@@ -118,7 +122,7 @@ app.kubernetes.io/component: {{ index . 1 }}
     "timeout_s" $c.transfer.timeoutS)
   "metadata" (dict "address" (include "pdcluster.metadataAddress" .))
   "host" "auto"
-  "router" (dict "host" "0.0.0.0" "port" (int .Values.router.port) "enabled" false)
+  "router" (dict "host" "127.0.0.1" "port" (int .Values.router.port) "enabled" false)
   "node" (dict
     "gpus" (int $c.node.gpus)
     "max_restarts" (int $c.node.maxRestarts)
@@ -176,29 +180,62 @@ i=0; until grep -qx "{{ include "pdcluster.launchStamp" . }}" {{ $file }}; do i=
 sh -c '{{ $script }}'
 {{- end -}}
 
-{{/* Environment shared by every pdcluster container (never downloads; the internal token). */}}
+{{/*
+Environment shared by every pdcluster container: never download; where the cluster secret is
+(pdcluster.clusterSecretVolume and pdcluster.clusterSecretMount put it there); the pod's own IP,
+which the router and metadata service bind (no wildcard address) and node actors bind and
+publish to their peers (cluster.yaml's `host: auto`).
+*/}}
 {{- define "pdcluster.commonEnv" -}}
 - name: HF_HUB_OFFLINE
   value: "1"
 - name: TRANSFORMERS_OFFLINE
   value: "1"
-- name: PDCLUSTER_METADATA_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "pdcluster.secretName" . }}
-      key: metadata-token
-{{- end -}}
-
-{{/*
-Environment of the Ray containers: the common one, plus the pod's own IP. Node actors must
-publish an address other pods can dial (their request and KV endpoints), not 127.0.0.1.
-*/}}
-{{- define "pdcluster.rayEnv" -}}
-{{ include "pdcluster.commonEnv" . }}
+- name: PDCLUSTER_CLUSTER_SECRET_FILE
+  value: {{ include "pdcluster.clusterSecretPath" . }}
 - name: POD_IP
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+{{- end -}}
+
+{{- define "pdcluster.clusterSecretDir" -}}
+/var/run/secrets/pdcluster
+{{- end -}}
+
+{{- define "pdcluster.clusterSecretPath" -}}
+{{- printf "%s/cluster-secret" (include "pdcluster.clusterSecretDir" .) -}}
+{{- end -}}
+
+{{/*
+The cluster secret as a file: only the key cluster-secret of the release's Secret, read-only,
+mode 0400. In the non-root service pods the kubelet also lets the pod's fsGroup read it
+(pdcluster.serviceFsGroup); no other user can.
+*/}}
+{{- define "pdcluster.clusterSecretVolume" -}}
+- name: cluster-secret
+  secret:
+    secretName: {{ include "pdcluster.secretName" . }}
+    defaultMode: 0400
+    items:
+      - key: cluster-secret
+        path: cluster-secret
+{{- end -}}
+
+{{- define "pdcluster.clusterSecretMount" -}}
+- name: cluster-secret
+  mountPath: {{ include "pdcluster.clusterSecretDir" . }}
+  readOnly: true
+{{- end -}}
+
+{{/*
+Pod security context of the CPU services, which run as uid 10001: a Secret's files belong to
+root, so the pod's fsGroup is what lets the service read the cluster secret.
+*/}}
+{{- define "pdcluster.serviceFsGroup" -}}
+securityContext:
+  fsGroup: 10001
+  fsGroupChangePolicy: OnRootMismatch
 {{- end -}}
 
 {{/* The /models volume: the model PVC (read-only), or the emptyDir the init container fills. */}}

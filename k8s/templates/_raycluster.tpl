@@ -63,7 +63,7 @@ spec:
               - name: metrics
                 containerPort: 8080
             env:
-              {{- include "pdcluster.rayEnv" . | nindent 14 }}
+              {{- include "pdcluster.commonEnv" . | nindent 14 }}
             resources:
               {{- toYaml $head.resources | nindent 14 }}
             {{- include "pdcluster.rayProbes" "head" | nindent 12 }}

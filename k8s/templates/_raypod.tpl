@@ -53,6 +53,7 @@ readinessProbe:
 - name: config
   configMap:
     name: {{ include "pdcluster.fullname" $root }}-config
+{{ include "pdcluster.clusterSecretVolume" $root }}
 {{ include "pdcluster.modelVolume" $root }}
 {{- end -}}
 
@@ -64,6 +65,7 @@ readinessProbe:
 - name: config
   mountPath: /etc/pdcluster
   readOnly: true
+{{ include "pdcluster.clusterSecretMount" . }}
 {{ include "pdcluster.modelMount" . }}
 {{- end -}}
 
@@ -141,7 +143,7 @@ Each pod advertises the Ray custom resource <groupResourcePrefix><role>, one uni
             - name: metrics
               containerPort: 8080
           env:
-            {{- include "pdcluster.rayEnv" $root | nindent 12 }}
+            {{- include "pdcluster.commonEnv" $root | nindent 12 }}
             - name: PDCLUSTER_ROLE
               value: {{ $role }}
           resources:

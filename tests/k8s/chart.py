@@ -59,7 +59,8 @@ VALUE_SETS: dict[str, dict] = {
                  "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"}},
     },
     "rdma-off": {"rdma": {"enabled": False}},
-    "rdma-host-network": {"rdma": {"enabled": True, "hostNetwork": True}},
+    "rdma-host-network": {"rdma": {"enabled": True, "hostNetwork": True},
+                          "networkPolicy": {"nodeCIDRs": ["10.0.0.0/16", "fd00:10::/64"]}},
     "launcher-job": {"launcher": {"mode": "job", "job": {"workingDir": "/opt/pdcluster"}}},
     "launcher-rayjob-http": {"launcher": {"rayJob": {"submissionMode": "HTTPMode"}}},
     "hub-model": {
@@ -79,6 +80,22 @@ VALUE_SETS: dict[str, dict] = {
     },
     "existing-secret-no-ray-auth": {"secrets": {"existingSecret": "pd-secrets"},
                                     "ray": {"auth": {"enabled": False}}},
+    "network-policy-off": {"networkPolicy": {"enabled": False},
+                           "router": {"host": "0.0.0.0"}},
+    "network-policy-restricted": {
+        "networkPolicy": {
+            "routerIngressFrom": [{"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": "ingress-nginx"}}}],
+            "metricsFrom": [{"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": "monitoring"}}}],
+            "rayDashboardFrom": [
+                {"namespaceSelector": {"matchLabels": {
+                    "kubernetes.io/metadata.name": "kuberay-system"}},
+                 "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}},
+                {"ipBlock": {"cidr": "192.168.0.0/24"}}],
+        },
+        "secrets": {"clusterSecret": "0123456789abcdef" * 4},
+    },
     "scheduling": {
         "ray": {"prefill": {"nodeSelector": {"gpu.type": "h100"},
                             "affinity": {"podAntiAffinity": {}}},

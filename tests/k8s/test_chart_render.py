@@ -155,15 +155,16 @@ def test_cluster_yaml(name: str) -> None:
                                   "timeout_s": values["cluster"]["transfer"]["timeoutS"]}
     assert config["engine"]["dtype"] == values["cluster"]["engine"]["dtype"]
     assert config["engine"]["max_model_len"] is None
-    # The router runs as its own Deployment, so the launcher starts none.
-    assert config["router"] == {"host": "0.0.0.0", "port": values["router"]["port"],
+    # The router runs as its own Deployment, so the launcher starts none (and binds nothing).
+    assert config["router"] == {"host": "127.0.0.1", "port": values["router"]["port"],
                                 "enabled": False}
     # The metadata address is the metadata Service's in-cluster name and port.
     service = one(docs, "Service", f"{RELEASE}-pdcluster-metadata")
     host, port = config["metadata"]["address"].rsplit(":", 1)
     assert host.startswith(f"{service['metadata']['name']}.serving.svc.")
     assert int(port) == service["spec"]["ports"][0]["port"]
-    assert "token" not in config["metadata"]  # the token stays in the Secret
+    assert "token" not in config["metadata"]  # credentials stay in the Secret
+    assert "secret" not in cluster_config_text(docs)
 
 
 def test_cluster_yaml_max_model_len_and_engine_values() -> None:
@@ -326,5 +327,6 @@ def test_ray_pods_mount_config_model_and_shm(name: str) -> None:
     values = values_of(name)
     for where, c in containers([cluster]):
         mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
-        assert {"/dev/shm", "/etc/pdcluster", "/models", "/tmp/ray"} <= set(mounts), where
+        assert {"/dev/shm", "/etc/pdcluster", "/models", "/tmp/ray",
+                "/var/run/secrets/pdcluster"} <= set(mounts), where
         assert mounts["/models"]["readOnly"] == (values["model"]["source"] == "pvc")

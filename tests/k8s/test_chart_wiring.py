@@ -26,6 +26,7 @@ from tests.k8s.chart import (
     merged,
     needs_helm,
     one,
+    pod_specs,
     pod_templates,
     render,
     write_values,
@@ -145,23 +146,28 @@ def test_names_fit_kubernetes_limits(release: str) -> None:
         assert DNS_1123_LABEL.match(label)
 
 
-def test_secret_holds_given_tokens_and_api_keys() -> None:
+def test_secret_holds_given_secrets_and_api_keys() -> None:
     import base64
 
-    values = {"secrets": {"metadataToken": "m" * 32, "rayAuthToken": "r" * 32},
+    values = {"secrets": {"clusterSecret": "ab" * 32, "rayAuthToken": "r" * 32},
               "router": {"apiKeys": ["sk-aaaaaaaaaaaaaaaa", "sk-bbbbbbbbbbbbbbbb"]}}
     secret = one(render(values), "Secret")
     data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
-    assert data == {"metadata-token": "m" * 32, "auth_token": "r" * 32,
+    assert data == {"cluster-secret": "ab" * 32, "auth_token": "r" * 32,
                     "api-keys": "sk-aaaaaaaaaaaaaaaa,sk-bbbbbbbbbbbbbbbb"}
 
 
-def test_generated_tokens_and_no_api_keys_by_default() -> None:
+def test_generated_secrets_and_no_api_keys_by_default() -> None:
     import base64
 
     secret = one(render({}), "Secret")
-    assert set(secret["data"]) == {"metadata-token", "auth_token"}
-    assert len(base64.b64decode(secret["data"]["metadata-token"])) == 48
+    assert set(secret["data"]) == {"cluster-secret", "auth_token"}
+    cluster_secret = base64.b64decode(secret["data"]["cluster-secret"]).decode()
+    # 32 bytes as hex: what core.credentials.ClusterSecret.from_text reads
+    assert re.fullmatch(r"[0-9a-f]{64}", cluster_secret), cluster_secret
+    # generated afresh by each render (an install); an upgrade reads the live one back
+    again = one(render({"router": {"port": 8001}}), "Secret")
+    assert again["data"]["cluster-secret"] != secret["data"]["cluster-secret"]
 
 
 def test_existing_secret_is_used_everywhere() -> None:
@@ -169,7 +175,9 @@ def test_existing_secret_is_used_everywhere() -> None:
     assert not find(docs, "Secret")
     refs = {e["valueFrom"]["secretKeyRef"]["name"] for _, c in containers(docs)
             for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
-    assert refs == {"pd-secrets"}
+    volumes = {v["secret"]["secretName"] for doc in docs for _, spec in pod_specs(doc)
+               for v in spec.get("volumes", []) if "secret" in v}
+    assert refs == {"pd-secrets"} and volumes == {"pd-secrets"}
 
 
 def test_metadata_service_command_follows_etcd_settings() -> None:
@@ -222,8 +230,8 @@ def test_router_command_env_and_service() -> None:
             "--global-reuse-min-tokens=512"} <= set(router["args"])
     env = env_of(router)
     assert env["PDCLUSTER_API_KEYS"]["valueFrom"]["secretKeyRef"]["key"] == "api-keys"
-    assert env["PDCLUSTER_METADATA_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] \
-        == "metadata-token"
+    assert env["PDCLUSTER_CLUSTER_SECRET_FILE"]["value"] \
+        == "/var/run/secrets/pdcluster/cluster-secret"
     assert router["readinessProbe"]["httpGet"]["path"] == "/health"
     ingress = one(docs, "Ingress")
     assert ingress["spec"]["ingressClassName"] == "nginx"
@@ -312,7 +320,10 @@ def render_notes(values: dict, tmp_path: Path) -> str:
 
 def test_notes_tell_how_to_call_the_endpoint(tmp_path) -> None:
     notes = render_notes({}, tmp_path)
-    assert f"port-forward svc/{RELEASE}-pdcluster-router 8000:8000" in notes
+    # the router binds its pod IP: no port-forward, a client pod calls the Service
+    assert "port-forward svc/pd-pdcluster-router" not in notes
+    assert "run pd-client --rm -it --restart=Never --image=curlimages/curl -- sh" in notes
+    assert f"BASE=http://{RELEASE}-pdcluster-router.serving.svc.cluster.local:8000" in notes
     assert "/v1/chat/completions" in notes and "Authorization" not in notes
     assert "2 prefill + 2 decode" in notes and "TCP" in notes
     notes = render_notes(VALUE_SETS["ingress"], tmp_path / "ingress")
@@ -323,3 +334,9 @@ def test_notes_tell_how_to_call_the_endpoint(tmp_path) -> None:
                                 VALUE_SETS["rdma-on"]), tmp_path / "job")
     assert "logs -f job/pd-pdcluster-nodes-" in notes
     assert "4 prefill + 4 decode" in notes and "RDMA" in notes
+    # bound to a wildcard by choice: port-forward works again
+    notes = render_notes(VALUE_SETS["network-policy-off"], tmp_path / "wildcard")
+    assert f"port-forward svc/{RELEASE}-pdcluster-router 8000:8000" in notes
+    notes = render_notes({"router": {"apiKeys": ["sk-0123456789abcdef"]}}, tmp_path / "keys")
+    key_line = notes.index("KEY=$(kubectl")
+    assert key_line < notes.index('--env="KEY=$KEY"') < notes.index("curl -s $BASE/health")

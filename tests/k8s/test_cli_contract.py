@@ -4,9 +4,12 @@ router's arguments parse with the real `pdcluster` parser, and the launcher modu
 
 from __future__ import annotations
 
+import base64
 import importlib.util
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,11 +27,23 @@ from tests.k8s.chart import (
 pytestmark = needs_helm
 
 
+POD_IP = "10.1.2.3"
+
+
 def command_of(values: dict, component: str) -> list[str]:
+    """The container's arguments as the kubelet passes them: $(VAR) of the container's env
+    substituted, with the downward API's status.podIP as POD_IP."""
     deploy = one(render(values), "Deployment", f"{RELEASE}-pdcluster-{component}")
     (container,) = deploy["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["pdcluster"]
-    return container["args"]
+    env = {e["name"]: e for e in container.get("env", [])}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    values_of = {name: e.get("value", POD_IP if name == "POD_IP" else None)
+                 for name, e in env.items()}
+    args = [re.sub(r"\$\((\w+)\)", lambda m: values_of[m.group(1)], a)
+            for a in container["args"]]
+    assert not any("$(" in a for a in args), args
+    return args
 
 
 def subcommands(parser) -> dict:
@@ -37,17 +52,30 @@ def subcommands(parser) -> dict:
 
 
 @pytest.mark.parametrize("name", ["default", "external-etcd", "memory-metadata"])
-def test_metadata_service_arguments_parse_and_validate(name: str) -> None:
+def test_metadata_service_arguments_parse_and_validate(name: str, tmp_path) -> None:
     from metadata_service.config import MetadataConfig
 
     args = cli.build_parser().parse_args(command_of(VALUE_SETS[name], "metadata"))
     assert (args.command, args.metadata_command) == ("metadata", "serve")
-    assert args.host == "0.0.0.0"
-    # What `pdcluster metadata serve` builds from them must be a valid configuration.
+    assert args.host == POD_IP  # the pod's IP, never a wildcard
+    # What `pdcluster metadata serve` builds from them (and the chart's generated cluster
+    # secret) must be a valid configuration.
     MetadataConfig(host=args.host, port=args.port, backend=args.backend,
                    etcd_endpoints=tuple(e for e in args.etcd.split(",") if e),
                    etcd_prefix=args.etcd_prefix, hash_size=args.hash_size,
-                   default_lease_ttl_s=args.lease_ttl)
+                   default_lease_ttl_s=args.lease_ttl,
+                   cluster_secret=chart_cluster_secret(VALUE_SETS[name], tmp_path))
+
+
+def chart_cluster_secret(values: dict, folder: Path):
+    """The generated cluster secret as a pod reads it: the Secret's key written to a file and
+    read through $PDCLUSTER_CLUSTER_SECRET_FILE (core.credentials)."""
+    from core.credentials import SECRET_FILE_ENV, ClusterSecret
+
+    secret = one(render(values), "Secret")
+    path = folder / "cluster-secret"
+    path.write_bytes(base64.b64decode(secret["data"]["cluster-secret"]))
+    return ClusterSecret.from_env({SECRET_FILE_ENV: str(path)})
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
@@ -75,6 +103,9 @@ def test_router_arguments_parse() -> None:
                     "templated from the interface agreed for it")
     args = parser.parse_args(command_of(VALUE_SETS["ingress"], "router"))
     assert args.command == "router"
+    assert args.host == POD_IP
+    args = parser.parse_args(command_of(VALUE_SETS["network-policy-off"], "router"))
+    assert args.host == "0.0.0.0"  # router.host overrides
 
 
 def test_launcher_module_takes_config() -> None:

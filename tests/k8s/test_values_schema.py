@@ -39,7 +39,20 @@ BAD_VALUES = {
                              "/router/ingress/host"),
     "rdma without resource": ({"rdma": {"enabled": True, "resourceName": ""}},
                               "/rdma/resourceName"),
-    "short metadata token": ({"secrets": {"metadataToken": "abc"}}, "/secrets/metadataToken"),
+    "short cluster secret": ({"secrets": {"clusterSecret": "ab" * 31}},
+                             "/secrets/clusterSecret"),
+    "cluster secret not hex": ({"secrets": {"clusterSecret": "zz" * 32}},
+                               "/secrets/clusterSecret"),
+    "cluster secret odd length": ({"secrets": {"clusterSecret": "a" * 65}},
+                                  "/secrets/clusterSecret"),
+    "the old metadata token": ({"secrets": {"metadataToken": "m" * 32}}, "metadataToken"),
+    "router host not an address": ({"router": {"host": "0.0.0.0; rm -rf /"}}, "/router/host"),
+    "network policy peer typo": ({"networkPolicy": {"routerIngressFrom": [
+        {"namespaceSelectr": {}}]}}, "namespaceSelectr"),
+    "network policy ipBlock beside a selector": ({"networkPolicy": {"metricsFrom": [
+        {"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}}, "/networkPolicy/metricsFrom/0"),
+    "node CIDR without a prefix": ({"networkPolicy": {"nodeCIDRs": ["10.0.0.0"]}},
+                                   "/networkPolicy/nodeCIDRs/0"),
     "api key with a comma": ({"router": {"apiKeys": ["sk-0123456789abcdef,x"]}},
                              "/router/apiKeys/0"),
     "submission mode": ({"launcher": {"rayJob": {"submissionMode": "SidecarModee"}}},
@@ -63,6 +76,10 @@ BAD_COMBINATIONS = {
                                             "router": {"apiKeys": ["sk-0123456789abcdef"]}},
                                            "router.apiKeys is ignored"),
     "host network without rdma": ({"rdma": {"hostNetwork": True}}, "rdma.hostNetwork needs"),
+    "host network without node CIDRs": ({"rdma": {"enabled": True, "hostNetwork": True}},
+                                        "needs networkPolicy.nodeCIDRs"),
+    "RayJob without the operator's access": ({"networkPolicy": {"rayDashboardFrom": []}},
+                                             "networkPolicy.rayDashboardFrom is empty"),
 }
 
 
