@@ -21,6 +21,12 @@ async status call (`get_batch_transfer_status`) blocks until the batches finish 
 ids, so it cannot poll; `write_async` runs the sync call on a small thread pool instead.
 Mooncake picks RDMA whenever it finds a device, whatever `protocol` says, so "tcp" sets
 `MC_FORCE_TCP`. Destroying an engine takes about 1 s inside Mooncake.
+
+Listeners: Mooncake binds its handshake/RPC port and its TCP data port to the wildcard address
+and has no setting to change that; `MC_TCP_BIND_ADDRESS` (set here in every mode) only picks
+the address it publishes. transfer/mooncake_bind.py redirects those binds to the configured
+host, and the engine refuses to start if a wildcard listener appears anyway. An IPv6 host sets
+`MC_USE_IPV6`, without which Mooncake's handshake socket is IPv4-only.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import itertools
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +47,7 @@ from typing import Literal
 
 from transfer.descriptors import coalesce
 from transfer.errors import TransferError, TransferTimeout
+from transfer.mooncake_bind import pin_binds, wildcard_listeners
 from transfer.rdma import has_active_ib_port, rdma_available
 
 logger = logging.getLogger(__name__)
@@ -136,12 +144,20 @@ class MooncakeTransferEngine:
         self._closed = False
         self._prepare_environment()
         self._timeout_s = _binding_timeout_s()
-        self._engine = _load_binding()()
+        binding = _load_binding()
+        _pin_listeners(binding, _host_part(self.config.hostname))
+        listeners_before = wildcard_listeners()
+        self._engine = binding()
         cfg = self.config
         rc = self._engine.initialize(cfg.hostname, cfg.metadata_server, cfg.protocol,
                                      cfg.device_name)
         if rc != 0:
             raise TransferError(f"Mooncake initialize({cfg}) failed", code=rc)
+        exposed = wildcard_listeners() - listeners_before
+        if exposed:
+            self._engine = None
+            raise TransferError(f"Mooncake listens on {sorted(exposed)}, not only on "
+                                f"{_host_part(cfg.hostname)}: refusing to expose its memory")
         self._rpc_port = int(self._engine.get_rpc_port())
         logger.info("Mooncake engine up: session %s, protocol %s", self.session_id, cfg.protocol)
 
@@ -156,9 +172,12 @@ class MooncakeTransferEngine:
         if cfg.protocol == "tcp":
             # Mooncake picks its transport from the devices it finds, not from `protocol`.
             os.environ["MC_FORCE_TCP"] = "1"
-        if not cfg.is_p2p:
-            # Otherwise Mooncake publishes its first non-loopback address for this segment.
-            os.environ["MC_TCP_BIND_ADDRESS"] = _host_part(cfg.hostname)
+        # Otherwise Mooncake publishes its first non-loopback address (metadata-server mode;
+        # P2P mode publishes the hostname and ignores it). It binds nothing: see _pin_listeners.
+        os.environ["MC_TCP_BIND_ADDRESS"] = _host_part(cfg.hostname)
+        if _is_ipv6(_host_part(cfg.hostname)):
+            # Its handshake socket is IPv4-only otherwise: a wildcard no host can replace.
+            os.environ["MC_USE_IPV6"] = "1"
 
     @property
     def session_id(self) -> str:
@@ -315,6 +334,17 @@ class MooncakeTransferEngine:
         if not inside:
             raise ValueError(f"local range [{addr:#x}, +{length}) is not inside a registered "
                              "region")
+
+
+def _pin_listeners(binding: type, host: str) -> None:
+    module = sys.modules.get(binding.__module__)
+    path = getattr(module, "__file__", None)
+    if path is None or not binding.__module__.startswith("mooncake"):
+        return  # a stand-in binding (tests) opens no sockets
+    try:
+        pin_binds(os.path.dirname(path), host)
+    except (OSError, ValueError, IndexError) as exc:  # wildcard_listeners() still guards
+        logger.error("cannot pin Mooncake's listeners to %s: %s", host, exc)
 
 
 def _host_part(hostname: str) -> str:

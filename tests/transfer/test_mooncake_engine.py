@@ -4,12 +4,15 @@ real transfers over TCP on 127.0.0.1 between this process and spawned peer proce
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import logging
 import multiprocessing
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -20,7 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from transfer import mooncake_engine
+from transfer import mooncake_bind, mooncake_engine
 from transfer.errors import TransferError, TransferTimeout
 from transfer.mooncake_engine import (
     MooncakeConfig,
@@ -152,7 +155,8 @@ class FakeBinding:
 
     def initialize(self, hostname: str, metadata: str, protocol: str, device: str) -> int:
         type(self).seen_env = {k: os.environ.get(k) for k in ("MC_FORCE_TCP",
-                                                              "MC_TCP_BIND_ADDRESS")}
+                                                              "MC_TCP_BIND_ADDRESS",
+                                                              "MC_USE_IPV6")}
         return self.init_rc
 
     def get_rpc_port(self) -> int:
@@ -162,8 +166,11 @@ class FakeBinding:
 @pytest.fixture
 def fake_binding(monkeypatch):
     monkeypatch.setattr(mooncake_engine, "_load_binding", lambda: FakeBinding)
-    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
-    monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
+    for name in ("MC_FORCE_TCP", "MC_TCP_BIND_ADDRESS", "MC_USE_IPV6"):
+        # setenv first, so that what the engine sets is undone too (an IPv6 host's
+        # MC_USE_IPV6 would turn later real engines in this process to IPv6)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     FakeBinding.init_rc = 0
     return FakeBinding
 
@@ -178,14 +185,24 @@ def test_initialize_failure_raises_with_code(fake_binding) -> None:
 def test_metadata_server_mode_binds_to_the_configured_host(fake_binding) -> None:
     config = MooncakeConfig(hostname="127.0.0.1:17001", metadata_server="etcd://127.0.0.1:1")
     engine = MooncakeTransferEngine(config)
-    assert fake_binding.seen_env == {"MC_FORCE_TCP": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    assert fake_binding.seen_env == {"MC_FORCE_TCP": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+                                     "MC_USE_IPV6": None}
     assert engine.session_id == "127.0.0.1:17001"
 
 
 def test_p2p_session_id_is_host_and_rpc_port(fake_binding) -> None:
     assert MooncakeTransferEngine().session_id == "127.0.0.1:15555"
+    assert fake_binding.seen_env["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
     assert MooncakeTransferEngine(MooncakeConfig(hostname="::1")).session_id == "[::1]:15555"
-    assert fake_binding.seen_env["MC_TCP_BIND_ADDRESS"] is None
+    assert fake_binding.seen_env["MC_TCP_BIND_ADDRESS"] == "::1"
+    assert fake_binding.seen_env["MC_USE_IPV6"] == "1"
+
+
+def test_a_wildcard_listener_after_initialize_is_refused(fake_binding, monkeypatch) -> None:
+    seen = iter([{("0.0.0.0", 80)}, {("0.0.0.0", 80), ("::", 15556)}])
+    monkeypatch.setattr(mooncake_engine, "wildcard_listeners", lambda: next(seen))
+    with pytest.raises(TransferError, match=r"\('::', 15556\)"):
+        MooncakeTransferEngine()
 
 
 def test_rdma_without_a_device_warns_that_tcp_is_used(fake_binding, monkeypatch,
@@ -454,3 +471,64 @@ def test_close_unregisters_and_is_idempotent() -> None:
     for call in (eng.write, eng.read, eng.write_async):
         with pytest.raises(TransferError, match="closed"):
             call("127.0.0.1:1", [addr_of(bufs[1])], [4096], [BLOCK])
+
+
+# ---- listeners pinned to the host (transfer/mooncake_bind.py) ------------------------------
+
+def _call_pinned_bind(sock: socket.socket, address: str) -> int:
+    family = sock.family
+    if family == socket.AF_INET:
+        raw = struct.pack("<H", family) + struct.pack(">H", 0) + socket.inet_pton(family, address)
+        raw += bytes(8)
+    else:
+        raw = (struct.pack("<H", family) + struct.pack(">HI", 0, 0)
+               + socket.inet_pton(family, address) + bytes(4))
+    buf = ctypes.create_string_buffer(raw, len(raw))
+    return mooncake_bind._CALLBACK(sock.fileno(), ctypes.addressof(buf), len(raw))
+
+
+@pytest.mark.parametrize(("family", "wildcard", "bound"), [
+    (socket.AF_INET, "0.0.0.0", "127.0.0.1"),
+    (socket.AF_INET6, "::", "::ffff:127.0.0.1"),  # a dual-stack socket: IPv4 peers still reach it
+])
+def test_pinned_bind_swaps_a_wildcard_for_the_host(family, wildcard, bound) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mooncake_bind, "_target", mooncake_bind._targets_for("127.0.0.1"))
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            assert _call_pinned_bind(sock, wildcard) == 0
+            assert sock.getsockname()[0] == bound
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            assert _call_pinned_bind(sock, "127.0.0.2") == 0  # a specific address stays
+            assert sock.getsockname()[0] == "127.0.0.2"
+
+
+def test_pinned_bind_reports_bind_errors_to_the_caller() -> None:
+    with socket.socket() as taken, socket.socket() as sock:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        raw = (struct.pack("<H", socket.AF_INET) + struct.pack(">H", port)
+               + socket.inet_pton(socket.AF_INET, "127.0.0.1") + bytes(8))
+        buf = ctypes.create_string_buffer(raw, len(raw))
+        assert mooncake_bind._CALLBACK(sock.fileno(), ctypes.addressof(buf), len(raw)) == -1
+
+
+@needs_mooncake
+def test_engine_binary_imports_bind_through_a_patchable_slot() -> None:
+    from mooncake import engine as binding
+
+    assert mooncake_bind._import_slots(os.path.realpath(binding.__file__), b"bind")
+
+
+@needs_mooncake
+def test_real_engine_listens_on_the_host_only() -> None:
+    from tests.security.listeners import listening_sockets
+
+    before = {(s.address, s.port) for s in listening_sockets(os.getpid())}
+    with MooncakeTransferEngine() as eng:
+        new = [s for s in listening_sockets(os.getpid()) if (s.address, s.port) not in before]
+        assert eng.rpc_port in {s.port for s in new}
+        assert len(new) >= 2, new  # the handshake/RPC port and the TCP data port
+        assert {s.address for s in new} == {"127.0.0.1"}, new

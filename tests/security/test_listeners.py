@@ -1,0 +1,178 @@
+"""Bind where told: with the host set to 127.0.0.1, nothing the cluster starts listens on a
+wildcard address (0.0.0.0, ::), because a wildcard listener is reachable from every interface
+of the machine or pod.
+
+- A Mooncake engine and a KV side channel in a process of their own: every listener, Mooncake's
+  handshake/RPC port and TCP data port included, is on the host.
+- `pdcluster serve` as a real process tree: the serve process (router, metadata service, Ray
+  driver) and the Ray workers that host node actors listen on 127.0.0.1 only, Ray's core-worker
+  gRPC server included. Ray's own daemons (gcs_server, raylet, agents, monitor, dashboard) are
+  exempt from the assertion but printed with what they bind (`pytest -s` shows them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.security.listeners import Listener, listening_sockets
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST = "127.0.0.1"
+needs_mooncake = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
+                                    reason="needs mooncake-transfer-engine(-non-cuda)")
+# A process of one of these names belongs to Ray, not to pdcluster (comm is cut at 15 chars).
+RAY_DAEMONS = ("gcs_server", "raylet", "ray::DashboardA", "ray::RuntimeEnv", "ray::IDLE")
+RAY_DAEMON_SCRIPTS = ("ray/autoscaler/", "ray/dashboard/", "ray/_private/log_monitor.py")
+NODE_ACTORS = ("ray::PrefillNod", "ray::DecodeNode")
+
+ENGINE_CHILD = """
+import sys
+from core.credentials import ClusterSecret
+from transfer.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
+from transfer.side_channel import SideChannelServer
+
+host, with_side_channel = sys.argv[1], sys.argv[2] == "1"
+engine = MooncakeTransferEngine(MooncakeConfig(hostname=host))
+ports = [engine.rpc_port]
+if with_side_channel:
+    server = SideChannelServer(lambda msg: None, host=host,
+                               curve=ClusterSecret.generate().curve_keys())
+    ports.append(int(server.address.rsplit(":", 1)[1]))
+print(*ports, flush=True)
+sys.stdin.read()
+"""
+
+
+def not_on_host(listeners: list[Listener], host: str = HOST) -> list[str]:
+    return [str(s) for s in listeners if s.address != host]
+
+
+def engine_listeners(host: str, with_side_channel: bool) -> tuple[list[int], list[Listener]]:
+    """Start the child, list its listeners, stop it: (the ports it reported, listeners)."""
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE_CHILD, host,
+                             "1" if with_side_channel else "0"], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            proc.stdin.close()
+            pytest.fail(f"the engine process exited ({proc.wait(10)}) before it was ready:\n"
+                        + proc.stderr.read()[-3000:])
+        listeners = listening_sockets(proc.pid)
+    finally:
+        if not proc.stdin.closed:
+            proc.stdin.close()
+        proc.wait(30)
+    print("\n".join(str(s) for s in listeners))
+    return [int(p) for p in line.split()], listeners
+
+
+@needs_mooncake
+@pytest.mark.timeout(90)
+def test_mooncake_engine_and_side_channel_listen_on_the_host_only() -> None:
+    (rpc_port, side_channel_port), listeners = engine_listeners(HOST, with_side_channel=True)
+    assert {rpc_port, side_channel_port} <= {s.port for s in listeners}, listeners
+    # Mooncake's handshake/RPC port and its TCP data port, and the side channel
+    assert len(listeners) >= 3, listeners
+    assert not not_on_host(listeners), "listening beyond the host:\n" + "\n".join(
+        not_on_host(listeners))
+
+
+@needs_mooncake
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6")
+@pytest.mark.timeout(90)
+def test_mooncake_engine_listens_on_an_ipv6_host_only() -> None:
+    (rpc_port,), listeners = engine_listeners("::1", with_side_channel=False)
+    assert rpc_port in {s.port for s in listeners} and len(listeners) >= 2, listeners
+    assert not not_on_host(listeners, "::1"), "listening beyond the host:\n" + "\n".join(
+        not_on_host(listeners, "::1"))
+
+
+# ---- pdcluster serve ----------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(model_dirs):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Run it as a user would: whatever keeps Ray on the host must come from pdcluster itself.
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--model", model_dirs["llama-gqa"],
+         "--num-prefill", "1", "--num-decode", "1", "--port", str(port),
+         "--block-size", "16", "--kv-cache-gib", "0.05"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "serving" in line or time.monotonic() > deadline:
+            break
+    try:
+        assert "serving" in "".join(lines[-1:]), "".join(lines[-40:])
+        _wait_for_nodes(port, Path(model_dirs["llama-gqa"]).name)
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _wait_for_nodes(port: int, model: str) -> None:
+    body = f'{{"model": "{model}", "prompt": "warm up", "max_tokens": 1}}'.encode()
+    deadline = time.monotonic() + 60
+    while True:
+        request = urllib.request.Request(f"http://{HOST}:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=120).read()
+            return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def is_ray_daemon(listener: Listener) -> bool:
+    return (listener.name in RAY_DAEMONS
+            or any(script in listener.cmdline for script in RAY_DAEMON_SCRIPTS))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_serve_listens_on_the_host_only(served) -> None:
+    listeners = listening_sockets(served.pid)
+    ray_daemons = [s for s in listeners if is_ray_daemon(s)]
+    checked = [s for s in listeners if not is_ray_daemon(s)]
+    print("\nRay's own daemons (exempt):\n" + "\n".join(f"  {s}" for s in ray_daemons))
+    print("checked:\n" + "\n".join(f"  {s}" for s in checked))
+    actors = {s.pid for s in checked if s.name in NODE_ACTORS}
+    assert len(actors) == 2, f"expected a prefill and a decode actor process: {checked}"
+    assert any(s.pid == served.pid for s in checked), "the serve process listens nowhere?"
+    unexpected = {s.pid for s in checked} - actors - {served.pid}
+    assert not unexpected, f"unclassified listening processes: {checked}"
+    assert not not_on_host(checked), (
+        "listening beyond the host (Mooncake's ports are 15000-17000; a Ray core-worker gRPC "
+        "server on [::] or 0.0.0.0 means Ray was imported before "
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set):\n"
+        + "\n".join(not_on_host(checked)))
