@@ -38,6 +38,10 @@ class RayCluster:
         self._started_ray = False
 
     def start(self, timeout_s: float = 300.0) -> RayCluster:
+        if self.ray_address is None:
+            # Keeps every Ray listener on 127.0.0.1 on a one-interface machine (measured:
+            # ../shared/ENVIRONMENT.md). Ray reads it once, when imported: set it first.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         import ray
 
         if not ray.is_initialized():
@@ -50,9 +54,6 @@ class RayCluster:
 
     def _init_ray(self, ray) -> None:
         if self.ray_address is None:
-            # Keeps every Ray listener on 127.0.0.1 on a one-interface machine
-            # (measured: ../shared/ENVIRONMENT.md).
-            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
             cpus = max(os.cpu_count() or 1, self._num_nodes() * self.config.node_cpus + 1)
             ray.init(num_cpus=int(cpus), include_dashboard=False, _node_ip_address="127.0.0.1",
                      _temp_dir=os.path.join(tempfile.gettempdir(), "pdcluster-ray"),
