@@ -27,6 +27,7 @@ class EngineConfig:
     hash_algorithm: str = "sha256"
     hash_seed: str = "pdcluster-v1"
     seed: int = 0
+    max_logprobs: int = 20  # the most top logprobs a request may ask for (vLLM's default)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -44,6 +45,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         HashConfig(self.hash_algorithm, self.hash_seed)  # validates both
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 
     @property
     def hash_config(self) -> HashConfig:

@@ -8,7 +8,8 @@
     engine.abort_request("r1")         # frees its blocks at once
 
 It owns the tokenizer, the scheduler and KV cache manager (bookkeeping, torch-free) and the
-model runner (torch). Bad requests raise ValueError at `add_request`, before any state changes.
+model runner (torch). Bad requests raise ValueError at `add_request`, before any state changes
+(engine/validation.py).
 
 With a `KVConnector` (see core/kv_connector.py) the engine takes part in disaggregated
 serving: `add_request(..., kv_transfer=RemotePrefill(...))` on a decode node waits for its
@@ -44,6 +45,7 @@ from engine.outputs import RequestOutput, StopStringChecker
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.validation import RequestLimits, validate_request
 
 logger = logging.getLogger(__name__)
 _CPU_KV_GIB = 1.0
@@ -75,6 +77,9 @@ class LLMEngine:
         if kv_connector is not None:
             kv_connector.worker.register_kv_region(self.kv_region)
         self._stops = StopStringChecker(self.tokenizer)
+        self.limits = RequestLimits(self.model_config.vocab_size, config.max_logprobs,
+                                    self.max_model_len, config.block_size,
+                                    self.kv_spec.num_blocks, self.tokenizer is not None)
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens",
                     self.model_config.architecture, self.device, self.dtype,
                     self.kv_spec.num_blocks, config.block_size)
@@ -137,7 +142,7 @@ class LLMEngine:
         """`prefix_pull` is ignored with `RemotePrefill`: the whole prompt's KV arrives."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
-        self._validate(token_ids, params)
+        validate_request(token_ids, params, self.limits)
         if (kv_transfer is not None or prefix_pull is not None) and self.connector is None:
             raise ValueError("kv_transfer or prefix_pull was given but this engine has no KV "
                              "connector")
@@ -149,24 +154,6 @@ class LLMEngine:
                       arrival_time, kv_transfer, prefix_pull)
         self.scheduler.add_request(req)
         return req
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model folder has none")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the maximum model length {self.max_model_len}")
-        # The last sampled token is returned, never fed back: its KV needs no slot.
-        if cdiv(total - 1, self.config.block_size) > self.kv_spec.num_blocks:
-            raise ValueError(f"this request needs more KV blocks than the cache has "
-                             f"({self.kv_spec.num_blocks})")
 
     def abort_request(self, request_id: ReqId) -> bool:
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)

@@ -1,16 +1,29 @@
-"""Per-request sampling parameters, validated once at construction (torch-free)."""
+"""Per-request sampling parameters, validated once at construction (torch-free).
+
+`SamplingParams` checks everything that needs no knowledge of the model: types, finite ranges
+and sizes. What depends on the model or the engine (token ids within the vocabulary, logprobs
+within `EngineConfig.max_logprobs`, the prompt plus `max_tokens` within the model length) is
+checked by `LLMEngine.add_request`. A request that passes both cannot make a step raise.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
+MAX_TEMPERATURE = 100.0  # far past any useful value; keeps logits / temperature finite
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """`temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
+    """`temperature == 0` means greedy. `top_k == 0` and `top_p == 1` disable those filters.
     `logprobs`: None for none, 0 for the chosen token's logprob only, k for the top-k too.
     Stop strings end generation and are cut from the text unless `include_stop_str_in_output`.
     """
@@ -36,26 +49,51 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative")
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, 0)  # 0 disables it
+        if self.seed is not None:
+            _check_int("seed", self.seed, *SEED_RANGE)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+        self._validate_stops()
+
+    def _validate_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings must be non-empty strings of at most "
+                                 f"{MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got "
+                             f"{len(self.stop_token_ids)}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        upper = "" if high is None else f", {high}"
+        raise ValueError(f"{name} must be in [{low}{upper}], got {value}")
+
+
+def _check_float(name: str, value: object, low: float, high: float,
+                 low_open: bool = False) -> None:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    above_low = value > low if low_open else value >= low
+    if not (math.isfinite(value) and above_low and value <= high):
+        interval = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise ValueError(f"{name} must be a finite number in {interval}, got {value}")
 
 
 def as_params_list(

@@ -159,7 +159,12 @@ def test_abort_mid_generation_frees_blocks(engine) -> None:
     ([1, -1], {}, 8),
     ([5] * 60, dict(max_tokens=5), 64),  # 65 tokens > max_model_len 64, though blocks suffice
     ([5] * 20, dict(max_tokens=20), 8),  # 10 blocks > the pool's 8, though 40 tokens <= 64
-], ids=["empty", "past-vocab", "negative-id", "too-long", "more-blocks-than-pool"])
+    ([1, 2.5], {}, 8),
+    ([1, 2**70], {}, 8),
+    ([1, 2], dict(stop_token_ids=[32000]), 8),
+    ([1, 2], dict(logprobs=21), 8),  # past EngineConfig.max_logprobs (20)
+], ids=["empty", "past-vocab", "negative-id", "too-long", "more-blocks-than-pool",
+        "float-id", "huge-id", "stop-id-past-vocab", "too-many-logprobs"])
 def test_bad_requests_raise_and_change_nothing(model_dir, prompt, params, num_kv_blocks) -> None:
     engine = LLMEngine.from_model(model_dir, num_kv_blocks=num_kv_blocks, block_size=4,
                                   max_model_len=64)
@@ -191,17 +196,33 @@ def test_generate_rolls_back_a_batch_with_a_bad_prompt(llm) -> None:
 @pytest.mark.parametrize("params", [
     dict(max_tokens=0), dict(top_p=0.0), dict(top_p=1.5), dict(temperature=-1.0),
     dict(min_tokens=5, max_tokens=4), dict(top_k=-1), dict(logprobs=-1), dict(stop=[""]),
-    dict(stop_token_ids=[-3]),
+    dict(stop_token_ids=[-3]), dict(temperature=float("nan")), dict(temperature=float("inf")),
+    dict(temperature=101.0), dict(top_p=float("nan")), dict(seed=2**64), dict(seed=-(2**63) - 1),
+    dict(stop=["x"] * 17), dict(stop=["x" * 257]), dict(stop_token_ids=list(range(257))),
+    dict(max_tokens=2.5), dict(logprobs=True), dict(top_k=0.5),
 ])
 def test_bad_sampling_params_raise(params) -> None:
-    with pytest.raises(ValueError):
+    name = next(iter(params))
+    with pytest.raises(ValueError, match=name.split("_ids")[0]):
         SamplingParams(**params)
+
+
+def test_engine_refusals_name_the_field(engine) -> None:
+    cases = [([1, 32000], {}, "prompt token ids"), ([1, 2], dict(logprobs=21), "logprobs"),
+             ([1, 2], dict(stop_token_ids=[40000]), "stop_token_ids")]
+    for prompt, params, field in cases:
+        with pytest.raises(ValueError, match=field):
+            engine.add_request("bad", prompt, SamplingParams(**params))
+    engine.add_request("edge", [0, 31999], SamplingParams(
+        max_tokens=2, logprobs=20, stop_token_ids=[31999], seed=2**64 - 1, temperature=100.0))
+    assert engine.abort_request("edge")
+    assert_idle(engine)
 
 
 @pytest.mark.parametrize("options", [
     dict(dtype="int8"), dict(block_size=0), dict(max_num_seqs=0), dict(num_kv_blocks=0),
     dict(device="tpu"), dict(max_model_len=1), dict(hash_algorithm="md5"),
-    dict(max_num_batched_tokens=0), dict(kv_cache_memory_gib=0.0),
+    dict(max_num_batched_tokens=0), dict(kv_cache_memory_gib=0.0), dict(max_logprobs=-1),
 ])
 def test_engine_config_rejects_bad_values(options) -> None:
     with pytest.raises(ValueError):

@@ -1,0 +1,65 @@
+"""Request checks that need the engine's knowledge (torch-free): `RequestLimits` — the
+vocabulary, the engine's limits and the model's length, fixed when the engine starts — and
+`validate_request`, which `LLMEngine.add_request` runs before any state changes.
+`SamplingParams` checks the rest (types, finite ranges, sizes) at construction. Every failure
+is a ValueError whose message names the field; a node server answers it with
+`RequestError("invalid_request")` for that request alone."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    vocab_size: int
+    max_logprobs: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    has_tokenizer: bool
+
+
+def validate_request(token_ids: Sequence[int], params: SamplingParams,
+                     limits: RequestLimits) -> None:
+    if not token_ids:
+        raise ValueError("prompt: the prompt is empty")
+    check_token_ids("prompt token ids", token_ids, limits.vocab_size)
+    if params.stop_token_ids:
+        check_token_ids("stop_token_ids", params.stop_token_ids, limits.vocab_size)
+    if params.stop and not limits.has_tokenizer:
+        raise ValueError("stop strings need a tokenizer, and this model folder has none")
+    max_logprobs = min(limits.max_logprobs, limits.vocab_size)
+    if params.logprobs is not None and params.logprobs > max_logprobs:
+        raise ValueError(f"logprobs must be in [0, {max_logprobs}] on this node, got "
+                         f"{params.logprobs}")
+    _check_length(len(token_ids), params.max_tokens, limits)
+
+
+def check_token_ids(name: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    """Every id an integer in [0, vocab_size), in one C-speed pass (array) rather than a
+    Python loop: a float, a bool-like oddity or a 70-bit int fails the conversion."""
+    try:
+        ids = array("q", token_ids)
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"{name} must be integers in [0, {vocab_size}): {exc}") from None
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{name} must be in [0, {vocab_size}) (the vocabulary), got ids "
+                         f"from {low} to {high}")
+
+
+def _check_length(num_prompt_tokens: int, max_tokens: int, limits: RequestLimits) -> None:
+    total = num_prompt_tokens + max_tokens
+    if total > limits.max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+            f"the maximum model length {limits.max_model_len}")
+    # The last sampled token is returned, never fed back: its KV needs no slot.
+    if -(-(total - 1) // limits.block_size) > limits.num_blocks:
+        raise ValueError(f"this request needs more KV blocks than the cache has "
+                         f"({limits.num_blocks})")
