@@ -9,7 +9,7 @@
 
 It owns the tokenizer, the scheduler and KV cache manager (bookkeeping, torch-free) and the
 model runner (torch). Bad requests raise ValueError at `add_request`, before any state changes
-(engine/validation.py).
+(engine/validation.py). A fault while serving one request fails it alone (`step`).
 
 With a `KVConnector` (see core/kv_connector.py) the engine takes part in disaggregated
 serving: `add_request(..., kv_transfer=RemotePrefill(...))` on a decode node waits for its
@@ -179,7 +179,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step. Returns an output for every request that gained tokens or
-        finished; `new_token_ids` holds the tokens not returned before."""
+        finished; `new_token_ids` holds the tokens not returned before.
+
+        Per-request isolation: a failure in a per-request stage (sampling, stop checks,
+        detokenising, building the output) finishes only that request, with finish_reason
+        "error"; the others go on unchanged. A failure of the batch as a whole (the model
+        forward, the scheduler, the connector) still raises here, and the caller fails every
+        request of the step (the node server answers each with an "internal" error)."""
         started = time.perf_counter()
         updated: list[Request] = []
         if self.connector is not None:
@@ -193,11 +199,29 @@ class LLMEngine:
             self.connector.worker.execute(self.connector.scheduler.build_plan())
         elapsed = time.perf_counter() - started
         unique = {req.request_id: req for req in updated}
-        return [self._output(req, elapsed) for req in unique.values()]
+        return [self._output_or_error(req, elapsed) for req in unique.values()]
+
+    def _output_or_error(self, req: Request, step_s: float) -> RequestOutput:
+        try:
+            return self._output(req, step_s)
+        except Exception:
+            logger.exception("building the output of request %s failed", req.request_id)
+            self.scheduler.fail_request(req, "detokenising its output failed on the node")
+            self.runner.sampler.forget(req.request_id)
+            return self._error_output(req, step_s)
+
+    def _error_output(self, req: Request, step_s: float) -> RequestOutput:
+        new_token_ids = req.output_token_ids[req.num_emitted_tokens:]
+        req.num_emitted_tokens = req.num_output_tokens
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids), new_token_ids=new_token_ids, finished=True,
+            finish_reason=RequestStatus.FINISHED_ERROR.value, error=req.error,
+            num_cached_tokens=max(req.num_cached_tokens, 0), metrics={"step_s": step_s})
 
     def _output(self, req: Request, step_s: float) -> RequestOutput:
         text = ""
-        if req.params.stop:
+        if req.params.stop and req.status is not RequestStatus.FINISHED_ERROR:
             text = self._stop_strings(req)
         elif req.is_finished and self.tokenizer is not None:
             text = self._stops.decode(req)

@@ -13,7 +13,7 @@ import torch
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.kv_cache import PagedKVCache
 from engine.models.llama import CausalLM
-from engine.outputs import SampledToken
+from engine.outputs import RequestFailure, SampledToken
 from engine.sampler import Sampler
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
@@ -28,21 +28,22 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampledToken | None]:
-        """One entry per `out.scheduled` item, in that order; None where nothing is sampled."""
+    def execute(self, out: SchedulerOutput) -> list[SampledToken | RequestFailure | None]:
+        """One entry per `out.scheduled` item, in that order; None where nothing is sampled,
+        a `RequestFailure` where sampling failed for that request alone (engine.sampler)."""
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_tokens > 1)
         items = [out.scheduled[i] for i in order]
         input_ids, positions, meta, last_rows = self._prepare(items)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         sampling = [k for k, item in enumerate(items) if item.samples]
-        results: list[SampledToken | None] = [None] * len(items)
+        results: list[SampledToken | RequestFailure | None] = [None] * len(items)
         if sampling:
             rows = torch.tensor([last_rows[k] for k in sampling], device=self.device)
             logits = self.model.compute_logits(hidden[rows])
             tokens = self.sampler.sample(logits, [items[k].request for k in sampling])
             for k, token in zip(sampling, tokens, strict=True):
                 results[k] = token
-        unordered: list[SampledToken | None] = [None] * len(items)
+        unordered: list[SampledToken | RequestFailure | None] = [None] * len(items)
         for k, i in enumerate(order):
             unordered[i] = results[k]
         return unordered

@@ -23,13 +23,21 @@ class SampledToken:
 
 
 @dataclass(slots=True)
+class RequestFailure:
+    """A per-request stage (sampling, stop checks, output) failed for this request alone: it
+    finishes with finish_reason "error" and `error` as the reason; the others go on."""
+
+    error: str
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: ReqId
     prompt_token_ids: list[int]
     token_ids: list[int]
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why a request ended with finish_reason "error"
     text: str = ""

@@ -28,6 +28,7 @@ its local hit are pulled from another node, and serves other nodes' pulls from t
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from core.hashing import DEFAULT_HASH_CONFIG, HashConfig
@@ -35,10 +36,12 @@ from core.kv_connector import ConnectorResults, KVConnectorScheduler, PullResult
 from core.kv_transfer import RemotePrefill
 from core.types import ReqId
 from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import SampledToken
+from engine.outputs import RequestFailure, SampledToken
 from engine.prefix_pulls import PrefixPulls
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerConfig, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -226,8 +229,9 @@ class Scheduler:
                                 self.kv.block_ids(req.request_id))
 
     def update_from_output(self, out: SchedulerOutput,
-                           sampled: list[SampledToken | None]) -> list[Request]:
-        """Apply one step's results; returns the requests that produced a token or finished."""
+                           sampled: list[SampledToken | RequestFailure | None]) -> list[Request]:
+        """Apply one step's results; returns the requests that produced a token or finished.
+        A request whose sampling failed, or whose token cannot be applied, fails alone."""
         updated = []
         for item, token in zip(out.scheduled, sampled, strict=True):
             req = item.request
@@ -236,12 +240,31 @@ class Scheduler:
             req.num_computed_tokens = item.start + item.num_tokens
             if token is None:
                 continue
-            req.append_output_token(token.token_id, token.logprob, token.top_logprobs)
-            status = self._check_stop(req)
-            if status is not None:
-                self.finish_request(req.request_id, status)
+            if isinstance(token, RequestFailure):
+                self.fail_request(req, token.error)
+            else:
+                self._apply_token(req, token)
             updated.append(req)
         return updated
+
+    def _apply_token(self, req: Request, token: SampledToken) -> None:
+        try:
+            req.append_output_token(token.token_id, token.logprob, token.top_logprobs)
+            status = self._check_stop(req)
+        except Exception:
+            logger.exception("applying a token to request %s failed", req.request_id)
+            self.fail_request(req, "stop checking failed on the node")
+            return
+        if status is not None:
+            self.finish_request(req.request_id, status)
+
+    def fail_request(self, req: Request, error: str) -> None:
+        """Finish `req` alone with finish_reason "error" (its blocks freed or, while a
+        transfer may use them, pinned); a request that already finished keeps its blocks'
+        fate and only reports the error."""
+        req.error = error
+        if self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR) is None:
+            req.status = RequestStatus.FINISHED_ERROR
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         token, p = req.output_token_ids[-1], req.params
