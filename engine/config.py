@@ -28,6 +28,10 @@ class EngineConfig:
     hash_seed: str = "pdcluster-v1"
     seed: int = 0
     max_logprobs: int = 20  # the most top logprobs a request may ask for (vLLM's default)
+    # KV blocks held for other nodes (sends to decode nodes, prefix pulls served): at most
+    # this fraction of the pool, each send pin for at most `pin_timeout_s` (engine/pins.py).
+    max_pinned_fraction: float = 0.5
+    pin_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -45,8 +49,16 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         HashConfig(self.hash_algorithm, self.hash_seed)  # validates both
+        self._validate_limits()
+
+    def _validate_limits(self) -> None:
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if not 0 < self.max_pinned_fraction <= 1:
+            raise ValueError(f"max_pinned_fraction must be in (0, 1], got "
+                             f"{self.max_pinned_fraction}")
+        if not self.pin_timeout_s > 0:
+            raise ValueError(f"pin_timeout_s must be > 0, got {self.pin_timeout_s}")
 
     @property
     def hash_config(self) -> HashConfig:

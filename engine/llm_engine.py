@@ -9,7 +9,8 @@
 
 It owns the tokenizer, the scheduler and KV cache manager (bookkeeping, torch-free) and the
 model runner (torch). Bad requests raise ValueError at `add_request`, before any state changes
-(engine/validation.py). A fault while serving one request fails it alone (`step`).
+(engine/validation.py); a `RemoteDecode` request past the node's pin budget raises
+`OverloadedError` (engine/pins.py). A fault while serving one request fails it alone (`step`).
 
 With a `KVConnector` (see core/kv_connector.py) the engine takes part in disaggregated
 serving: `add_request(..., kv_transfer=RemotePrefill(...))` on a decode node waits for its
@@ -70,10 +71,12 @@ class LLMEngine:
                          enable_caching=config.enable_prefix_caching,
                          enable_events=config.enable_kv_events)
         self.kv_manager = KVCacheManager(pool, config.enable_prefix_caching)
+        max_pinned = max(1, int(config.max_pinned_fraction * self.kv_spec.num_blocks))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                            self.max_model_len), self.kv_manager,
-            kv_connector.scheduler if kv_connector else None, config.hash_config)
+                            self.max_model_len, max_pinned, config.pin_timeout_s),
+            self.kv_manager, kv_connector.scheduler if kv_connector else None,
+            config.hash_config)
         if kv_connector is not None:
             kv_connector.worker.register_kv_region(self.kv_region)
         self._stops = StopStringChecker(self.tokenizer)
@@ -196,6 +199,7 @@ class LLMEngine:
             sampled = self.runner.execute(sched)
             updated += self.scheduler.update_from_output(sched, sampled)
         if self.connector is not None:
+            self.scheduler.expire_pins()
             self.connector.worker.execute(self.connector.scheduler.build_plan())
         elapsed = time.perf_counter() - started
         unique = {req.request_id: req for req in updated}
@@ -254,10 +258,12 @@ class LLMEngine:
         return text
 
     def stats(self) -> dict[str, float]:
-        pool = self.block_pool
+        pool, pins = self.block_pool, self.scheduler.pins
         return {"num_waiting": self.scheduler.num_waiting,
                 "num_running": len(self.scheduler.running),
-                "num_free_blocks": pool.num_free_blocks, "kv_usage": pool.usage}
+                "num_free_blocks": pool.num_free_blocks, "kv_usage": pool.usage,
+                "num_pinned_blocks": pins.num_used, "num_pin_refusals": pins.num_refused,
+                "num_pins_expired": pins.num_expired}
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -16,7 +16,8 @@ hash function: a peer cannot name a block by a hash it merely saw in the index, 
 tenant's salted blocks stay out of reach) and resolves it against the prefix cache, references
 the leading run of blocks it holds (so no eviction can reuse them mid-write) and hands the ids to
 the connector; `release` drops the references once the worker reports the write done,
-failed or expired.
+failed or expired. The run is cut to what the node's pin budget has left (engine/pins.py),
+so a flood of pulls cannot tie up the pool; the requester computes whatever is not sent.
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ from core.kv_connector import KVConnectorScheduler, PrefixTokens, PullLookup, Pu
 from core.kv_transfer import TransferId
 from engine.block_pool import KVCacheBlock
 from engine.kv_cache_manager import KVCacheManager
+from engine.pins import PinBudget
 from engine.request import Request
 
 
 class PrefixPulls:
     def __init__(self, kv: KVCacheManager, connector: KVConnectorScheduler | None,
-                 hash_config: HashConfig) -> None:
+                 hash_config: HashConfig, pins: PinBudget) -> None:
         self.kv = kv
         self.connector = connector
         self.hash_config = hash_config
+        self.pins = pins
         self.serving: dict[TransferId, list[KVCacheBlock]] = {}
 
     # ---- requester ----------------------------------------------------------------------
@@ -77,6 +80,7 @@ class PrefixPulls:
             blocks: list[KVCacheBlock] = []
             if self.kv.enable_caching and lookup.prefix.block_size == self.kv.block_size:
                 blocks = self.kv.pool.find_longest_prefix(self._hashes(lookup.prefix))
+            blocks = blocks[:self.pins.grant(("serve", lookup.transfer_id), len(blocks))]
             self.kv.pool.touch(blocks)
             self.serving[lookup.transfer_id] = blocks
             self.connector.on_serve(lookup.transfer_id, [b.block_id for b in blocks])
@@ -93,5 +97,6 @@ class PrefixPulls:
     def release(self, transfer_ids: list[TransferId]) -> None:
         for transfer_id in transfer_ids:
             blocks = self.serving.pop(transfer_id, None)
+            self.pins.release(("serve", transfer_id))
             if blocks:
                 self.kv.pool.free_blocks(reversed(blocks))

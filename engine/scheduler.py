@@ -22,6 +22,9 @@ token budget. `apply_connector_results` turns an arrival into a running request 
 computed, first token appended) and a failure into a local recompute or an error, by policy.
 A finished or aborted request whose blocks a transfer may still read or write stays in
 `pinned` until the connector releases it, then its blocks are freed exactly once.
+Blocks held for other nodes are bounded (engine/pins.py): a `RemoteDecode` request that would
+pass the budget is refused at `add_request` (`OverloadedError`), and `expire_pins` cancels
+sends whose decode node has not fetched the blocks within `pin_timeout_s`.
 Global prefix reuse (engine/prefix_pulls.py) parks a request the same way while blocks past
 its local hit are pulled from another node, and serves other nodes' pulls from this cache.
 """
@@ -29,14 +32,16 @@ its local hit are pulled from another node, and serves other nodes' pulls from t
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from core.hashing import DEFAULT_HASH_CONFIG, HashConfig
 from core.kv_connector import ConnectorResults, KVConnectorScheduler, PullResult, RecvResult
-from core.kv_transfer import RemotePrefill
+from core.kv_transfer import RemoteDecode, RemotePrefill
 from core.types import ReqId
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.outputs import RequestFailure, SampledToken
+from engine.pins import OverloadedError, PinBudget
 from engine.prefix_pulls import PrefixPulls
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerConfig, SchedulerOutput
@@ -47,7 +52,8 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
                  connector: KVConnectorScheduler | None = None,
-                 hash_config: HashConfig = DEFAULT_HASH_CONFIG) -> None:
+                 hash_config: HashConfig = DEFAULT_HASH_CONFIG,
+                 clock=time.monotonic) -> None:
         self.config = config
         self.kv = kv_manager
         self.connector = connector
@@ -55,15 +61,39 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_remote: dict[ReqId, Request] = {}
         self.pinned: dict[ReqId, Request] = {}
-        self.pulls = PrefixPulls(kv_manager, connector, hash_config)
+        self.pins = PinBudget(config.max_pinned_blocks or kv_manager.pool.num_blocks,
+                              config.pin_timeout_s, clock)
+        self.pulls = PrefixPulls(kv_manager, connector, hash_config, self.pins)
         self.requests: dict[ReqId, Request] = {}
         self.num_preemptions = 0
 
     def add_request(self, req: Request) -> None:
+        """Raises ValueError for an id in use, `OverloadedError` for a `RemoteDecode` request
+        whose blocks would pass the pin budget."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        self._reserve_pins(req)
         self.requests[req.request_id] = req
         self.waiting.append(req)
+
+    def _reserve_pins(self, req: Request) -> None:
+        if self.connector is None or not isinstance(req.kv_transfer, RemoteDecode):
+            return
+        # Every block it may hold when it finishes (the last token is never computed).
+        num_blocks = cdiv(req.num_tokens + req.params.max_tokens - 1, self.kv.block_size)
+        if not self.pins.try_reserve(("send", req.request_id), num_blocks):
+            raise OverloadedError(
+                f"this node holds {self.pins.num_used} of at most {self.pins.max_blocks} KV "
+                f"blocks for other nodes; a remote_decode request needing {num_blocks} more is "
+                f"refused (retry later or on another prefill node)")
+
+    def expire_pins(self) -> None:
+        """Cancel the sends pinned past `pin_timeout_s`: the connector releases their blocks
+        (at once if the decode node never asked, after the write if one is under way)."""
+        for kind, key in self.pins.expired():
+            req = self.pinned.get(key)
+            if kind == "send" and req is not None:
+                self.connector.on_aborted(key, req.kv_transfer)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -223,6 +253,7 @@ class Scheduler:
         req = self.pinned.pop(request_id, None)
         if req is not None:
             self.kv.free(req)
+            self.pins.release(("send", request_id))
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(req, req.num_computed_tokens, num_new,
@@ -289,8 +320,10 @@ class Scheduler:
         req.status = status
         if self._must_pin(req):
             self.pinned[request_id] = req
+            self.pins.start_clock(("send", request_id))
         else:
             self.kv.free(req)
+            self.pins.release(("send", request_id))
         return req
 
     def _remove_from_queue(self, req: Request) -> None:

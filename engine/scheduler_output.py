@@ -14,11 +14,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int = 2048
+    max_pinned_blocks: int | None = None  # blocks held for other nodes; None: the whole pool
+    pin_timeout_s: float = 10.0  # the longest a finished request's blocks wait for a send
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_pinned_blocks is not None and self.max_pinned_blocks < 1:
+            raise ValueError(f"max_pinned_blocks must be >= 1, got {self.max_pinned_blocks}")
+        if not self.pin_timeout_s > 0:
+            raise ValueError(f"pin_timeout_s must be > 0, got {self.pin_timeout_s}")
 
 
 @dataclass(slots=True)

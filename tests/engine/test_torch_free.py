@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TORCH_FREE = ["engine.block_pool", "engine.kv_cache_manager", "engine.scheduler",
               "engine.request", "engine.sampling_params", "engine.outputs",
               "engine.model_config", "engine.config", "engine.prefix_pulls",
-              "engine.scheduler_output", "engine.validation"]
+              "engine.scheduler_output", "engine.pins", "engine.validation"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

@@ -1,0 +1,157 @@
+"""Bounded pins (engine/pins.py): blocks held for other nodes — remote decodes waiting for
+their decode node, prefix pulls being served — stay within the node's budget in count, and a
+send pin expires after `pin_timeout_s`. Torch-free scheduler scenarios (the production
+connector scheduler, the test playing the worker), then one on two real engines over the
+loopback connector. Every scenario ends with a leak check."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from core.kv_connector import ConnectorResults, PrefixTokens, PullLookup
+from core.kv_transfer import RemoteDecode, RemotePrefill
+from engine.block_pool import BlockPool
+from engine.kv_cache_manager import KVCacheManager
+from engine.pins import OverloadedError, PinBudget
+from engine.request import RequestStatus
+from engine.scheduler import Scheduler, SchedulerConfig
+from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request
+from tests.engine.test_scheduler import run_all
+from tests.helpers import assert_pool_clean
+from tests.transfer.disagg import FakeClock
+from transfer.connector_scheduler import ConnectorScheduler
+
+
+def make_scheduler(max_pinned_blocks: int, clock: FakeClock | None = None):
+    pool = BlockPool(32, BLOCK_SIZE)
+    connector = ConnectorScheduler()
+    config = SchedulerConfig(64, 8, 256, max_pinned_blocks, pin_timeout_s=5.0)
+    sched = Scheduler(config, KVCacheManager(pool), connector, clock=clock or FakeClock())
+    return sched, pool, connector
+
+
+def remote_decode(request_id: str, prompt_len: int = 8):
+    req = make_request(request_id, prompt_len, max_tokens=1)
+    req.kv_transfer = RemoteDecode(f"t-{request_id}")
+    return req
+
+
+def test_budget_unit_rules():
+    clock = FakeClock()
+    budget = PinBudget(4, 1.0, clock)
+    assert budget.try_reserve(("send", "a"), 6)  # alone, it may pass the bound
+    assert not budget.try_reserve(("send", "b"), 1) and budget.num_refused == 1
+    budget.release(("send", "a"))
+    assert budget.try_reserve(("send", "b"), 3) and budget.grant(("serve", "x"), 5) == 1
+    assert budget.grant(("serve", "y"), 2) == 0 and budget.num_serves_cut == 2
+    budget.start_clock(("send", "b"))
+    clock.now += 1.0
+    assert budget.expired() == [("send", "b")] and budget.expired() == []
+    budget.release(("send", "b"))
+    budget.release(("serve", "x"))
+    assert budget.num_used == 0
+
+
+def test_remote_decodes_past_the_budget_are_refused_at_admission():
+    sched, pool, _ = make_scheduler(max_pinned_blocks=8)
+    for i in range(4):  # 8 prompt tokens, max_tokens 1: 2 blocks each
+        sched.add_request(remote_decode(f"r{i}"))
+    with pytest.raises(OverloadedError, match="8 of at most 8"):
+        sched.add_request(remote_decode("r4"))
+    assert "r4" not in sched.requests
+    sched.add_request(make_request("local", 40))  # a local request is not counted
+    run_all(sched)
+    assert sorted(sched.pinned) == [f"r{i}" for i in range(4)]
+    sched.apply_connector_results(ConnectorResults(released=[f"r{i}" for i in range(4)]))
+    assert sched.pins.num_used == 0
+    sched.add_request(remote_decode("r5"))  # room again
+    run_all(sched)
+    sched.apply_connector_results(ConnectorResults(released=["r5"]))
+    assert_pool_clean(pool)
+
+
+def test_an_aborted_remote_decode_gives_its_reservation_back():
+    sched, pool, _ = make_scheduler(max_pinned_blocks=4)
+    sched.add_request(remote_decode("a"))
+    sched.add_request(remote_decode("b"))
+    sched.finish_request("a", RequestStatus.FINISHED_ABORTED)  # before its prefill
+    assert sched.pins.num_used == 2
+    sched.add_request(remote_decode("c"))
+    run_all(sched)
+    sched.apply_connector_results(ConnectorResults(released=["b", "c"]))
+    assert sched.pins.num_used == 0
+    assert_pool_clean(pool)
+
+
+def test_a_send_pin_expires_and_the_send_is_cancelled():
+    clock = FakeClock()
+    sched, pool, connector = make_scheduler(max_pinned_blocks=16, clock=clock)
+    sched.add_request(remote_decode("r"))
+    run_all(sched)
+    assert "r" in sched.pinned
+    connector.build_plan()
+    clock.now += 4.9
+    sched.expire_pins()
+    assert not connector.build_plan().cancelled  # not yet
+    clock.now += 0.2
+    sched.expire_pins()
+    assert connector.build_plan().cancelled == ["t-r"]
+    sched.expire_pins()
+    assert not connector.build_plan().cancelled  # cancelled once
+    sched.apply_connector_results(ConnectorResults(released=["r"]))  # the worker's answer
+    assert not sched.pinned and sched.pins.num_used == 0 and sched.pins.num_expired == 1
+    assert_pool_clean(pool)
+
+
+def test_served_pulls_are_cut_to_what_the_budget_has_left():
+    sched, pool, connector = make_scheduler(max_pinned_blocks=3)
+    held = make_request("h", 22)
+    sched.add_request(held)
+    run_all(sched)
+    prefix = PrefixTokens(list(held.prompt_token_ids[:20]), BLOCK_SIZE, 0)
+    lookups = [PullLookup("pull-1", prefix), PullLookup("pull-2", prefix)]
+    sched.apply_connector_results(ConnectorResults(lookups=lookups))
+    first, second = connector.build_plan().serves
+    assert len(first.block_ids) == 3 and second.block_ids == []
+    sched.apply_connector_results(ConnectorResults(served=["pull-1", "pull-2"]))
+    assert sched.pins.num_used == 0
+    sched.apply_connector_results(ConnectorResults(lookups=[PullLookup("pull-3", prefix)]))
+    assert len(connector.build_plan().serves[0].block_ids) == 3  # the budget is back
+    sched.apply_connector_results(ConnectorResults(served=["pull-3"]))
+    assert_pool_clean(pool)
+
+
+def test_an_unclaimed_send_is_released_after_the_pin_timeout(model_dirs, hf_reference):
+    """Two real engines over the loopback connector: P's pin expires long before the
+    connector's own 5 s timeout, and a decode node asking after that recomputes."""
+    from engine import SamplingParams
+    from tests.transfer.disagg import drive, idle, make_engine
+    from transfer.loopback import LoopbackFabric
+
+    model = model_dirs["llama-gqa"]
+    fabric = LoopbackFabric()
+    p_transport = fabric.transport()
+    prefill = make_engine(model, p_transport, pin_timeout_s=0.3)
+    decode = make_engine(model, fabric.transport())
+    prompt = [5, 17, 99, 1024, 7, 300, 12, 8, 9, 31, 4000]
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    try:
+        prefill.add_request("p", prompt, greedy, kv_transfer=RemoteDecode("t"))
+        drive([prefill], lambda: "p" in prefill.scheduler.pinned)
+        started = time.monotonic()
+        drive([prefill], lambda: idle(prefill))
+        assert 0.25 < time.monotonic() - started < 3.0
+        assert prefill.stats()["num_pins_expired"] == 1
+        assert_pool_clean(prefill.block_pool)
+        decode.add_request("d", prompt, SamplingParams(max_tokens=6, temperature=0.0,
+                                                       ignore_eos=True),
+                           kv_transfer=RemotePrefill("t", p_transport.reply_address))
+        final = drive([prefill, decode], lambda: idle(decode) and idle(prefill))
+        assert final["d"].token_ids == hf_reference(model, prompt, 6)
+        assert decode.connector.worker.stats.recvs_failed == 1  # "transfer aborted": recomputed
+        assert_pool_clean(decode.block_pool)
+    finally:
+        prefill.close()
+        decode.close()
