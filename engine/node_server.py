@@ -50,6 +50,7 @@ from core.node_wire import (
 from core.wire import WireError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.pins import OverloadedError
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class NodeServer:
             self._fail_all("internal", "the engine failed; see the node's log")
             return
         for out in outputs:
-            self._send_delta(out)
+            self._send_delta_or_fail(out)
         if self.on_step is not None:
             self.on_step(self.engine)
 
@@ -190,8 +191,16 @@ class NodeServer:
                                     cache_salt=msg.cache_salt,
                                     kv_transfer=_transfer_params(msg.transfer),
                                     prefix_pull=self._prefix_pull(msg.prefix_source))
+        except OverloadedError as exc:
+            self._refuse(identity, msg.request_id, "overloaded", str(exc))
+            return
         except ValueError as exc:
             self._refuse(identity, msg.request_id, "invalid_request", str(exc))
+            return
+        except Exception:  # a bug must cost this request, not the node's thread
+            logger.exception("node %s could not admit request %s", self.node_id,
+                             msg.request_id)
+            self._refuse(identity, msg.request_id, "internal", "the node failed to admit it")
             return
         self.stats.num_requests += 1
         self._owners[msg.request_id] = identity
@@ -205,6 +214,19 @@ class NodeServer:
     def _refuse(self, identity: bytes, request_id: str, code: str, message: str) -> None:
         self.stats.num_refused += 1
         self._send(identity, RequestError(request_id, code, message))
+
+    def _send_delta_or_fail(self, out: RequestOutput) -> None:
+        try:
+            self._send_delta(out)
+        except Exception:  # e.g. an output the wire cannot carry: this request alone fails
+            logger.exception("node %s could not send the output of %s", self.node_id,
+                             out.request_id)
+            identity = self._owners.get(out.request_id)
+            self.engine.abort_request(out.request_id)
+            self._forget(out.request_id)
+            if identity is not None:
+                self._send(identity, RequestError(out.request_id, "internal",
+                                                  "the node failed to send its output"))
 
     def _send_delta(self, out: RequestOutput) -> None:
         identity = self._owners.get(out.request_id)
