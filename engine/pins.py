@@ -1,21 +1,25 @@
 """`PinBudget`: the per-node bound on KV blocks held for other nodes (torch-free).
 
-Two kinds of work hold blocks on behalf of a peer rather than a local client, and a flood of
-either could otherwise take the whole pool from normal traffic:
+Three kinds of work hold blocks on behalf of a peer rather than a local client, and a flood
+of any could otherwise take the whole pool from normal traffic:
 - a `RemoteDecode` request (prefill node): it holds its blocks while it prefills, then keeps
   them pinned until the decode node's `XferRequest` arrives and the write ends;
 - a prefix pull this node serves (holder): the leading run of blocks it still caches is
-  referenced until the write to the requester ends.
-Both draw on one budget of `max_blocks` (a fraction of the pool, `EngineConfig.
+  referenced until the write to the requester ends;
+- a prefix pull this node makes (requester): the blocks parked for the holder's write, until
+  it answers or the connector's timeout.
+All draw on one budget of `max_blocks` (a fraction of the pool, `EngineConfig.
 max_pinned_fraction`). A remote decode reserves the blocks it will pin when it is admitted
 (`try_reserve`; refused: `OverloadedError`, never queued) — a reservation alone always fits,
 so one long prompt is never refused forever. A served pull takes what is left (`grant`), maybe
-nothing: the requester computes the rest. In time: a send pin starts its clock when prefill
-ends (`start_clock`) and `expired()` names the pins past `timeout_s`, which the scheduler
-cancels through the connector (an unstarted send then releases its blocks at once; a write
-under way releases them when it ends). Served pulls are not clocked: their blocks cannot be
-freed under a write, and the connector worker already expires a pull not yet resolved.
-Keys are `("send", request id)` and `("serve", transfer id)`.
+nothing: the requester computes the rest. A pull this node would make that does not fit
+(`can_hold`) is not made: the request computes its prefix. In time: a send pin starts its
+clock when prefill ends (`start_clock`) and `expired()` names the pins past `timeout_s`, which
+the scheduler cancels through the connector (an unstarted send then releases its blocks at
+once; a write under way releases them when it ends). Pulls are not clocked here: blocks
+cannot be freed under a write, and the connector worker already expires a pull not yet
+resolved (holder) or not answered (requester) after its `kv_timeout_s`.
+Keys are `("send", request id)`, `("serve", transfer id)` and `("pull", request id)`.
 """
 
 from __future__ import annotations
@@ -45,11 +49,14 @@ class PinBudget:
         self.num_serves_cut = 0  # served pulls given fewer blocks than the holder had
         self.num_expired = 0
 
+    def can_hold(self, num_blocks: int) -> bool:
+        return not self.num_used or self.num_used + num_blocks <= self.max_blocks
+
     def try_reserve(self, key: PinKey, num_blocks: int) -> bool:
-        if self.num_used and self.num_used + num_blocks > self.max_blocks:
+        if not self.can_hold(num_blocks):
             self.num_refused += 1
             return False
-        self._hold(key, num_blocks)
+        self.hold(key, num_blocks)
         return True
 
     def grant(self, key: PinKey, num_blocks: int) -> int:
@@ -58,7 +65,7 @@ class PinBudget:
         if granted < num_blocks:
             self.num_serves_cut += 1
         if granted:
-            self._hold(key, granted)
+            self.hold(key, granted)
         return granted
 
     def start_clock(self, key: PinKey) -> None:
@@ -78,7 +85,12 @@ class PinBudget:
         self.num_used -= self._held.pop(key, 0)
         self._deadlines.pop(key, None)
 
-    def _hold(self, key: PinKey, num_blocks: int) -> None:
+    def release_request(self, request_id: str) -> None:
+        """Whatever a request holds: its send pin, its pull's blocks."""
+        self.release(("send", request_id))
+        self.release(("pull", request_id))
+
+    def hold(self, key: PinKey, num_blocks: int) -> None:
         assert key not in self._held, f"pin {key} reserved twice"
         self._held[key] = num_blocks
         self.num_used += num_blocks

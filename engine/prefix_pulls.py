@@ -6,7 +6,9 @@ Requester (a request with a `PrefixPull` hint, admitted from the waiting queue):
    decides how many to pull (`num_pull_blocks`: its threshold; never the block holding the
    last prompt token). If any, the scheduler allocates blocks [k0, k) unhashed and parks the
    request in `WAITING_FOR_REMOTE_KVS`; `on_parked` hands the connector their ids and what
-   names them (`PrefixTokens`: the prompt's leading tokens and its cache salt).
+   names them (`PrefixTokens`: the prompt's leading tokens and its cache salt). The parked
+   blocks count against the node's pin budget (engine/pins.py); a pull that does not fit is
+   not made, and the request computes its prefix.
 2. `apply_result`: n <= k - k0 blocks arrived (the holder sends the leading run it still
    has; 0 on failure or timeout). They are hashed into the prefix cache, the request counts
    k0 + n blocks as computed (and cached), and it prefills the rest like any other request.
@@ -39,6 +41,7 @@ class PrefixPulls:
         self.hash_config = hash_config
         self.pins = pins
         self.serving: dict[TransferId, list[KVCacheBlock]] = {}
+        self.num_pulls_skipped = 0  # pulls not made: the pin budget was spent
 
     # ---- requester ----------------------------------------------------------------------
 
@@ -49,6 +52,9 @@ class PrefixPulls:
         num_full_blocks = (req.num_tokens - 1) // self.kv.block_size
         num_blocks = self.connector.num_pull_blocks(req.request_id, req.prefix_pull,
                                                     num_full_blocks, num_local_blocks)
+        if num_blocks and not self.pins.can_hold(num_blocks):
+            self.num_pulls_skipped += 1
+            return 0  # the node's pin budget is spent: computing is the safe fallback
         return num_blocks * self.kv.block_size
 
     def on_parked(self, req: Request, num_local_blocks: int) -> None:
@@ -58,6 +64,7 @@ class PrefixPulls:
         assert num_tokens <= req.num_prompt_tokens, "pulled blocks must be full prompt blocks"
         prefix = PrefixTokens(req.prompt_token_ids[:num_tokens], self.kv.block_size,
                               num_local_blocks, req.extra.cache_salt, req.extra.lora_id)
+        self.pins.hold(("pull", req.request_id), len(block_ids) - num_local_blocks)
         self.connector.on_pull_allocated(req.request_id, req.prefix_pull,
                                          block_ids[num_local_blocks:], prefix)
 
@@ -70,6 +77,7 @@ class PrefixPulls:
         req.num_computed_tokens = req.num_cached_tokens = (num_local + num_pulled) * block_size
         self.kv.cache_blocks(req, req.num_computed_tokens)
         req.prefix_pull = None
+        self.pins.release(("pull", req.request_id))
 
     # ---- holder -------------------------------------------------------------------------
 

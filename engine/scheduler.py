@@ -253,7 +253,7 @@ class Scheduler:
         req = self.pinned.pop(request_id, None)
         if req is not None:
             self.kv.free(req)
-            self.pins.release(("send", request_id))
+            self.pins.release_request(request_id)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(req, req.num_computed_tokens, num_new,
@@ -323,7 +323,7 @@ class Scheduler:
             self.pins.start_clock(("send", request_id))
         else:
             self.kv.free(req)
-            self.pins.release(("send", request_id))
+            self.pins.release_request(request_id)
         return req
 
     def _remove_from_queue(self, req: Request) -> None:

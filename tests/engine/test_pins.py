@@ -2,7 +2,8 @@
 their decode node, prefix pulls being served — stay within the node's budget in count, and a
 send pin expires after `pin_timeout_s`. Torch-free scheduler scenarios (the production
 connector scheduler, the test playing the worker), then one on two real engines over the
-loopback connector. Every scenario ends with a leak check."""
+loopback connector. Prefix pulls this node makes count too: one past the budget is not made.
+Every scenario ends with a leak check."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from core.kv_connector import ConnectorResults, PrefixTokens, PullLookup
+from core.kv_connector import ConnectorResults, PrefixTokens, PullLookup, PullResult
 from core.kv_transfer import RemoteDecode, RemotePrefill
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
@@ -18,7 +19,8 @@ from engine.pins import OverloadedError, PinBudget
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request
-from tests.engine.test_scheduler import run_all
+from tests.engine.test_prefix_pulls import pulling
+from tests.engine.test_scheduler import run_all, step
 from tests.helpers import assert_pool_clean
 from tests.transfer.disagg import FakeClock
 from transfer.connector_scheduler import ConnectorScheduler
@@ -120,6 +122,32 @@ def test_served_pulls_are_cut_to_what_the_budget_has_left():
     sched.apply_connector_results(ConnectorResults(lookups=[PullLookup("pull-3", prefix)]))
     assert len(connector.build_plan().serves[0].block_ids) == 3  # the budget is back
     sched.apply_connector_results(ConnectorResults(served=["pull-3"]))
+    assert_pool_clean(pool)
+
+
+def test_a_pull_past_the_budget_is_not_made_and_the_prefix_is_computed():
+    sched, pool, connector = make_scheduler(max_pinned_blocks=4)
+    first, second = pulling(22, 5, "first"), pulling(22, 5, "second")
+    sched.add_request(first)
+    sched.add_request(second)
+    (chunk,) = step(sched).chunks  # "first" parks (alone, 5 blocks may pass the bound)
+    assert chunk.request_id == "second" and chunk.start == 0  # computed, not pulled
+    assert len(connector.build_plan().pulls) == 1 and sched.pulls.num_pulls_skipped >= 1
+    assert sched.pins.num_used == 5
+    sched.apply_connector_results(ConnectorResults(pulled=[PullResult("first", True, 5)]))
+    assert sched.pins.num_used == 0
+    run_all(sched)
+    assert_pool_clean(pool)
+
+
+def test_an_aborted_pull_holds_its_budget_until_the_holder_answers():
+    sched, pool, connector = make_scheduler(max_pinned_blocks=16)
+    sched.add_request(pulling(22, 5, "r"))
+    step(sched)
+    sched.finish_request("r", RequestStatus.FINISHED_ABORTED)
+    assert "r" in sched.pinned and sched.pins.num_used == 5
+    sched.apply_connector_results(ConnectorResults(pulled=[PullResult("r", False, 0, "x")]))
+    assert sched.pins.num_used == 0
     assert_pool_clean(pool)
 
 
