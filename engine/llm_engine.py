@@ -46,7 +46,7 @@ from engine.outputs import RequestOutput, StopStringChecker
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.validation import RequestLimits, validate_request
+from engine.validation import RequestLimits, validate_keys, validate_request
 
 logger = logging.getLogger(__name__)
 _CPU_KV_GIB = 1.0
@@ -145,6 +145,7 @@ class LLMEngine:
         """`prefix_pull` is ignored with `RemotePrefill`: the whole prompt's KV arrives."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
+        validate_keys(request_id, cache_salt)
         validate_request(token_ids, params, self.limits)
         if (kv_transfer is not None or prefix_pull is not None) and self.connector is None:
             raise ValueError("kv_transfer or prefix_pull was given but this engine has no KV "

@@ -1,6 +1,7 @@
 """Request checks that need the engine's knowledge (torch-free): `RequestLimits` — the
 vocabulary, the engine's limits and the model's length, fixed when the engine starts — and
-`validate_request`, which `LLMEngine.add_request` runs before any state changes.
+`validate_request` and `validate_keys` (the sizes of the request id and cache salt), which
+`LLMEngine.add_request` runs before any state changes.
 `SamplingParams` checks the rest (types, finite ranges, sizes) at construction. Every failure
 is a ValueError whose message names the field; a node server answers it with
 `RequestError("invalid_request")` for that request alone."""
@@ -12,6 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
+
+# Both travel with every reply or into every block hash: a megabyte salt would make each
+# block of the prompt hash a megabyte.
+MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +44,16 @@ def validate_request(token_ids: Sequence[int], params: SamplingParams,
         raise ValueError(f"logprobs must be in [0, {max_logprobs}] on this node, got "
                          f"{params.logprobs}")
     _check_length(len(token_ids), params.max_tokens, limits)
+
+
+def validate_keys(request_id: str, cache_salt: str | None) -> None:
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id must be a string of 1 to {MAX_REQUEST_ID_CHARS} "
+                         f"characters")
+    if cache_salt is not None and (not isinstance(cache_salt, str)
+                                   or len(cache_salt) > MAX_CACHE_SALT_CHARS):
+        raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} "
+                         f"characters")
 
 
 def check_token_ids(name: str, token_ids: Sequence[int], vocab_size: int) -> None:

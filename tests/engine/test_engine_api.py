@@ -213,6 +213,10 @@ def test_engine_refusals_name_the_field(engine) -> None:
     for prompt, params, field in cases:
         with pytest.raises(ValueError, match=field):
             engine.add_request("bad", prompt, SamplingParams(**params))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("x" * 257, [1, 2], SamplingParams())
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request("bad", [1, 2], SamplingParams(), cache_salt="s" * 1025)
     engine.add_request("edge", [0, 31999], SamplingParams(
         max_tokens=2, logprobs=20, stop_token_ids=[31999], seed=2**64 - 1, temperature=100.0))
     assert engine.abort_request("edge")
