@@ -15,7 +15,7 @@ from core.hashing import hash_block_tokens
 from core.node_wire import GenerateRequest, PrefixSource, SamplingSpec, TransferSpec
 from engine.node_client import NodeClient, tokens_of
 from metadata_service.client import MetadataClient
-from tests.cluster_secret import TEST_CURVE
+from tests.cluster_secret import TEST_CURVE, TEST_SECRET
 from tests.models import random_prompts
 
 ray = pytest.importorskip("ray")
@@ -28,7 +28,7 @@ def cluster(model_dirs):
     config = ClusterConfig(model=model_dirs["llama-gqa"], num_prefill=2, num_decode=2,
                            engine={"num_kv_blocks": 256, "block_size": 8}, kv_timeout_s=10,
                            node_cpus=0.5)
-    running = RayCluster(config).start()
+    running = RayCluster(config, cluster_secret=TEST_SECRET).start()
     yield running
     running.stop(drain_timeout_s=10)
 
