@@ -51,7 +51,8 @@ async def _run(config: ClusterConfig, cluster: RayCluster,
 
     def ready(base_url: str) -> None:
         print(f"pdcluster: serving {config.num_prefill} prefill + {config.num_decode} decode "
-              f"nodes at {base_url}", flush=True)
+              f"nodes at {base_url} (metadata service at {cluster.metadata_address})",
+              flush=True)
         if on_ready is not None:
             on_ready(base_url)
 
