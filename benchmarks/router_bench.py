@@ -13,6 +13,9 @@ servers in this process (they answer every request at once, so what is timed is 
   minus the same request sent straight to the node over ZMQ, same run; timed once the router
   reports its mirror in sync (the service streamed it the whole index);
 - `requests_per_s` with 64 concurrent streaming clients.
+Node sockets speak ZMQ CURVE, as in a cluster (the router holds the cluster secret); the price
+of it is measured in the same run: `direct_node_p50_ms` (CURVE) against
+`direct_node_plain_p50_ms`, the same instant node on a plaintext socket.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import asyncio
 import http.client
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -32,7 +36,17 @@ from dataclasses import asdict, dataclass
 
 import zmq
 
-from benchmarks.metadata_bench import HASH, Population, free_port, ingest, start_service, wait_ready
+from benchmarks.metadata_bench import (
+    HASH,
+    Population,
+    free_port,
+    ingest,
+    node_client,
+    start_service,
+    wait_ready,
+)
+from core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, CurveKeys
+from core.curve import secure_server
 from core.node_wire import (
     GenerateRequest,
     LoadQuery,
@@ -57,11 +71,14 @@ QUICK = Sizes(nodes=16, blocks=50_000, samples=200, concurrency=16, load_request
 
 
 class InstantNode:
-    """A node server that answers every request at once: one TokenDelta with all tokens."""
+    """A node server that answers every request at once: one TokenDelta with all tokens.
+    A CURVE server with `curve` (as real nodes are), plaintext with None."""
 
-    def __init__(self) -> None:
+    def __init__(self, curve: CurveKeys | None) -> None:
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            secure_server(self._socket, curve)
         self.address = f"tcp://127.0.0.1:{self._socket.bind_to_random_port('tcp://127.0.0.1')}"
         self._rng = random.Random(len(self.address))
         self._stop = threading.Event()
@@ -98,32 +115,43 @@ def run(args: argparse.Namespace) -> dict:
     sizes = QUICK if getattr(args, "quick", False) else Sizes()
     with tempfile.TemporaryDirectory(prefix="pdcluster-router-bench-") as tmp:
         model = str(make_tiny_model(f"{tmp}/model"))
-        nodes = [InstantNode() for _ in range(4)]
+        secret = ClusterSecret.generate()
+        nodes = [InstantNode(secret.curve_keys()) for _ in range(4)]
+        plain = InstantNode(None)
         meta_port = free_port()
-        procs = [start_service(meta_port, None)]
+        procs = [start_service(meta_port, None, secret)]
         try:
-            return {**asdict(sizes), **_measure(sizes, model, nodes, meta_port, procs)}
+            result = _measure(sizes, model, nodes, meta_port, procs, secret)
+            keys = secret.curve_keys()
+            direct = _direct_ms(nodes[0].address, sizes.samples, keys)
+            direct_plain = _direct_ms(plain.address, sizes.samples, None)
+            result["direct_node_plain_p50_ms"] = round(statistics.median(direct_plain), 3)
+            result["curve_cost_p50_ms"] = round(statistics.median(direct)
+                                                - statistics.median(direct_plain), 3)
+            return {**asdict(sizes), **result}
         finally:
             for proc in procs:
                 proc.kill()
                 proc.wait()
-            for node in nodes:
+            for node in [*nodes, plain]:
                 node.close()
 
 
 def _measure(sizes: Sizes, model: str, nodes: list[InstantNode], meta_port: int,
-             procs: list) -> dict:
+             procs: list, secret: ClusterSecret) -> dict:
     pop = Population(sizes.nodes, sizes.blocks, 128)
     prompts = _prompts(model)
-    _populate(f"127.0.0.1:{meta_port}", pop, nodes, prompts)
-    decision_us = _decisions(pop, nodes, model, sizes.samples)
+    _populate(f"127.0.0.1:{meta_port}", pop, nodes, secret)
+    decision_us = _decisions(pop, nodes, model, sizes.samples, secret)
     port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
     procs.append(subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "router", "serve", "--model", model,
          "--metadata", f"127.0.0.1:{meta_port}", "--port", str(port)],
+        env={**env, SECRET_ENV: secret.to_text()},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     _wait_healthy(port, sizes.nodes)
-    direct = _direct_ms(nodes[0].address, prompts, sizes.samples)
+    direct = _direct_ms(nodes[0].address, sizes.samples, secret.curve_keys())
     routed = _routed_ms(port, prompts, sizes.samples)
     rps = asyncio.run(_load(port, prompts, sizes))
     pct = lambda xs, q: statistics.quantiles(xs, n=100)[q - 1]  # noqa: E731
@@ -145,29 +173,30 @@ def _prompts(model: str) -> list[str]:
     return [system + " ".join(f"w{rng.randrange(1000)}" for _ in range(30)) for _ in range(64)]
 
 
-def _populate(address: str, pop: Population, nodes: list[InstantNode], prompts) -> None:
-    """Register the nodes, ingest the 1M-block population, and give some nodes the prompts'
-    shared prefix so queries find real matches."""
+def _populate(address: str, pop: Population, nodes: list[InstantNode],
+              secret: ClusterSecret) -> None:
+    """Register the nodes (each with its own credential) and ingest the 1M-block
+    population."""
     from metadata_service.client import MetadataClient, make_node_info
 
     infos = {}
-    with MetadataClient(address, timeout_s=30) as client:
+    with MetadataClient(address, cluster_secret=secret, timeout_s=30) as client:
         wait_ready(client)
-        for i, node_id in enumerate(pop.node_ids):
-            role = "prefill" if i % 2 == 0 else "decode"
-            infos[node_id] = make_node_info(node_id, role, request_address=nodes[i % 4].address,
-                                            kv_address="tcp://127.0.0.1:9")
+    for i, node_id in enumerate(pop.node_ids):
+        role = "prefill" if i % 2 == 0 else "decode"
+        infos[node_id] = make_node_info(node_id, role, request_address=nodes[i % 4].address,
+                                        kv_address="tcp://127.0.0.1:9")
+        with node_client(address, secret, node_id) as client:
             client.register(infos[node_id], 300)
-    ingest(address, pop, infos)
+    ingest(address, pop, infos, secret)
 
 
-def _decisions(pop: Population, nodes: list[InstantNode], model: str,
-               samples: int) -> list[float]:
+def _decisions(pop: Population, nodes: list[InstantNode], model: str, samples: int,
+               secret: ClusterSecret) -> list[float]:
     """Microseconds per decision: the index walk over the request's chain, then the live
     router's `Dispatcher.decide` (views refreshed in place, the policy) over the 64 nodes,
     whose load it has polled from the instant nodes like the live router."""
     from core.block_index import BlockIndex
-    from core.credentials import ClusterSecret
     from router.config import NodeSpec, RouterConfig
     from router.dispatch import Dispatcher
     from router.metrics import RouterMetrics
@@ -180,8 +209,7 @@ def _decisions(pop: Population, nodes: list[InstantNode], model: str,
     chains = [[c[i:i + HASH] for i in range(0, len(c), HASH)] for c in pop.hot]
     specs = tuple(NodeSpec(n, "prefill" if i % 2 == 0 else "decode", nodes[i % 4].address,
                            "tcp://127.0.0.1:9") for i, n in enumerate(pop.node_ids))
-    config = RouterConfig(model_dir=model, nodes=specs, seed=0,
-                          cluster_secret=ClusterSecret.generate())
+    config = RouterConfig(model_dir=model, nodes=specs, seed=0, cluster_secret=secret)
 
     async def measure() -> list[float]:
         dispatcher, out = Dispatcher(config, RouterMetrics()), []
@@ -215,10 +243,10 @@ def _wait_healthy(port: int, num_nodes: int, timeout_s: float = 120.0) -> None:
     raise TimeoutError("the router did not see every node healthy and its index in sync")
 
 
-def _direct_ms(address: str, prompts: list[str], samples: int) -> list[float]:
+def _direct_ms(address: str, samples: int, curve: CurveKeys | None) -> list[float]:
     from engine.node_client import NodeClient
 
-    client, out = NodeClient(address), []
+    client, out = NodeClient(address, curve=curve), []
     ids = list(range(3, 203))  # a prompt of the same order of length, already tokenized
     for i in range(samples + 20):
         start = time.perf_counter()
