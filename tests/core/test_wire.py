@@ -74,12 +74,12 @@ def test_transfer_requests_are_checked_beyond_types(body, match):
             "block_nbytes": 4096, "num_blocks": 3, "skip_blocks": 1,
             "dest_block_addrs": [8192, 16384]}
     with pytest.raises(WireError, match=match):
-        kv_transfer.decode(frame("XferRequest", {**good, **body}))
+        kv_transfer.decode(frame("XferRequest", {**good, **body}, v=kv_transfer.WIRE_VERSION))
 
 
 def test_an_integer_logprob_decodes_as_float():
     msg = kv_transfer.decode(frame("XferDone", {"transfer_id": "t", "ok": True,
-                                                "first_logprob": 0}))
+                                                "first_logprob": 0}, v=kv_transfer.WIRE_VERSION))
     assert msg.first_logprob == 0.0 and isinstance(msg.first_logprob, float)
 
 
