@@ -36,6 +36,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--metadata", default=None,
                         help="address of a running metadata service (default: an embedded "
                         "in-memory one)")
+    add_metadata_tls_args(parser)
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="weights and KV dtype (default: float32 on CPU, half on CUDA)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -59,7 +60,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = ClusterConfig(model=args.model, num_prefill=args.num_prefill,
                                num_decode=args.num_decode, engine=engine,
                                metadata_address=args.metadata, router_host=args.host,
-                               router_port=args.port, node_gpus=args.gpus_per_node)
+                               router_port=args.port, node_gpus=args.gpus_per_node,
+                               **metadata_tls_fields(args))
     return serve(config, cluster_secret=_serve_secret())
 
 
@@ -83,6 +85,26 @@ def _serve_secret():
     return secret
 
 
+def add_metadata_tls_args(parser: argparse.ArgumentParser) -> None:
+    """TLS to an external metadata service (`pdcluster serve` hands them to every node)."""
+    parser.add_argument("--metadata-tls-ca", default=None,
+                        help="PEM CA that signed the metadata service's certificate: connect "
+                        "with TLS (default: plaintext)")
+    parser.add_argument("--metadata-tls-cert", default=None,
+                        help="PEM client certificate to present (mTLS; with --metadata-tls-key)")
+    parser.add_argument("--metadata-tls-key", default=None,
+                        help="PEM private key of --metadata-tls-cert")
+    parser.add_argument("--metadata-tls-server-name", default=None,
+                        help="name to check in the service's certificate (default: the host "
+                        "of the metadata address)")
+
+
+def metadata_tls_fields(args: argparse.Namespace) -> dict[str, str | None]:
+    return {"metadata_tls_ca": args.metadata_tls_ca, "metadata_tls_cert": args.metadata_tls_cert,
+            "metadata_tls_key": args.metadata_tls_key,
+            "metadata_tls_server_name": args.metadata_tls_server_name}
+
+
 def add_router(subparsers: argparse._SubParsersAction) -> None:
     router = subparsers.add_parser(
         "router", help="The OpenAI-compatible router on its own (nodes found through the "
@@ -101,6 +123,7 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
                        help="model folder (tokenizer and chat template come from it)")
     serve.add_argument("--model-name", default="", help="served model name (default: folder)")
     serve.add_argument("--metadata", required=True, help="metadata service address host:port")
+    add_metadata_tls_args(serve)
     serve.add_argument("--block-size", type=int, default=16, help="the nodes' KV block size")
     serve.add_argument("--local-prefill-threshold", type=int, default=256,
                        help="uncached prompt tokens below which the decode node prefills")
@@ -127,7 +150,7 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
         config = RouterConfig(
             model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
             metadata_address=args.metadata, api_keys=api_keys_from_env(),
-            cluster_secret=secret,
+            cluster_secret=secret, **metadata_tls_fields(args),
             max_migrations=args.max_migrations, index_mirror=args.index_mirror,
             policy=PolicyConfig(block_size=args.block_size,
                                 local_prefill_threshold=args.local_prefill_threshold,
@@ -166,6 +189,9 @@ def add_metadata(subparsers: argparse._SubParsersAction) -> None:
                        help="etcd: at most one write per node per this many seconds")
     serve.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
     serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    serve.add_argument("--tls-client-ca", default=None,
+                       help="PEM CA: require every client to present a certificate it signed "
+                       "(mTLS; needs --tls-cert). Tokens are still checked on every call")
     serve.add_argument("--replica-id", default="", help="name in etcd (default: random)")
 
 
@@ -181,7 +207,8 @@ def _cmd_metadata_serve(args: argparse.Namespace) -> int:
             etcd_prefix=args.etcd_prefix, hash_size=args.hash_size,
             default_lease_ttl_s=args.lease_ttl, flush_interval_s=args.flush_interval,
             cluster_secret=secret,
-            tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, replica_id=args.replica_id,
+            tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
+            tls_client_ca_file=args.tls_client_ca, replica_id=args.replica_id,
         )
 
     def ready(port: int) -> None:

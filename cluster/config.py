@@ -7,7 +7,10 @@ cluster.yaml:
     num_decode: 2
     engine: {dtype: bfloat16, block_size: 16, max_num_seqs: 64, max_num_batched_tokens: 2048}
     transfer: {protocol: rdma, device_name: "", timeout_s: 30}
-    metadata: {address: "metadata:50061"}      # absent: an embedded in-memory service
+    metadata: {address: "metadata:50061",      # absent: an embedded in-memory service
+               tls_ca: /tls/ca.crt,            # TLS to it (router and nodes); absent: plaintext
+               tls_cert: /tls/client.crt, tls_key: /tls/client.key,   # mTLS client cert
+               tls_server_name: metadata}      # name in its certificate, if not the address's
     router: {host: 0.0.0.0, port: 8000, enabled: true}   # false: a router runs elsewhere
     node: {gpus: 1, max_restarts: 3, local_prefill_threshold_tokens: 256,
            global_reuse_min_tokens: 512,        # pull a cached prefix this long; 0: never
@@ -21,8 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.tls import ClientTLS
+
 _SECTIONS = {"model", "num_prefill", "num_decode", "engine", "transfer", "metadata", "router",
              "node", "host"}
+_METADATA_KEYS = {"address", "tls_ca", "tls_cert", "tls_key", "tls_server_name"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +42,11 @@ class ClusterConfig:
     kv_device: str = ""
     kv_timeout_s: float = 30.0
     metadata_address: str | None = None  # None: start an in-memory service in the launcher
+    # TLS to an external metadata service, for the router and every node (core.tls.ClientTLS)
+    metadata_tls_ca: str | None = None
+    metadata_tls_cert: str | None = None
+    metadata_tls_key: str | None = None
+    metadata_tls_server_name: str | None = None
     router_host: str = "127.0.0.1"
     router_port: int = 8000
     router_enabled: bool = True
@@ -58,6 +69,18 @@ class ClusterConfig:
             raise ValueError(f"router port {self.router_port} out of range")
         if self.kv_protocol not in ("tcp", "rdma"):
             raise ValueError(f"transfer protocol must be tcp or rdma, got {self.kv_protocol!r}")
+        tls = ClientTLS.from_fields(self.metadata_tls_ca, self.metadata_tls_cert,
+                                    self.metadata_tls_key, self.metadata_tls_server_name)
+        if tls is not None and self.metadata_address is None:
+            raise ValueError("metadata TLS settings need an external metadata service (its "
+                             "address): the embedded one serves plaintext on 127.0.0.1")
+
+    def metadata_tls_fields(self) -> dict[str, str | None]:
+        """The `metadata_tls_*` fields, as RouterConfig and NodeConfig take them."""
+        return {"metadata_tls_ca": self.metadata_tls_ca,
+                "metadata_tls_cert": self.metadata_tls_cert,
+                "metadata_tls_key": self.metadata_tls_key,
+                "metadata_tls_server_name": self.metadata_tls_server_name}
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterConfig:
@@ -75,6 +98,9 @@ class ClusterConfig:
             raise ValueError(f"unknown cluster config keys: {sorted(unknown)}")
         transfer, node = data.get("transfer") or {}, data.get("node") or {}
         router, metadata = data.get("router") or {}, data.get("metadata") or {}
+        unknown = set(metadata) - _METADATA_KEYS  # a mistyped tls_ca would mean plaintext
+        if unknown:
+            raise ValueError(f"unknown metadata config keys: {sorted(unknown)}")
         engine = {k: v for k, v in (data.get("engine") or {}).items() if v is not None}
         return cls(
             model=data["model"], num_prefill=data.get("num_prefill", 1),
@@ -83,6 +109,9 @@ class ClusterConfig:
             kv_device=transfer.get("device_name", ""),
             kv_timeout_s=transfer.get("timeout_s", 30.0),
             metadata_address=metadata.get("address"),
+            metadata_tls_ca=metadata.get("tls_ca"), metadata_tls_cert=metadata.get("tls_cert"),
+            metadata_tls_key=metadata.get("tls_key"),
+            metadata_tls_server_name=metadata.get("tls_server_name"),
             router_host=router.get("host", "127.0.0.1"), router_port=router.get("port", 8000),
             router_enabled=router.get("enabled", True),
             role_resource_prefix=node.get("role_resource_prefix"),

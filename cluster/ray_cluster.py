@@ -96,6 +96,7 @@ class RayCluster:
             max_concurrency=4)
         return remote.remote(node_id, cfg.model, host=cfg.host, engine_options=dict(cfg.engine),
                              metadata_address=self.metadata_address,
+                             **cfg.metadata_tls_fields(),
                              # the hex text, as a constructor option (node/actor.py says why)
                              cluster_secret=self.cluster_secret.to_text(),
                              kv_protocol=cfg.kv_protocol, kv_device=cfg.kv_device,

@@ -5,6 +5,8 @@ any thread) and ``AsyncMetadataClient`` (asyncio), with the same methods. gRPC f
 Credentials: ``token=`` (a bearer token, ``ClusterSecret.metadata_token(principal)``), or
 ``cluster_secret=`` and ``principal=`` (default ``SERVICE``: read, never act as a node; a node
 passes ``node_principal(its id)``). The service refuses a call without one.
+TLS: ``tls_ca_file=`` (verify the service), ``tls_server_name=`` (if the address is not in its
+certificate), ``tls_cert_file=``/``tls_key_file=`` (present a client certificate: mTLS).
 
 Nodes use ``NodePublisher`` (in ``metadata_service.publisher``) on top of a client: it numbers
 batches and answers resync requests with snapshots.
@@ -16,12 +18,12 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from pathlib import Path
 
 import grpc
 
 from core.credentials import SERVICE, ClusterSecret
 from core.events import KVEvent
+from core.tls import ClientTLS
 from core.types import BlockHash, NodeId
 from metadata_service.codec import pack_hashes
 from metadata_service.errors import (
@@ -85,16 +87,6 @@ def translate_error(exc: grpc.RpcError) -> MetadataError:
     return MetadataRequestError(f"metadata service rejected the request ({code.name}): {details}")
 
 
-def _credentials(tls_ca_file: str | None) -> grpc.ChannelCredentials | None:
-    if tls_ca_file is None:
-        return None
-    return grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes())
-
-
-def _channel_options(tls_server_name: str | None) -> list[tuple[str, object]]:
-    if tls_server_name is None:
-        return list(GRPC_OPTIONS)
-    return [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", tls_server_name)]
 
 
 def _query_request(
@@ -121,6 +113,8 @@ class _Base:
         principal: str = SERVICE,
         tls_ca_file: str | None = None,
         tls_server_name: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
         timeout_s: float = 5.0,
     ) -> None:
         self.address = address
@@ -130,8 +124,9 @@ class _Base:
                 raise ValueError("give token or cluster_secret, not both")
             token = cluster_secret.metadata_token(principal)
         self._metadata = ((AUTH_HEADER, f"Bearer {token}"),) if token else None
-        self._credentials = _credentials(tls_ca_file)
-        self._options = _channel_options(tls_server_name)
+        tls = ClientTLS.from_fields(tls_ca_file, tls_cert_file, tls_key_file, tls_server_name)
+        self._credentials = tls.channel_credentials() if tls is not None else None
+        self._options = [*GRPC_OPTIONS, *(tls.channel_options() if tls is not None else ())]
 
 
 class MetadataClient(_Base):

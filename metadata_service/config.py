@@ -45,6 +45,10 @@ class MetadataConfig:
     allow_unauthenticated: bool = False
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # mTLS: require a client certificate signed by this CA (PEM) on every connection; the
+    # token is still required on every call (the certificate authenticates the connection,
+    # the token the principal).
+    tls_client_ca_file: str | None = None
     replica_id: str = ""  # empty: a random one per process
 
     def __post_init__(self) -> None:
@@ -74,6 +78,9 @@ class MetadataConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("TLS needs both tls_cert_file and tls_key_file, or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mTLS) needs TLS: tls_cert_file and "
+                             "tls_key_file")
         if self.allow_unauthenticated:
             if self.cluster_secret is not None:
                 raise ValueError("give cluster_secret or allow_unauthenticated, not both")

@@ -12,6 +12,10 @@ UNAUTHENTICATED before any work, streams included. Authorization: any principal 
 Snapshot and Deregister for node X are allowed only to principal ``node/X`` (PERMISSION_DENIED
 otherwise), checked in the servicer, which alone sees the request's node id.
 
+TLS (config ``tls_cert_file``/``tls_key_file``) and mTLS (``tls_client_ca_file``: a client
+without a certificate signed by that CA fails the handshake) protect the connection; the token
+is checked on top, whatever the transport.
+
 API: ``make_store``, ``MetadataServer`` (run in the current loop), ``ServerThread`` (run in a
 background thread: embedding, tests, benchmarks), ``serve`` (the CLI's foreground server).
 """
@@ -189,6 +193,24 @@ def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(_deny, **kwargs)
 
 
+def _server_credentials(config: MetadataConfig) -> grpc.ServerCredentials:
+    """TLS with the service's certificate; with a client CA, mTLS: the handshake fails for a
+    client that presents no certificate or one the CA did not sign."""
+    key = Path(config.tls_key_file).read_bytes()
+    cert = Path(config.tls_cert_file).read_bytes()
+    if config.tls_client_ca_file is None:
+        return grpc.ssl_server_credentials([(key, cert)])
+    return grpc.ssl_server_credentials([(key, cert)],
+                                       root_certificates=Path(config.tls_client_ca_file)
+                                       .read_bytes(), require_client_auth=True)
+
+
+def _transport_name(config: MetadataConfig) -> str:
+    if config.tls_client_ca_file:
+        return "mTLS"
+    return "TLS" if config.tls_cert_file else "plaintext"
+
+
 class MetadataServer:
     """A gRPC server around one ``MetadataService``, in the running event loop."""
 
@@ -206,9 +228,7 @@ class MetadataServer:
         pb_grpc.add_MetadataServiceServicer_to_server(_Servicer(self.service, secret), server)
         address = self.config.address
         if self.config.tls_cert_file:
-            key = Path(self.config.tls_key_file).read_bytes()
-            cert = Path(self.config.tls_cert_file).read_bytes()
-            self.port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+            self.port = server.add_secure_port(address, _server_credentials(self.config))
         else:
             self.port = server.add_insecure_port(address)
         await server.start()
@@ -216,8 +236,9 @@ class MetadataServer:
         if secret is None:
             logger.warning("metadata service WITHOUT authentication (allow_unauthenticated: "
                            "for tests only)")
-        logger.info("metadata service (%s backend) listening on %s:%d",
-                    self.service.store.name, self.config.host, self.port)
+        logger.info("metadata service (%s backend) listening on %s:%d (%s)",
+                    self.service.store.name, self.config.host, self.port,
+                    _transport_name(self.config))
         return self.port
 
     async def stop(self, grace_s: float = 1.0) -> None:

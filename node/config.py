@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.credentials import ClusterSecret
+from core.tls import ClientTLS
 
 ROLES = ("prefill", "decode")
 _NODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -22,6 +23,12 @@ class NodeConfig:
     port: int = 0  # request endpoint; 0 picks a free port
     engine_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig keywords
     metadata_address: str | None = None  # None: run without the global index
+    # TLS to the metadata service (core.tls.ClientTLS): its CA; a client certificate and
+    # key when it requires mTLS; the name in its certificate. All None: plaintext.
+    metadata_tls_ca: str | None = None
+    metadata_tls_cert: str | None = None
+    metadata_tls_key: str | None = None
+    metadata_tls_server_name: str | None = None
     # Required (None is refused below): the node's CURVE keys and its metadata-service
     # credential (principal node/<node_id>) derive from it. Nothing serves a stranger.
     cluster_secret: ClusterSecret | None = None
@@ -53,3 +60,9 @@ class NodeConfig:
         if not isinstance(self.cluster_secret, ClusterSecret):
             raise ValueError(f"node {self.node_id}: cluster_secret (a core.credentials."
                              "ClusterSecret) is required: a node never serves without it")
+        _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
+
+    @property
+    def metadata_tls(self) -> ClientTLS | None:
+        return ClientTLS.from_fields(self.metadata_tls_ca, self.metadata_tls_cert,
+                                     self.metadata_tls_key, self.metadata_tls_server_name)

@@ -27,6 +27,18 @@ from transfer.transport import MooncakeTransport
 logger = logging.getLogger(__name__)
 
 
+def metadata_client(config: NodeConfig) -> MetadataClient:
+    """The node's client of the metadata service: its own principal (the service lets it act
+    only as itself), over TLS when the config names a CA."""
+    assert config.metadata_address is not None, "no metadata service configured"
+    token = config.cluster_secret.metadata_token(node_principal(config.node_id))
+    return MetadataClient(config.metadata_address, token=token,
+                          tls_ca_file=config.metadata_tls_ca,
+                          tls_cert_file=config.metadata_tls_cert,
+                          tls_key_file=config.metadata_tls_key,
+                          tls_server_name=config.metadata_tls_server_name)
+
+
 class NodeRuntime:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
@@ -53,9 +65,7 @@ class NodeRuntime:
                               kv_address=self.kv_address, model=cfg.model,
                               block_size=engine.config.block_size,
                               capacity_blocks=engine.kv_spec.num_blocks)
-        # A node presents its own principal: the service lets it act only as itself.
-        token = cfg.cluster_secret.metadata_token(node_principal(cfg.node_id))
-        client = MetadataClient(cfg.metadata_address, token=token)
+        client = metadata_client(cfg)
         pool = engine.block_pool
         # list() of a dict copies it atomically under the GIL: the engine thread may be mid-step.
         return EventPublisherThread(client, info, lambda: list(pool.cached_block_map),

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.credentials import ClusterSecret
+from core.tls import ClientTLS
 from router.policy import ROLES, PolicyConfig
 
 
@@ -36,6 +37,13 @@ class RouterConfig:
     port: int = 8000
     nodes: tuple[NodeSpec, ...] = ()
     metadata_address: str | None = None
+    # TLS to the metadata service (core.tls.ClientTLS): the CA that signed its certificate;
+    # a client certificate and key when it requires mTLS; the name to check in its
+    # certificate when the address is not in it. All None: plaintext.
+    metadata_tls_ca: str | None = None
+    metadata_tls_cert: str | None = None
+    metadata_tls_key: str | None = None
+    metadata_tls_server_name: str | None = None
     # Required (None is refused below): the router's CURVE keys for the node sockets and its
     # metadata-service credential (principal SERVICE) derive from it.
     cluster_secret: ClusterSecret | None = None
@@ -72,3 +80,9 @@ class RouterConfig:
         if not isinstance(self.cluster_secret, ClusterSecret):
             raise ValueError("cluster_secret (a core.credentials.ClusterSecret) is required: "
                              "the router reaches nodes and the metadata service with it")
+        _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
+
+    @property
+    def metadata_tls(self) -> ClientTLS | None:
+        return ClientTLS.from_fields(self.metadata_tls_ca, self.metadata_tls_cert,
+                                     self.metadata_tls_key, self.metadata_tls_server_name)

@@ -99,7 +99,7 @@ class Dispatcher:
                 self.config.metadata_address,
                 token=self.config.cluster_secret.metadata_token(SERVICE),
                 timeout_s=self.config.metadata_timeout_s, retry_s=self.config.metadata_retry_s,
-                mirror=self.config.index_mirror)
+                mirror=self.config.index_mirror, tls=self.config.metadata_tls)
         self._sync_nodes(list(self.config.nodes))
         await self.refresh()
         self._loop_task = asyncio.create_task(self._refresh_forever(), name="router-load")

@@ -20,8 +20,12 @@ off for falling behind resubscribes the same way.
 State for /health and /metrics: `available`, `failures`, `last_error` (the per-request path),
 `mirror_in_sync`, `mirror_blocks`, `mirror_syncs` (snapshots loaded), `watch_error`,
 `bad_updates` (messages of a kind this router does not know, skipped).
-`list_nodes()` is node discovery. Construct the link inside the running event loop (the
-gRPC channel needs one): the constructor starts the watch; `close()` cancels it.
+`list_nodes()` is node discovery. `tls=` (a `core.tls.ClientTLS`) opens a TLS channel (and
+presents a client certificate when the service requires mTLS); without it, plaintext. A
+channel that cannot complete its handshake (plaintext against a TLS service, a wrong CA, no
+client certificate under mTLS) fails calls with UNAVAILABLE: the link goes degraded, as when
+the service is down. Construct the link inside the running event loop (the gRPC channel
+needs one): the constructor starts the watch; `close()` cancels it.
 
 API: `MetadataLink`, `PrefixHits`.
 """
@@ -37,6 +41,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from core.block_index import BlockIndex
+from core.tls import ClientTLS
 from core.types import BlockHash, NodeId
 from proto import metadata_pb2 as pb
 from proto import metadata_pb2_grpc as pb_grpc
@@ -57,7 +62,7 @@ class MetadataLink:
     def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 0.5,
                  retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  mirror: bool = True, backoff_s: float = 0.1, max_backoff_s: float = 5.0,
-                 keepalive_s: float = 10.0) -> None:
+                 keepalive_s: float = 10.0, tls: ClientTLS | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.retry_s = retry_s
@@ -76,10 +81,7 @@ class MetadataLink:
         self._clock = clock
         self._retry_at = 0.0
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        # keepalive: a silently dead peer breaks the stream (the mirror would go stale)
-        self._channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
-            ("grpc.keepalive_timeout_ms", int(max(1.0, keepalive_s / 2) * 1000))])
+        self._channel = _channel(address, keepalive_s, tls)
         self._stub = pb_grpc.MetadataServiceStub(self._channel)
         if mirror:
             self._watch_task = asyncio.create_task(self._watch_forever(), name="metadata-watch")
@@ -195,6 +197,16 @@ class MetadataLink:
             logger.warning("metadata service %s is back: prefix-aware routing", self.address)
         self.available = True
         self.last_error = ""
+
+
+def _channel(address: str, keepalive_s: float, tls: ClientTLS | None) -> grpc.aio.Channel:
+    # keepalive: a silently dead peer breaks the stream (the mirror would go stale)
+    options = [("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+               ("grpc.keepalive_timeout_ms", int(max(1.0, keepalive_s / 2) * 1000))]
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                   options=[*options, *tls.channel_options()])
 
 
 def _apply(mirror: BlockIndex, update: pb.BlockUpdate) -> bool:

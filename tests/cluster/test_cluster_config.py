@@ -6,6 +6,7 @@ import pytest
 
 from cluster.config import ClusterConfig
 from cluster.launch import router_config
+from node.config import NodeConfig
 from tests.cluster_secret import TEST_SECRET
 
 
@@ -36,7 +37,45 @@ def test_yaml_sections_map_to_fields(tmp_path):
     ({"model": "m", "transfer": {"protocol": "udp"}}, "tcp or rdma"),
     ({"model": "m", "router": {"port": 0}}, "port"),
     ({"model": "m", "node": {"global_reuse_min_tokens": -1}}, "global_reuse_min_tokens"),
+    ({"model": "m", "metadata": {"tls_ca": "/tls/ca.crt"}}, "external metadata service"),
+    ({"model": "m", "metadata": {"address": "meta:1", "tls_ca": "ca", "tls_cert": "c"}},
+     "both its cert and key"),
+    ({"model": "m", "metadata": {"address": "meta:1", "tls_key": "k"}}, "need metadata_tls_ca"),
+    ({"model": "m", "metadata": {"address": "meta:1", "tls-ca": "ca"}},
+     "unknown metadata config keys"),
 ])
 def test_bad_configs_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         ClusterConfig.from_dict(bad)
+
+
+def test_metadata_tls_reaches_the_router_and_the_node_options():
+    config = ClusterConfig.from_dict({"model": "m", "metadata": {
+        "address": "meta:50061", "tls_ca": "/tls/ca.crt", "tls_cert": "/c/tls.crt",
+        "tls_key": "/c/tls.key", "tls_server_name": "meta.svc"}})
+    fields = {"metadata_tls_ca": "/tls/ca.crt", "metadata_tls_cert": "/c/tls.crt",
+              "metadata_tls_key": "/c/tls.key", "metadata_tls_server_name": "meta.svc"}
+    assert config.metadata_tls_fields() == fields
+    tls = router_config(config, "meta:50061", TEST_SECRET).metadata_tls
+    assert (tls.ca_file, tls.cert_file, tls.key_file, tls.server_name) == \
+        ("/tls/ca.crt", "/c/tls.crt", "/c/tls.key", "meta.svc")
+    assert NodeConfig(node_id="p0", role="prefill", model="m", cluster_secret=TEST_SECRET,
+                      metadata_address="meta:50061", **fields).metadata_tls == tls
+    assert router_config(ClusterConfig(model="m"), "x:1", TEST_SECRET).metadata_tls is None
+
+
+def test_cli_metadata_tls_flags_reach_the_configs():
+    from cluster import cli
+    from cluster.cli_services import metadata_tls_fields
+
+    tls = ["--metadata-tls-ca", "ca.crt", "--metadata-tls-cert", "c.crt",
+           "--metadata-tls-key", "c.key", "--metadata-tls-server-name", "meta"]
+    parser = cli.build_parser()
+    router = parser.parse_args(["router", "serve", "--model", "m", "--metadata", "x:1", *tls])
+    serve = parser.parse_args(["serve", "--model", "m", "--metadata", "x:1", *tls])
+    expected = {"metadata_tls_ca": "ca.crt", "metadata_tls_cert": "c.crt",
+                "metadata_tls_key": "c.key", "metadata_tls_server_name": "meta"}
+    assert metadata_tls_fields(router) == metadata_tls_fields(serve) == expected
+    metadata = parser.parse_args(["metadata", "serve", "--tls-cert", "s.crt", "--tls-key",
+                                  "s.key", "--tls-client-ca", "clients.crt"])
+    assert metadata.tls_client_ca == "clients.crt"

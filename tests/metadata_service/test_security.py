@@ -1,4 +1,4 @@
-"""Credentials on every call, node identity, and TLS: missing or wrong credentials are refused
+"""Credentials on every call, node identity, TLS and mTLS: missing or wrong credentials are refused
 (UNAUTHENTICATED), a node's credential acts only for that node (PERMISSION_DENIED), the
 service credential reads but never acts as a node. tests/security/ attacks the real processes.
 """
@@ -16,11 +16,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from core.credentials import SERVICE, ClusterSecret, node_principal
+from core.tls import ClientTLS, TLSFileError
 from metadata_service.client import MetadataClient, make_node_info
 from metadata_service.errors import MetadataAuthError, MetadataUnavailable
 from metadata_service.server import ServerThread
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import make_chain, make_config
+from tests.tls_certs import make_pki
 
 OTHER_SECRET = ClusterSecret(bytes(range(1, 33)))
 
@@ -139,3 +141,38 @@ def test_tls_with_token(tmp_path: Path) -> None:
 def test_config_rejects_half_tls() -> None:
     with pytest.raises(ValueError, match="both tls_cert_file and tls_key_file"):
         make_config(tls_cert_file="x.pem")
+
+
+def test_mtls_requires_a_certificate_from_the_client_ca(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    config = make_config(cluster_secret=TEST_SECRET, tls_cert_file=pki.server_cert,
+                         tls_key_file=pki.server_key, tls_client_ca_file=pki.client_ca)
+    with ServerThread(config) as server:
+        for keys in ({}, {"tls_cert_file": pki.rogue_cert, "tls_key_file": pki.rogue_key}):
+            with MetadataClient(server.address, token=SERVICE_TOKEN, tls_ca_file=pki.ca,
+                                timeout_s=2, **keys) as c, pytest.raises(MetadataUnavailable):
+                c.ping()
+        with MetadataClient(server.address, token=node_token("p0"), tls_ca_file=pki.ca,
+                            tls_cert_file=pki.client_cert, tls_key_file=pki.client_key) as c:
+            c.register(make_node_info("p0", "prefill"), 5)
+            assert [n.node_id for n in c.list_nodes()] == ["p0"]
+        with MetadataClient(server.address, tls_ca_file=pki.ca, tls_cert_file=pki.client_cert,
+                            tls_key_file=pki.client_key) as c, \
+                pytest.raises(MetadataAuthError, match="UNAUTHENTICATED"):
+            c.ping()  # the certificate opens the connection, not the calls
+
+
+def test_config_rejects_a_client_ca_without_tls() -> None:
+    with pytest.raises(ValueError, match="tls_client_ca_file .mTLS. needs TLS"):
+        make_config(cluster_secret=TEST_SECRET, tls_client_ca_file="ca.pem")
+
+
+def test_client_tls_settings_are_validated(tmp_path: Path) -> None:
+    assert ClientTLS.from_fields(None) is None
+    with pytest.raises(ValueError, match="need metadata_tls_ca"):
+        ClientTLS.from_fields(None, server_name="localhost")
+    with pytest.raises(ValueError, match="both its cert and key"):
+        ClientTLS.from_fields("ca.pem", cert="c.pem")
+    with pytest.raises(TLSFileError, match="cannot read TLS file .*missing.pem"):
+        MetadataClient("127.0.0.1:1", token=SERVICE_TOKEN,
+                       tls_ca_file=str(tmp_path / "missing.pem"))

@@ -15,7 +15,10 @@ from metadata_service.client import MetadataClient, make_node_info
 from metadata_service.publisher import NodePublisher
 from metadata_service.server import ServerThread
 from metadata_service.watch import BlockSubscriber
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
 from router.metadata import MetadataLink
+from router.metrics import RouterMetrics
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import (
     free_port,
@@ -23,6 +26,7 @@ from tests.metadata_service.helpers import (
     make_config,
     make_publisher,
 )
+from tests.tls_certs import make_pki
 
 CHAINS = [make_chain(f"link{i}", 24) for i in range(4)]
 
@@ -247,3 +251,39 @@ def test_keepalive_pings_do_not_break_an_idle_stream() -> None:
 
     with ServerThread(make_config()) as server, MetadataClient(server.address) as client:
         asyncio.run(scenario(server, client))
+
+
+def test_dispatcher_reaches_an_mtls_service_with_its_configs_files(tmp_path) -> None:
+    """RouterConfig's metadata_tls_* fields reach the link: nodes are discovered and the index
+    mirrored over mTLS (tests/security/test_metadata_tls.py attacks the real process)."""
+    pki = make_pki(tmp_path)
+    config = make_config(cluster_secret=TEST_SECRET, tls_cert_file=pki.server_cert,
+                         tls_key_file=pki.server_key, tls_client_ca_file=pki.client_ca)
+    tls = {"tls_ca_file": pki.ca, "tls_cert_file": pki.client_cert,
+           "tls_key_file": pki.client_key}
+
+    async def scenario(address: str, client: MetadataClient) -> None:
+        router = RouterConfig(model_dir="unused", metadata_address=address,
+                              cluster_secret=TEST_SECRET, node_timeout_s=0.2,
+                              metadata_tls_ca=pki.ca, metadata_tls_cert=pki.client_cert,
+                              metadata_tls_key=pki.client_key,
+                              metadata_tls_server_name="localhost")
+        dispatcher = Dispatcher(router, RouterMetrics())
+        await dispatcher.start()
+        try:
+            assert set(dispatcher.nodes) == {"p0"}
+            async def in_sync() -> bool:
+                return dispatcher.metadata.mirror_in_sync
+            await until(in_sync, what="the mirror over mTLS")
+            assert await dispatcher.metadata.prefix_hits(CHAINS[0]) == {"p0": 24}
+        finally:
+            await dispatcher.close()
+
+    with ServerThread(config) as server, \
+            MetadataClient(server.address, token=node_token("p0"), **tls) as node:
+        publisher = NodePublisher(node, make_node_info("p0", "prefill",
+                                                       request_address="tcp://127.0.0.1:9"),
+                                  lambda: set(CHAINS[0]), 30)
+        publisher.register()
+        publisher.resync()
+        asyncio.run(scenario(server.address, node))
