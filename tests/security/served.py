@@ -47,6 +47,8 @@ def start_served(model_dir: str, port: int) -> Served:
     secret = ClusterSecret.generate()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDCLUSTER_CLUSTER_SECRET": secret.to_text(),
            "PDCLUSTER_API_KEYS": API_KEY}
+    # Run it as a user would: whatever keeps Ray on the host must come from pdcluster itself.
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir, "--num-prefill",
          "1", "--num-decode", "1", "--port", str(port), "--block-size", str(BLOCK_SIZE),
@@ -63,7 +65,26 @@ def start_served(model_dir: str, port: int) -> Served:
         raise RuntimeError("pdcluster serve did not start:\n" + "".join(lines[-40:]))
     served = Served(proc, f"http://127.0.0.1:{port}/v1", found.group(1), secret, {}, model_dir)
     served.nodes = _nodes(served)
+    _wait_for_router(served)
     return served
+
+
+def _wait_for_router(served: Served) -> None:
+    """Until the router answers a completion (it sees both nodes healthy)."""
+    import openai
+
+    client = openai.OpenAI(base_url=served.base_url, api_key=API_KEY, max_retries=0,
+                           timeout=120)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client.completions.create(model=Path(served.model_dir).name, prompt="warm up",
+                                      max_tokens=1)
+            return
+        except openai.APIStatusError as exc:
+            if exc.status_code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def _nodes(served: Served) -> dict[str, dict[str, str]]:

@@ -13,14 +13,9 @@ of the machine or pod.
 from __future__ import annotations
 
 import importlib.util
-import os
-import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -102,57 +97,6 @@ def test_mooncake_engine_listens_on_an_ipv6_host_only() -> None:
 
 # ---- pdcluster serve ----------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def served(model_dirs):
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # Run it as a user would: whatever keeps Ray on the host must come from pdcluster itself.
-    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", model_dirs["llama-gqa"],
-         "--num-prefill", "1", "--num-decode", "1", "--port", str(port),
-         "--block-size", "16", "--kv-cache-gib", "0.05"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 180
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "serving" in line or time.monotonic() > deadline:
-            break
-    try:
-        assert "serving" in "".join(lines[-1:]), "".join(lines[-40:])
-        _wait_for_nodes(port, Path(model_dirs["llama-gqa"]).name)
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-def _wait_for_nodes(port: int, model: str) -> None:
-    body = f'{{"model": "{model}", "prompt": "warm up", "max_tokens": 1}}'.encode()
-    deadline = time.monotonic() + 60
-    while True:
-        request = urllib.request.Request(f"http://{HOST}:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            urllib.request.urlopen(request, timeout=120).read()
-            return
-        except urllib.error.HTTPError as exc:
-            if exc.code != 503 or time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-
-
 def is_ray_daemon(listener: Listener) -> bool:
     return (listener.name in RAY_DAEMONS
             or any(script in listener.cmdline for script in RAY_DAEMON_SCRIPTS))
@@ -161,15 +105,16 @@ def is_ray_daemon(listener: Listener) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_serve_listens_on_the_host_only(served) -> None:
-    listeners = listening_sockets(served.pid)
+    serve_pid = served.proc.pid  # the shared cluster of tests/security/conftest.py
+    listeners = listening_sockets(serve_pid)
     ray_daemons = [s for s in listeners if is_ray_daemon(s)]
     checked = [s for s in listeners if not is_ray_daemon(s)]
     print("\nRay's own daemons (exempt):\n" + "\n".join(f"  {s}" for s in ray_daemons))
     print("checked:\n" + "\n".join(f"  {s}" for s in checked))
     actors = {s.pid for s in checked if s.name in NODE_ACTORS}
     assert len(actors) == 2, f"expected a prefill and a decode actor process: {checked}"
-    assert any(s.pid == served.pid for s in checked), "the serve process listens nowhere?"
-    unexpected = {s.pid for s in checked} - actors - {served.pid}
+    assert any(s.pid == serve_pid for s in checked), "the serve process listens nowhere?"
+    unexpected = {s.pid for s in checked} - actors - {serve_pid}
     assert not unexpected, f"unclassified listening processes: {checked}"
     assert not not_on_host(checked), (
         "listening beyond the host (Mooncake's ports are 15000-17000; a Ray core-worker gRPC "

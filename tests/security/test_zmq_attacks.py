@@ -8,7 +8,6 @@ cluster without CURVE: there, every stranger's message is served."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -18,25 +17,12 @@ from core.kv_transfer import PrefixPullRequest, XferDone, XferRequest
 from core.kv_transfer import encode as encode_kv
 from core.node_wire import GenerateRequest, SamplingSpec, TokenDelta, TransferSpec, decode
 from core.node_wire import encode as encode_node
-from tests.security.served import API_KEY, BLOCK_SIZE, Memory, block_nbytes, dealer, start_served
+from tests.security.served import API_KEY, BLOCK_SIZE, Memory, block_nbytes, dealer
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 PROMPT = list(range(100, 164))  # 4 full blocks
 QUIET_S = 2.0  # how long a refused stranger waits for an answer that never comes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def served(model_dirs):
-    cluster = start_served(model_dirs["llama-gqa"], _free_port())
-    yield cluster
-    cluster.stop()
 
 
 def _members_keys(served):
