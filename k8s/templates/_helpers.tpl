@@ -120,7 +120,7 @@ its own Deployment), so router.host here is never bound.
     "protocol" (ternary "rdma" "tcp" .Values.rdma.enabled)
     "device_name" (ternary .Values.rdma.deviceName "" .Values.rdma.enabled)
     "timeout_s" $c.transfer.timeoutS)
-  "metadata" (dict "address" (include "pdcluster.metadataAddress" .))
+  "metadata" (include "pdcluster.metadataClientConfig" . | fromYaml)
   "host" "auto"
   "router" (dict "host" "127.0.0.1" "port" (int .Values.router.port) "enabled" false)
   "node" (dict

@@ -55,6 +55,9 @@ readinessProbe:
     name: {{ include "pdcluster.fullname" $root }}-config
 {{ include "pdcluster.clusterSecretVolume" $root }}
 {{ include "pdcluster.modelVolume" $root }}
+{{- with include "pdcluster.metadataTlsClientVolumes" $root }}
+{{ . }}
+{{- end }}
 {{- end -}}
 
 {{- define "pdcluster.rayVolumeMounts" -}}
@@ -67,6 +70,9 @@ readinessProbe:
   readOnly: true
 {{ include "pdcluster.clusterSecretMount" . }}
 {{ include "pdcluster.modelMount" . }}
+{{- with include "pdcluster.metadataTlsClientMounts" . }}
+{{ . }}
+{{- end }}
 {{- end -}}
 
 {{- define "pdcluster.scheduling" -}}
