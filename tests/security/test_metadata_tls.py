@@ -4,7 +4,8 @@ per module (tests/tls_certs.py).
 
 - The router's link (`MetadataLink` with the CA) lists nodes and mirrors the block index
   (WatchBlocks) over TLS; a node (the `NodeConfig` -> `MetadataClient` path NodeRuntime uses,
-  and a real `NodeRuntime`) registers and publishes over TLS and mTLS.
+  a real `NodeRuntime`, and the node actors `RayCluster` launches from a `ClusterConfig`, as
+  `pdcluster serve` and cluster.yaml build it) registers and publishes over TLS and mTLS.
 - Plaintext, or TLS with a CA that did not sign the service's certificate, fails cleanly: the
   link reports the service unavailable and routes on load alone, within its timeout; the
   client library raises `MetadataUnavailable`. Nothing hangs.
@@ -263,3 +264,35 @@ def test_node_runtime_registers_over_mtls(mtls_service, model_dirs) -> None:
         runtime.stop(drain=False, timeout_s=5)
     assert "d-runtime" not in {n.node_id for n in reader.list_nodes()}
     reader.close()
+
+
+@pytest.mark.slow
+def test_cluster_config_tls_reaches_the_node_actors(mtls_service, model_dirs) -> None:
+    """What `pdcluster serve --metadata ... --metadata-tls-*` and cluster.yaml build: the node
+    actors on a real local Ray get the files and register over mTLS; the router's config
+    built from the same ClusterConfig reads them back."""
+    pytest.importorskip("ray")
+    from cluster.config import ClusterConfig
+    from cluster.launch import router_config
+    from cluster.ray_cluster import RayCluster
+
+    pki = mtls_service.pki
+    config = ClusterConfig(model=model_dirs["llama-gqa"], num_prefill=1, num_decode=1,
+                           engine={"num_kv_blocks": 32, "block_size": 8}, node_cpus=0.5,
+                           metadata_address=mtls_service.address, metadata_tls_ca=pki.ca,
+                           metadata_tls_cert=pki.client_cert, metadata_tls_key=pki.client_key)
+    cluster = RayCluster(config, cluster_secret=TEST_SECRET).start()
+    try:
+        async def router_lists_nodes() -> set[str]:
+            router = router_config(config, cluster.metadata_address, TEST_SECRET)
+            link = MetadataLink(router.metadata_address, token=SERVICE_TOKEN,
+                                tls=router.metadata_tls, mirror=False)
+            try:
+                return {n.node_id for n in await link.list_nodes() or []}
+            finally:
+                await link.close()
+
+        wait_until(lambda: asyncio.run(router_lists_nodes()) >= {"p0", "d0"}, timeout_s=60,
+                   interval_s=0.5, what="both node actors registered over mTLS")
+    finally:
+        cluster.stop(drain_timeout_s=10)
