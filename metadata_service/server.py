@@ -198,11 +198,10 @@ def _server_credentials(config: MetadataConfig) -> grpc.ServerCredentials:
     client that presents no certificate or one the CA did not sign."""
     key = Path(config.tls_key_file).read_bytes()
     cert = Path(config.tls_cert_file).read_bytes()
-    if config.tls_client_ca_file is None:
-        return grpc.ssl_server_credentials([(key, cert)])
-    return grpc.ssl_server_credentials([(key, cert)],
-                                       root_certificates=Path(config.tls_client_ca_file)
-                                       .read_bytes(), require_client_auth=True)
+    client_ca = (Path(config.tls_client_ca_file).read_bytes()
+                 if config.tls_client_ca_file is not None else None)
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
 
 
 def _transport_name(config: MetadataConfig) -> str:
