@@ -1,0 +1,84 @@
+"""Picking the implementation from `architectures`, the family config sections (MoE routing,
+MLA), and the MoE layers against straightforward per-token references."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
+from engine.model_families import MoEConfig  # noqa: E402
+from engine.models.moe import Experts, Router  # noqa: E402
+from engine.models.registry import model_class  # noqa: E402
+from engine.tiny_model import hf_config  # noqa: E402
+
+
+def test_every_supported_architecture_has_an_implementation() -> None:
+    for arch in SUPPORTED_ARCHITECTURES:
+        assert isinstance(model_class(arch), type)
+
+
+@pytest.mark.parametrize("archs", [["GPT2LMHeadModel"], ["Gemma3ForCausalLM"], []])
+def test_unsupported_architecture_lists_what_is_supported(archs) -> None:
+    with pytest.raises(ValueError, match="unsupported architectures") as err:
+        ModelConfig.from_hf(hf_config("llama", architectures=archs))
+    assert all(a in str(err.value) for a in SUPPORTED_ARCHITECTURES)
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM"):
+        model_class("GPT2LMHeadModel")
+
+
+def test_unsupported_model_folder_fails_before_loading(tmp_path) -> None:
+    import json
+
+    from engine import LLMEngine
+
+    config = hf_config("llama", architectures=["FalconForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="FalconForCausalLM.*supported: LlamaForCausalLM"):
+        LLMEngine.from_model(tmp_path, num_kv_blocks=4)
+
+
+def test_moe_and_mla_sections_parse() -> None:
+    from tests.hf_tiny import _BASE, _CLASSES, HF_VARIANTS
+
+    def parse(name):
+        spec = dict(HF_VARIANTS[name])
+        arch = spec.pop("arch")
+        return ModelConfig.from_hf({**_BASE, **spec, "architectures": [_CLASSES[arch][1]]})
+
+    q3 = parse("qwen3moe-8x3-norm-dense0")
+    assert q3.qk_norm and q3.moe.moe_layers == (1,) and q3.moe.top_k == 3 and q3.mla is None
+    assert parse("qwen3-headdim").kv_layout == (2, 2, 32)
+
+
+def _reference_moe(x, router, experts, cfg):
+    """Per-token loop: what the grouped computation must equal."""
+    ids, weights = router(x)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(ids[t].tolist(), weights[t], strict=True):
+            gate, up = (experts.w13[e] @ x[t]).split(cfg.intermediate_size)
+            out[t] += w * (experts.w2[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("cfg", [
+    MoEConfig(4, 2, 8, (0,)),
+    MoEConfig(8, 3, 8, (0,), norm_topk_prob=False, num_groups=4, topk_groups=2,
+              routed_scaling_factor=1.5),
+    MoEConfig(8, 2, 8, (0,), scoring="sigmoid", num_groups=2, topk_groups=1,
+              group_score="top2_sum", score_bias=True, routed_scaling_factor=2.5),
+])
+def test_grouped_experts_equal_a_per_token_loop(cfg) -> None:
+    torch.manual_seed(0)
+    router, experts = Router(cfg, 16), Experts(cfg.num_experts, 16, cfg.intermediate_size)
+    for p in [*router.parameters(), *experts.parameters()]:
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(23, 16)
+    ids, weights = router(x)
+    assert ids.shape == weights.shape == (23, cfg.top_k)
+    if cfg.num_groups > 1:  # every pick lies in one of the kept groups
+        groups = ids // (cfg.num_experts // cfg.num_groups)
+        assert all(len(set(row.tolist())) <= cfg.topk_groups for row in groups)
+    torch.testing.assert_close(experts(x, ids, weights), _reference_moe(x, router, experts, cfg))
