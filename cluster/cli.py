@@ -102,6 +102,8 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype")
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
+    parser.add_argument("--moe", action="store_true",
+                        help="also time a MoE step against an equally sized dense one")
     parser.add_argument(
         "--num-blocks",
         type=int,
