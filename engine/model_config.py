@@ -20,7 +20,7 @@ from engine.model_families import MLAConfig, MoEConfig, parse_mla, parse_moe
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
 )
 _BIAS_ALWAYS = ("Qwen2ForCausalLM",)
 _QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")

@@ -37,6 +37,20 @@ HF_VARIANTS: dict[str, dict[str, Any]] = {
     "qwen3moe-6x1-unnorm": {"arch": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 1,
                             "norm_topk_prob": False, "moe_intermediate_size": 48,
                             "num_key_value_heads": 1},
+    "deepseek-v2-qlora-grouped": {
+        "arch": "deepseek_v2", "num_key_value_heads": 4, "q_lora_rank": 24,
+        "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "topk_method": "group_limited_greedy", "n_group": 4,
+        "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "moe_intermediate_size": 32, "routed_scaling_factor": 1.5},
+    "deepseek-v3-yarn-shared2": {
+        "arch": "deepseek_v3", "num_key_value_heads": 4, "q_lora_rank": None,
+        "kv_lora_rank": 32, "qk_nope_head_dim": 8, "qk_rope_head_dim": 16, "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 3, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+        "n_shared_experts": 2, "first_k_dense_replace": 0, "moe_intermediate_size": 24,
+        "routed_scaling_factor": 2.5, "rope_parameters": _YARN},
 }
 
 

@@ -75,10 +75,11 @@ def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding,
+                 attention_cls: type[nn.Module] = Attention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, rope)
+        self.self_attn = attention_cls(cfg, layer, rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_mlp(cfg, layer)
 
@@ -88,13 +89,23 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
+    """Families with another attention subclass this and set `attention_cls` (its
+    constructor takes `(cfg, layer, rope)`) and `rope_dim`."""
+
+    attention_cls: type[nn.Module] = Attention
+
+    @staticmethod
+    def rope_dim(cfg: ModelConfig) -> int:
+        return cfg.head_dim
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
         self.max_positions = max_positions
-        rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        rope = RotaryEmbedding(cfg.rope, self.rope_dim(cfg), max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, self.attention_cls)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -102,7 +113,7 @@ class CausalLM(nn.Module):
 
     def init_buffers(self, device: torch.device) -> None:
         """Recompute the RoPE tables (buffers, not weights) on `device` after `to_empty`."""
-        rope = RotaryEmbedding(self.config.rope, self.config.head_dim, self.max_positions)
+        rope = RotaryEmbedding(self.config.rope, self.rope_dim(self.config), self.max_positions)
         for layer in self.layers:
             layer.self_attn.rope = rope.to(device)
 

@@ -20,6 +20,8 @@ _IMPLEMENTATIONS = {
     "Qwen3ForCausalLM": "engine.models.llama:CausalLM",
     "MixtralForCausalLM": "engine.models.llama:CausalLM",
     "Qwen3MoeForCausalLM": "engine.models.llama:CausalLM",
+    "DeepseekV2ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",
+    "DeepseekV3ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",
 }
 assert set(_IMPLEMENTATIONS) == set(SUPPORTED_ARCHITECTURES), "registry out of sync"
 

@@ -14,7 +14,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 VARIANTS = list(MODEL_VARIANTS)
 # One variant per family built by transformers (tests/hf_tiny.py) joins the chunked-prefill and
 # preemption cases; a 13-token budget splits 16-token blocks mid-block.
-FAMILIES = ["qwen3-headdim", "mixtral-4x2", "qwen3moe-8x3-norm-dense0"]
+FAMILIES = ["qwen3-headdim", "mixtral-4x2", "qwen3moe-8x3-norm-dense0",
+            "deepseek-v2-qlora-grouped", "deepseek-v3-yarn-shared2"]
 CHUNKED = [(v, b) for v in ("llama-gqa", "qwen2-tied-bias-mha") for b in (5, 13, 40)]
 CHUNKED += [(v, 13) for v in FAMILIES]
 
@@ -86,3 +87,12 @@ def test_eos_stops_like_transformers(model_dirs, hf_reference):
                                                 stop_token_ids=[eos]))[0]
     assert out.token_ids == reference[: reference.index(eos) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == eos
+
+
+@pytest.mark.parametrize("variant", ["deepseek-v2-qlora-grouped", "deepseek-v3-yarn-shared2"])
+def test_mla_decode_without_absorption_matches_too(variant, model_dirs, hf_reference):
+    """The expanded decode form (what the absorbed one replaces) gives the same tokens."""
+    llm = LLM(model_dirs[variant], num_kv_blocks=256)
+    for layer in llm.engine.runner.model.layers:
+        layer.self_attn.absorb_decode = False
+    assert_matches_hf(llm, model_dirs[variant], random_prompts(6, 1, 40, seed=9), hf_reference)

@@ -49,6 +49,11 @@ def test_moe_and_mla_sections_parse() -> None:
 
     q3 = parse("qwen3moe-8x3-norm-dense0")
     assert q3.qk_norm and q3.moe.moe_layers == (1,) and q3.moe.top_k == 3 and q3.mla is None
+    v2 = parse("deepseek-v2-qlora-grouped")
+    assert v2.moe.num_groups == 4 and v2.moe.shared_intermediate_size == 32
+    assert v2.mla.q_lora_rank == 24 and v2.kv_layout == (1, 1, 16 + 8)
+    v3 = parse("deepseek-v3-yarn-shared2")
+    assert v3.moe.scoring == "sigmoid" and v3.moe.score_bias and v3.mla.q_lora_rank is None
     assert parse("qwen3-headdim").kv_layout == (2, 2, 32)
 
 
