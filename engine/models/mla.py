@@ -127,12 +127,14 @@ class MLAttention(nn.Module):
         return out.squeeze(2)
 
     def _decode_absorbed(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Plain matmuls, not SDPA: SDPA's CPU path would copy the one shared latent head
+        out to every query head, undoing what absorption saves."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
-        queries = torch.cat([q_latent, q_pe], dim=-1).unsqueeze(2)  # [B, H, 1, rank+rope]
-        entries = _gather(cache, meta.decode_block_table)  # [B, 1, L, rank+rope]
-        out = F.scaled_dot_product_attention(queries, entries, entries[..., : self.rank],
-                                             attn_mask=meta.decode_mask, scale=self.scale,
-                                             enable_gqa=True)
-        return torch.einsum("bhr,hvr->bhv", out.squeeze(2), w_uv)
+        queries = torch.cat([q_latent, q_pe], dim=-1)  # [B, H, rank+rope]
+        entries = _gather(cache, meta.decode_block_table).squeeze(1)  # [B, L, rank+rope]
+        scores = torch.matmul(queries, entries.transpose(1, 2)) * self.scale  # [B, H, L]
+        scores = scores.masked_fill(~meta.decode_mask[:, 0], float("-inf"))
+        out = torch.matmul(scores.softmax(-1), entries[..., : self.rank])  # [B, H, rank]
+        return torch.einsum("bhr,hvr->bhv", out, w_uv)
