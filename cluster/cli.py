@@ -104,6 +104,8 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
     parser.add_argument("--moe", action="store_true",
                         help="also time a MoE step against an equally sized dense one")
+    parser.add_argument("--mla", action="store_true",
+                        help="also time MLA decode (absorbed vs expanded) and KV bytes/token")
     parser.add_argument(
         "--num-blocks",
         type=int,
