@@ -87,3 +87,53 @@ def test_grouped_experts_equal_a_per_token_loop(cfg) -> None:
         groups = ids // (cfg.num_experts // cfg.num_groups)
         assert all(len(set(row.tolist())) <= cfg.topk_groups for row in groups)
     torch.testing.assert_close(experts(x, ids, weights), _reference_moe(x, router, experts, cfg))
+
+
+def _rewrite(src: str, dst, transform) -> str:
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = transform(load_file(Path(src) / "model.safetensors"))
+    save_file(weights, str(Path(dst) / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+def _stack_experts(weights: dict) -> dict:
+    """Mixtral's per-expert w1/w3/w2 -> transformers-5's stacked gate_up_proj/down_proj."""
+    out = {k: v for k, v in weights.items() if ".experts." not in k}
+    for layer in range(2):
+        p = f"model.layers.{layer}.block_sparse_moe.experts."
+        w = {n: [weights[f"{p}{e}.{n}.weight"] for e in range(4)] for n in ("w1", "w2", "w3")}
+        stacked = f"model.layers.{layer}.mlp.experts."
+        out[stacked + "gate_up_proj"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(w["w1"], w["w3"], strict=True)])
+        out[stacked + "down_proj"] = torch.stack(w["w2"])
+    return out
+
+
+def _load(folder: str):
+    from engine.models.loader import load_model
+
+    cfg = ModelConfig.from_pretrained(folder)
+    return load_model(folder, cfg, torch.float32, torch.device("cpu"), 64)
+
+
+def test_stacked_and_per_expert_checkpoints_load_the_same(model_dirs, tmp_path) -> None:
+    per_expert = _load(model_dirs["mixtral-4x2"])
+    stacked = _load(_rewrite(model_dirs["mixtral-4x2"], tmp_path / "m", _stack_experts))
+    for (name, a), (_, b) in zip(per_expert.named_parameters(), stacked.named_parameters(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+    experts = per_expert.layers[1].mlp.experts
+    assert experts.w13.shape == (4, 2 * 96, 64) and experts.w2.shape == (4, 64, 96)
+
+
+def test_checkpoint_missing_an_expert_weight_is_rejected(model_dirs, tmp_path) -> None:
+    gone = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+    folder = _rewrite(model_dirs["mixtral-4x2"], tmp_path / "m",
+                      lambda w: {k: v for k, v in w.items() if k != gone})
+    with pytest.raises(ValueError, match=r"missing 1 weights.*layers\.1\.mlp\.experts\.w13"):
+        _load(folder)
