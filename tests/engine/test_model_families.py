@@ -137,3 +137,19 @@ def test_checkpoint_missing_an_expert_weight_is_rejected(model_dirs, tmp_path) -
                       lambda w: {k: v for k, v in w.items() if k != gone})
     with pytest.raises(ValueError, match=r"missing 1 weights.*layers\.1\.mlp\.experts\.w13"):
         _load(folder)
+
+
+def test_mla_latent_plane_is_one_contiguous_range_per_block() -> None:
+    from engine.kv_cache import KVCacheSpec, PagedKVCache
+
+    spec = KVCacheSpec(3, 2, 4, 1, 6, 4, num_planes=1)
+    assert spec.block_nbytes == 2 * 4 * 6 * 4  # layers x slots x (latent + rope key), float32
+    cache = PagedKVCache(spec, torch.float32, torch.device("cpu"))
+    entries = torch.arange(12.0).view(2, 6)
+    rows = cache.slot_rows(torch.tensor([1, 1]), torch.tensor([2, 3]))
+    cache.write_latent(1, rows, entries)
+    assert torch.equal(cache.layer_latent(1)[1, 2:4, 0], entries)
+    flat = cache.tensor.view(-1)
+    start = spec.block_range(1)[0] // 4 + (1 * 4 + 2) * 6  # block 1, layer 1, slot 2
+    assert torch.equal(flat[start : start + 12], entries.view(-1))
+    assert cache.tensor[[0, 2]].abs().sum() == 0 and cache.layer_latent(0).abs().sum() == 0
