@@ -51,6 +51,12 @@ HF_VARIANTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 3, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
         "n_shared_experts": 2, "first_k_dense_replace": 0, "moe_intermediate_size": 24,
         "routed_scaling_factor": 2.5, "rope_parameters": _YARN},
+    "deepseek-v3-plain-topk-rotate-half": {
+        "arch": "deepseek_v3", "num_key_value_heads": 4, "q_lora_rank": 16,
+        "kv_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_head_dim": 4, "v_head_dim": 20,
+        "rope_interleave": False, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "moe_intermediate_size": 16, "routed_scaling_factor": 1.0},
 }
 
 
