@@ -1,4 +1,6 @@
-"""Engine benchmark: `pdcluster bench engine [--json] [--quick] [--threads N] [--device D]`.
+"""Engine benchmark: `pdcluster bench engine [--json] [--quick] [--threads N] [--device D]
+[--moe] [--mla]` (`--moe` adds a MoE vs dense step comparison: benchmarks/moe_step.py;
+`--mla` MLA decode absorbed vs expanded and KV bytes per token: benchmarks/mla_decode.py).
 
 Measures, in one run and on one random model big enough that compute dominates on CPU (the
 `bench` preset of `engine.tiny_model`: hidden 512, 8 layers, 8 heads / 4 KV heads, 32k vocab):
@@ -72,6 +74,14 @@ def run(args: argparse.Namespace) -> dict:
         result.update(_throughput(model_dir, sizes, device))
         result.update(_ttft(model_dir, sizes, device))
         result.update(_decode_step(model_dir, sizes, device))
+        if getattr(args, "moe", False):
+            from benchmarks.moe_step import moe_vs_dense
+
+            result.update(moe_vs_dense(tmp, device, sizes.decode_steps))
+        if getattr(args, "mla", False):
+            from benchmarks.mla_decode import mla_fields
+
+            result.update(mla_fields(sizes.repeats * 2 + 1))
     return result
 
 

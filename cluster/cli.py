@@ -137,6 +137,10 @@ def _engine_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
+    parser.add_argument("--moe", action="store_true",
+                        help="also time a MoE step against an equally sized dense one")
+    parser.add_argument("--mla", action="store_true",
+                        help="also time MLA decode (absorbed vs expanded) and KV bytes/token")
 
 
 def _metadata_bench_args(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,10 @@
 """The paged KV cache tensor and its byte layout.
 
-Layout: one tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`. Block b of
-every layer, keys and values, is the single contiguous byte range
+Layout: one tensor `[num_blocks, num_layers, num_planes, block_size, num_kv_heads, head_dim]`:
+two planes (keys, values) for attention with KV heads; one plane for Multi-head Latent
+Attention, whose entry per token is the compressed latent and the shared RoPE key
+(`num_kv_heads=1`, `head_dim=kv_lora_rank + qk_rope_head_dim`). Block b of every layer, all
+planes, is the single contiguous byte range
 `[b * block_nbytes, (b + 1) * block_nbytes)` of one region, and n consecutive blocks are one
 range: a transfer of a request's blocks is a handful of large descriptors, never one per
 (layer, block). Per-layer views (`layer_kv(l)`) are strided views into that region, which is
@@ -26,12 +29,13 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype_nbytes: int
+    num_planes: int = 2  # keys and values; 1 for MLA's latent
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block across all layers, keys and values."""
+        """Bytes of one block across all layers and planes."""
         return (
-            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+            self.num_layers * self.num_planes * self.block_size * self.num_kv_heads * self.head_dim
         ) * self.dtype_nbytes
 
     @property
@@ -53,7 +57,7 @@ class PagedKVCache:
             (
                 spec.num_blocks,
                 spec.num_layers,
-                2,
+                spec.num_planes,
                 spec.block_size,
                 spec.num_kv_heads,
                 spec.head_dim,
@@ -66,7 +70,7 @@ class PagedKVCache:
         # this contiguous view with index_copy_: advanced-index assignment into the strided
         # per-layer views takes milliseconds on CPU, this takes microseconds.
         self._rows = self.tensor.view(-1, spec.num_kv_heads * spec.head_dim)
-        self._rows_per_block = spec.num_layers * 2 * spec.block_size
+        self._rows_per_block = spec.num_layers * spec.num_planes * spec.block_size
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided views `[num_blocks, block_size, num_kv_heads, head_dim]` for one layer."""
@@ -81,6 +85,14 @@ class PagedKVCache:
         key_rows = slot_rows + 2 * layer * self.spec.block_size
         self._rows.index_copy_(0, key_rows, k.reshape(k.shape[0], -1))
         self._rows.index_copy_(0, key_rows + self.spec.block_size, v.reshape(v.shape[0], -1))
+
+    def layer_latent(self, layer: int) -> torch.Tensor:
+        """MLA (one plane): strided view `[num_blocks, block_size, 1, head_dim]` of one layer."""
+        return self.tensor[:, layer, 0]
+
+    def write_latent(self, layer: int, slot_rows: torch.Tensor, entry: torch.Tensor) -> None:
+        """MLA (one plane): store new entries `[T, head_dim]` of one layer into their slots."""
+        self._rows.index_copy_(0, slot_rows + layer * self.spec.block_size, entry)
 
     def data_ptr(self) -> int:
         return self.tensor.data_ptr()

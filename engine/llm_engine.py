@@ -25,6 +25,7 @@ step's plan.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -108,11 +109,11 @@ class LLMEngine:
 
     def _kv_spec(self) -> KVCacheSpec:
         cfg, mc = self.config, self.model_config
-        spec = KVCacheSpec(1, mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
-                           torch.finfo(self.dtype).bits // 8)
+        planes, heads, dim = mc.kv_layout
+        spec = KVCacheSpec(1, mc.num_layers, cfg.block_size, heads, dim,
+                           torch.finfo(self.dtype).bits // 8, planes)
         num_blocks = cfg.num_kv_blocks or self._blocks_for_memory(spec.block_nbytes)
-        return KVCacheSpec(num_blocks, mc.num_layers, cfg.block_size, mc.num_kv_heads,
-                           mc.head_dim, spec.dtype_nbytes)
+        return dataclasses.replace(spec, num_blocks=num_blocks)
 
     def _blocks_for_memory(self, block_nbytes: int) -> int:
         gib = self.config.kv_cache_memory_gib

@@ -3,7 +3,10 @@
 `ModelConfig.from_pretrained(path)` reads the checkpoint folder's config and normalises the
 fields that differ across architectures and transformers versions (legacy `rope_scaling` +
 `rope_theta` versus transformers-5 `rope_parameters`; `head_dim` present or derived; Qwen2's
-always-on qkv bias). Torch-free: the scheduler and the CLI may read it without loading weights.
+always-on qkv bias; Qwen3's q/k norms). Mixture-of-experts routing (`MoEConfig`) and DeepSeek's
+Multi-head Latent Attention (`MLAConfig`) are parsed by `engine.model_families`.
+`SUPPORTED_ARCHITECTURES` is the one list of `architectures` names the engine serves.
+Torch-free: the scheduler and the CLI may read it without loading weights.
 """
 
 from __future__ import annotations
@@ -13,7 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from engine.model_families import MLAConfig, MoEConfig, parse_mla, parse_moe
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+)
+_BIAS_ALWAYS = ("Qwen2ForCausalLM",)
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_WINDOW_OFF_BY_DEFAULT = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -89,6 +100,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
     torch_dtype: str | None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -106,6 +120,14 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(planes, heads, dim) of one token's cache entry in one layer: keys and values of
+        every KV head, or MLA's single plane (compressed latent + shared RoPE key)."""
+        if self.mla is not None:
+            return 1, 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return 2, self.num_kv_heads, self.head_dim
+
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         config_file = Path(path) / "config.json"
@@ -118,15 +140,21 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(
-                f"unsupported architectures {archs}; supported: {SUPPORTED_ARCHITECTURES}"
-            )
+            supported = ", ".join(SUPPORTED_ARCHITECTURES)
+            raise ValueError(f"unsupported architectures {archs}; supported: {supported}")
         num_heads = hf["num_attention_heads"]
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch in _BIAS_ALWAYS
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", not is_qwen2) else None
+        window_default = arch not in _WINDOW_OFF_BY_DEFAULT
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", window_default) else None
+        mla = parse_mla(arch, hf)
+        # MLA has no KV heads (DeepSeek configs carry a meaningless num_key_value_heads).
+        num_kv_heads = num_heads if mla else hf.get("num_key_value_heads") or num_heads
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        if mla:
+            head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -134,8 +162,8 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -147,5 +175,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=window,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            qk_norm=arch in _QK_NORM,
+            moe=parse_moe(arch, hf),
+            mla=mla,
             extra=hf,
         )

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import random
 
+from tests.hf_tiny import HF_VARIANTS, build_hf_model
+
 # Variants cover: GQA ratios (MHA, GQA, MQA), head_dim != hidden/heads, rope_theta, the
-# supported rope_scaling types, tied embeddings and Qwen2's qkv bias.
+# supported rope_scaling types, tied embeddings and Qwen2's qkv bias; the families built by
+# transformers itself (tests/hf_tiny.py): Qwen3, MoE (expert counts, top-k, renormalised or not,
+# dense layers), DeepSeek MLA (q/kv ranks, rope dims, V2/V3 routing, shared experts, yarn).
 MODEL_VARIANTS = {
     "llama-gqa": {"arch": "llama"},
     "llama-mqa-headdim-llama3rope": {
@@ -24,14 +28,33 @@ MODEL_VARIANTS = {
 }
 
 
-def build_model_dirs(root) -> dict[str, str]:
-    from engine.tiny_model import make_tiny_model
+MODEL_VARIANTS.update(HF_VARIANTS)
 
-    dirs = {}
-    for seed, (name, spec) in enumerate(MODEL_VARIANTS.items()):
-        spec = dict(spec)
-        dirs[name] = str(make_tiny_model(root / name, arch=spec.pop("arch"), seed=seed, **spec))
-    return dirs
+
+class ModelDirs(dict):
+    """Model folders by variant name, each built on first use (a suite that needs one model
+    doesn't build them all)."""
+
+    def __init__(self, root) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> str:
+        from engine.tiny_model import make_tiny_model
+
+        spec = dict(MODEL_VARIANTS[name])
+        seed = list(MODEL_VARIANTS).index(name)
+        arch = spec.pop("arch")
+        if name in HF_VARIANTS:
+            path = build_hf_model(self.root / name, arch, seed, **spec)
+        else:
+            path = make_tiny_model(self.root / name, arch=arch, seed=seed, **spec)
+        self[name] = str(path)
+        return self[name]
+
+
+def build_model_dirs(root) -> ModelDirs:
+    return ModelDirs(root)
 
 
 def make_hf_reference():

@@ -204,3 +204,13 @@ def test_bench_engine_prints_json_last(fake_bench, capsys, as_json: bool) -> Non
         assert len(lines) == 1
     else:
         assert any(line.startswith("engine.tok_s") for line in lines[:-1])
+
+
+def test_bench_engine_takes_moe_and_mla_flags(monkeypatch, capsys) -> None:
+    module = types.ModuleType("benchmarks.engine_bench")
+    module.run = lambda args: {"moe": args.moe, "mla": args.mla}
+    monkeypatch.setitem(sys.modules, "benchmarks.engine_bench", module)
+    assert cli.main(["bench", "engine", "--json", "--moe", "--mla"]) == 0
+    assert json.loads(capsys.readouterr().out.strip()) == {"moe": True, "mla": True}
+    assert cli.main(["bench", "engine", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip()) == {"moe": False, "mla": False}

@@ -1,5 +1,7 @@
-"""The decoder used for Llama, Mistral and Qwen2 checkpoints (they differ only in config:
-GQA ratio, head_dim, RoPE scaling, Qwen2's qkv bias, tied embeddings).
+"""The decoder used for Llama, Mistral, Qwen2 and Qwen3 checkpoints and their
+mixture-of-experts cousins Mixtral and Qwen3-MoE (they differ only in config: GQA ratio,
+head_dim, RoPE scaling, Qwen2's qkv bias, Qwen3's per-head q/k RMSNorm, tied embeddings, and
+which layers' MLP is a `SparseMoE` from `engine.models.moe`).
 
 Forward takes a flattened batch of tokens (`[T]` ids and positions) plus the step's
 `AttentionMetadata`, and returns hidden states `[T, hidden]`; `compute_logits` projects only
@@ -10,12 +12,12 @@ each); RMSNorm follows the reference formula (float32 statistics) so outputs mat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.kv_cache import PagedKVCache
 from engine.model_config import ModelConfig
+from engine.models.moe import MLP, FusedLinear, SparseMoE
 from engine.models.rope import RotaryEmbedding
 
 
@@ -43,42 +45,43 @@ class Attention(nn.Module):
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
-        )
+        self.qkv_proj = FusedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                    bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
         self.rope = rope
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, positions, kv_cache: PagedKVCache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
         out = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The layer's feed-forward block: sparse where the config routes it, else dense."""
+    if cfg.moe is not None and layer in cfg.moe.moe_layers:
+        return SparseMoE(cfg.moe, cfg.hidden_size)
+    return MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding,
+                 attention_cls: type[nn.Module] = Attention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, rope)
+        self.self_attn = attention_cls(cfg, layer, rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = make_mlp(cfg, layer)
 
     def forward(self, x, positions, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
@@ -86,16 +89,33 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
+    """Families with another attention subclass this and set `attention_cls` (its
+    constructor takes `(cfg, layer, rope)`) and `rope_dim`."""
+
+    attention_cls: type[nn.Module] = Attention
+
+    @staticmethod
+    def rope_dim(cfg: ModelConfig) -> int:
+        return cfg.head_dim
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.max_positions = max_positions
+        rope = RotaryEmbedding(cfg.rope, self.rope_dim(cfg), max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, self.attention_cls)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Recompute the RoPE tables (buffers, not weights) on `device` after `to_empty`."""
+        rope = RotaryEmbedding(self.config.rope, self.rope_dim(self.config), self.max_positions)
+        for layer in self.layers:
+            layer.self_attn.rope = rope.to(device)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache: PagedKVCache, meta: AttentionMetadata):

@@ -1,5 +1,11 @@
 """Load a Hugging Face checkpoint folder (`config.json` + `*.safetensors`, sharded or not)
-into `CausalLM`, fusing q/k/v and gate/up weights as they stream in."""
+into the model class that `registry.model_class` picks from `architectures`, fusing weights
+as they stream in: q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, and each expert's
+gate/up/down into the stacked `experts.w13` `[E, 2I, H]` / `experts.w2` `[E, H, I]` (per-expert
+checkpoints, Mixtral's `block_sparse_moe.experts.E.w1/w2/w3` included, or transformers-5's
+already stacked `experts.gate_up_proj` / `experts.down_proj`). Every parameter must be covered
+exactly once (`_check_complete`).
+"""
 
 from __future__ import annotations
 
@@ -9,94 +15,107 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from engine.model_config import ModelConfig
-from engine.models.llama import CausalLM
-from engine.models.rope import RotaryEmbedding
+from engine.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
-# checkpoint name -> (our parameter, shard index within the fused parameter)
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_SHARD = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> CausalLM:
+               max_positions: int) -> nn.Module:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in model folder {path}")
+    cls = model_class(cfg.architecture)
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions)
+        model = cls(cfg, max_positions)
     model.to_empty(device=device)
     # RoPE tables are buffers computed from config, not weights: rebuild them on the device.
-    rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions).to(device)
-    for layer in model.layers:
-        layer.self_attn.rope = rope
+    model.init_buffers(device)
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
+    loaded: dict[str, int] = {}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 _load_tensor(model, cfg, params, name, f.get_tensor(name), loaded)
-    _check_complete(model, cfg, params, loaded)
+    _check_complete(cfg, params, loaded)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.to(dtype=dtype).eval()
 
 
-def _load_tensor(model, cfg, params, name, tensor, loaded) -> None:
-    if _IGNORED.search(name):
+def _load_tensor(model, cfg: ModelConfig, params, name: str, tensor, loaded) -> None:
+    if _IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
         return
-    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+    hf_name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+    layer = _LAYER.match(hf_name)
+    if layer and int(layer.group(1)) >= cfg.num_layers:
+        logger.debug("skipping %s: beyond the model's layers (e.g. DeepSeek-V3's MTP)", name)
         return
-    m = _LAYER_NAME.match(name)
-    target, shard = name, None
-    if m and m.group(2) in _FUSED:
-        fused, shard = _FUSED[m.group(2)]
-        target = f"model.layers.{m.group(1)}.{fused}.{m.group(3)}"
-    our_name = _our_name(target)
-    if our_name not in params:
+    our_name, view = _target(model, params, hf_name)
+    if view is None:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
-    target_view = _shard_view(params[our_name], model, cfg, our_name, shard)
-    if target_view.shape != tensor.shape:
+    if view.shape != tensor.shape:
         raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the config implies "
-                         f"{tuple(target_view.shape)}")
+                         f"{tuple(view.shape)}")
     with torch.no_grad():
-        target_view.copy_(tensor)
-    loaded.add(f"{our_name}#{shard}")
+        view.copy_(tensor)
+    loaded[our_name] = loaded.get(our_name, 0) + view.numel()
 
 
-def _our_name(hf_name: str) -> str:
-    return hf_name.removeprefix("model.")
+def _target(model, params, name: str) -> tuple[str, torch.Tensor | None]:
+    """(our parameter, the view of it that checkpoint tensor `name` fills)."""
+    if name in params:
+        return name, params[name]
+    if m := _EXPERT.match(name):
+        prefix, expert, part = m.group(1), int(m.group(2)), m.group(3)
+        if part in ("w2", "down_proj"):
+            return f"{prefix}.w2", _get(params, f"{prefix}.w2", expert)
+        w13 = f"{prefix}.w13"
+        half = params[w13].shape[1] // 2 if w13 in params else 0
+        start = 0 if part in ("w1", "gate_proj") else half
+        return w13, _get(params, w13, expert, start, half)
+    if m := _STACKED.match(name):
+        ours = f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"
+        return ours, params.get(ours)
+    if m := _FUSED.match(name):
+        fused, shard = _SHARD[m.group(2)]
+        ours = f"{m.group(1)}.{fused}.{m.group(3)}"
+        if ours in params:
+            sizes = model.get_submodule(f"{m.group(1)}.{fused}").shard_sizes
+            start = sum(sizes[:shard])
+            return ours, params[ours].narrow(0, start, sizes[shard])
+    return name, None
 
 
-def _shard_view(param: torch.Tensor, model, cfg: ModelConfig, name: str, shard: int | None):
-    if shard is None:
-        return param
-    if "qkv_proj" in name:
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        sizes = [q, kv, kv]
-    else:
-        sizes = [cfg.intermediate_size] * 2
-    start = sum(sizes[:shard])
-    return param.narrow(0, start, sizes[shard])
+def _get(params, name: str, expert: int, start: int = 0, size: int = 0):
+    if name not in params or expert >= params[name].shape[0]:
+        return None
+    view = params[name][expert]
+    return view.narrow(0, start, size) if size else view
 
 
-def _check_complete(model, cfg, params, loaded: set[str]) -> None:
-    expected = set()
-    for name in params:
+def _check_complete(cfg: ModelConfig, params, loaded: dict[str, int]) -> None:
+    missing, twice = [], []
+    for name, param in params.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        shards = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else None
-        expected |= {f"{name}#{i}" for i in range(shards)} if shards else {f"{name}#None"}
-    missing = sorted(expected - loaded)
+        got = loaded.get(name, 0)
+        if got < param.numel():
+            missing.append(f"{name} ({got} of {param.numel()} values)")
+        elif got > param.numel():
+            twice.append(name)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+    if twice:
+        raise ValueError(f"checkpoint has duplicate weights for {twice[:3]}")

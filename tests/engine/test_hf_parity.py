@@ -12,6 +12,12 @@ from tests.models import MODEL_VARIANTS, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 VARIANTS = list(MODEL_VARIANTS)
+# One variant per family built by transformers (tests/hf_tiny.py) joins the chunked-prefill and
+# preemption cases; a 13-token budget splits 16-token blocks mid-block.
+FAMILIES = ["qwen3-headdim", "mixtral-4x2", "qwen3moe-8x3-norm-dense0",
+            "deepseek-v2-qlora-grouped", "deepseek-v3-yarn-shared2"]
+CHUNKED = [(v, b) for v in ("llama-gqa", "qwen2-tied-bias-mha") for b in (5, 13, 40)]
+CHUNKED += [(v, 13) for v in FAMILIES]
 
 
 def assert_matches_hf(llm, model_dir, prompts, hf_reference, params=GREEDY):
@@ -46,8 +52,7 @@ def test_shared_prefix_hits_change_nothing(variant, model_dirs, hf_reference):
     assert all(out.num_cached_tokens >= 64 for out in outs), [o.num_cached_tokens for o in outs]
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-tied-bias-mha"])
-@pytest.mark.parametrize("budget", [5, 13, 40])
+@pytest.mark.parametrize("variant, budget", CHUNKED)
 def test_chunked_prefill_mid_block(variant, budget, model_dirs, hf_reference):
     llm = LLM(model_dirs[variant], num_kv_blocks=128, block_size=16,
               max_num_batched_tokens=budget)
@@ -55,7 +60,7 @@ def test_chunked_prefill_mid_block(variant, budget, model_dirs, hf_reference):
     assert_matches_hf(llm, model_dirs[variant], prompts, hf_reference)
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "mistral-linear-rope"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "mistral-linear-rope", *FAMILIES])
 def test_preemption_under_a_tiny_pool(variant, model_dirs, hf_reference):
     llm = LLM(model_dirs[variant], num_kv_blocks=14, block_size=4, max_num_batched_tokens=32)
     prompts = random_prompts(8, 6, 30, seed=6)
@@ -82,3 +87,12 @@ def test_eos_stops_like_transformers(model_dirs, hf_reference):
                                                 stop_token_ids=[eos]))[0]
     assert out.token_ids == reference[: reference.index(eos) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == eos
+
+
+@pytest.mark.parametrize("variant", ["deepseek-v2-qlora-grouped", "deepseek-v3-yarn-shared2"])
+def test_mla_decode_without_absorption_matches_too(variant, model_dirs, hf_reference):
+    """The expanded decode form (what the absorbed one replaces) gives the same tokens."""
+    llm = LLM(model_dirs[variant], num_kv_blocks=256)
+    for layer in llm.engine.runner.model.layers:
+        layer.self_attn.absorb_decode = False
+    assert_matches_hf(llm, model_dirs[variant], random_prompts(6, 1, 40, seed=9), hf_reference)

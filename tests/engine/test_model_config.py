@@ -179,8 +179,8 @@ def load(folder: Path):
 @pytest.mark.parametrize("drop, message", [
     ((), None),
     (("model.layers.1.mlp.down_proj.weight",), "layers.1.mlp.down_proj.weight"),
-    (("model.layers.0.self_attn.k_proj.weight",), "layers.0.self_attn.qkv_proj.weight#1"),
-    (("model.layers.1.mlp.up_proj.weight",), "layers.1.mlp.gate_up_proj.weight#1"),
+    (("model.layers.0.self_attn.k_proj.weight",), "layers.0.self_attn.qkv_proj.weight"),
+    (("model.layers.1.mlp.up_proj.weight",), "layers.1.mlp.gate_up_proj.weight"),
     (("lm_head.weight",), "lm_head.weight"),
     (("model.norm.weight",), "norm.weight"),
 ])

@@ -28,6 +28,17 @@ def _block_bytes(engine, prompt: list[int]) -> list[bytes | None]:
     return [engine.kv_cache.block_bytes(b.block_id) if b else None for b in blocks]
 
 
+def _leaks(engine) -> str | None:
+    """The child's own leak check: None when every block is free and consistent."""
+    from tests.helpers import assert_pool_clean
+
+    try:
+        assert_pool_clean(engine.block_pool)
+    except AssertionError as err:
+        return str(err)
+    return None
+
+
 def _handle(engine, conn, finished: dict, cmd: str, args: list) -> bool:
     """Run one command; False once the node should exit."""
     from engine import SamplingParams
@@ -43,6 +54,8 @@ def _handle(engine, conn, finished: dict, cmd: str, args: list) -> bool:
         conn.send(idle(engine))
     elif cmd == "block_bytes":
         conn.send(_block_bytes(engine, args[0]))
+    elif cmd == "leaks":
+        conn.send(_leaks(engine))
     elif cmd == "stop":
         engine.close()
         conn.send("stopped")

@@ -1,0 +1,140 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) over the paged latent KV cache.
+
+Per token and layer the cache holds one entry of `kv_lora_rank + qk_rope_head_dim` values:
+the RMS-normed compressed latent `c` and the RoPE'd key `k_pe` shared by every head (one plane
+of `engine.kv_cache`, so a block stays one contiguous byte range and moves between nodes as
+such). Queries come from a low-rank (`q_lora_rank`) or full projection and split into a
+no-position part and a RoPE part (decoupled RoPE; DeepSeek's interleaved pairs are
+de-interleaved first, then rotated rotate-half style — the same dot products).
+
+- prefill chunks (the naive form): `kv_b_proj` expands each context entry's latent into
+  per-head `k_nope` and `v`; keys are `[k_nope, k_pe]`, as in transformers.
+- decodes (the absorbed form, `absorb_decode=True`): `kv_b_proj`'s key half is folded into
+  the query (`q_nope @ W_uk` per head) and its value half applied after attention, so a decode
+  attends straight over the cached entries as one shared KV head — nothing is expanded per
+  context token. `absorb_decode=False` expands like prefill (for measurement and tests).
+The token order and `AttentionMetadata` are those of `engine.attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, PrefillChunk, _gather
+from engine.kv_cache import PagedKVCache
+from engine.model_config import ModelConfig
+from engine.models.llama import RMSNorm
+from engine.models.rope import RotaryEmbedding
+
+_LORA_NORM_EPS = 1e-6  # transformers builds q_a/kv_a_layernorm with the default eps
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim)^2 when configured."""
+    scale = cfg.head_dim**-0.5
+    rope = cfg.rope
+    if rope.rope_type != "default" and rope.mscale_all_dim and rope.factor > 1:
+        mscale = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        m, hidden = cfg.mla, cfg.hidden_size
+        self.layer, self.rope, self.num_heads = layer, rope, cfg.num_heads
+        self.rank, self.nope, self.rope_dim, self.v_dim = (
+            m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim)
+        self.interleaved = m.rope_interleave
+        qk_dim = self.nope + self.rope_dim
+        if m.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.num_heads * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, m.q_lora_rank, bias=m.attention_bias)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, _LORA_NORM_EPS)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, self.num_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope_dim,
+                                            bias=m.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, _LORA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.rank, self.num_heads * (self.nope + self.v_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=m.attention_bias)
+        self.scale = softmax_scale(cfg)
+        self.absorb_decode = True
+
+    def forward(self, x, positions, kv_cache: PagedKVCache, meta: AttentionMetadata):
+        q_nope, q_pe, entry = self._project(x, positions)
+        kv_cache.write_latent(self.layer, meta.slot_rows, entry)
+        cache = kv_cache.layer_latent(self.layer)
+        out = x.new_empty(x.shape[0], self.num_heads, self.v_dim)
+        n = meta.num_decodes
+        if n:
+            decode = self._decode_absorbed if self.absorb_decode else self._decode_expanded
+            out[:n] = decode(q_nope[:n], q_pe[:n], cache, meta)
+        for chunk in meta.prefills:
+            out[chunk.start : chunk.end] = self._prefill(q_nope, q_pe, entry, cache, chunk)
+        return self.o_proj(out.flatten(1))
+
+    def _project(self, x, positions):
+        """-> q_nope [T, H, nope], q_pe [T, H, rope] (rotated), cache entries [T, rank+rope]."""
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(-1, self.num_heads, self.nope + self.rope_dim).split(
+            [self.nope, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        q_pe, k_pe = self.rope(positions, self._deinterleave(q_pe),
+                               self._deinterleave(k_pe.unsqueeze(1)))
+        return q_nope, q_pe, torch.cat([self.kv_a_layernorm(latent), k_pe.squeeze(1)], dim=-1)
+
+    def _deinterleave(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.interleaved:
+            return t
+        return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+    def _expand(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries [..., L, rank+rope] -> keys [..., H, L, nope+rope], values [..., H, L, v]."""
+        latent, k_pe = entries.split([self.rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(latent).unflatten(-1, (self.num_heads, self.nope + self.v_dim))
+        k_nope, values = kv.split([self.nope, self.v_dim], dim=-1)
+        k_pe = k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope_dim)
+        keys = torch.cat([k_nope, k_pe], dim=-1)
+        return keys.transpose(-3, -2), values.transpose(-3, -2)
+
+    def _prefill(self, q_nope, q_pe, entry, cache, chunk: PrefillChunk) -> torch.Tensor:
+        s, e = chunk.start, chunk.end
+        queries = torch.cat([q_nope[s:e], q_pe[s:e]], dim=-1).transpose(0, 1)
+        if chunk.mask is None:
+            entries = entry[s:e]
+        else:
+            entries = _gather(cache, chunk.block_ids)[0, : chunk.context_len]
+        keys, values = self._expand(entries)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask,
+                                             is_causal=chunk.mask is None, scale=self.scale)
+        return out.transpose(0, 1)
+
+    def _decode_expanded(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
+        keys, values = self._expand(_gather(cache, meta.decode_block_table).squeeze(1))
+        queries = torch.cat([q_nope, q_pe], dim=-1).unsqueeze(2)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask,
+                                             scale=self.scale)
+        return out.squeeze(2)
+
+    def _decode_absorbed(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Plain matmuls, not SDPA: SDPA's CPU path would copy the one shared latent head
+        out to every query head, undoing what absorption saves."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
+        q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+        queries = torch.cat([q_latent, q_pe], dim=-1)  # [B, H, rank+rope]
+        entries = _gather(cache, meta.decode_block_table).squeeze(1)  # [B, L, rank+rope]
+        scores = torch.matmul(queries, entries.transpose(1, 2)) * self.scale  # [B, H, L]
+        scores = scores.masked_fill(~meta.decode_mask[:, 0], float("-inf"))
+        out = torch.matmul(scores.softmax(-1), entries[..., : self.rank])  # [B, H, rank]
+        return torch.einsum("bhr,hvr->bhv", out, w_uv)
