@@ -2,8 +2,9 @@
 
 Subcommands:
   make-tiny-model OUT_DIR   build a small random HF-format model with a real tokenizer
-  generate --model DIR      run the engine offline on one prompt
-  serve --model DIR         serve the cluster on a local Ray: nodes, metadata service, router
+  convert-gguf GGUF OUT_DIR turn a GGUF file into an HF-format folder (float32)
+  generate --model DIR|GGUF run the engine offline on one prompt
+  serve --model DIR|GGUF    serve the cluster on a local Ray: nodes, metadata service, router
   router serve              run the router alone (nodes found through the metadata service)
   metadata serve            run the metadata service (gRPC; memory or etcd backend)
   bench engine              run the engine benchmark; the last stdout line is its JSON result
@@ -28,16 +29,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cluster import cli_services
+from cluster import cli_models, cli_services
 from cluster.cli_common import (
     DEVICES,
     DTYPES,
     UsageError,
     add_command,
-    check_model_dir,
     config_errors_as_usage,
     formatter,
     require_device,
+    resolve_model_arg,
 )
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,9 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
         "Generate a completion for one prompt with the local engine (no cluster).",
         _cmd_generate,
     )
-    parser.add_argument("--model", required=True, help="HF-format model folder")
+    parser.add_argument("--model", required=True,
+                        help="HF-format model folder, or a GGUF file (converted once into "
+                        "a cache)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
     prompt.add_argument(
@@ -200,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_make_tiny_model(subparsers)
+    cli_models.add_convert_gguf(subparsers)
     _add_generate(subparsers)
     cli_services.add_serve(subparsers)
     cli_services.add_router(subparsers)
@@ -218,8 +222,8 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    check_model_dir(args.model)
     require_device(args.device)
+    model = resolve_model_arg(args.model)
     from engine import LLM, SamplingParams
 
     extra = {} if args.num_blocks is None else {"num_kv_blocks": args.num_blocks}
@@ -233,7 +237,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         llm = LLM(
-            args.model,
+            model,
             dtype=args.dtype,
             device=args.device,
             block_size=args.block_size,

@@ -17,7 +17,7 @@ import pytest
 from cluster import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SUBCOMMANDS = [["make-tiny-model"], ["generate"], ["bench"], ["bench", "engine"],
+SUBCOMMANDS = [["make-tiny-model"], ["convert-gguf"], ["generate"], ["bench"], ["bench", "engine"],
                ["bench", "metadata"], ["bench", "transfer"], ["bench", "serve"],
                ["bench", "router"], ["metadata"], ["serve"], ["router"], ["router", "serve"],
                ["metadata", "serve"], ["replay"]]
