@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,11 +55,12 @@ def require_device(device: str) -> None:
 
 
 def resolve_model_arg(model: str) -> str:
-    """`--model` as the folder to serve: a folder is checked, a GGUF file is converted into
-    the cache once (engine.gguf) and its folder returned; a bad file is a usage error."""
+    """`--model` as the folder to serve, absolute (Ray workers need not share our working
+    directory): a folder is checked, a GGUF file is converted into the cache once
+    (engine.gguf) and its folder returned; a bad file is a usage error."""
     if not Path(model).is_file():
         check_model_dir(model)
-        return model
+        return os.path.abspath(model)
     from engine.gguf import GGUFError, is_gguf, resolve_model
 
     if not is_gguf(model):
