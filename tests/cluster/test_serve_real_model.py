@@ -68,14 +68,14 @@ def _wait_until_serving(proc, port: int, name: str):
 def test_chats_equal_transformers(served_real, real_reference, path):
     client, port, name = served_real
     conversations = chats() if path == "local_prefill" else chats(LONG_SYSTEM)
-    before = decisions(port, path)
+    before = decisions(port, f'reason="{path}",role="decode"')
     for i, messages in enumerate(conversations):
         assert (len(real_reference.chat_ids(messages)) > THRESHOLD) == (path != "local_prefill")
         reply = client.chat.completions.create(
             model=name, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
             extra_body={"cache_salt": f"{path}-{i}"})
         assert reply.choices[0].message.content == real_reference.answer(messages), messages
-    assert decisions(port, path) - before == len(conversations)
+    assert decisions(port, f'reason="{path}",role="decode"') - before == len(conversations)
 
 
 def test_answers_the_capital_of_france(served_real):
