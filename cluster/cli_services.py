@@ -47,7 +47,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="uncached prompt tokens up to which the decode node prefills "
                         "itself; longer prompts go through a prefill node (0: every new "
-                        "prompt does; default: the cluster config's)")
+                        "prompt does; default: 32)")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ cluster.yaml:
     transfer: {protocol: rdma, device_name: "", timeout_s: 30}
     metadata: {address: "metadata:50061"}      # absent: an embedded in-memory service
     router: {host: 0.0.0.0, port: 8000, enabled: true}   # false: a router runs elsewhere
-    node: {gpus: 1, max_restarts: 3, local_prefill_threshold_tokens: 256,
+    node: {gpus: 1, max_restarts: 3, local_prefill_threshold_tokens: 32,
            global_reuse_min_tokens: 512,        # pull a cached prefix this long; 0: never
            role_resource_prefix: pdcluster_}   # actors ask for Ray resource <prefix><role>
     host: auto                                 # nodes bind and publish $POD_IP (or 127.0.0.1)
@@ -20,6 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# Uncached prompt tokens up to which the decode node prefills itself. Low, because on a CPU
+# prefill is dear and moving KV is cheap: the `bench` model prefills 1.5 ms/token (README,
+# quiet run) and SmolLM2-135M, the built-in model, has 2.4x its parameters, while SmolLM2's KV
+# is 46 KB/token (~0.05 ms/token over loopback TCP) plus ~1 ms of handshake. So only a short
+# follow-up turn (the decode node holding the rest) stays local, and a first chat turn (~40
+# tokens) uses the prefill node. The Helm chart (GPU prefill) sets its own, higher value.
+LOCAL_PREFILL_THRESHOLD_TOKENS = 32
 
 _SECTIONS = {"model", "num_prefill", "num_decode", "engine", "transfer", "metadata", "router",
              "node", "host"}
@@ -42,7 +50,7 @@ class ClusterConfig:
     node_gpus: float = 0.0
     node_cpus: float = 1.0
     max_restarts: int = 3
-    local_prefill_threshold_tokens: int = 256
+    local_prefill_threshold_tokens: int = LOCAL_PREFILL_THRESHOLD_TOKENS
     global_reuse_min_tokens: int = 512  # 0: prefilling nodes never pull a prefix
     role_resource_prefix: str | None = None
 
@@ -88,5 +96,6 @@ class ClusterConfig:
             role_resource_prefix=node.get("role_resource_prefix"),
             node_gpus=node.get("gpus", 0.0), node_cpus=node.get("cpus", 1.0),
             max_restarts=node.get("max_restarts", 3),
-            local_prefill_threshold_tokens=node.get("local_prefill_threshold_tokens", 256),
+            local_prefill_threshold_tokens=node.get("local_prefill_threshold_tokens",
+                                                    LOCAL_PREFILL_THRESHOLD_TOKENS),
             global_reuse_min_tokens=node.get("global_reuse_min_tokens", 512))
