@@ -59,6 +59,8 @@ def resolve_model_arg(model: str) -> str:
     directory): a folder is checked, a GGUF file is converted into the cache once
     (engine.gguf) and its folder returned; a bad file is a usage error."""
     if not Path(model).is_file():
+        if Path(model).suffix.lower() == ".gguf":
+            raise UsageError(f"GGUF file not found: {model}")
         check_model_dir(model)
         return os.path.abspath(model)
     from engine.gguf import GGUFError, is_gguf, resolve_model

@@ -109,7 +109,12 @@ def resolve_model(model: str | Path, cache_dir: str | Path | None = None) -> str
     if (out / "config.json").is_file():
         return str(out)
     logger.info("converting %s to %s", model, out)
-    return str(convert_gguf(model, out))
+    try:
+        return str(convert_gguf(model, out))
+    except OSError:
+        if (out / "config.json").is_file():  # another process converted it meanwhile
+            return str(out)
+        raise
 
 
 def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
