@@ -204,3 +204,15 @@ def test_bench_engine_prints_json_last(fake_bench, capsys, as_json: bool) -> Non
         assert len(lines) == 1
     else:
         assert any(line.startswith("engine.tok_s") for line in lines[:-1])
+
+
+def test_model_arg_resolution(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster.cli_common import UsageError, resolve_model_arg
+
+    monkeypatch.chdir(model_dir.parent)
+    assert resolve_model_arg(model_dir.name) == str(model_dir)  # absolute, for Ray workers
+    with pytest.raises(UsageError, match="GGUF file not found"):
+        resolve_model_arg("missing.gguf")
+    (model_dir / "weights.bin").write_bytes(b"\0" * 8)
+    with pytest.raises(UsageError, match="not a model folder or a GGUF file"):
+        resolve_model_arg(str(model_dir / "weights.bin"))
