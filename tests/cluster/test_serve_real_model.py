@@ -21,6 +21,7 @@ from tests.real_model import LONG_SYSTEM, MAX_TOKENS, chats
 
 openai = pytest.importorskip("openai")
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 THRESHOLD = 64  # tokens; the short chats are ~40, the long ones ~130
 
 

@@ -90,6 +90,7 @@ def test_cli_reports_bad_gguf_in_one_line(tmp_path, command):
     assert proc.returncode == 2 and "not a readable GGUF file" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_gguf_file_and_converted_folder_give_identical_tokens(
         tmp_path_factory, monkeypatch, real_llm, real_reference):
     gguf_file = smollm2_gguf()

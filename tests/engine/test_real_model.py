@@ -4,10 +4,13 @@ as one batch; and it answers a factual question. Skips when setup has not conver
 
 from __future__ import annotations
 
+import pytest
+
 from engine import SamplingParams
 from tests.helpers import assert_pool_clean
 from tests.real_model import MAX_TOKENS, QUESTIONS, chats
 
+pytestmark = pytest.mark.slow
 GREEDY_64 = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
