@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 # Uncached prompt tokens up to which the decode node prefills itself. Low, because on a CPU
-# prefill is dear and moving KV is cheap: the `bench` model prefills 1.5 ms/token (README,
-# quiet run) and SmolLM2-135M, the built-in model, has 2.4x its parameters, while SmolLM2's KV
-# is 46 KB/token (~0.05 ms/token over loopback TCP) plus ~1 ms of handshake. So only a short
-# follow-up turn (the decode node holding the rest) stays local, and a first chat turn (~40
-# tokens) uses the prefill node. The Helm chart (GPU prefill) sets its own, higher value.
+# prefill is dear and moving KV is cheap: SmolLM2-135M, the built-in model, prefills ~4.4
+# ms/token here (README, "Performance"), while its KV is 46 KB/token (~0.05 ms/token over
+# loopback TCP) plus ~1 ms of handshake. So only a short follow-up turn (the decode node
+# holding the rest) stays local, and a first chat turn (~40 tokens) uses the prefill node. The
+# Helm chart (GPU prefill) sets its own, higher value.
 LOCAL_PREFILL_THRESHOLD_TOKENS = 32
 
 _SECTIONS = {"model", "num_prefill", "num_decode", "engine", "transfer", "metadata", "router",
