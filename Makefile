@@ -1,5 +1,6 @@
-# Builds and runs pdcluster from a fresh machine: `make setup` installs everything (see
-# scripts/setup.sh); the other targets use the project's .venv.
+# Builds and runs pdcluster from a fresh machine. scripts/setup.sh installs in two stages: `serve`
+# (what `make run` needs, including the built-in model) and `test` (serve's, plus the test tools
+# and helm: `make setup`, `make test`). The other targets use the project's .venv.
 SHELL := /bin/bash
 .DEFAULT_GOAL := setup
 
@@ -9,21 +10,26 @@ export TRANSFORMERS_OFFLINE := 1
 
 VENV := .venv
 PDCLUSTER := $(VENV)/bin/pdcluster
-TINY_MODEL := .cache/tiny-llama
+# The built-in model: SmolLM2-135M-Instruct, converted from GGUF by scripts/setup.sh. Its API
+# name is the folder's: smollm2-135m-instruct.
+MODEL ?= .cache/smollm2-135m-instruct
 PORT ?= 8000
+SERVE_ARGS ?=
 
-.PHONY: setup run test lint bench clean distclean
+.PHONY: setup setup-serve run test lint bench clean distclean
 
 setup:
-	bash scripts/setup.sh
+	bash scripts/setup.sh test
+
+setup-serve:
+	bash scripts/setup.sh serve
 
 # Serves the cluster (1 prefill + 1 decode node on a local Ray, the metadata service, the
-# router) with the built-in tiny model at http://127.0.0.1:$(PORT)/v1 until Ctrl-C.
-run: setup
-	@if [[ ! -f $(TINY_MODEL)/config.json ]]; then \
-		$(PDCLUSTER) make-tiny-model $(TINY_MODEL); \
-	fi
-	$(PDCLUSTER) serve --model $(TINY_MODEL) --num-prefill 1 --num-decode 1 --port $(PORT)
+# router) with $(MODEL) at http://127.0.0.1:$(PORT)/v1 until Ctrl-C. SERVE_ARGS adds flags,
+# e.g. SERVE_ARGS="--local-prefill-threshold 0" sends every new prompt through the prefill node.
+run: setup-serve
+	$(PDCLUSTER) serve --model $(MODEL) --num-prefill 1 --num-decode 1 --port $(PORT) \
+		$(SERVE_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check core engine transfer metadata_service node prefill_node \
@@ -32,8 +38,9 @@ lint: setup
 test: lint
 	$(VENV)/bin/python -m pytest -q
 
-bench: setup
+bench: setup-serve
 	$(PDCLUSTER) bench engine --json
+	$(PDCLUSTER) bench engine --json --model $(MODEL)
 	$(PDCLUSTER) bench transfer --json
 	$(PDCLUSTER) bench metadata --json
 

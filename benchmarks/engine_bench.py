@@ -1,9 +1,12 @@
 """Engine benchmark: `pdcluster bench engine [--json] [--quick] [--threads N] [--device D]
-[--moe] [--mla]` (`--moe` adds a MoE vs dense step comparison: benchmarks/moe_step.py;
-`--mla` MLA decode absorbed vs expanded and KV bytes per token: benchmarks/mla_decode.py).
+[--model DIR|GGUF] [--moe] [--mla]` (`--moe` adds a MoE vs dense step comparison:
+benchmarks/moe_step.py; `--mla` MLA decode absorbed vs expanded and KV bytes per token:
+benchmarks/mla_decode.py).
 
-Measures, in one run and on one random model big enough that compute dominates on CPU (the
-`bench` preset of `engine.tiny_model`: hidden 512, 8 layers, 8 heads / 4 KV heads, 32k vocab):
+Measures, in one run, on `--model` (e.g. the built-in SmolLM2-135M-Instruct) or else on one
+random model big enough that compute dominates on CPU (the `bench` preset of
+`engine.tiny_model`: hidden 512, 8 layers, 8 heads / 4 KV heads, 32k vocab). Prompts are
+random token ids either way (greedy, EOS ignored: the lengths are exact):
 
 - throughput: output tokens/s of `LLM.generate` over N concurrent requests (prompt 256,
   output 64, EOS ignored) against transformers' `generate` run one request at a time (the
@@ -25,6 +28,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +54,11 @@ QUICK = BenchSizes(
 )
 
 
+_PROMPT_VOCAB = 32000  # ids drawn from [3, this): inside every supported model's vocabulary
+
+
 def _prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
-    return [[rng.randrange(3, 32000) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(3, _PROMPT_VOCAB) for _ in range(length)] for _ in range(n)]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -62,10 +69,9 @@ def run(args: argparse.Namespace) -> dict:
     sizes = QUICK if args.quick else BenchSizes()
     device = getattr(args, "device", "cpu") or "cpu"
     with tempfile.TemporaryDirectory(prefix="pdcluster-bench-") as tmp:
-        from engine.tiny_model import make_tiny_model
-
-        model_dir = str(make_tiny_model(tmp, arch="llama", seed=0, preset="bench"))
+        model_dir = _model_dir(getattr(args, "model", None), tmp)
         result = {
+            "model": Path(model_dir).name if getattr(args, "model", None) else "bench-preset",
             "device": device,
             "threads": torch.get_num_threads(),
             **_model_facts(model_dir),
@@ -85,6 +91,17 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def _model_dir(model: str | None, tmp: str) -> str:
+    """The model to measure: `model` (a folder, or a GGUF converted once), else a random one."""
+    if model:
+        from engine.gguf import resolve_model
+
+        return resolve_model(model)
+    from engine.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp, arch="llama", seed=0, preset="bench"))
+
+
 def _model_facts(model_dir: str) -> dict:
     from engine.model_config import ModelConfig
 
@@ -93,7 +110,8 @@ def _model_facts(model_dir: str) -> dict:
         mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)
         + 3 * mc.hidden_size * mc.intermediate_size
     )
-    params = mc.num_layers * per_layer + 2 * mc.vocab_size * mc.hidden_size
+    embeddings = 1 if mc.tie_word_embeddings else 2
+    params = mc.num_layers * per_layer + embeddings * mc.vocab_size * mc.hidden_size
     return {
         "model_params_m": round(params / 1e6, 1),
         "model_hidden": mc.hidden_size,

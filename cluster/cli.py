@@ -2,8 +2,9 @@
 
 Subcommands:
   make-tiny-model OUT_DIR   build a small random HF-format model with a real tokenizer
-  generate --model DIR      run the engine offline on one prompt
-  serve --model DIR         serve the cluster on a local Ray: nodes, metadata service, router
+  convert-gguf GGUF OUT_DIR turn a GGUF file into an HF-format folder (float32)
+  generate --model DIR|GGUF run the engine offline on one prompt
+  serve --model DIR|GGUF    serve the cluster on a local Ray: nodes, metadata service, router
   router serve              run the router alone (nodes found through the metadata service)
   metadata serve            run the metadata service (gRPC; memory or etcd backend)
   bench engine              run the engine benchmark; the last stdout line is its JSON result
@@ -25,96 +26,28 @@ import importlib
 import json
 import logging
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cluster import cli_services
+from cluster import cli_models, cli_services
 from cluster.cli_common import (
     DEVICES,
-    DTYPES,
     UsageError,
     add_command,
-    check_model_dir,
     config_errors_as_usage,
     formatter,
     require_device,
+    resolve_model_arg,
 )
+from cluster.cli_models import parse_token_ids  # noqa: F401 (part of this module's API)
 
 logger = logging.getLogger(__name__)
 
-# Mirrors engine.tiny_model.ARCHS / PRESETS; repeated here so that --help never imports torch.
-TINY_ARCHS = ("llama", "qwen2", "mistral")
-TINY_PRESETS = ("tiny", "bench")
-def parse_token_ids(text: str) -> list[int]:
-    """Parse "1,2,3" into [1, 2, 3]; argparse reports a bad value as a usage error."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError("expected comma-separated token ids, e.g. 1,2,3")
-    try:
-        ids = [int(p) for p in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
-    if any(i < 0 for i in ids):
-        raise argparse.ArgumentTypeError(f"token ids must be >= 0: {text!r}")
-    return ids
-
-
-def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
-    parser = add_command(
-        subparsers,
-        "make-tiny-model",
-        "Build a small random-weight HF-format model (safetensors + a real SentencePiece "
-        "tokenizer) for tests and the default run. Needs no network.",
-        _cmd_make_tiny_model,
-    )
-    parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write the model into")
-    parser.add_argument("--arch", choices=TINY_ARCHS, default="llama", help="model family")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the random weights")
-    parser.add_argument(
-        "--preset",
-        choices=TINY_PRESETS,
-        default="tiny",
-        help="size: 'tiny' for tests, 'bench' for benchmarks",
-    )
-
-
-def _add_generate(subparsers: argparse._SubParsersAction) -> None:
-    parser = add_command(
-        subparsers,
-        "generate",
-        "Generate a completion for one prompt with the local engine (no cluster).",
-        _cmd_generate,
-    )
-    parser.add_argument("--model", required=True, help="HF-format model folder")
-    prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
-    prompt.add_argument(
-        "--prompt-ids",
-        type=parse_token_ids,
-        metavar="IDS",
-        help='prompt as comma-separated token ids, e.g. "1,2,3"',
-    )
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    parser.add_argument("--top-k", type=int, default=0, help="0 means no top-k cut")
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype")
-    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
-    parser.add_argument(
-        "--num-blocks",
-        type=int,
-        default=None,
-        help="KV cache blocks (default: the engine sizes the cache itself)",
-    )
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-
-
 # name -> (module in benchmarks/, description). Each takes --json and --quick; some take more.
 BENCHMARKS = {
-    "engine": ("engine_bench", "Engine throughput and latency on a tiny random model, against "
-               "a baseline measured in the same run."),
+    "engine": ("engine_bench", "Engine throughput, batch-1 decode step and 2,048-token TTFT "
+               "on --model (default: a random `bench` model), against transformers measured "
+               "in the same run."),
     "transfer": ("transfer_bench", "KV transfer between two processes through the connector "
                  "(Mooncake over TCP here), against one raw contiguous Mooncake write of the "
                  "same bytes in the same run."),
@@ -141,6 +74,9 @@ def _engine_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="also time a MoE step against an equally sized dense one")
     parser.add_argument("--mla", action="store_true",
                         help="also time MLA decode (absorbed vs expanded) and KV bytes/token")
+    parser.add_argument("--model", default=None,
+                        help="model folder or GGUF file to measure (default: a random model "
+                        "of the `bench` preset)")
 
 
 def _metadata_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -207,58 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="logging level",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_make_tiny_model(subparsers)
-    _add_generate(subparsers)
+    cli_models.add_make_tiny_model(subparsers)
+    cli_models.add_convert_gguf(subparsers)
+    cli_models.add_generate(subparsers)
     cli_services.add_serve(subparsers)
     cli_services.add_router(subparsers)
     cli_services.add_metadata(subparsers)
     _add_bench(subparsers)
     _add_replay(subparsers)
     return parser
-
-
-def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.tiny_model import make_tiny_model
-
-    path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, preset=args.preset)
-    print(path)
-    return 0
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    check_model_dir(args.model)
-    require_device(args.device)
-    from engine import LLM, SamplingParams
-
-    extra = {} if args.num_blocks is None else {"num_kv_blocks": args.num_blocks}
-    started = time.perf_counter()
-    with config_errors_as_usage():
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-        )
-        llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            **extra,
-        )
-    loaded = time.perf_counter()
-    prompt = args.prompt if args.prompt is not None else args.prompt_ids
-    out = llm.generate([prompt], params)[0]
-    done = time.perf_counter()
-    print(f"prompt: {prompt}")
-    print(f"output: {out.text}")
-    print(
-        f"generated {len(out.token_ids)} tokens in {done - loaded:.3f} s "
-        f"(model load {loaded - started:.3f} s)",
-        file=sys.stderr,
-    )
-    return 0
 
 
 def _flatten(result: dict, prefix: str = "") -> list[tuple[str, object]]:
@@ -292,6 +185,8 @@ def _bench_command(module: str) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
         if getattr(args, "device", None):
             require_device(args.device)
+        if getattr(args, "model", None):
+            args.model = resolve_model_arg(args.model)
         result = importlib.import_module(f"benchmarks.{module}").run(args)
         if not args.json:
             print(format_table(result))

@@ -1,10 +1,12 @@
 """Pieces shared by the `pdcluster` command modules: the help formatter, subcommand
-registration, and turning user mistakes into one-line usage errors (exit status 2)."""
+registration, `--model` resolution (a folder, or a GGUF file converted once), and turning
+user mistakes into one-line usage errors (exit status 2)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,6 +52,25 @@ def require_device(device: str) -> None:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda given but no CUDA device is available")
+
+
+def resolve_model_arg(model: str) -> str:
+    """`--model` as the folder to serve, absolute (Ray workers need not share our working
+    directory): a folder is checked, a GGUF file is converted into the cache once
+    (engine.gguf) and its folder returned; a bad file is a usage error."""
+    if not Path(model).is_file():
+        if Path(model).suffix.lower() == ".gguf":
+            raise UsageError(f"GGUF file not found: {model}")
+        check_model_dir(model)
+        return os.path.abspath(model)
+    from engine.gguf import GGUFError, is_gguf, resolve_model
+
+    if not is_gguf(model):
+        raise UsageError(f"not a model folder or a GGUF file: {model}")
+    try:
+        return resolve_model(model)
+    except GGUFError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def check_model_dir(model: str) -> None:

@@ -15,6 +15,7 @@ from cluster.cli_common import (
     cluster_secret_from_env,
     config_errors_as_usage,
     formatter,
+    resolve_model_arg,
 )
 
 
@@ -28,7 +29,9 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         "either a new one is generated and written to a 0600 file whose path is printed.",
         _cmd_serve,
     )
-    parser.add_argument("--model", required=True, help="HF-format model folder")
+    parser.add_argument("--model", required=True,
+                        help="HF-format model folder, or a GGUF file (converted once into a "
+                        "cache); the API's model name is the folder's (or file's) name")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill node actors")
     parser.add_argument("--num-decode", type=int, default=1, help="decode node actors")
     parser.add_argument("--host", default="127.0.0.1", help="router listen address")
@@ -44,10 +47,14 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="KV cache memory per node (default: the engine's own)")
     parser.add_argument("--gpus-per-node", type=float, default=0.0,
                         help="Ray GPUs per node actor (1 on a GPU machine)")
+    parser.add_argument("--local-prefill-threshold", type=int, default=None,
+                        help="uncached prompt tokens up to which the decode node prefills "
+                        "itself; longer prompts go through a prefill node (0: every new "
+                        "prompt does; default: 32)")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    check_model_dir(args.model)
+    model = resolve_model_arg(args.model)
     from cluster.config import ClusterConfig
     from cluster.launch import serve
 
@@ -56,12 +63,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine["dtype"] = args.dtype
     if args.kv_cache_gib:
         engine["kv_cache_memory_gib"] = args.kv_cache_gib
+    thresholds = {} if args.local_prefill_threshold is None else {
+        "local_prefill_threshold_tokens": args.local_prefill_threshold}
     with config_errors_as_usage():
-        config = ClusterConfig(model=args.model, num_prefill=args.num_prefill,
+        config = ClusterConfig(model=model, num_prefill=args.num_prefill,
                                num_decode=args.num_decode, engine=engine,
                                metadata_address=args.metadata, router_host=args.host,
                                router_port=args.port, node_gpus=args.gpus_per_node,
-                               **metadata_tls_fields(args))
+                               **thresholds, **metadata_tls_fields(args))
     return serve(config, cluster_secret=_serve_secret())
 
 

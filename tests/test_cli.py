@@ -17,7 +17,7 @@ import pytest
 from cluster import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SUBCOMMANDS = [["make-tiny-model"], ["generate"], ["bench"], ["bench", "engine"],
+SUBCOMMANDS = [["make-tiny-model"], ["convert-gguf"], ["generate"], ["bench"], ["bench", "engine"],
                ["bench", "metadata"], ["bench", "transfer"], ["bench", "serve"],
                ["bench", "router"], ["bench", "curve"], ["metadata"], ["serve"], ["router"],
                ["router", "serve"], ["metadata", "serve"], ["replay"]]
@@ -214,3 +214,15 @@ def test_bench_engine_takes_moe_and_mla_flags(monkeypatch, capsys) -> None:
     assert json.loads(capsys.readouterr().out.strip()) == {"moe": True, "mla": True}
     assert cli.main(["bench", "engine", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip()) == {"moe": False, "mla": False}
+
+
+def test_model_arg_resolution(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster.cli_common import UsageError, resolve_model_arg
+
+    monkeypatch.chdir(model_dir.parent)
+    assert resolve_model_arg(model_dir.name) == str(model_dir)  # absolute, for Ray workers
+    with pytest.raises(UsageError, match="GGUF file not found"):
+        resolve_model_arg("missing.gguf")
+    (model_dir / "weights.bin").write_bytes(b"\0" * 8)
+    with pytest.raises(UsageError, match="not a model folder or a GGUF file"):
+        resolve_model_arg(str(model_dir / "weights.bin"))

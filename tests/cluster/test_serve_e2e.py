@@ -31,7 +31,7 @@ def served(model_dirs):
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--model", model_dirs["llama-gqa"],
          "--num-prefill", "1", "--num-decode", "1", "--port", str(port),
-         "--block-size", "16", "--kv-cache-gib", "0.05"],
+         "--block-size", "16", "--kv-cache-gib", "0.05", "--local-prefill-threshold", "256"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
     lines = []
