@@ -43,6 +43,7 @@ bench: setup-serve
 	$(PDCLUSTER) bench engine --json --model $(MODEL)
 	$(PDCLUSTER) bench transfer --json
 	$(PDCLUSTER) bench metadata --json
+	$(PDCLUSTER) bench curve --json
 
 clean:
 	rm -rf .cache build dist *.egg-info .pytest_cache .hypothesis .ruff_cache
