@@ -47,7 +47,7 @@ from core.node_wire import (
 from router.config import NodeSpec, RouterConfig
 from router.metadata import MetadataLink
 from router.metrics import RouterMetrics
-from router.node_client import NodeClient, NodeStream
+from router.node_link import NodeLink, NodeStream
 from router.policy import (
     NoHealthyNode,
     RouteDecision,
@@ -85,7 +85,7 @@ class Dispatcher:
         self.clock = clock
         self.rng = random.Random(config.seed)
         self.work = DecayedWork(config.policy.work_half_life_s)
-        self.nodes: dict[str, NodeClient] = {}
+        self.nodes: dict[str, NodeLink] = {}
         self.views = NodeViews(self.work, config.policy, clock)  # the policy's view of each node
         self.metadata: MetadataLink | None = None
         self._context = zmq.asyncio.Context()
@@ -112,7 +112,7 @@ class Dispatcher:
             if known is not None:
                 self._spawn(known.close())
             self.work.join(spec.node_id, self.clock())
-            self.nodes[spec.node_id] = NodeClient(spec, self._context, curve=self._curve)
+            self.nodes[spec.node_id] = NodeLink(spec, self._context, curve=self._curve)
             self.views.add(self.nodes[spec.node_id])
 
     async def refresh(self) -> None:
@@ -185,7 +185,7 @@ class Dispatcher:
                 p_request = replace(p_request, prefix_source=source)
             else:
                 d_request = replace(d_request, prefix_source=source)
-        streams: list[tuple[NodeClient, NodeStream]] = []
+        streams: list[tuple[NodeLink, NodeStream]] = []
         failure: asyncio.Future[NodeFailure] = asyncio.get_running_loop().create_future()
         try:
             if prefill is not None:
@@ -220,7 +220,7 @@ class Dispatcher:
             return None
         return PrefixSource(holder.spec.kv_address, decision.prefix_source_blocks)
 
-    def _charge(self, node: NodeClient, uncached: int, output_tokens: int = 0) -> None:
+    def _charge(self, node: NodeLink, uncached: int, output_tokens: int = 0) -> None:
         work = request_work(uncached, output_tokens, self.config.policy)
         if work > 0:
             self.work.add(node.node_id, work, self.clock())

@@ -17,7 +17,7 @@ CONFIG = PolicyConfig(work_half_life_s=64.0)
 
 
 class StubClient:
-    """What NodeViews reads of a router.node_client.NodeClient (no socket needed)."""
+    """What NodeViews reads of a router.node_link.NodeLink (no socket needed)."""
 
     def __init__(self, node_id: str, role: str = "both") -> None:
         self.spec = NodeSpec(node_id, role, "tcp://127.0.0.1:9")
