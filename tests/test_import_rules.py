@@ -37,7 +37,8 @@ def _all_rooms_but(*allowed: str) -> frozenset[str]:
 # importing itself is always fine. `cluster` and `benchmarks` are launchers: not restricted here.
 FORBIDDEN: dict[str, frozenset[str]] = {
     "core": HEAVY | _all_rooms_but("core"),
-    "engine": {"ray"} | _all_rooms_but("engine", "core"),
+    # The engine knows nothing of the node wire protocol or its sockets (node/ serves it).
+    "engine": {"ray", "zmq"} | _all_rooms_but("engine", "core"),
     "transfer": {"ray"} | _all_rooms_but("transfer", "core"),
     "router": HEAVY | _all_rooms_but("router", "core", "proto"),
     "metadata_service": HEAVY | _all_rooms_but("metadata_service", "core", "proto"),
@@ -137,6 +138,10 @@ def test_engine_may_not_import_ray_or_services() -> None:
                  "decode_node", "cluster"):
         assert find_violations(f"import {name}\n", "e.py", FORBIDDEN["engine"]), name
     assert find_violations("import torch\nimport core\n", "e.py", FORBIDDEN["engine"]) == []
+
+
+def test_engine_may_not_import_zmq() -> None:
+    assert find_violations("import zmq.asyncio\n", "e.py", FORBIDDEN["engine"])
 
 
 def _room_modules(room: str) -> list[str]:
