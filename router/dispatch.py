@@ -19,7 +19,7 @@ Whatever ends the stream early (client gone, stop string, error), `execute`'s cl
 the request on both nodes. `execute` is one attempt; router.migration moves a request whose
 D is lost to another node.
 
-API: `Dispatcher`, `Placement`, `NodeFailure`.
+API: `Dispatcher`, `Placement` (failures: `router.errors`).
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ from core.node_wire import (
     TransferSpec,
 )
 from router.config import NodeSpec, RouterConfig
+from router.errors import NodeFailure, NoHealthyNode
 from router.metadata import MetadataLink
 from router.metrics import RouterMetrics
 from router.node_link import NodeLink, NodeStream
 from router.policy import (
-    NoHealthyNode,
     RouteDecision,
     request_work,
     route,
@@ -58,17 +58,6 @@ from router.views import NodeViews
 from router.work import DecayedWork
 
 logger = logging.getLogger(__name__)
-
-
-class NodeFailure(Exception):
-    """A node refused or failed the request (`code` from core.node_wire.ERROR_CODES).
-    `lost`: the node is gone (disconnected, stopped answering) rather than refusing, so the
-    request may be moved elsewhere (router.migration)."""
-
-    def __init__(self, code: str, message: str, lost: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.lost = lost
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,4 +263,4 @@ def sampling_spec(max_tokens: int, temperature: float, top_p: float, top_k: int,
                         logprobs=logprobs)
 
 
-__all__ = ["Dispatcher", "NodeFailure", "Placement", "sampling_spec"]
+__all__ = ["Dispatcher", "Placement", "sampling_spec"]

@@ -57,7 +57,7 @@ Metadata unreachable: call with every `cached_blocks=0` (load-only routing).
 Speed: a decision is one pass over the candidates per role with the arithmetic inline (no
 per-node calls or allocations); 64 nodes decide in tens of microseconds.
 
-API: `PolicyConfig`, `NodeView`, `RouteDecision`, `NoHealthyNode`, `request_work`,
+API: `PolicyConfig`, `NodeView`, `RouteDecision`, `request_work`,
 `choose_prefill`, `choose_decode`, `route`.
 """
 
@@ -68,12 +68,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from core.types import NodeId
+from router.errors import NoHealthyNode
 
 ROLES = ("prefill", "decode", "both")
-
-
-class NoHealthyNode(Exception):
-    """No node can take the request (none known, all draining, or none of the needed role)."""
 
 
 @dataclass(frozen=True, slots=True)

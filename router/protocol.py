@@ -1,9 +1,9 @@
 """OpenAI request bodies -> validated `CompletionRequest`; errors in OpenAI's JSON shape.
 
-Everything a client can get wrong raises `ApiError` (status 4xx, message, param), which the
-server turns into `{"error": {"message", "type", "param", "code"}}`.
+Everything a client can get wrong raises `router.errors.ApiError` (status 4xx, message,
+param), which the server turns into `{"error": {"message", "type", "param", "code"}}`.
 
-API: `ApiError`, `CompletionRequest`, `parse_completion`, `parse_chat`, `error_body`.
+API: `CompletionRequest`, `parse_completion`, `parse_chat`.
 """
 
 from __future__ import annotations
@@ -11,20 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.errors import ApiError
+
 _NUMBER = (int, float)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, err_type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.code, self.type = code, err_type
-
-
-def error_body(exc: ApiError) -> dict:
-    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param,
-                      "code": exc.code}}
 
 
 @dataclass(slots=True)

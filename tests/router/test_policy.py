@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
+from router.errors import NoHealthyNode
 from router.policy import (
     NodeView,
-    NoHealthyNode,
     PolicyConfig,
     choose_prefill,
     load_cost,
