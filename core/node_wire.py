@@ -103,7 +103,7 @@ class RequestError:
 @dataclass(frozen=True, slots=True)
 class LoadReport:
     node_id: str
-    role: str  # "prefill" | "decode" | "both"
+    role: str  # a core.roles.Role value
     num_waiting: int
     num_running: int
     num_free_blocks: int

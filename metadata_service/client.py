@@ -23,6 +23,7 @@ import grpc
 
 from core.credentials import SERVICE, ClusterSecret
 from core.events import KVEvent
+from core.roles import NODE_ROLES, Role, role_names
 from core.tls import ClientTLS
 from core.types import BlockHash, NodeId
 from metadata_service.codec import pack_hashes
@@ -37,7 +38,7 @@ from metadata_service.wire import AUTH_HEADER, GRPC_OPTIONS
 from proto import metadata_pb2 as pb
 from proto import metadata_pb2_grpc as pb_grpc
 
-ROLES = {"prefill": pb.PREFILL, "decode": pb.DECODE}
+ROLES = {Role.PREFILL: pb.PREFILL, Role.DECODE: pb.DECODE}
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.CANCELLED)
 
@@ -50,7 +51,7 @@ def role_value(role: str | int | None) -> int:
         return pb.ROLE_UNSPECIFIED
     if isinstance(role, str):
         if role not in ROLES:
-            raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+            raise ValueError(f"role must be one of {role_names(NODE_ROLES)}, got {role!r}")
         return ROLES[role]
     return role
 

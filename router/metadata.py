@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from core.block_index import BlockIndex
+from core.roles import Role
 from core.tls import ClientTLS
 from core.types import BlockHash, NodeId
 from proto import metadata_pb2 as pb
@@ -50,7 +51,7 @@ from router.config import NodeSpec
 logger = logging.getLogger(__name__)
 
 PrefixHits = dict[NodeId, int]
-_ROLE_NAMES = {pb.PREFILL: "prefill", pb.DECODE: "decode"}
+_ROLE_NAMES = {pb.PREFILL: Role.PREFILL, pb.DECODE: Role.DECODE}
 _Update = pb.BlockUpdate
 
 
@@ -119,7 +120,7 @@ class MetadataLink:
             self._fail(exc)
             return None
         self._recover()
-        return [NodeSpec(n.node_id, _ROLE_NAMES.get(n.role, "both"), n.request_address,
+        return [NodeSpec(n.node_id, _ROLE_NAMES.get(n.role, Role.BOTH), n.request_address,
                          n.kv_address) for n in reply.nodes if n.request_address]
 
     async def close(self) -> None:

@@ -67,10 +67,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from core.roles import Role
 from core.types import NodeId
 from router.errors import NoHealthyNode
-
-ROLES = ("prefill", "decode", "both")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +107,7 @@ class NodeView:
     node (`Dispatcher._refresh_views`)."""
 
     node_id: NodeId
-    role: str = "both"
+    role: str = Role.BOTH
     cached_blocks: int = 0
     queued_prefill_tokens: int = 0
     num_running: int = 0
@@ -120,7 +119,7 @@ class NodeView:
     load: float | None = None
 
     def can(self, role: str) -> bool:
-        return not self.draining and self.role in (role, "both")
+        return not self.draining and self.role in (role, Role.BOTH)
 
 
 @dataclass(frozen=True, slots=True)
