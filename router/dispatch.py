@@ -2,11 +2,11 @@
 the load loop; `place` asks the policy where a request goes (pure decision), `execute` sends
 it there and yields the decode node's token deltas.
 
-Work accounting: the dispatcher keeps `work` (`router.work.DecayedWork`, advanced by the
+Work accounting: the dispatcher keeps `work` (`router.load_decay.DecayedWork`, advanced by the
 injected `clock`) and charges each node what it computes for it: the prompt tokens the
 prefilling node neither holds nor pulls, once the request is sent, and `output_token_weight`
 per token as D streams them. The policy sees each node's decayed total as
-`NodeView.recent_work`, through `views` (`router.views.NodeViews`: one view per node, kept
+`NodeView.recent_work`, through `views` (`router.node_views.NodeViews`: one view per node, kept
 current by events rather than rebuilt per request). A node that appears later starts at the
 others' mean.
 
@@ -46,16 +46,16 @@ from core.node_wire import (
 )
 from router.config import NodeSpec, RouterConfig
 from router.errors import NodeFailure, NoHealthyNode
-from router.metadata import MetadataLink
+from router.load_decay import DecayedWork
+from router.metadata_link import MetadataLink
 from router.metrics import RouterMetrics
 from router.node_link import NodeLink, NodeStream
+from router.node_views import NodeViews
 from router.policy import (
     RouteDecision,
     request_work,
     route,
 )
-from router.views import NodeViews
-from router.work import DecayedWork
 
 logger = logging.getLogger(__name__)
 

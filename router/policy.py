@@ -40,7 +40,7 @@ Why `recent_work`: the first three load terms are what a node reports *now*. At 
 utilization its queue is empty most of the time, so they cannot tell a node that served ten
 long conversations in the last minute from one that served none, and sticky conversations
 pile up cumulative work on a few nodes. `recent_work` is the router's own memory of the work
-it sent (`router.work.DecayedWork`, kept by the caller and advanced with the caller's clock).
+it sent (`router.load_decay.DecayedWork`, kept by the caller and advanced with the caller's clock).
 Only the differences between nodes matter to the argmin, so a conversation stays on the node holding
 its prefix until that node's excess recent work, times `work_weight`, outweighs recomputing
 the prefix elsewhere.
@@ -115,7 +115,7 @@ class NodeView:
     draining: bool = False
     recent_work: float = 0.0  # DecayedWork.value(node_id, now)
     # load_cost(self, config), for a caller that keeps views current and recomputes it on
-    # every change of the fields above (router.views); None: the policy computes it
+    # every change of the fields above (router.node_views); None: the policy computes it
     load: float | None = None
 
     def can(self, role: str) -> bool:

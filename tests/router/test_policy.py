@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from router.errors import NoHealthyNode
+from router.load_decay import DecayedWork
 from router.policy import (
     NodeView,
     PolicyConfig,
@@ -17,7 +18,6 @@ from router.policy import (
     request_work,
     route,
 )
-from router.work import DecayedWork
 
 CONFIG = PolicyConfig(block_size=16, local_prefill_threshold=64)
 

@@ -9,9 +9,9 @@ import pytest
 
 from core.node_wire import LoadReport
 from router.config import NodeSpec
+from router.load_decay import DecayedWork
+from router.node_views import DECAY_STEPS, NodeViews
 from router.policy import NodeView, PolicyConfig, load_cost
-from router.views import DECAY_STEPS, NodeViews
-from router.work import DecayedWork
 
 CONFIG = PolicyConfig(work_half_life_s=64.0)
 
