@@ -186,7 +186,7 @@ class NodeServer:
             self._refuse(identity, msg.request_id, "draining", "the node is shutting down")
             return
         try:
-            params = _sampling_params(msg)
+            params = SamplingParams.from_spec(msg.sampling)
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
                                     cache_salt=msg.cache_salt,
                                     kv_transfer=_transfer_params(msg.transfer),
@@ -262,14 +262,6 @@ class NodeServer:
         return LoadReport(self.node_id, self.role, load.num_waiting, load.num_running,
                           load.num_free_blocks, load.num_blocks, load.num_queued_tokens,
                           self.draining)
-
-
-def _sampling_params(msg: GenerateRequest) -> SamplingParams:
-    s = msg.sampling
-    return SamplingParams(max_tokens=s.max_tokens, min_tokens=s.min_tokens,
-                          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-                          stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-                          ignore_eos=s.ignore_eos, logprobs=s.logprobs)
 
 
 def _transfer_params(spec: TransferSpec | None):

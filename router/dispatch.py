@@ -40,7 +40,6 @@ from core.node_wire import (
     GenerateRequest,
     PrefixSource,
     RequestError,
-    SamplingSpec,
     TokenDelta,
     TransferSpec,
 )
@@ -255,12 +254,4 @@ async def _race(stream: NodeStream, failure: asyncio.Future) -> AsyncIterator[To
         yield msg
 
 
-def sampling_spec(max_tokens: int, temperature: float, top_p: float, top_k: int,
-                  seed: int | None, logprobs: int | None, stop_token_ids: list[int]
-                  ) -> SamplingSpec:
-    return SamplingSpec(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                        top_k=top_k, seed=seed, stop_token_ids=stop_token_ids,
-                        logprobs=logprobs)
-
-
-__all__ = ["Dispatcher", "Placement", "sampling_spec"]
+__all__ = ["Dispatcher", "Placement"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.sampling import SamplingSpec
 from router.errors import ApiError
 
 _NUMBER = (int, float)
@@ -33,6 +34,14 @@ class CompletionRequest:
     include_usage: bool = False
     user: str | None = None
     cache_salt: str | None = None
+
+    def sampling_spec(self, max_tokens: int, stop_token_ids: list[int]) -> SamplingSpec:
+        """The node's sampling fields: `max_tokens` as resolved against the context, the
+        model's end-of-sequence ids as stop tokens. Stop strings stay with the router (its
+        detokenizer ends the stream), so the node gets none."""
+        return SamplingSpec(max_tokens=max_tokens, temperature=self.temperature,
+                            top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                            stop_token_ids=stop_token_ids, logprobs=self.logprobs)
 
 
 def _get(body: dict, name: str, types: type | tuple, default: Any = None) -> Any:

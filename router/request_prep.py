@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from core.node_wire import GenerateRequest
-from router.dispatch import sampling_spec
 from router.errors import ApiError
 from router.protocol import CompletionRequest
 from router.tokenizer import RouterTokenizer
@@ -98,6 +97,5 @@ def _tokenize(req: CompletionRequest, tokenizer: RouterTokenizer) -> list[int]:
 
 def make_generate(req: CompletionRequest, prompt: ResolvedPrompt,
                   eos_token_ids: list[int]) -> GenerateRequest:
-    spec = sampling_spec(prompt.max_tokens, req.temperature, req.top_p, req.top_k, req.seed,
-                         req.logprobs, eos_token_ids)
+    spec = req.sampling_spec(prompt.max_tokens, eos_token_ids)
     return GenerateRequest(uuid.uuid4().hex, prompt.token_ids, spec, None, req.cache_salt)
