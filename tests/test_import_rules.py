@@ -23,8 +23,10 @@ ROOMS = frozenset({
     "router", "cluster", "proto", "benchmarks",
 })
 # A service's published client library, importable where its room is not (docs/architecture.md):
-# these modules themselves import only core, proto and grpc.
-CLIENT_MODULES = ("metadata_service.client", "metadata_service.publisher")
+# the clients and the errors they raise. These modules import only core, proto, grpc and each
+# other (plus the codec and wire helpers), never the server.
+CLIENT_MODULES = ("metadata_service.client", "metadata_service.publisher",
+                  "metadata_service.errors")
 HEAVY = frozenset({"torch", "ray"})
 RUNTIME_FORBIDDEN = frozenset({"torch", "ray", "engine"})
 
