@@ -306,3 +306,13 @@ def test_cycle_finder_finds_a_loop_through_a_lazy_import() -> None:
              for name, src in sources.items()}
     assert find_cycles(graph) == [["a.x", "a.y", "a.z"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_room_table_matches_the_tree() -> None:
+    """docs/architecture.md's "Rooms as built" names every room, and only folders that exist."""
+    text = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Rooms as built", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    named = {name.strip("`/ ") for row in rows for name in row.split(",")}
+    assert not ROOMS - named, f"rooms missing from the table: {sorted(ROOMS - named)}"
+    assert all((REPO_ROOT / name).is_dir() for name in named), sorted(named)
