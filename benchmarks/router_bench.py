@@ -244,9 +244,9 @@ def _wait_healthy(port: int, num_nodes: int, timeout_s: float = 120.0) -> None:
 
 
 def _direct_ms(address: str, samples: int, curve: CurveKeys | None) -> list[float]:
-    from engine.node_client import NodeClient
+    from node.client import BlockingNodeClient
 
-    client, out = NodeClient(address, curve=curve), []
+    client, out = BlockingNodeClient(address, curve=curve), []
     ids = list(range(3, 203))  # a prompt of the same order of length, already tokenized
     for i in range(samples + 20):
         start = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Cluster room: launching the whole system. Owns the `pdcluster` CLI (`cluster.cli`), and in
-later issues the local all-in-one mode and the entrypoint for `ray job submit`. Must not import
+"""Cluster room: launching the whole system. Owns the `pdcluster` CLI (`cluster.cli`), the
+node actors on Ray (`cluster.ray_cluster`), and the all-in-one `pdcluster serve` that is also
+the entrypoint for `ray job submit` (`cluster.launch`). Must not import
 torch or `engine` at module level: `pdcluster --help` stays fast and torch-free.
 """

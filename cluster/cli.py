@@ -181,13 +181,19 @@ def format_table(result: dict) -> str:
 
 def _bench_command(module: str) -> Callable[[argparse.Namespace], int]:
     """A handler that runs `benchmarks.<module>.run(args)` and prints its JSON result last."""
+    return _report_command(lambda args: importlib.import_module(f"benchmarks.{module}").run(args))
+
+
+def _report_command(run: Callable[[argparse.Namespace], dict]
+                    ) -> Callable[[argparse.Namespace], int]:
+    """A handler that runs `run(args)` and prints its result (a table, then the JSON line)."""
 
     def handler(args: argparse.Namespace) -> int:
         if getattr(args, "device", None):
             require_device(args.device)
         if getattr(args, "model", None):
             args.model = resolve_model_arg(args.model)
-        result = importlib.import_module(f"benchmarks.{module}").run(args)
+        result = run(args)
         if not args.json:
             print(format_table(result))
         print(json.dumps(result, sort_keys=True))
@@ -199,11 +205,11 @@ def _bench_command(module: str) -> Callable[[argparse.Namespace], int]:
 def _cmd_replay(args: argparse.Namespace) -> int:
     if not Path(args.trace).is_file():
         raise UsageError(f"trace file not found: {args.trace}")
-    from benchmarks import replay
+    from router import replay
 
     with config_errors_as_usage():
         replay.ReplayConfig(num_nodes=args.nodes, cache_blocks=args.cache_blocks)
-    return _bench_command("replay")(args)
+    return _report_command(replay.run)(args)
 
 
 def main(argv: list[str] | None = None) -> int:

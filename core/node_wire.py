@@ -4,7 +4,9 @@ versioned, typed. A node serves a ROUTER socket; a client (the router) talks thr
 Client -> node: `GenerateRequest` (tokens in, streamed tokens out), `AbortRequest`,
 `LoadQuery`. Node -> client: `TokenDelta` (every step that produced tokens; the last one has
 `finished=True`), `RequestError` (the request was refused or failed, with an error code),
-`LoadReport`. Text is the client's business (the router detokenizes); nodes deal in token ids.
+`LoadReport`. A request's sampling fields are `core.sampling.SamplingSpec`, which this
+module also exports. Text is the client's business (the router detokenizes); nodes deal in
+token ids.
 
 `encode` / `decode` (the shared codec of `core.wire`) raise `WireError` for anything
 malformed, unknown, or of another version. Never pickle.
@@ -12,31 +14,18 @@ malformed, unknown, or of another version. Never pickle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from core.sampling import SamplingSpec
 from core.types import ReqId
 from core.wire import Protocol, WireError
 
 NODE_WIRE_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20
 ERROR_CODES = ("invalid_request", "overloaded", "draining", "internal", "transfer_failed")
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingSpec:
-    """The sampling parameters a node accepts (mirrors engine.SamplingParams, minus text
-    options the router handles)."""
-
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
+__all__ = ["ERROR_CODES", "MAX_FRAME_BYTES", "NODE_WIRE_VERSION", "AbortRequest",
+           "GenerateRequest", "LoadQuery", "LoadReport", "NodeMessage", "PrefixSource",
+           "RequestError", "SamplingSpec", "TokenDelta", "TransferSpec", "decode", "encode"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +92,7 @@ class RequestError:
 @dataclass(frozen=True, slots=True)
 class LoadReport:
     node_id: str
-    role: str  # "prefill" | "decode" | "both"
+    role: str  # a core.roles.Role value
     num_waiting: int
     num_running: int
     num_free_blocks: int

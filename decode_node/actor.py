@@ -1,12 +1,11 @@
-"""The decode node's Ray actor: admits requests whose prompt KV arrives from a prefill node
-(or prefills short remainders itself), reuses its own prefix cache across conversation
-turns, and streams tokens. All behaviour lives in `node.NodeActor`; the launcher applies
-`ray.remote`."""
+"""The decode node's Ray entry point: `node.actor.NodeActor` with the decode role. It holds
+no behaviour of its own; the launcher applies `ray.remote`."""
 
 from __future__ import annotations
 
+from core.roles import Role
 from node.actor import NodeActor
 
 
 class DecodeNodeActor(NodeActor):
-    role = "decode"
+    role = Role.DECODE

@@ -32,10 +32,11 @@ from pathlib import Path
 
 import torch
 
+from core.events import KVEvent
 from core.hashing import BlockExtra
 from core.kv_connector import KVConnector, KVRegion
 from core.kv_transfer import KVTransferParams, PrefixPull, RemotePrefill
-from core.types import ReqId
+from core.types import BlockHash, ReqId
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec, PagedKVCache
@@ -43,7 +44,7 @@ from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
-from engine.outputs import RequestOutput, StopStringChecker
+from engine.outputs import EngineLoad, RequestOutput, StopStringChecker
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -167,6 +168,28 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_runnable_requests(self) -> bool:
+        """Work a step can advance now (not only requests waiting for remote KV)."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def load(self) -> EngineLoad:
+        scheduler, pool = self.scheduler, self.block_pool
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+        queued += sum(r.num_tokens - r.num_computed_tokens
+                      for r in scheduler.running if r.is_prefilling)
+        return EngineLoad(len(scheduler.waiting),
+                          len(scheduler.running) + len(scheduler.waiting_for_remote),
+                          pool.num_free_blocks, pool.num_blocks, queued)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The block pool's KV events since the last call (empty without enable_kv_events)."""
+        return self.block_pool.take_events()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """The hashes of every block in the prefix cache. Safe from another thread: list() of
+        a dict copies it atomically under the GIL, while the engine thread may be mid-step."""
+        return list(self.block_pool.cached_block_map)
 
     def has_pinned_blocks(self) -> bool:
         """Transfer work that holds blocks or soon will (drain it before shutdown): finished

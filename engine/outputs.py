@@ -13,6 +13,19 @@ from core.types import ReqId
 from engine.request import Request
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """How busy the engine is, for a node's load report: requests waiting to start, requests
+    holding blocks (running or waiting for remote KV), free and total KV blocks, and prompt
+    tokens still to compute."""
+
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_blocks: int
+    num_queued_tokens: int
+
+
 @dataclass(slots=True)
 class SampledToken:
     """One token drawn by the sampler for one request in one step."""

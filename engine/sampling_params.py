@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from core.sampling import SamplingSpec
 
 _GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0  # far past any useful value; keeps logits / temperature finite
@@ -23,9 +25,9 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed acc
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """`temperature == 0` means greedy. `top_k == 0` and `top_p == 1` disable those filters.
-    `logprobs`: None for none, 0 for the chosen token's logprob only, k for the top-k too.
-    Stop strings end generation and are cut from the text unless `include_stop_str_in_output`.
+    """The fields of `core.sampling.SamplingSpec` (same names, meanings and defaults) plus
+    the text options only the engine uses. Stop strings end generation and are cut from the
+    text unless `include_stop_str_in_output`.
     """
 
     max_tokens: int = 16
@@ -72,6 +74,12 @@ class SamplingParams:
                              f"{len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0)
+
+    @classmethod
+    def from_spec(cls, spec: SamplingSpec) -> SamplingParams:
+        """From the wire's `SamplingSpec`: each of its fields, by name (this class has them
+        all, with the same defaults; the others keep their defaults). Validates."""
+        return cls(**{f.name: getattr(spec, f.name) for f in fields(spec)})
 
     @property
     def is_greedy(self) -> bool:

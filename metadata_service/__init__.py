@@ -7,8 +7,9 @@ Modules: ``config`` (MetadataConfig), ``watch`` (the index that streams its chan
 index itself is ``core.block_index``), ``service`` (the logic), ``store`` / ``etcd_store``
 (backends), ``server`` (gRPC), ``client`` (sync + asyncio clients),
 ``publisher`` (the node side of the event protocol), ``errors``. Other rooms may import the
-client library (``client``, ``publisher``) and nothing else; this package's ``__init__`` stays
-light so that importing the client never loads the index, the server or the stores.
+client library (``client``, ``publisher``, ``errors``) and nothing else; this package's
+``__init__`` stays light so that importing the client never loads the index, the server or
+the stores.
 """
 
 from metadata_service.config import MetadataConfig

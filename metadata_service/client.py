@@ -6,7 +6,10 @@ Credentials: ``token=`` (a bearer token, ``ClusterSecret.metadata_token(principa
 ``cluster_secret=`` and ``principal=`` (default ``SERVICE``: read, never act as a node; a node
 passes ``node_principal(its id)``). The service refuses a call without one.
 TLS: ``tls_ca_file=`` (verify the service), ``tls_server_name=`` (if the address is not in its
-certificate), ``tls_cert_file=``/``tls_key_file=`` (present a client certificate: mTLS).
+certificate), ``tls_cert_file=``/``tls_key_file=`` (present a client certificate: mTLS), or
+the same as one ``tls=`` (a ``core.tls.ClientTLS``). ``channel_options=`` adds gRPC channel
+options (the router's link sets keepalive). The asyncio client also follows the block index
+(``watch_blocks``: the router's mirror); this is the one place each request is built.
 
 Nodes use ``NodePublisher`` (in ``metadata_service.publisher``) on top of a client: it numbers
 batches and answers resync requests with snapshots.
@@ -23,6 +26,7 @@ import grpc
 
 from core.credentials import SERVICE, ClusterSecret
 from core.events import KVEvent
+from core.roles import NODE_ROLES, Role, role_names
 from core.tls import ClientTLS
 from core.types import BlockHash, NodeId
 from metadata_service.codec import pack_hashes
@@ -37,7 +41,7 @@ from metadata_service.wire import AUTH_HEADER, GRPC_OPTIONS
 from proto import metadata_pb2 as pb
 from proto import metadata_pb2_grpc as pb_grpc
 
-ROLES = {"prefill": pb.PREFILL, "decode": pb.DECODE}
+ROLES = {Role.PREFILL: pb.PREFILL, Role.DECODE: pb.DECODE}
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.CANCELLED)
 
@@ -50,7 +54,7 @@ def role_value(role: str | int | None) -> int:
         return pb.ROLE_UNSPECIFIED
     if isinstance(role, str):
         if role not in ROLES:
-            raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+            raise ValueError(f"role must be one of {role_names(NODE_ROLES)}, got {role!r}")
         return ROLES[role]
     return role
 
@@ -79,12 +83,15 @@ def translate_error(exc: grpc.RpcError) -> MetadataError:
     code, details = exc.code(), exc.details()
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return MetadataAuthError(f"metadata service refused the credentials (UNAUTHENTICATED): "
-                                 f"{details}")
+                                 f"{details}", code.name, details)
     if code == grpc.StatusCode.PERMISSION_DENIED:
-        return MetadataAuthError(f"metadata service denied the call (PERMISSION_DENIED): {details}")
+        return MetadataAuthError(f"metadata service denied the call (PERMISSION_DENIED): "
+                                 f"{details}", code.name, details)
     if code in _UNAVAILABLE:
-        return MetadataUnavailable(f"metadata service unavailable ({code.name}): {details}")
-    return MetadataRequestError(f"metadata service rejected the request ({code.name}): {details}")
+        return MetadataUnavailable(f"metadata service unavailable ({code.name}): {details}",
+                                   code.name, details)
+    return MetadataRequestError(f"metadata service rejected the request ({code.name}): "
+                                f"{details}", code.name, details)
 
 
 
@@ -115,6 +122,8 @@ class _Base:
         tls_server_name: str | None = None,
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
+        tls: ClientTLS | None = None,
+        channel_options: Sequence[tuple[str, object]] = (),
         timeout_s: float = 5.0,
     ) -> None:
         self.address = address
@@ -124,9 +133,14 @@ class _Base:
                 raise ValueError("give token or cluster_secret, not both")
             token = cluster_secret.metadata_token(principal)
         self._metadata = ((AUTH_HEADER, f"Bearer {token}"),) if token else None
-        tls = ClientTLS.from_fields(tls_ca_file, tls_cert_file, tls_key_file, tls_server_name)
+        if tls is None:
+            tls = ClientTLS.from_fields(tls_ca_file, tls_cert_file, tls_key_file,
+                                        tls_server_name)
+        elif tls_ca_file is not None:
+            raise ValueError("give tls or the tls_* files, not both")
         self._credentials = tls.channel_credentials() if tls is not None else None
-        self._options = [*GRPC_OPTIONS, *(tls.channel_options() if tls is not None else ())]
+        self._options = [*GRPC_OPTIONS, *channel_options,
+                         *(tls.channel_options() if tls is not None else ())]
 
 
 class MetadataClient(_Base):
@@ -252,6 +266,18 @@ class AsyncMetadataClient(_Base):
         try:
             async for change in stream:
                 yield change
+        except grpc.RpcError as exc:
+            raise translate_error(exc) from None
+        finally:
+            stream.cancel()
+
+    async def watch_blocks(self) -> AsyncIterator[pb.BlockUpdate]:
+        """The service's block index: a snapshot, SNAPSHOT_COMPLETE, then every change in
+        the order it was applied. Runs until the stream ends or fails (a MetadataError)."""
+        stream = self._stub.WatchBlocks(pb.WatchBlocksRequest(), metadata=self._metadata)
+        try:
+            async for update in stream:
+                yield update
         except grpc.RpcError as exc:
             raise translate_error(exc) from None
         finally:

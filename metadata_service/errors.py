@@ -11,7 +11,12 @@ from __future__ import annotations
 
 
 class MetadataError(Exception):
-    """Base of every metadata-service error."""
+    """Base of every metadata-service error. A client-side one names the gRPC status
+    (`status`, e.g. "UNAVAILABLE") and the service's `details`; both empty otherwise."""
+
+    def __init__(self, message: str, status: str = "", details: str = "") -> None:
+        super().__init__(message)
+        self.status, self.details = status, details
 
 
 class MetadataUnavailable(MetadataError):

@@ -8,16 +8,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.credentials import ClusterSecret
+from core.roles import NODE_ROLES, role_names
 from core.tls import ClientTLS
 
-ROLES = ("prefill", "decode")
 _NODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     node_id: str
-    role: str  # "prefill" | "decode"
+    role: str  # a core.roles.NODE_ROLES value: "prefill" | "decode"
     model: str
     host: str = "127.0.0.1"
     port: int = 0  # request endpoint; 0 picks a free port
@@ -43,8 +43,8 @@ class NodeConfig:
     min_pull_blocks: int = 2
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role not in NODE_ROLES:
+            raise ValueError(f"role must be one of {role_names(NODE_ROLES)}, got {self.role!r}")
         if not _NODE_ID.match(self.node_id):
             raise ValueError(f"node id {self.node_id!r} must match {_NODE_ID.pattern}")
         if not 0 <= self.port < 65536:

@@ -15,10 +15,10 @@ from core.credentials import node_principal
 from core.kv_connector import KVConnector
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.node_server import NodeServer
 from metadata_service.client import MetadataClient, make_node_info
 from node.config import NodeConfig
 from node.events import EventPublisherThread
+from node.server import NodeServer
 from transfer.connector_scheduler import ConnectorScheduler
 from transfer.connector_worker import ConnectorWorker
 from transfer.mooncake_engine import MooncakeConfig
@@ -65,10 +65,7 @@ class NodeRuntime:
                               kv_address=self.kv_address, model=cfg.model,
                               block_size=engine.config.block_size,
                               capacity_blocks=engine.kv_spec.num_blocks)
-        client = metadata_client(cfg)
-        pool = engine.block_pool
-        # list() of a dict copies it atomically under the GIL: the engine thread may be mid-step.
-        return EventPublisherThread(client, info, lambda: list(pool.cached_block_map),
+        return EventPublisherThread(metadata_client(cfg), info, engine.cached_block_hashes,
                                     cfg.lease_ttl_s, cfg.publish_interval_s)
 
     def start(self, registration_timeout_s: float = 10.0) -> NodeRuntime:
@@ -82,7 +79,7 @@ class NodeRuntime:
 
     def _on_step(self, engine: LLMEngine) -> None:
         if self.events is not None:
-            self.events.put(engine.block_pool.take_events())
+            self.events.put(engine.take_kv_events())
 
     def info(self) -> dict[str, str]:
         return {"node_id": self.config.node_id, "role": self.config.role,

@@ -1,4 +1,5 @@
-"""Prefill node room: a thin Ray actor and node server running the engine in the prefill role,
-turning prompts into KV cache and writing the blocks into decode nodes through `transfer`.
-Filled by a later issue.
+"""Prefill node room: the Ray entry point for a node in the prefill role — one actor class,
+`PrefillNodeActor`, that the launcher wraps with `ray.remote`. It holds no logic of its own:
+the node (engine, KV connector, node server, metadata registration) is `node/`, and a node's
+role in a request is that request's `TransferSpec`, not a mode of this package.
 """

@@ -1,11 +1,11 @@
-"""The prefill node's Ray actor: runs prompts, writes the KV blocks decode nodes lack into
-them through the KV connector, returns the first token, and keeps the blocks in its own prefix
-cache. All behaviour lives in `node.NodeActor`; the launcher applies `ray.remote`."""
+"""The prefill node's Ray entry point: `node.actor.NodeActor` with the prefill role. It holds
+no behaviour of its own; the launcher applies `ray.remote`."""
 
 from __future__ import annotations
 
+from core.roles import Role
 from node.actor import NodeActor
 
 
 class PrefillNodeActor(NodeActor):
-    role = "prefill"
+    role = Role.PREFILL

@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.credentials import ClusterSecret
+from core.roles import Role, role_names
 from core.tls import ClientTLS
-from router.policy import ROLES, PolicyConfig
+from router.policy import PolicyConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +24,8 @@ class NodeSpec:
     kv_address: str = ""
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"node {self.node_id}: role must be one of {ROLES}")
+        if self.role not in tuple(Role):
+            raise ValueError(f"node {self.node_id}: role must be one of {role_names()}")
         if not self.request_address:
             raise ValueError(f"node {self.node_id}: request_address is empty")
 

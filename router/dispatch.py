@@ -2,11 +2,11 @@
 the load loop; `place` asks the policy where a request goes (pure decision), `execute` sends
 it there and yields the decode node's token deltas.
 
-Work accounting: the dispatcher keeps `work` (`router.work.DecayedWork`, advanced by the
+Work accounting: the dispatcher keeps `work` (`router.load_decay.DecayedWork`, advanced by the
 injected `clock`) and charges each node what it computes for it: the prompt tokens the
 prefilling node neither holds nor pulls, once the request is sent, and `output_token_weight`
 per token as D streams them. The policy sees each node's decayed total as
-`NodeView.recent_work`, through `views` (`router.views.NodeViews`: one view per node, kept
+`NodeView.recent_work`, through `views` (`router.node_views.NodeViews`: one view per node, kept
 current by events rather than rebuilt per request). A node that appears later starts at the
 others' mean.
 
@@ -19,7 +19,7 @@ Whatever ends the stream early (client gone, stop string, error), `execute`'s cl
 the request on both nodes. `execute` is one attempt; router.migration moves a request whose
 D is lost to another node.
 
-API: `Dispatcher`, `Placement`, `NodeFailure`.
+API: `Dispatcher`, `Placement` (failures: `router.errors`).
 """
 
 from __future__ import annotations
@@ -40,35 +40,23 @@ from core.node_wire import (
     GenerateRequest,
     PrefixSource,
     RequestError,
-    SamplingSpec,
     TokenDelta,
     TransferSpec,
 )
 from router.config import NodeSpec, RouterConfig
-from router.metadata import MetadataLink
+from router.errors import NodeFailure, NoHealthyNode
+from router.load_decay import DecayedWork
+from router.metadata_link import MetadataLink
 from router.metrics import RouterMetrics
-from router.node_client import NodeClient, NodeStream
+from router.node_link import NodeLink, NodeStream
+from router.node_views import NodeViews
 from router.policy import (
-    NoHealthyNode,
     RouteDecision,
     request_work,
     route,
 )
-from router.views import NodeViews
-from router.work import DecayedWork
 
 logger = logging.getLogger(__name__)
-
-
-class NodeFailure(Exception):
-    """A node refused or failed the request (`code` from core.node_wire.ERROR_CODES).
-    `lost`: the node is gone (disconnected, stopped answering) rather than refusing, so the
-    request may be moved elsewhere (router.migration)."""
-
-    def __init__(self, code: str, message: str, lost: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.lost = lost
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +73,7 @@ class Dispatcher:
         self.clock = clock
         self.rng = random.Random(config.seed)
         self.work = DecayedWork(config.policy.work_half_life_s)
-        self.nodes: dict[str, NodeClient] = {}
+        self.nodes: dict[str, NodeLink] = {}
         self.views = NodeViews(self.work, config.policy, clock)  # the policy's view of each node
         self.metadata: MetadataLink | None = None
         self._context = zmq.asyncio.Context()
@@ -112,7 +100,7 @@ class Dispatcher:
             if known is not None:
                 self._spawn(known.close())
             self.work.join(spec.node_id, self.clock())
-            self.nodes[spec.node_id] = NodeClient(spec, self._context, curve=self._curve)
+            self.nodes[spec.node_id] = NodeLink(spec, self._context, curve=self._curve)
             self.views.add(self.nodes[spec.node_id])
 
     async def refresh(self) -> None:
@@ -185,7 +173,7 @@ class Dispatcher:
                 p_request = replace(p_request, prefix_source=source)
             else:
                 d_request = replace(d_request, prefix_source=source)
-        streams: list[tuple[NodeClient, NodeStream]] = []
+        streams: list[tuple[NodeLink, NodeStream]] = []
         failure: asyncio.Future[NodeFailure] = asyncio.get_running_loop().create_future()
         try:
             if prefill is not None:
@@ -220,7 +208,7 @@ class Dispatcher:
             return None
         return PrefixSource(holder.spec.kv_address, decision.prefix_source_blocks)
 
-    def _charge(self, node: NodeClient, uncached: int, output_tokens: int = 0) -> None:
+    def _charge(self, node: NodeLink, uncached: int, output_tokens: int = 0) -> None:
         work = request_work(uncached, output_tokens, self.config.policy)
         if work > 0:
             self.work.add(node.node_id, work, self.clock())
@@ -266,12 +254,4 @@ async def _race(stream: NodeStream, failure: asyncio.Future) -> AsyncIterator[To
         yield msg
 
 
-def sampling_spec(max_tokens: int, temperature: float, top_p: float, top_k: int,
-                  seed: int | None, logprobs: int | None, stop_token_ids: list[int]
-                  ) -> SamplingSpec:
-    return SamplingSpec(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                        top_k=top_k, seed=seed, stop_token_ids=stop_token_ids,
-                        logprobs=logprobs)
-
-
-__all__ = ["Dispatcher", "NodeFailure", "Placement", "sampling_spec"]
+__all__ = ["Dispatcher", "Placement"]

@@ -24,20 +24,17 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from core.node_wire import TokenDelta
-from router.dispatch import NodeFailure, Placement
+from router.config import RouterConfig
+from router.dispatch import Dispatcher, Placement
+from router.errors import ApiError, NodeFailure, NoHealthyNode, api_error, error_body
+from router.metrics import RouterMetrics
 from router.migration import execute_migrating
-from router.policy import NoHealthyNode
-from router.protocol import ApiError, CompletionRequest, error_body, parse_chat, parse_completion
-from router.server import (
-    RouterApp,
-    json_error,
-    make_generate,
-    new_detokenizer,
-    node_api_error,
-    now_s,
-)
+from router.protocol import CompletionRequest, parse_chat, parse_completion
+from router.request_prep import check_auth, make_generate, read_json, resolve_prompt
+from router.tokenizer import IncrementalDetokenizer, RouterTokenizer
 
 logger = logging.getLogger(__name__)
+RETRY_AFTER_S = "1"
 
 
 @dataclass(slots=True)
@@ -58,8 +55,11 @@ class _EndedWithError(Exception):
 
 
 class Handlers:
-    def __init__(self, router: RouterApp) -> None:
-        self.router = router
+    def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer, model_name: str,
+                 metrics: RouterMetrics, dispatcher: Dispatcher) -> None:
+        self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
+        self._metrics, self.dispatcher = metrics, dispatcher
+        self._keys = [k.encode() for k in config.api_keys]
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -69,15 +69,15 @@ class Handlers:
 
     async def models(self, request: web.Request) -> web.Response:
         try:
-            self.router.check_auth(request)
+            check_auth(request, self._keys)
         except ApiError as exc:
             return json_error(exc)
-        card = {"id": self.router.model_name, "object": "model", "created": 0,
-                "owned_by": "pdcluster", "max_model_len": self.router.tokenizer.max_model_len}
+        card = {"id": self.model_name, "object": "model", "created": 0,
+                "owned_by": "pdcluster", "max_model_len": self.tokenizer.max_model_len}
         return web.json_response({"object": "list", "data": [card]})
 
     async def health(self, request: web.Request) -> web.Response:
-        dispatcher = self.router.dispatcher
+        dispatcher = self.dispatcher
         nodes = {n.node_id: {"role": n.spec.role, "healthy": n.healthy,
                              "connected": not n.disconnected, "inflight": n.num_inflight}
                  for n in dispatcher.nodes.values()}
@@ -92,19 +92,19 @@ class Handlers:
         return web.json_response(body, status=200 if healthy else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.router.metrics.render(),
+        return web.Response(body=self._metrics.render(),
                             content_type="text/plain", charset="utf-8")
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         endpoint = "chat" if chat else "completions"
-        counter = self.router.metrics.requests
+        counter = self._metrics.requests
         try:
             response = await self._checked(request, chat)
         except ApiError as exc:
             counter.labels(endpoint, str(exc.status)).inc()
             return json_error(exc)
         except (NoHealthyNode, NodeFailure) as exc:
-            error = _api_error(exc)
+            error = api_error(exc)
             counter.labels(endpoint, str(error.status)).inc()
             return json_error(error)
         except _EndedWithError as exc:
@@ -114,16 +114,17 @@ class Handlers:
         return response
 
     async def _checked(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        router = self.router
-        router.check_auth(request)
-        body = await router.read_json(request)
+        check_auth(request, self._keys)
+        body = await read_json(request, self.config.max_body_bytes)
         req = parse_chat(body) if chat else parse_completion(body)
-        ids = router.prompt_ids(req)
-        placement = await router.dispatcher.place(ids, req.cache_salt)
+        prompt = resolve_prompt(req, self.tokenizer, self.model_name,
+                                self.config.max_tokens_limit)
+        ids = prompt.token_ids
+        placement = await self.dispatcher.place(ids, req.cache_salt)
         self._count(placement, len(ids))
         started = time.perf_counter()
-        node_request = make_generate(router, req, ids)
-        deltas = execute_migrating(router.dispatcher, placement, node_request)
+        node_request = make_generate(req, prompt, list(self.tokenizer.eos_token_ids))
+        deltas = execute_migrating(self.dispatcher, placement, node_request)
         async with aclosing(deltas):
             if req.stream:
                 return await self._stream(request, req, deltas, len(ids), started)
@@ -131,7 +132,7 @@ class Handlers:
         return web.json_response(self._body(req, node_request.request_id, result, len(ids)))
 
     def _count(self, placement: Placement, num_prompt: int) -> None:
-        m, d = self.router.metrics, placement.decision
+        m, d = self._metrics, placement.decision
         reason = "load_only" if placement.load_only else d.reason
         m.decisions.labels(d.decode_node, "decode", reason).inc()
         if d.prefill_node is not None:
@@ -140,17 +141,17 @@ class Handlers:
         m.prefix_hit_tokens.inc(d.cached_tokens)
 
     async def _collect(self, req: CompletionRequest, deltas, started: float) -> _Result:
-        result, detok = _Result(), new_detokenizer(self.router, req)
+        result, detok = _Result(), IncrementalDetokenizer(self.tokenizer, req.stop)
         async for delta in deltas:
             text = self._absorb(result, delta, detok, started)
             result.text += text
             if detok.stopped or delta.finished:
                 break
-        self.router.metrics.e2e.observe(time.perf_counter() - started)
+        self._metrics.e2e.observe(time.perf_counter() - started)
         return result
 
     def _absorb(self, result: _Result, delta: TokenDelta, detok, started: float) -> str:
-        metrics = self.router.metrics
+        metrics = self._metrics
         now = time.perf_counter()
         if result.num_tokens == 0:
             metrics.ttft.observe(now - started)
@@ -175,7 +176,7 @@ class Handlers:
         except (NoHealthyNode, NodeFailure) as exc:
             if stream.response is None:
                 raise
-            error = _api_error(exc)
+            error = api_error(exc)
             await _send(stream.response, error_body(error))
             await stream.response.write(b"data: [DONE]\n\n")
             await stream.response.write_eof()
@@ -183,7 +184,7 @@ class Handlers:
 
     async def _stream_into(self, stream: _SseStream, req: CompletionRequest, deltas,
                            num_prompt: int, started: float) -> web.StreamResponse:
-        result, detok = _Result(), new_detokenizer(self.router, req)
+        result, detok = _Result(), IncrementalDetokenizer(self.tokenizer, req.stop)
         request, request_id, last = stream.request, stream.request_id, started
         response: web.StreamResponse | None = None
         async for delta in deltas:
@@ -197,7 +198,7 @@ class Handlers:
                     await _send(response, _chunk(req, request_id, {"role": "assistant",
                                                                    "content": ""}, None))
             else:
-                self.router.metrics.itl.observe(time.perf_counter() - last)
+                self._metrics.itl.observe(time.perf_counter() - last)
             last = time.perf_counter()
             if text or result.finish_reason:
                 await _send(response, _chunk(req, request_id, text, result.finish_reason))
@@ -211,12 +212,12 @@ class Handlers:
                                    "usage": usage})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-        self.router.metrics.e2e.observe(time.perf_counter() - started)
+        self._metrics.e2e.observe(time.perf_counter() - started)
         return response
 
     def _body(self, req: CompletionRequest, request_id: str, result: _Result,
               num_prompt: int) -> dict:
-        name = self.router.model_name
+        name = self.model_name
         if req.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
                       "logprobs": None, "finish_reason": result.finish_reason}
@@ -239,11 +240,13 @@ class _SseStream:
     response: web.StreamResponse | None = None
 
 
-def _api_error(exc: NodeFailure | NoHealthyNode) -> ApiError:
-    if isinstance(exc, NodeFailure) and exc.lost:  # gone, not a refusal
-        return ApiError(502, f"the node serving the request failed: {exc}", None, exc.code,
-                        "server_error")
-    return node_api_error(exc)
+def json_error(exc: ApiError) -> web.Response:
+    headers = {"Retry-After": RETRY_AFTER_S} if exc.status == 503 else None
+    return web.json_response(error_body(exc), status=exc.status, headers=headers)
+
+
+def now_s() -> int:
+    return int(time.time())
 
 
 def uuid_hex() -> str:

@@ -34,8 +34,8 @@ from contextlib import aclosing
 from dataclasses import replace
 
 from core.node_wire import GenerateRequest, TokenDelta
-from router.dispatch import Dispatcher, NodeFailure, Placement
-from router.policy import NoHealthyNode
+from router.dispatch import Dispatcher, Placement
+from router.errors import NodeFailure, NoHealthyNode
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ Why `recent_work`: the first three load terms are what a node reports *now*. At 
 utilization its queue is empty most of the time, so they cannot tell a node that served ten
 long conversations in the last minute from one that served none, and sticky conversations
 pile up cumulative work on a few nodes. `recent_work` is the router's own memory of the work
-it sent (`router.work.DecayedWork`, kept by the caller and advanced with the caller's clock).
+it sent (`router.load_decay.DecayedWork`, kept by the caller and advanced with the caller's clock).
 Only the differences between nodes matter to the argmin, so a conversation stays on the node holding
 its prefix until that node's excess recent work, times `work_weight`, outweighs recomputing
 the prefix elsewhere.
@@ -57,7 +57,7 @@ Metadata unreachable: call with every `cached_blocks=0` (load-only routing).
 Speed: a decision is one pass over the candidates per role with the arithmetic inline (no
 per-node calls or allocations); 64 nodes decide in tens of microseconds.
 
-API: `PolicyConfig`, `NodeView`, `RouteDecision`, `NoHealthyNode`, `request_work`,
+API: `PolicyConfig`, `NodeView`, `RouteDecision`, `request_work`,
 `choose_prefill`, `choose_decode`, `route`.
 """
 
@@ -67,13 +67,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from core.roles import Role
 from core.types import NodeId
-
-ROLES = ("prefill", "decode", "both")
-
-
-class NoHealthyNode(Exception):
-    """No node can take the request (none known, all draining, or none of the needed role)."""
+from router.errors import NoHealthyNode
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +107,7 @@ class NodeView:
     node (`Dispatcher._refresh_views`)."""
 
     node_id: NodeId
-    role: str = "both"
+    role: str = Role.BOTH
     cached_blocks: int = 0
     queued_prefill_tokens: int = 0
     num_running: int = 0
@@ -119,11 +115,11 @@ class NodeView:
     draining: bool = False
     recent_work: float = 0.0  # DecayedWork.value(node_id, now)
     # load_cost(self, config), for a caller that keeps views current and recomputes it on
-    # every change of the fields above (router.views); None: the policy computes it
+    # every change of the fields above (router.node_views); None: the policy computes it
     load: float | None = None
 
     def can(self, role: str) -> bool:
-        return not self.draining and self.role in (role, "both")
+        return not self.draining and self.role in (role, Role.BOTH)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
 """OpenAI request bodies -> validated `CompletionRequest`; errors in OpenAI's JSON shape.
 
-Everything a client can get wrong raises `ApiError` (status 4xx, message, param), which the
-server turns into `{"error": {"message", "type", "param", "code"}}`.
+Everything a client can get wrong raises `router.errors.ApiError` (status 4xx, message,
+param), which the server turns into `{"error": {"message", "type", "param", "code"}}`.
 
-API: `ApiError`, `CompletionRequest`, `parse_completion`, `parse_chat`, `error_body`.
+API: `CompletionRequest`, `parse_completion`, `parse_chat`.
 """
 
 from __future__ import annotations
@@ -11,20 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.sampling import SamplingSpec
+from router.errors import ApiError
+
 _NUMBER = (int, float)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, err_type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.code, self.type = code, err_type
-
-
-def error_body(exc: ApiError) -> dict:
-    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param,
-                      "code": exc.code}}
 
 
 @dataclass(slots=True)
@@ -44,6 +34,14 @@ class CompletionRequest:
     include_usage: bool = False
     user: str | None = None
     cache_salt: str | None = None
+
+    def sampling_spec(self, max_tokens: int, stop_token_ids: list[int]) -> SamplingSpec:
+        """The node's sampling fields: `max_tokens` as resolved against the context, the
+        model's end-of-sequence ids as stop tokens. Stop strings stay with the router (its
+        detokenizer ends the stream), so the node gets none."""
+        return SamplingSpec(max_tokens=max_tokens, temperature=self.temperature,
+                            top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                            stop_token_ids=stop_token_ids, logprobs=self.logprobs)
 
 
 def _get(body: dict, name: str, types: type | tuple, default: Any = None) -> Any:

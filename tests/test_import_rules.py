@@ -23,8 +23,10 @@ ROOMS = frozenset({
     "router", "cluster", "proto", "benchmarks",
 })
 # A service's published client library, importable where its room is not (docs/architecture.md):
-# these modules themselves import only core, proto and grpc.
-CLIENT_MODULES = ("metadata_service.client", "metadata_service.publisher")
+# the clients and the errors they raise. These modules import only core, proto, grpc and each
+# other (plus the codec and wire helpers), never the server.
+CLIENT_MODULES = ("metadata_service.client", "metadata_service.publisher",
+                  "metadata_service.errors")
 HEAVY = frozenset({"torch", "ray"})
 RUNTIME_FORBIDDEN = frozenset({"torch", "ray", "engine"})
 
@@ -34,10 +36,12 @@ def _all_rooms_but(*allowed: str) -> frozenset[str]:
 
 
 # room -> top-level names it must never import (from the arrows in ARCHITECTURE.md). A room
-# importing itself is always fine. `cluster` and `benchmarks` are launchers: not restricted here.
+# importing itself is always fine. `cluster` and `benchmarks` are launchers: `benchmarks` is not
+# restricted here, `cluster` only kept from importing `benchmarks`.
 FORBIDDEN: dict[str, frozenset[str]] = {
     "core": HEAVY | _all_rooms_but("core"),
-    "engine": {"ray"} | _all_rooms_but("engine", "core"),
+    # The engine knows nothing of the node wire protocol or its sockets (node/ serves it).
+    "engine": {"ray", "zmq"} | _all_rooms_but("engine", "core"),
     "transfer": {"ray"} | _all_rooms_but("transfer", "core"),
     "router": HEAVY | _all_rooms_but("router", "core", "proto"),
     "metadata_service": HEAVY | _all_rooms_but("metadata_service", "core", "proto"),
@@ -46,6 +50,9 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "prefill_node": _all_rooms_but("prefill_node", "node", "engine", "transfer", "core",
                                    "proto"),
     "decode_node": _all_rooms_but("decode_node", "node", "engine", "transfer", "core", "proto"),
+    # The launcher imports no benchmark: features it offers (replay) live in product rooms;
+    # only the `bench` subcommands load a benchmark, by name, when run.
+    "cluster": frozenset({"benchmarks"}),
 }
 
 
@@ -139,6 +146,10 @@ def test_engine_may_not_import_ray_or_services() -> None:
     assert find_violations("import torch\nimport core\n", "e.py", FORBIDDEN["engine"]) == []
 
 
+def test_engine_may_not_import_zmq() -> None:
+    assert find_violations("import zmq.asyncio\n", "e.py", FORBIDDEN["engine"])
+
+
 def _room_modules(room: str) -> list[str]:
     """The room's package plus every module in it, except `__main__` entry points."""
     modules = [room]
@@ -200,3 +211,108 @@ def test_the_metadata_client_library_does_not_load_the_service() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=120, check=True)
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+# ---- no import cycles ------------------------------------------------------------------------
+
+def _module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of every room."""
+    modules: dict[str, Path] = {}
+    for room in sorted(ROOMS):
+        for path in _room_files(room):
+            parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _imported_modules(tree: ast.AST, module: str, is_package: bool,
+                      known: set[str]) -> set[str]:
+    """The project modules `module` imports anywhere in its source, lazy imports included:
+    `from a.b import c` names `a.b.c` when that is a module, else `a.b`."""
+    package = module if is_package else module.rpartition(".")[0]
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                names.append(full if full in known else base)
+        elif isinstance(node, ast.Call) and _is_dynamic_import(node.func):
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                names.append(arg.value)
+    return {name for name in names if name in known and name != module}
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    known = set(modules)
+    return {name: _imported_modules(ast.parse(path.read_text(encoding="utf-8")), name,
+                                    path.name == "__init__.py", known)
+            for name, path in modules.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles_anywhere() -> None:
+    cycles = find_cycles(import_graph(_module_files()))
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_cycle_finder_finds_a_loop_through_a_lazy_import() -> None:
+    sources = {"a.x": "from a.y import f\n", "a.y": "def f():\n    import a.z\n",
+               "a.z": "from a import x\n", "a": ""}
+    known = set(sources)
+    graph = {name: _imported_modules(ast.parse(src), name, name == "a", known)
+             for name, src in sources.items()}
+    assert find_cycles(graph) == [["a.x", "a.y", "a.z"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_room_table_matches_the_tree() -> None:
+    """docs/architecture.md's "Rooms as built" names every room, and only folders that exist."""
+    text = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Rooms as built", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    named = {name.strip("`/ ") for row in rows for name in row.split(",")}
+    assert not ROOMS - named, f"rooms missing from the table: {sorted(ROOMS - named)}"
+    assert all((REPO_ROOT / name).is_dir() for name in named), sorted(named)

@@ -10,15 +10,14 @@ ignored, never fatal. Timeouts: a receive not done in `timeout_s` fails (D abort
 a send whose request has not come in `timeout_s` releases its blocks. Keep the data plane's
 own timeout (Mooncake's MC_TRANSFER_TIMEOUT) below `timeout_s`, so a write can no longer
 land in blocks D has given up on. Prefix pulls (global prefix reuse, either side) are in
-`transfer.pull_worker`, with the same timeouts and abort rules.
+`transfer.pull_worker.PullWorker`, a part handed the state it shares with this worker
+(`transfer.worker_state.WorkerState`), with the same timeouts and abort rules.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from core.kv_connector import (
@@ -39,40 +38,34 @@ from core.kv_transfer import (
     XferRequest,
 )
 from transfer.descriptors import coalesce
-from transfer.pull_worker import PullWorkerMixin
+from transfer.pull_worker import Outbox, PullWorker
 from transfer.transport import Transport
-from transfer.worker_state import Recv, Send, ServeTable, WorkerStats
+from transfer.worker_state import Recv, Send, WorkerState, WorkerStats
 
 logger = logging.getLogger(__name__)
-_FORGET_AFTER = 4096  # finished transfer ids remembered to answer late messages
 
 __all__ = ["ConnectorWorker", "WorkerStats"]
 
 
-class ConnectorWorker(PullWorkerMixin, KVConnectorWorker):
+class ConnectorWorker(KVConnectorWorker):
     def __init__(self, transport: Transport, timeout_s: float = 30.0, clock=time.monotonic,
                  max_parallel_sends: int = 2) -> None:
         if timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
-        self.transport = transport
-        self.timeout_s = timeout_s
-        self.stats = WorkerStats()
-        self._clock = clock
-        self._region: KVRegion | None = None
-        self._lock = threading.Lock()
-        self._results = ConnectorResults()
-        self._recvs: dict[TransferId, Recv] = {}
+        self._state = WorkerState(transport, timeout_s, clock)
+        self.transport, self.timeout_s = transport, timeout_s
+        self.stats: WorkerStats = self._state.stats
+        self._lock = self._state.lock
         self._sends: dict[TransferId, Send] = {}
-        self._serves = ServeTable()
-        self._finished: OrderedDict[TransferId, str] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
+        self._pulls = PullWorker(self._state, self._pool, self._write, self._flush)
         transport.start(self._on_message)
 
     # ---- engine-facing ----------------------------------------------------------------
 
     def register_kv_region(self, region: KVRegion) -> None:
         self.transport.register(region.base_addr, region.nbytes)
-        self._region = region
+        self._state.region = region
 
     def execute(self, plan: ConnectorPlan) -> None:
         outbox: list[tuple[str, SideChannelMessage]] = []
@@ -82,9 +75,9 @@ class ConnectorWorker(PullWorkerMixin, KVConnectorWorker):
             for send in plan.sends:
                 self._add_send(send, outbox)
             for pull in plan.pulls:
-                outbox.append(self._start_pull(pull))
+                outbox.append(self._pulls.start(pull))
             for serve in plan.serves:
-                self._add_serve(serve)
+                self._pulls.add_serve(serve)
             for transfer_id in plan.cancelled:
                 self._cancel(transfer_id, outbox)
             self._expire(outbox)
@@ -94,18 +87,18 @@ class ConnectorWorker(PullWorkerMixin, KVConnectorWorker):
         outbox: list[tuple[str, SideChannelMessage]] = []
         with self._lock:
             self._expire(outbox)
-            results, self._results = self._results, ConnectorResults()
+            results = self._state.take_results()
         self._flush(outbox)
         return results
 
     def has_pending_work(self) -> bool:
         with self._lock:
-            return bool(self._results.lookups) or self._serves.num_waiting > 0
+            return bool(self._state.results.lookups) or self._pulls.num_waiting_lookups > 0
 
     @property
     def num_pending_receives(self) -> int:
         with self._lock:
-            return len(self._recvs)
+            return len(self._state.recvs)
 
     @property
     def num_pending_sends(self) -> int:
@@ -120,10 +113,10 @@ class ConnectorWorker(PullWorkerMixin, KVConnectorWorker):
     # ---- decode side ------------------------------------------------------------------
 
     def _start_recv(self, job: RecvJob) -> tuple[str, XferRequest]:
-        region = self._require_region()
+        region = self._state.require_region()
         tid = job.transfer.transfer_id
-        self._recvs[tid] = Recv(job.request_id, job.transfer.source_addr,
-                                self._clock() + self.timeout_s)
+        self._state.recvs[tid] = Recv(job.request_id, job.transfer.source_addr,
+                                      self._state.deadline())
         request = XferRequest(
             transfer_id=tid, request_id=job.request_id,
             reply_addr=self.transport.reply_address, dest_session=self.transport.session_id,
@@ -134,12 +127,12 @@ class ConnectorWorker(PullWorkerMixin, KVConnectorWorker):
 
     def _on_done(self, msg: XferDone) -> None:
         with self._lock:
-            recv = self._recvs.pop(msg.transfer_id, None)
+            recv = self._state.recvs.pop(msg.transfer_id, None)
             if recv is None:
                 self.stats.late_messages += 1
                 return
             if recv.is_pull:
-                self._finish_pull(recv, msg.ok, msg.num_blocks_sent, msg.error)
+                self._pulls.finish(recv, msg.ok, msg.num_blocks_sent, msg.error)
                 return
             self.stats.blocks_received += msg.num_blocks_sent
             self.stats.descriptors_received += msg.num_descriptors
@@ -147,37 +140,37 @@ class ConnectorWorker(PullWorkerMixin, KVConnectorWorker):
 
     def _finish_recv(self, recv: Recv, ok: bool, token=None, logprob=None, error=None) -> None:
         if recv.is_pull:
-            self._finish_pull(recv, ok, 0, error)
+            self._pulls.finish(recv, ok, 0, error)
             return
         if ok:
             self.stats.recvs_ok += 1
         else:
             self.stats.recvs_failed += 1
             logger.warning("KV receive for %s failed: %s", recv.request_id, error)
-        self._results.received.append(RecvResult(recv.request_id, ok, token, logprob, error))
+        self._state.results.received.append(RecvResult(recv.request_id, ok, token, logprob, error))
 
     # ---- prefill side -----------------------------------------------------------------
 
     def _add_send(self, job: SendJob, outbox) -> None:
         tid = job.transfer.transfer_id
-        if tid in self._finished:  # cancelled before prefill finished
-            self._results.released.append(job.request_id)
+        if tid in self._state.finished:  # cancelled before prefill finished
+            self._state.results.released.append(job.request_id)
             return
         entry = self._sends.setdefault(tid, Send())
-        entry.job, entry.deadline = job, self._clock() + self.timeout_s
+        entry.job, entry.deadline = job, self._state.deadline()
         self._maybe_start(tid, entry)
 
     def _on_request(self, msg: XferRequest) -> None:
         outbox: list[tuple[str, SideChannelMessage]] = []
         with self._lock:
-            reason = self._finished.get(msg.transfer_id)
+            reason = self._state.finished.get(msg.transfer_id)
             if reason is not None:
                 outbox.append((msg.reply_addr, XferDone(msg.transfer_id, False, error=reason)))
             else:
                 entry = self._sends.setdefault(msg.transfer_id, Send())
                 if entry.request is None:  # a duplicate request is harmless
                     entry.request = msg
-                    entry.deadline = entry.deadline or self._clock() + self.timeout_s
+                    entry.deadline = entry.deadline or self._state.deadline()
                     self._maybe_start(msg.transfer_id, entry)
         self._flush(outbox)
 
@@ -197,8 +190,8 @@ class ConnectorWorker(PullWorkerMixin, KVConnectorWorker):
             done = XferDone(tid, False, error=f"{type(exc).__name__}: {exc}")
         with self._lock:
             self._sends.pop(tid, None)
-            self._remember(tid, "transfer already finished")
-            self._results.released.append(job.request_id)
+            self._state.remember(tid, "transfer already finished")
+            self._state.results.released.append(job.request_id)
             if done.ok:
                 self.stats.sends_ok += 1
             else:
@@ -222,7 +215,7 @@ class ConnectorWorker(PullWorkerMixin, KVConnectorWorker):
     def _write(self, block_ids: list[int], dest_addrs: list[int], dest_session: str,
                block_nbytes: int) -> tuple[int, int]:
         """Write local blocks to a peer's addresses: (descriptors, bytes) written."""
-        region = self._require_region()
+        region = self._state.require_region()
         if block_nbytes != region.block_nbytes:
             raise ValueError(f"block size mismatch: {block_nbytes} bytes asked, "
                              f"{region.block_nbytes} held (same model, dtype, block size?)")
@@ -238,7 +231,7 @@ class ConnectorWorker(PullWorkerMixin, KVConnectorWorker):
         if isinstance(msg, XferRequest):
             self._on_request(msg)
         elif isinstance(msg, PrefixPullRequest):
-            self._on_pull_request(msg)
+            self._pulls.on_request(msg)
         elif isinstance(msg, XferDone):
             self._on_done(msg)
         elif isinstance(msg, XferAbort):
@@ -248,25 +241,24 @@ class ConnectorWorker(PullWorkerMixin, KVConnectorWorker):
             self._flush(outbox)
 
     def _cancel(self, tid: TransferId, outbox) -> None:
-        recv = self._recvs.get(tid)
+        recv = self._state.recvs.get(tid)
         if recv is not None:  # D: ask P to stop; blocks stay pinned until P answers
             outbox.append((recv.source_addr, XferAbort(tid)))
             return
-        if tid in self._serves:
-            self._cancel_serve(tid, outbox)
+        if self._pulls.cancel(tid, outbox):
             return
         entry = self._sends.get(tid)
         if entry is not None and entry.started:
             return  # the write is under way: it releases the blocks when done
         self._sends.pop(tid, None)
-        self._remember(tid, "transfer aborted")
+        self._state.remember(tid, "transfer aborted")
         if entry is not None:
             self._release_unsent(tid, entry, "transfer aborted", outbox)
 
     def _expire(self, outbox) -> None:
-        now = self._clock()
-        for tid, recv in [(t, r) for t, r in self._recvs.items() if r.deadline <= now]:
-            del self._recvs[tid]
+        now, recvs = self._state.clock(), self._state.recvs
+        for tid, recv in [(t, r) for t, r in recvs.items() if r.deadline <= now]:
+            del recvs[tid]
             self.stats.timeouts += 1
             self._finish_recv(recv, False, error=f"no KV within {self.timeout_s:g} s")
             outbox.append((recv.source_addr, XferAbort(tid)))
@@ -274,22 +266,17 @@ class ConnectorWorker(PullWorkerMixin, KVConnectorWorker):
                            if not e.started and e.deadline <= now]:
             del self._sends[tid]
             self.stats.timeouts += 1
-            self._remember(tid, "transfer expired on the prefill node")
+            self._state.remember(tid, "transfer expired on the prefill node")
             self._release_unsent(tid, entry, "transfer expired on the prefill node", outbox)
-        self._expire_serves(now, outbox)
+        self._pulls.expire(now, outbox)
 
     def _release_unsent(self, tid: TransferId, entry: Send, reason: str, outbox) -> None:
         if entry.job is not None:
-            self._results.released.append(entry.job.request_id)
+            self._state.results.released.append(entry.job.request_id)
         if entry.request is not None:
             outbox.append((entry.request.reply_addr, XferDone(tid, False, error=reason)))
 
-    def _remember(self, tid: TransferId, reason: str) -> None:
-        self._finished[tid] = reason
-        while len(self._finished) > _FORGET_AFTER:
-            self._finished.popitem(last=False)
-
-    def _flush(self, outbox: list[tuple[str, SideChannelMessage]]) -> None:
+    def _flush(self, outbox: Outbox) -> None:
         for address, msg in outbox:
             try:
                 self.transport.send(address, msg)
@@ -300,11 +287,6 @@ class ConnectorWorker(PullWorkerMixin, KVConnectorWorker):
 
     def _fail_recv(self, tid: TransferId, error: str) -> None:
         with self._lock:
-            recv = self._recvs.pop(tid, None)
+            recv = self._state.recvs.pop(tid, None)
             if recv is not None:
                 self._finish_recv(recv, False, error=error)
-
-    def _require_region(self) -> KVRegion:
-        if self._region is None:
-            raise RuntimeError("register_kv_region() must be called before transfers")
-        return self._region

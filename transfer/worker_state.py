@@ -1,14 +1,20 @@
-"""The connector worker's bookkeeping records (plain data, no behaviour beyond lookups):
-its statistics and the state of each transfer it takes part in, keyed by transfer id."""
+"""The connector worker's bookkeeping (plain data, no behaviour beyond lookups): its
+statistics, the state of each transfer it takes part in, keyed by transfer id, and
+`WorkerState`, what the worker's two parts (`ConnectorWorker` and its `PullWorker`) share."""
 
 from __future__ import annotations
 
-from collections import deque
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from core.kv_connector import SendJob
+from core.kv_connector import ConnectorResults, KVRegion, SendJob
 from core.kv_transfer import PrefixPullRequest, TransferId, XferRequest
 from core.types import ReqId
+from transfer.transport import Transport
+
+_FORGET_AFTER = 4096  # finished transfer ids remembered to answer late messages
 
 
 @dataclass(slots=True)
@@ -113,3 +119,39 @@ class ServeTable:
     def expire(self, now: float) -> list[PrefixPullRequest]:
         expired = [t for t, s in self._serves.items() if not s.started and s.deadline <= now]
         return [self._serves.pop(t).request for t in expired]
+
+
+class WorkerState:
+    """What the worker's parts share. `transport`, `timeout_s` and `clock` are fixed; the
+    rest is guarded by `lock`: the statistics, the results for the engine's next step, the
+    receives in flight (transfers and pulls), the recently finished transfer ids (to answer
+    late messages) and the registered KV region."""
+
+    def __init__(self, transport: Transport, timeout_s: float,
+                 clock: Callable[[], float]) -> None:
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.stats = WorkerStats()
+        self.results = ConnectorResults()
+        self.recvs: dict[TransferId, Recv] = {}
+        self.finished: OrderedDict[TransferId, str] = OrderedDict()
+        self.region: KVRegion | None = None
+
+    def deadline(self) -> float:
+        return self.clock() + self.timeout_s
+
+    def take_results(self) -> ConnectorResults:
+        results, self.results = self.results, ConnectorResults()
+        return results
+
+    def remember(self, tid: TransferId, reason: str) -> None:
+        self.finished[tid] = reason
+        while len(self.finished) > _FORGET_AFTER:
+            self.finished.popitem(last=False)
+
+    def require_region(self) -> KVRegion:
+        if self.region is None:
+            raise RuntimeError("register_kv_region() must be called before transfers")
+        return self.region

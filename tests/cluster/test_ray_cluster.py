@@ -13,8 +13,8 @@ from cluster.config import ClusterConfig
 from cluster.ray_cluster import RayCluster
 from core.hashing import hash_block_tokens
 from core.node_wire import GenerateRequest, PrefixSource, SamplingSpec, TransferSpec
-from engine.node_client import NodeClient, tokens_of
 from metadata_service.client import MetadataClient
+from node.client import BlockingNodeClient, tokens_of
 from tests.cluster_secret import TEST_CURVE, TEST_SECRET
 from tests.models import random_prompts
 
@@ -68,7 +68,7 @@ def wait_restarted(actor, timeout_s: float = 120.0) -> None:
 
 @pytest.fixture(scope="module")
 def clients(nodes):
-    made = {n["node_id"]: NodeClient(n["request_address"], curve=TEST_CURVE)
+    made = {n["node_id"]: BlockingNodeClient(n["request_address"], curve=TEST_CURVE)
             for role in nodes.values() for n in role}
     yield made
     for client in made.values():

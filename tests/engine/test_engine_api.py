@@ -153,6 +153,28 @@ def test_abort_mid_generation_frees_blocks(engine) -> None:
     assert_idle(engine)
 
 
+def test_load_and_kv_events_are_what_a_node_reads(model_dir) -> None:
+    """The engine's small API for the node that serves it: load figures, KV events and the
+    cached hashes, without reaching into the scheduler or the block pool."""
+    engine = LLMEngine.from_model(model_dir, num_kv_blocks=8, block_size=4, max_model_len=64,
+                                  enable_kv_events=True)
+    idle = engine.load()
+    assert (idle.num_waiting, idle.num_running, idle.num_queued_tokens) == (0, 0, 0)
+    assert idle.num_free_blocks == idle.num_blocks == engine.block_pool.num_blocks
+    assert not engine.has_runnable_requests()
+    prompt = random_prompts(1, 9, 9, seed=5)[0]
+    engine.add_request("a", prompt, SamplingParams(max_tokens=2, **GREEDY))
+    waiting = engine.load()
+    assert (waiting.num_waiting, waiting.num_queued_tokens) == (1, len(prompt))
+    assert engine.has_runnable_requests()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.load().num_queued_tokens == 0
+    events = engine.take_kv_events()
+    assert events and engine.take_kv_events() == []
+    assert len(engine.cached_block_hashes()) == len(prompt) // 4
+
+
 @pytest.mark.parametrize("prompt, params, num_kv_blocks", [
     ([], {}, 8),
     ([1, 32000], {}, 8),

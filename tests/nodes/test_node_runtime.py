@@ -10,9 +10,9 @@ import pytest
 
 from core.hashing import hash_block_tokens
 from core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
-from engine.node_client import NodeClient, tokens_of
 from metadata_service.client import MetadataClient
 from metadata_service.server import ServerThread
+from node.client import BlockingNodeClient, tokens_of
 from node.config import NodeConfig
 from node.runtime import NodeRuntime
 from tests.cluster_secret import TEST_CURVE, TEST_SECRET
@@ -50,8 +50,8 @@ def test_nodes_register_serve_and_publish_their_blocks(model_dirs, hf_reference,
     model = model_dirs["llama-gqa"]
     prefill = start_node(model, "p0", "prefill", server.address)
     decode = start_node(model, "d0", "decode", server.address)
-    to_p = NodeClient(prefill.server.address, curve=TEST_CURVE)
-    to_d = NodeClient(decode.server.address, curve=TEST_CURVE)
+    to_p = BlockingNodeClient(prefill.server.address, curve=TEST_CURVE)
+    to_d = BlockingNodeClient(decode.server.address, curve=TEST_CURVE)
     try:
         nodes = {n.node_id: n for n in client.list_nodes()}
         assert nodes["p0"].kv_address == prefill.kv_address
@@ -81,7 +81,7 @@ def test_node_serves_without_a_reachable_metadata_service(model_dirs):
                                   engine_options=OPTIONS, metadata_address="127.0.0.1:1",
                                   publish_interval_s=0.02, cluster_secret=TEST_SECRET))
     node.start(registration_timeout_s=0.5)
-    wire = NodeClient(node.server.address, curve=TEST_CURVE)
+    wire = BlockingNodeClient(node.server.address, curve=TEST_CURVE)
     try:
         wire.send(GenerateRequest("r", [1, 2, 3], SamplingSpec(max_tokens=3, ignore_eos=True)))
         assert len(tokens_of(wire.collect({"r"})["r"])) == 3

@@ -18,8 +18,8 @@ from core.node_wire import (
     TransferSpec,
 )
 from engine import LLMEngine
-from engine.node_client import NodeClient, tokens_of
-from engine.node_server import NodeServer
+from node.client import BlockingNodeClient, tokens_of
+from node.server import NodeServer
 from tests.cluster_secret import TEST_CURVE
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
@@ -32,7 +32,7 @@ GREEDY = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
 def node(model_dirs):
     engine = LLMEngine.from_model(model_dirs["llama-gqa"], num_kv_blocks=128, block_size=8)
     server = NodeServer(engine, "n0", "both", curve=TEST_CURVE).start()
-    client = NodeClient(server.address, curve=TEST_CURVE)
+    client = BlockingNodeClient(server.address, curve=TEST_CURVE)
     yield server, client
     client.close()
     server.stop(drain=False)
@@ -97,7 +97,7 @@ def test_load_report(node):
 def test_drain_finishes_running_requests_and_refuses_new_ones(model_dirs):
     engine = LLMEngine.from_model(model_dirs["llama-gqa"], num_kv_blocks=64, block_size=8)
     server = NodeServer(engine, "n1", "both", curve=TEST_CURVE).start()
-    client = NodeClient(server.address, curve=TEST_CURVE)
+    client = BlockingNodeClient(server.address, curve=TEST_CURVE)
     client.send(GenerateRequest("run", [3] * 10, SamplingSpec(max_tokens=30, ignore_eos=True)))
     first = client.recv()
     assert isinstance(first, TokenDelta)
@@ -120,8 +120,8 @@ def test_prefill_and_decode_nodes_over_mooncake(model_dirs, hf_reference):
     prefill = NodeServer(prefill_engine, "p0", "prefill", curve=TEST_CURVE).start()
     decode = NodeServer(decode_engine, "d0", "decode", curve=TEST_CURVE).start()
     kv_addr = prefill_engine.connector.worker.transport.reply_address
-    to_p = NodeClient(prefill.address, curve=TEST_CURVE)
-    to_d = NodeClient(decode.address, curve=TEST_CURVE)
+    to_p = BlockingNodeClient(prefill.address, curve=TEST_CURVE)
+    to_d = BlockingNodeClient(decode.address, curve=TEST_CURVE)
     try:
         prompts = random_prompts(3, 10, 60, seed=51)
         for i, prompt in enumerate(prompts):

@@ -13,7 +13,7 @@ import pytest
 
 from core.node_wire import GenerateRequest, PrefixSource, SamplingSpec, TransferSpec
 from decode_node.actor import DecodeNodeActor
-from engine.node_client import NodeClient, tokens_of
+from node.client import BlockingNodeClient, tokens_of
 from prefill_node.actor import PrefillNodeActor
 from tests.cluster_secret import TEST_CURVE, TEST_SECRET
 from tests.helpers import assert_pool_clean
@@ -33,7 +33,7 @@ def cluster(model_dirs):
     nodes = {"h": DecodeNodeActor("h0", model, **OPTIONS),
              "p": PrefillNodeActor("p0", model, **OPTIONS),
              "d": DecodeNodeActor("d0", model, **OPTIONS)}
-    clients = {name: NodeClient(node.info()["request_address"], curve=TEST_CURVE)
+    clients = {name: BlockingNodeClient(node.info()["request_address"], curve=TEST_CURVE)
                for name, node in nodes.items()}
     yield nodes, clients
     for name, node in nodes.items():

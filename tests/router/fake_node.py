@@ -1,5 +1,5 @@
 """A fake node server for router tests: a real ZMQ ROUTER socket speaking core.node_wire,
-answering deterministic tokens. Swap it for a real node (engine.node_server.NodeServer) by
+answering deterministic tokens. Swap it for a real node (node.server.NodeServer) by
 pointing the router at that node's address instead: the router sees only the protocol.
 
 `FakeNode(script)` answers every GenerateRequest with `script` token ids (cycled up to

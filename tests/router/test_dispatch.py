@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from core.node_wire import GenerateRequest, TokenDelta
+from core.node_wire import GenerateRequest, SamplingSpec, TokenDelta
 from router.config import NodeSpec, RouterConfig
-from router.dispatch import Dispatcher, sampling_spec
+from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics
 from router.policy import PolicyConfig
 from tests.cluster_secret import TEST_SECRET
@@ -27,7 +27,7 @@ class FakeClock:
 
 def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int) -> GenerateRequest:
     return GenerateRequest(request_id, list(range(1, num_prompt_tokens + 1)),
-                           sampling_spec(max_tokens, 0.0, 1.0, 0, None, None, []))
+                           SamplingSpec(max_tokens=max_tokens, temperature=0.0))
 
 
 async def send(dispatcher: Dispatcher, request: GenerateRequest) -> tuple[str, int]:

@@ -216,9 +216,13 @@ def test_metadata_unreachable_falls_back_to_load_only(start_router, make_node) -
 def test_router_imports_no_torch() -> None:
     import subprocess
 
+    # The metadata service's client library is the router's link (docs/architecture.md,
+    # decision 3); nothing else of that room, and no heavy package, may load.
+    client_library = "{'metadata_service', 'config', 'client', 'errors', 'codec', 'events', 'wire'}"
     code = ("import sys, router.server, router.handlers\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "{'torch', 'ray', 'engine', 'metadata_service', 'transformers'}))")
+            "{'torch', 'ray', 'engine', 'transformers'} or m.startswith('metadata_service') "
+            f"and m.split('.')[-1] not in {client_library}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert proc.stdout.strip() == "[]", proc.stderr

@@ -17,7 +17,7 @@ from metadata_service.server import ServerThread
 from metadata_service.watch import BlockSubscriber
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
-from router.metadata import MetadataLink
+from router.metadata_link import MetadataLink
 from router.metrics import RouterMetrics
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import (

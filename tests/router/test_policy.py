@@ -8,16 +8,16 @@ from collections import Counter
 
 import pytest
 
+from router.errors import NoHealthyNode
+from router.load_decay import DecayedWork
 from router.policy import (
     NodeView,
-    NoHealthyNode,
     PolicyConfig,
     choose_prefill,
     load_cost,
     request_work,
     route,
 )
-from router.work import DecayedWork
 
 CONFIG = PolicyConfig(block_size=16, local_prefill_threshold=64)
 

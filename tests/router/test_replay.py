@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.replay import (
+from core.block_index import BlockIndex
+from router.replay import (
     ReplayConfig,
     SimNode,
     apply_events,
@@ -19,7 +20,6 @@ from benchmarks.replay import (
     replay,
     replay_all,
 )
-from core.block_index import BlockIndex
 from tests.router.synth_trace import synthetic_trace
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -39,7 +39,7 @@ from node.config import NodeConfig
 from node.runtime import metadata_client
 from proto import metadata_pb2 as pb
 from proto import metadata_pb2_grpc as pb_grpc
-from router.metadata import MetadataLink
+from router.metadata_link import MetadataLink
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import FakeNode, free_port, make_chain, wait_until
 from tests.tls_certs import Pki, make_pki

@@ -19,8 +19,8 @@ import pytest
 
 from core.node_wire import GenerateRequest, RequestError, SamplingSpec, TokenDelta, TransferSpec
 from engine import LLMEngine
-from engine.node_client import NodeClient, tokens_of
-from engine.node_server import NodeServer
+from node.client import BlockingNodeClient, tokens_of
+from node.server import NodeServer
 from tests.cluster_secret import TEST_CURVE
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
@@ -41,7 +41,7 @@ def wait_idle(server: NodeServer, timeout_s: float = 20.0) -> None:
 def node(model_dirs):
     engine = LLMEngine.from_model(model_dirs["llama-gqa"], num_kv_blocks=128, block_size=8)
     server = NodeServer(engine, "n0", "both", curve=TEST_CURVE).start()
-    client = NodeClient(server.address, curve=TEST_CURVE)
+    client = BlockingNodeClient(server.address, curve=TEST_CURVE)
     yield server, client
     client.close()
     server.stop(drain=False)
@@ -97,7 +97,8 @@ def test_a_request_whose_output_cannot_be_sent_fails_alone(node, model_dirs, hf_
     assert_pool_clean(server.engine.block_pool)
 
 
-def timed(client: NodeClient, request_id: str, prompt: list[int], spec: SamplingSpec) -> float:
+def timed(client: BlockingNodeClient, request_id: str, prompt: list[int],
+          spec: SamplingSpec) -> float:
     """End-to-end seconds of one request, from sending to its last token."""
     started = time.perf_counter()
     client.send(GenerateRequest(request_id, prompt, spec))
@@ -113,7 +114,7 @@ def test_a_remote_decode_flood_leaves_normal_latency_within_2x(model_dirs):
     engine = make_engine(model_dirs["llama-gqa"], LoopbackFabric().transport(),
                          timeout_s=30.0, num_kv_blocks=128, block_size=8, pin_timeout_s=4.0)
     server = NodeServer(engine, "p0", "prefill", curve=TEST_CURVE).start()
-    client, flooder = (NodeClient(server.address, curve=TEST_CURVE) for _ in range(2))
+    client, flooder = (BlockingNodeClient(server.address, curve=TEST_CURVE) for _ in range(2))
     normal = random_prompts(1, 16, 16, seed=81)[0]
     spec = SamplingSpec(max_tokens=128, temperature=0.0, ignore_eos=True)
     try:

@@ -1,5 +1,6 @@
-"""`NodeClient`: a blocking client of `NodeServer` (a DEALER socket speaking core.node_wire)
-for tools, benchmarks and tests. Torch-free. The router has its own asyncio client.
+"""`BlockingNodeClient`: a blocking client of `NodeServer` (a DEALER socket speaking core.node_wire)
+for tools, benchmarks and tests. Torch-free. The router has its own asyncio link
+(`router.node_link.NodeLink`).
 `curve`: the cluster's CURVE key pair (core.curve); a node refuses a client without it."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from core.curve import secure_client
 from core.node_wire import NodeMessage, RequestError, TokenDelta, decode, encode
 
 
-class NodeClient:
+class BlockingNodeClient:
     def __init__(self, address: str, *, curve: CurveKeys | None) -> None:
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)

@@ -49,8 +49,8 @@ from core.block_index import BlockIndex
 from core.events import BlockRemoved, BlockStored, KVEvent
 from core.hashing import hash_block, root_hash
 from core.types import BlockHash
+from router.load_decay import DecayedWork
 from router.policy import NodeView, PolicyConfig, choose_prefill, request_work
-from router.work import DecayedWork
 
 TRACE_BLOCK_TOKENS = 512
 POLICIES = ("kv", "round-robin", "least-loaded")

@@ -1,6 +1,6 @@
 """Talking to node servers: one async ZMQ DEALER per node, speaking `core.node_wire`.
 
-`NodeClient` owns one socket and one receive task; replies are dispatched by request id to
+`NodeLink` owns one socket and one receive task; replies are dispatched by request id to
 per-request queues (`TokenDelta`, `RequestError`) or to the pending load query
 (`LoadReport`). `poll_load` keeps `report` fresh and decides `healthy`: a node is healthy
 while it answers load queries within the timeout and is not draining. Between reports the
@@ -22,7 +22,7 @@ Authentication: the socket is a CURVE client with the cluster's key pair (core.c
 admit nobody else. A failed handshake (a node holding another cluster's secret) is logged as
 such, and the node stays unhealthy.
 
-API: `NodeClient`, `NodeStream`.
+API: `NodeLink`, `NodeStream`.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
 class NodeStream:
     """The replies of one request on one node, in order."""
 
-    def __init__(self, client: NodeClient, request_id: str) -> None:
+    def __init__(self, client: NodeLink, request_id: str) -> None:
         self.client = client
         self.request_id = request_id
         self.queue: asyncio.Queue[TokenDelta | RequestError] = asyncio.Queue()
@@ -80,7 +80,7 @@ class NodeStream:
             yield msg
 
 
-class NodeClient:
+class NodeLink:
     def __init__(self, spec: NodeSpec, context: zmq.asyncio.Context, *,
                  curve: CurveKeys | None) -> None:
         self.spec = spec

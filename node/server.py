@@ -18,7 +18,7 @@ admits only clients holding it (core.curve), so nobody without the cluster's cre
 submit, abort or query anything. `curve=None` is plaintext, for unit tests only.
 
 `on_step` (optional) runs after every step on the server thread; nodes use it to hand the
-block pool's KV events to their metadata publisher.
+engine's KV events (`LLMEngine.take_kv_events`) to their metadata publisher.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class NodeServer:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stop.is_set():
-            runnable = bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
+            runnable = self.engine.has_runnable_requests()
             if poller.poll(0 if runnable else _IDLE_POLL_MS):
                 self._drain_socket()
             if self._busy():
@@ -186,7 +186,7 @@ class NodeServer:
             self._refuse(identity, msg.request_id, "draining", "the node is shutting down")
             return
         try:
-            params = _sampling_params(msg)
+            params = SamplingParams.from_spec(msg.sampling)
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
                                     cache_salt=msg.cache_salt,
                                     kv_transfer=_transfer_params(msg.transfer),
@@ -258,21 +258,10 @@ class NodeServer:
             logger.warning("node %s could not reply to a client: %s", self.node_id, exc)
 
     def load_report(self) -> LoadReport:
-        scheduler, pool = self.engine.scheduler, self.engine.block_pool
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
-        queued += sum(r.num_tokens - r.num_computed_tokens
-                      for r in scheduler.running if r.is_prefilling)
-        return LoadReport(self.node_id, self.role, len(scheduler.waiting),
-                          len(scheduler.running) + len(scheduler.waiting_for_remote),
-                          pool.num_free_blocks, pool.num_blocks, queued, self.draining)
-
-
-def _sampling_params(msg: GenerateRequest) -> SamplingParams:
-    s = msg.sampling
-    return SamplingParams(max_tokens=s.max_tokens, min_tokens=s.min_tokens,
-                          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-                          stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-                          ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+        load = self.engine.load()
+        return LoadReport(self.node_id, self.role, load.num_waiting, load.num_running,
+                          load.num_free_blocks, load.num_blocks, load.num_queued_tokens,
+                          self.draining)
 
 
 def _transfer_params(spec: TransferSpec | None):

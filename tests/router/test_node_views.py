@@ -9,15 +9,15 @@ import pytest
 
 from core.node_wire import LoadReport
 from router.config import NodeSpec
+from router.load_decay import DecayedWork
+from router.node_views import DECAY_STEPS, NodeViews
 from router.policy import NodeView, PolicyConfig, load_cost
-from router.views import DECAY_STEPS, NodeViews
-from router.work import DecayedWork
 
 CONFIG = PolicyConfig(work_half_life_s=64.0)
 
 
 class StubClient:
-    """What NodeViews reads of a router.node_client.NodeClient (no socket needed)."""
+    """What NodeViews reads of a router.node_link.NodeLink (no socket needed)."""
 
     def __init__(self, node_id: str, role: str = "both") -> None:
         self.spec = NodeSpec(node_id, role, "tcp://127.0.0.1:9")

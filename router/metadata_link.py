@@ -1,5 +1,6 @@
-"""The router's link to the metadata service, over the generated gRPC stubs in `proto/` (the
-router may not import `metadata_service`: two services never import each other).
+"""The router's link to the metadata service, built on the service's client library
+(`metadata_service.client.AsyncMetadataClient`, the one place each request is built; the
+only part of that room the router may import).
 
 `MetadataLink.prefix_hits(chain)`: which nodes hold how many leading blocks of the chain.
 It answers from a **mirror** of the service's block index in the router's memory while the
@@ -38,19 +39,19 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import grpc
-
 from core.block_index import BlockIndex
+from core.roles import Role
 from core.tls import ClientTLS
 from core.types import BlockHash, NodeId
+from metadata_service.client import AsyncMetadataClient
+from metadata_service.errors import MetadataError
 from proto import metadata_pb2 as pb
-from proto import metadata_pb2_grpc as pb_grpc
 from router.config import NodeSpec
 
 logger = logging.getLogger(__name__)
 
 PrefixHits = dict[NodeId, int]
-_ROLE_NAMES = {pb.PREFILL: "prefill", pb.DECODE: "decode"}
+_ROLE_NAMES = {pb.PREFILL: Role.PREFILL, pb.DECODE: Role.DECODE}
 _Update = pb.BlockUpdate
 
 
@@ -80,9 +81,11 @@ class MetadataLink:
         self._watch_task: asyncio.Task[None] | None = None
         self._clock = clock
         self._retry_at = 0.0
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._channel = _channel(address, keepalive_s, tls)
-        self._stub = pb_grpc.MetadataServiceStub(self._channel)
+        # keepalive: a silently dead peer breaks the stream (the mirror would go stale)
+        keepalive = [("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+                     ("grpc.keepalive_timeout_ms", int(max(1.0, keepalive_s / 2) * 1000))]
+        self._client = AsyncMetadataClient(address, token=token, tls=tls,
+                                           channel_options=keepalive, timeout_s=timeout_s)
         if mirror:
             self._watch_task = asyncio.create_task(self._watch_forever(), name="metadata-watch")
 
@@ -101,26 +104,23 @@ class MetadataLink:
             return dict(mirror.query(chain))
         if not self.available and self._clock() < self._retry_at:
             return None
-        request = pb.QueryRequest(block_hashes=b"".join(chain))
         try:
-            reply = await self._stub.Query(request, timeout=self.timeout_s,
-                                           metadata=self._metadata)
-        except grpc.RpcError as exc:
+            matches = await self._client.query(chain)
+        except MetadataError as exc:
             self._fail(exc)
             return None
         self._recover()
-        return {m.node_id: m.num_blocks for m in reply.matches}
+        return dict(matches)
 
     async def list_nodes(self) -> list[NodeSpec] | None:
         try:
-            reply = await self._stub.ListNodes(pb.ListNodesRequest(), timeout=self.timeout_s,
-                                               metadata=self._metadata)
-        except grpc.RpcError as exc:
+            nodes = await self._client.list_nodes()
+        except MetadataError as exc:
             self._fail(exc)
             return None
         self._recover()
-        return [NodeSpec(n.node_id, _ROLE_NAMES.get(n.role, "both"), n.request_address,
-                         n.kv_address) for n in reply.nodes if n.request_address]
+        return [NodeSpec(n.node_id, _ROLE_NAMES.get(n.role, Role.BOTH), n.request_address,
+                         n.kv_address) for n in nodes if n.request_address]
 
     async def close(self) -> None:
         task, self._watch_task = self._watch_task, None
@@ -128,7 +128,7 @@ class MetadataLink:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self._channel.close()
+        await self._client.close()
 
     # -- the mirror ------------------------------------------------------------------------
 
@@ -138,8 +138,8 @@ class MetadataLink:
             try:
                 await self._follow()
                 reason = "the stream ended"
-            except grpc.RpcError as exc:
-                reason = f"{exc.code().name}: {exc.details()}"
+            except MetadataError as exc:
+                reason = _reason(exc)
             except _BadUpdate as exc:
                 reason = str(exc)
             except Exception as exc:  # the watch must outlive any one stream
@@ -152,16 +152,13 @@ class MetadataLink:
             backoff = min(2 * backoff, self.max_backoff_s)
 
     async def _follow(self) -> None:
-        call = self._stub.WatchBlocks(pb.WatchBlocksRequest(), metadata=self._metadata)
         mirror = BlockIndex()
-        try:
-            async for update in call:
+        async with contextlib.aclosing(self._client.watch_blocks()) as updates:
+            async for update in updates:
                 if update.kind == _Update.SNAPSHOT_COMPLETE:
                     self._sync(mirror)
                 elif not _apply(mirror, update):
                     self.bad_updates += 1
-        finally:
-            call.cancel()
 
     def _sync(self, mirror: BlockIndex) -> None:
         self._mirror = mirror
@@ -183,13 +180,13 @@ class MetadataLink:
 
     # -- the per-request path --------------------------------------------------------------
 
-    def _fail(self, exc: grpc.RpcError) -> None:
+    def _fail(self, exc: MetadataError) -> None:
         if self.available:
             logger.error("metadata service %s unreachable, routing on load only: %s",
-                         self.address, exc.code().name)
+                         self.address, exc.status or exc)
         self.available = False
         self.failures += 1
-        self.last_error = f"{exc.code().name}: {exc.details()}"
+        self.last_error = _reason(exc)
         self._retry_at = self._clock() + self.retry_s
 
     def _recover(self) -> None:
@@ -199,14 +196,9 @@ class MetadataLink:
         self.last_error = ""
 
 
-def _channel(address: str, keepalive_s: float, tls: ClientTLS | None) -> grpc.aio.Channel:
-    # keepalive: a silently dead peer breaks the stream (the mirror would go stale)
-    options = [("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
-               ("grpc.keepalive_timeout_ms", int(max(1.0, keepalive_s / 2) * 1000))]
-    if tls is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, tls.channel_credentials(),
-                                   options=[*options, *tls.channel_options()])
+def _reason(exc: MetadataError) -> str:
+    """"STATUS: details", as /health reports it."""
+    return f"{exc.status}: {exc.details}" if exc.status else str(exc)
 
 
 def _apply(mirror: BlockIndex, update: pb.BlockUpdate) -> bool:

@@ -5,7 +5,7 @@ One `NodeView` per node lives as long as the node; nothing is allocated per deci
 each decision:
 
 - a node's load fields (its last `LoadReport` plus the prompt tokens and requests the router
-  sent it since) are recomputed only when the node's `NodeClient.version` moved;
+  sent it since) are recomputed only when the node's `NodeLink.version` moved;
 - the list of healthy views is rebuilt only when some node changed;
 - `cached_blocks` is reset on the previous request's hit nodes and set on this one's (hits
   are sparse: a prefix is cached on a few nodes);
@@ -24,16 +24,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from router.node_client import NodeClient
+from router.load_decay import DecayedWork
+from router.node_link import NodeLink
 from router.policy import NodeView, PolicyConfig, load_cost
-from router.work import DecayedWork
 
 DECAY_STEPS = 128
 
 
 @dataclass(slots=True)
 class _Entry:
-    node: NodeClient
+    node: NodeLink
     view: NodeView
     seen_version: int = -1  # the node's version the view's load fields reflect
 
@@ -51,7 +51,7 @@ class NodeViews:
         self._healthy_stale = True
         self._hit: list[NodeView] = []
 
-    def add(self, node: NodeClient) -> None:
+    def add(self, node: NodeLink) -> None:
         """Track `node` (replacing an earlier client of the same id)."""
         view = NodeView(node.node_id, node.spec.role,
                         recent_work=self._work.value(node.node_id, self._clock()))
@@ -97,7 +97,7 @@ class NodeViews:
         return self._healthy
 
 
-def _load_fields(node: NodeClient, view: NodeView) -> None:
+def _load_fields(node: NodeLink, view: NodeView) -> None:
     report = node.report
     view.queued_prefill_tokens, view.num_running = node.pending_tokens, node.num_inflight
     if report is not None:
