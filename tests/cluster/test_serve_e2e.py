@@ -4,18 +4,14 @@ Greedy text must equal what `transformers` generates for the same prompt."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.serve_process import start_serve, stop_serve, wait_until_answering
+
 openai = pytest.importorskip("openai")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -27,43 +23,16 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def served(model_dirs):
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", model_dirs["llama-gqa"],
-         "--num-prefill", "1", "--num-decode", "1", "--port", str(port),
-         "--block-size", "16", "--kv-cache-gib", "0.05", "--local-prefill-threshold", "256"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 180
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "serving" in line or time.monotonic() > deadline:
-            break
-    assert "serving" in "".join(lines[-1:]), "".join(lines[-40:])
+    proc, _ = start_serve(["--model", model_dirs["llama-gqa"], "--num-prefill", "1",
+                           "--num-decode", "1", "--port", str(port), "--block-size", "16",
+                           "--kv-cache-gib", "0.05", "--local-prefill-threshold", "256"])
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                            max_retries=0, timeout=120)
-    _wait_for_nodes(client, model_dirs["llama-gqa"])
+    wait_until_answering(client, Path(model_dirs["llama-gqa"]).name)
     proc.port = port
     yield proc, client
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-
-
-def _wait_for_nodes(client, model_dir: str) -> None:
-    name = Path(model_dir).name
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            client.completions.create(model=name, prompt="warm up", max_tokens=1)
-            return
-        except openai.APIStatusError as exc:
-            if exc.status_code != 503 or time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    if not stop_serve(proc):
+        raise TimeoutError("pdcluster serve did not exit within 60 s of SIGINT")
 
 
 def hf_text(model_dir: str, prompt: str, max_tokens: int) -> str:

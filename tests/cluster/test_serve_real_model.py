@@ -7,20 +7,15 @@ greedy reply, and the router's metrics must show the path taken."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.cluster.test_serve_e2e import decisions, free_port
 from tests.real_model import LONG_SYSTEM, MAX_TOKENS, chats
+from tests.serve_process import start_serve, stop_serve, wait_until_answering
 
 openai = pytest.importorskip("openai")
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 THRESHOLD = 64  # tokens; the short chats are ~40, the long ones ~130
 
@@ -28,41 +23,17 @@ THRESHOLD = 64  # tokens; the short chats are ~40, the long ones ~130
 @pytest.fixture(scope="module")
 def served_real(real_model_dir):
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", real_model_dir,
-         "--num-prefill", "1", "--num-decode", "1", "--port", str(port),
-         "--kv-cache-gib", "0.25", "--local-prefill-threshold", str(THRESHOLD)],
-        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+    proc, _ = start_serve(["--model", real_model_dir, "--num-prefill", "1", "--num-decode",
+                           "1", "--port", str(port), "--kv-cache-gib", "0.25",
+                           "--local-prefill-threshold", str(THRESHOLD)], timeout_s=240)
     try:
-        client = _wait_until_serving(proc, port, Path(real_model_dir).name)
-        yield client, port, Path(real_model_dir).name
+        name = Path(real_model_dir).name
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0, timeout=180)
+        wait_until_answering(client, name, timeout_s=240)
+        yield client, port, name
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _wait_until_serving(proc, port: int, name: str):
-    deadline = time.monotonic() + 240
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "serving" in line or time.monotonic() > deadline:
-            break
-    assert "serving" in "".join(lines[-1:]), "".join(lines[-40:])
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                           max_retries=0, timeout=180)
-    while True:
-        try:
-            client.completions.create(model=name, prompt="warm up", max_tokens=1)
-            return client
-        except openai.APIStatusError as exc:
-            if exc.status_code != 503 or time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+        stop_serve(proc)
 
 
 @pytest.mark.parametrize("path", ["local_prefill", "remote_prefill"])

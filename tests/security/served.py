@@ -9,19 +9,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import openai
 
 from core.credentials import SERVICE, ClusterSecret
 from core.curve import secure_client
+from tests.serve_process import start_serve, stop_serve, wait_until_answering
 
-ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "sk-security-test"
 BLOCK_SIZE = 16
 
@@ -36,55 +35,28 @@ class Served:
     model_dir: str
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_serve(self.proc)
 
 
 def start_served(model_dir: str, port: int) -> Served:
     secret = ClusterSecret.generate()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDCLUSTER_CLUSTER_SECRET": secret.to_text(),
+    env = {**os.environ, "PDCLUSTER_CLUSTER_SECRET": secret.to_text(),
            "PDCLUSTER_API_KEYS": API_KEY}
     # Run it as a user would: whatever keeps Ray on the host must come from pdcluster itself.
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir, "--num-prefill",
-         "1", "--num-decode", "1", "--port", str(port), "--block-size", str(BLOCK_SIZE),
-         "--kv-cache-gib", "0.05"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, deadline = [], time.monotonic() + 180
-    for line in proc.stdout:
-        lines.append(line)
-        if "serving" in line or time.monotonic() > deadline:
-            break
-    found = re.search(r"metadata service at (\S+?)\)", lines[-1] if lines else "")
+    proc, ready = start_serve(["--model", model_dir, "--num-prefill", "1", "--num-decode",
+                               "1", "--port", str(port), "--block-size", str(BLOCK_SIZE),
+                               "--kv-cache-gib", "0.05"], env)
+    found = re.search(r"metadata service at (\S+?)\)", ready)
     if found is None:
-        proc.kill()
-        raise RuntimeError("pdcluster serve did not start:\n" + "".join(lines[-40:]))
+        stop_serve(proc)
+        raise RuntimeError(f"pdcluster serve named no metadata service: {ready}")
     served = Served(proc, f"http://127.0.0.1:{port}/v1", found.group(1), secret, {}, model_dir)
     served.nodes = _nodes(served)
-    _wait_for_router(served)
-    return served
-
-
-def _wait_for_router(served: Served) -> None:
-    """Until the router answers a completion (it sees both nodes healthy)."""
-    import openai
-
     client = openai.OpenAI(base_url=served.base_url, api_key=API_KEY, max_retries=0,
                            timeout=120)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            client.completions.create(model=Path(served.model_dir).name, prompt="warm up",
-                                      max_tokens=1)
-            return
-        except openai.APIStatusError as exc:
-            if exc.status_code != 503 or time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    wait_until_answering(client, Path(model_dir).name)
+    return served
 
 
 def _nodes(served: Served) -> dict[str, dict[str, str]]:
