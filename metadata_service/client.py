@@ -20,7 +20,8 @@ API: ``MetadataClient``, ``AsyncMetadataClient``, ``make_node_info``, ``role_val
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -260,28 +261,15 @@ class AsyncMetadataClient(_Base):
         reply = await self._call("ListNodes", pb.ListNodesRequest(role=role_value(role)))
         return list(reply.nodes)
 
-    async def watch_nodes(self, role: str | int | None = None) -> AsyncIterator[pb.NodeChange]:
-        stream = self._stub.WatchNodes(pb.ListNodesRequest(role=role_value(role)),
-                                       metadata=self._metadata)
-        try:
-            async for change in stream:
-                yield change
-        except grpc.RpcError as exc:
-            raise translate_error(exc) from None
-        finally:
-            stream.cancel()
+    def watch_nodes(self, role: str | int | None = None) -> AsyncIterator[pb.NodeChange]:
+        request = pb.ListNodesRequest(role=role_value(role))
+        return _streamed(lambda: self._stub.WatchNodes(request, metadata=self._metadata))
 
-    async def watch_blocks(self) -> AsyncIterator[pb.BlockUpdate]:
+    def watch_blocks(self) -> AsyncIterator[pb.BlockUpdate]:
         """The service's block index: a snapshot, SNAPSHOT_COMPLETE, then every change in
         the order it was applied. Runs until the stream ends or fails (a MetadataError)."""
-        stream = self._stub.WatchBlocks(pb.WatchBlocksRequest(), metadata=self._metadata)
-        try:
-            async for update in stream:
-                yield update
-        except grpc.RpcError as exc:
-            raise translate_error(exc) from None
-        finally:
-            stream.cancel()
+        return _streamed(lambda: self._stub.WatchBlocks(pb.WatchBlocksRequest(),
+                                                        metadata=self._metadata))
 
     async def publish(
         self, node_id: NodeId, epoch: int, seq: int, events: Iterable[KVEvent]
@@ -313,3 +301,16 @@ class AsyncMetadataClient(_Base):
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+async def _streamed(open_stream: Callable[[], Any]) -> AsyncIterator:
+    """The messages of the server stream `open_stream()` starts (on first iteration); a gRPC
+    failure becomes a MetadataError, and the stream is cancelled however iteration ends."""
+    stream = open_stream()
+    try:
+        async for message in stream:
+            yield message
+    except grpc.RpcError as exc:
+        raise translate_error(exc) from None
+    finally:
+        stream.cancel()
