@@ -48,6 +48,7 @@ from engine.outputs import EngineLoad, RequestOutput, StopStringChecker
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.structured_output import GrammarCompiler
 from engine.validation import RequestLimits, validate_keys, validate_request
 
 logger = logging.getLogger(__name__)
@@ -82,12 +83,23 @@ class LLMEngine:
         if kv_connector is not None:
             kv_connector.worker.register_kv_region(self.kv_region)
         self._stops = StopStringChecker(self.tokenizer)
+        self.grammars = self._grammar_compiler()
         self.limits = RequestLimits(self.model_config.vocab_size, config.max_logprobs,
                                     self.max_model_len, config.block_size,
                                     self.kv_spec.num_blocks, self.tokenizer is not None)
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens",
                     self.model_config.architecture, self.device, self.dtype,
                     self.kv_spec.num_blocks, config.block_size)
+
+    def _grammar_compiler(self) -> GrammarCompiler | None:
+        """Structured output needs the tokenizer (a folder without one refuses guided
+        requests at admission)."""
+        if self.tokenizer is None:
+            return None
+        compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                   self.model_config.eos_token_ids)
+        self.runner.sampler.use_grammars(compiler)
+        return compiler
 
     @classmethod
     def from_model(cls, model: str | Path, kv_connector: KVConnector | None = None,
@@ -149,6 +161,8 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         validate_keys(request_id, cache_salt)
         validate_request(token_ids, params, self.limits)
+        if params.guided is not None:
+            self.grammars.check(params.guided)
         if (kv_transfer is not None or prefix_pull is not None) and self.connector is None:
             raise ValueError("kv_transfer or prefix_pull was given but this engine has no KV "
                              "connector")

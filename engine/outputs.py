@@ -28,11 +28,13 @@ class EngineLoad:
 
 @dataclass(slots=True)
 class SampledToken:
-    """One token drawn by the sampler for one request in one step."""
+    """One token drawn by the sampler for one request in one step. `grammar_ended`: the
+    request's structured-output grammar is complete with this token, which finishes it."""
 
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    grammar_ended: bool = False
 
 
 @dataclass(slots=True)

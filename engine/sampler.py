@@ -2,28 +2,47 @@
 
 Greedy rows take argmax (first index on ties, as the reference does). Sampled rows apply
 temperature, top-k and top-p, then draw with the request's own `torch.Generator` when it has a
-seed, so a seeded request is reproducible whatever else shares its batch. Rows that have not
-reached `min_tokens` cannot pick EOS or a stop token. Logprobs are of the model's distribution
-(before temperature and filters).
+seed, so a seeded request is reproducible whatever else shares its batch. Before either, in
+one batched pass: `logit_bias` and the penalties (engine.logits_processors), the min_tokens
+bans (rows that have not reached `min_tokens` cannot pick EOS or a stop token), and the
+grammar masks of guided requests (engine.structured_output). Logprobs are of the model's
+distribution (before all of these, temperature and filters included).
 
-Isolation: one request's parameters must not fail the others. The batched stage (log-softmax,
-min_tokens bans, argmax) runs once for every row and draws no randomness; should it raise, it
-is redone row by row and only the rows that raise again fail. The per-row stage (drawing,
-logprobs) fails only its own row. A failed row is a `RequestFailure`, which finishes that
-request with an error; every other row's token is what it would have been without it.
+Isolation: one request's parameters must not fail the others. The batched stage draws no
+randomness; should it raise, it is redone row by row on the original logits and only the rows
+that raise again fail. A guided row whose grammar fails, or leaves no token allowed, fails
+alone; the per-row stage (drawing, logprobs, feeding the grammar) fails only its own row. A
+failed row is a `RequestFailure`, which finishes that request with an error; every other
+row's token is what it would have been without it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
+from engine.logits_processors import LogitsProcessors, uses_processors
 from engine.outputs import RequestFailure, SampledToken
 from engine.request import Request
+from engine.structured_output import GrammarCompiler, GrammarError, StructuredOutput
 
 logger = logging.getLogger(__name__)
 _FAILED = "sampling failed on the node"
+_NO_TOKEN = ("structured output: no token is allowed by both the grammar and the request's "
+             "other constraints (min_tokens, stop_token_ids)")
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The batched stage's results: log-softmax of the raw logits (if any row wants
+    logprobs), every row's argmax, and the guided rows that failed or have no token left."""
+
+    logprobs: torch.Tensor | None
+    greedy: list[int]
+    failed: dict[int, str] = field(default_factory=dict)
+    dead: set[int] = field(default_factory=set)
 
 
 class Sampler:
@@ -31,52 +50,98 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._req_generators: dict[str, torch.Generator] = {}
+        self.processors = LogitsProcessors(device)
+        self.structured: StructuredOutput | None = None
+
+    def use_grammars(self, compiler: GrammarCompiler) -> None:
+        """Enable guided requests (the engine's compiler, which admission validated with)."""
+        self.structured = StructuredOutput(compiler)
 
     def forget(self, request_id: str) -> None:
         self._req_generators.pop(request_id, None)
+        self.processors.forget(request_id)
+        if self.structured is not None:
+            self.structured.forget(request_id)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]
                ) -> list[SampledToken | RequestFailure]:
         """logits: [len(requests), vocab] float32 (modified in place)."""
+        original = logits.clone() if any(_transforms(r) for r in requests) else None
         try:
-            logprobs, greedy = _batched(logits, requests)
+            batch = self._batched(logits, requests)
         except Exception:
             logger.exception("batched sampling failed; sampling %d rows one by one",
                              len(requests))
+            if original is not None:  # undo what the failed pass wrote
+                logits = original
             return [self._sample_alone(logits[row:row + 1], req)
                     for row, req in enumerate(requests)]
-        return [self._pick_guarded(logits, logprobs, greedy, row, req)
-                for row, req in enumerate(requests)]
+        return [self._pick_guarded(logits, batch, row, req) for row, req in enumerate(requests)]
 
     def _sample_alone(self, logits: torch.Tensor, req: Request
                       ) -> SampledToken | RequestFailure:
         try:
-            logprobs, greedy = _batched(logits, [req])
+            batch = self._batched(logits, [req])
         except Exception:
             logger.exception("sampling failed for request %s", req.request_id)
             return RequestFailure(_FAILED)
-        return self._pick_guarded(logits, logprobs, greedy, 0, req)
+        return self._pick_guarded(logits, batch, 0, req)
 
-    def _pick_guarded(self, logits: torch.Tensor, logprobs: torch.Tensor | None,
-                      greedy: list[int], row: int, req: Request
+    def _batched(self, logits: torch.Tensor, requests: list[Request]) -> _Batch:
+        need_logprobs = any(r.params.logprobs is not None for r in requests)
+        logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
+        self.processors.apply(logits, requests)
+        _block_early_stop(logits, requests)
+        failed, dead = self._mask_grammars(logits, requests)
+        return _Batch(logprobs, torch.argmax(logits, dim=-1).tolist(), failed, dead)
+
+    def _mask_grammars(self, logits: torch.Tensor, requests: list[Request]
+                       ) -> tuple[dict[int, str], set[int]]:
+        """Mask every guided row at once; ({row: error}, rows left with no allowed token)."""
+        rows = [row for row, req in enumerate(requests) if req.params.guided is not None]
+        if not rows:
+            return {}, set()
+        if self.structured is None:
+            return dict.fromkeys(rows, "guided decoding is not enabled on this engine"), set()
+        failed = self.structured.mask(logits, rows, [requests[row] for row in rows])
+        alive = [row for row in rows if row not in failed]
+        blocked = torch.isneginf(logits[alive]).all(dim=-1).tolist() if alive else []
+        return failed, {row for row, dead in zip(alive, blocked, strict=True) if dead}
+
+    def _pick_guarded(self, logits: torch.Tensor, batch: _Batch, row: int, req: Request
                       ) -> SampledToken | RequestFailure:
+        if row in batch.failed:
+            return RequestFailure(batch.failed[row])
         try:
-            return self._pick(logits, logprobs, greedy, row, req)
+            return self._pick(logits, batch, row, req)
+        except GrammarError as exc:  # the grammar refused the token: a clear reason
+            return RequestFailure(str(exc))
         except Exception:
             logger.exception("sampling failed for request %s", req.request_id)
             return RequestFailure(_FAILED)
 
-    def _pick(self, logits: torch.Tensor, logprobs: torch.Tensor | None, greedy: list[int],
-              row: int, req: Request) -> SampledToken:
+    def _pick(self, logits: torch.Tensor, batch: _Batch, row: int, req: Request
+              ) -> SampledToken:
         p = req.params
-        token = greedy[row] if p.is_greedy else self._sample_row(logits[row], req)
+        if row in batch.dead:
+            token, ended = self._end_grammar(req), True
+        else:
+            token = batch.greedy[row] if p.is_greedy else self._sample_row(logits[row], req)
+            ended = p.guided is not None and self.structured.accept(req, token)
         if p.logprobs is None:
-            return SampledToken(token)
+            return SampledToken(token, grammar_ended=ended)
         top = None
         if p.logprobs > 0:
-            values, ids = torch.topk(logprobs[row], p.logprobs)
+            values, ids = torch.topk(batch.logprobs[row], p.logprobs)
             top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        return SampledToken(token, float(logprobs[row, token]), top)
+        return SampledToken(token, float(batch.logprobs[row, token]), top, ended)
+
+    def _end_grammar(self, req: Request) -> int:
+        """A guided row with no allowed token: its grammar ends here if it may (EOS), else
+        the request fails."""
+        if not self.structured.is_accepting(req):
+            raise GrammarError(_NO_TOKEN)
+        return self.structured.compiler.eos_token_ids[0]
 
     def _sample_row(self, logits: torch.Tensor, req: Request) -> int:
         p = req.params
@@ -108,13 +173,9 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def _batched(logits: torch.Tensor, requests: list[Request]
-             ) -> tuple[torch.Tensor | None, list[int]]:
-    """(log-softmax of the raw logits if any row wants logprobs, argmax of every row)."""
-    need_logprobs = any(r.params.logprobs is not None for r in requests)
-    logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
-    _block_early_stop(logits, requests)
-    return logprobs, torch.argmax(logits, dim=-1).tolist()
+def _transforms(req: Request) -> bool:
+    """Whether the batched stage rewrites more than a few of this row's logits."""
+    return uses_processors(req.params) or req.params.guided is not None
 
 
 def _block_early_stop(logits: torch.Tensor, requests: list[Request]) -> None:

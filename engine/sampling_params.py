@@ -8,12 +8,13 @@ checked by `LLMEngine.add_request`. A request that passes both cannot make a ste
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from core.sampling import GuidedDecoding, SamplingSpec
+from core.sampling import GUIDED_KINDS, GuidedDecoding, SamplingSpec
 
 _GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0  # far past any useful value; keeps logits / temperature finite
@@ -21,6 +22,11 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
+MAX_LOGIT_BIAS = 1024  # entries
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, +100 forces it
+PENALTY_RANGE = 2.0  # presence / frequency, OpenAI's
+MAX_REPETITION_PENALTY = 100.0  # past any useful value; keeps logits finite
+MAX_GUIDED_SPEC_CHARS = 256 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,7 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -65,6 +72,13 @@ class SamplingParams:
             _check_int("seed", self.seed, *SEED_RANGE)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
+        _check_float("presence_penalty", self.presence_penalty, -PENALTY_RANGE, PENALTY_RANGE)
+        _check_float("frequency_penalty", self.frequency_penalty, -PENALTY_RANGE,
+                     PENALTY_RANGE)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0,
+                     MAX_REPETITION_PENALTY, low_open=True)
+        if self.guided is not None:
+            check_guided(self.guided)
         self._validate_stops()
 
     def _validate_stops(self) -> None:
@@ -89,6 +103,58 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _checked_logit_bias(bias: object) -> dict[int, float]:
+    """A copy of `bias` (token id -> float); ids are checked against the vocabulary by the
+    engine (engine.validation)."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a map of token id to bias, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    for token_id, value in bias.items():
+        _check_int("logit_bias token id", token_id, 0)
+        _check_float("logit_bias value", value, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
+    return {int(t): float(v) for t, v in bias.items()}
+
+
+def check_guided(guided: object) -> None:
+    """The form of a structured-output constraint (its grammar is compiled, and so fully
+    checked, when the engine admits the request)."""
+    if not isinstance(guided, GuidedDecoding):
+        raise ValueError(f"guided must be a GuidedDecoding, got {type(guided).__name__}")
+    if guided.kind not in GUIDED_KINDS:
+        raise ValueError(f"guided.kind must be one of {GUIDED_KINDS}, got {guided.kind!r}")
+    if not isinstance(guided.spec, str) or len(guided.spec) > MAX_GUIDED_SPEC_CHARS:
+        raise ValueError(f"guided.spec must be a string of at most {MAX_GUIDED_SPEC_CHARS} "
+                         f"characters")
+    if guided.kind == "json_object":
+        if guided.spec:
+            raise ValueError("guided.spec must be empty for kind 'json_object'")
+        return
+    if not guided.spec:
+        raise ValueError(f"guided.spec is empty for kind {guided.kind!r}")
+    if guided.kind in ("json_schema", "choice"):
+        _check_guided_json(guided)
+
+
+def _check_guided_json(guided: GuidedDecoding) -> None:
+    try:
+        value = json.loads(guided.spec)
+    except ValueError:
+        raise ValueError(f"guided.spec is not valid JSON for kind {guided.kind!r}") from None
+    if guided.kind == "json_schema" and not isinstance(value, dict | bool):
+        raise ValueError("guided.spec must be a JSON schema (an object) for kind "
+                         "'json_schema'")
+    if guided.kind == "choice" and not (isinstance(value, list) and value
+                                        and all(isinstance(c, str) and c for c in value)):
+        raise ValueError("guided.spec must be a JSON list of non-empty strings for kind "
+                         "'choice'")
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

@@ -282,6 +282,8 @@ class Scheduler:
         try:
             req.append_output_token(token.token_id, token.logprob, token.top_logprobs)
             status = self._check_stop(req)
+            if token.grammar_ended:  # structured output: nothing may follow
+                status = RequestStatus.FINISHED_STOPPED
         except Exception:
             logger.exception("applying a token to request %s failed", req.request_id)
             self.fail_request(req, "stop checking failed on the node")

@@ -37,8 +37,12 @@ def validate_request(token_ids: Sequence[int], params: SamplingParams,
     check_token_ids("prompt token ids", token_ids, limits.vocab_size)
     if params.stop_token_ids:
         check_token_ids("stop_token_ids", params.stop_token_ids, limits.vocab_size)
+    if params.logit_bias:
+        check_token_ids("logit_bias", list(params.logit_bias), limits.vocab_size)
     if params.stop and not limits.has_tokenizer:
         raise ValueError("stop strings need a tokenizer, and this model folder has none")
+    if params.guided is not None and not limits.has_tokenizer:
+        raise ValueError("guided decoding needs a tokenizer, and this model folder has none")
     max_logprobs = min(limits.max_logprobs, limits.vocab_size)
     if params.logprobs is not None and params.logprobs > max_logprobs:
         raise ValueError(f"logprobs must be in [0, {max_logprobs}] on this node, got "

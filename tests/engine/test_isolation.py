@@ -12,7 +12,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from engine import LLMEngine, SamplingParams  # noqa: E402
-from engine import sampler as sampler_module  # noqa: E402
 from engine.outputs import RequestOutput  # noqa: E402
 from tests.helpers import assert_pool_clean  # noqa: E402
 from tests.models import random_prompts  # noqa: E402
@@ -84,7 +83,8 @@ def test_a_request_whose_sampling_raises_fails_alone(engine, model_dir, hf_refer
 
 def test_a_failing_batched_stage_is_redone_row_by_row(engine, model_dir, hf_reference,
                                                       monkeypatch) -> None:
-    batched = sampler_module._batched
+    sampler = engine.runner.sampler
+    batched = sampler._batched
     calls = []
 
     def faulty(logits, requests):
@@ -93,7 +93,7 @@ def test_a_failing_batched_stage_is_redone_row_by_row(engine, model_dir, hf_refe
             raise Injected("injected fault")
         return batched(logits, requests)
 
-    monkeypatch.setattr(sampler_module, "_batched", faulty)
+    monkeypatch.setattr(sampler, "_batched", faulty)
     final = run(engine)
     assert calls[:4] == [3, 1, 1, 1]  # the batch, then each row alone
     assert final["bad"].token_ids == []
