@@ -181,8 +181,7 @@ class StructuredOutput:
             self._states[req.request_id] = state
         new = req.output_token_ids[state.num_consumed:]
         if new and not state.matcher.is_stopped():
-            if not state.matcher.consume_tokens(new):
-                raise GrammarError(f"structured output: {_short(state.matcher.get_error())}")
+            state.matcher.consume_tokens(new)  # a refusal leaves it in its error state
         state.num_consumed = req.num_output_tokens
         if state.matcher.is_error():
             raise GrammarError(f"structured output: {_short(state.matcher.get_error())}")
