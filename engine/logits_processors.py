@@ -19,10 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from core.types import ReqId
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdcluster.core.types import ReqId
+from pdcluster.engine.request import Request
+from pdcluster.engine.sampling_params import SamplingParams
 
 
 def uses_processors(params: SamplingParams) -> bool:

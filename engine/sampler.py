@@ -22,11 +22,10 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-
-from engine.logits_processors import LogitsProcessors, uses_processors
-from engine.outputs import RequestFailure, SampledToken
-from engine.request import Request
-from engine.structured_output import GrammarCompiler, GrammarError, StructuredOutput
+from pdcluster.engine.logits_processors import LogitsProcessors, uses_processors
+from pdcluster.engine.outputs import RequestFailure, SampledToken
+from pdcluster.engine.request import Request
+from pdcluster.engine.structured_output import GrammarCompiler, GrammarError, StructuredOutput
 
 logger = logging.getLogger(__name__)
 _FAILED = "sampling failed on the node"

@@ -30,10 +30,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-
-from core.sampling import GuidedDecoding
-from core.types import ReqId
-from engine.request import Request
+from pdcluster.core.sampling import GuidedDecoding
+from pdcluster.core.types import ReqId
+from pdcluster.engine.request import Request
 
 logger = logging.getLogger(__name__)
 _CACHE_SIZE = 256

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-
-from core import node_wire
-from core.node_wire import GenerateRequest, SamplingSpec, TokenDelta
-from core.sampling import GuidedDecoding
-from core.wire import WireError
+from pdcluster.core import node_wire
+from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TokenDelta
+from pdcluster.core.sampling import GuidedDecoding
+from pdcluster.core.wire import WireError
 
 FULL_SPEC = SamplingSpec(
     max_tokens=9, min_tokens=2, temperature=0.7, top_p=0.9, top_k=5, seed=123,
@@ -40,7 +39,7 @@ def test_round_trip(msg):
 
 def test_the_engine_takes_every_new_field_from_the_spec():
     pytest.importorskip("torch")
-    from engine.sampling_params import SamplingParams
+    from pdcluster.engine.sampling_params import SamplingParams
 
     params = SamplingParams.from_spec(node_wire.decode(node_wire.encode(
         GenerateRequest("r", [1], FULL_SPEC))).sampling)
@@ -76,7 +75,7 @@ def test_malformed_fields_are_refused_by_the_codec(body, match):
 ])
 def test_well_typed_but_out_of_range_fields_are_refused_by_the_node(body, match):
     pytest.importorskip("torch")
-    from engine.sampling_params import SamplingParams
+    from pdcluster.engine.sampling_params import SamplingParams
 
     spec = node_wire.decode(frame(body)).sampling
     with pytest.raises(ValueError, match=match):

@@ -9,10 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine.logits_processors import LogitsProcessors  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampler import Sampler  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from pdcluster.engine.logits_processors import LogitsProcessors  # noqa: E402
+from pdcluster.engine.request import Request  # noqa: E402
+from pdcluster.engine.sampler import Sampler  # noqa: E402
+from pdcluster.engine.sampling_params import SamplingParams  # noqa: E402
 
 VOCAB = 16
 CPU = torch.device("cpu")

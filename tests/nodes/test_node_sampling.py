@@ -13,11 +13,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from core.node_wire import GenerateRequest, RequestError, SamplingSpec, TokenDelta  # noqa: E402
-from core.sampling import GuidedDecoding  # noqa: E402
-from engine import LLMEngine  # noqa: E402
-from node.client import BlockingNodeClient, tokens_of  # noqa: E402
-from node.server import NodeServer  # noqa: E402
+from pdcluster.core.node_wire import GenerateRequest, RequestError, SamplingSpec, TokenDelta  # noqa: E402
+from pdcluster.core.sampling import GuidedDecoding  # noqa: E402
+from pdcluster.engine import LLMEngine  # noqa: E402
+from pdcluster.node.client import BlockingNodeClient, tokens_of  # noqa: E402
+from pdcluster.node.server import NodeServer  # noqa: E402
+
 from tests.cluster_secret import TEST_CURVE  # noqa: E402
 from tests.helpers import assert_pool_clean  # noqa: E402
 from tests.models import random_prompts  # noqa: E402
@@ -107,9 +108,8 @@ def test_bad_values_are_refused_as_invalid_requests(node, sampling, match):
 
 def test_the_routers_node_link_reads_the_top_logprobs(node):
     import zmq.asyncio
-
-    from router.config import NodeSpec
-    from router.node_link import NodeLink
+    from pdcluster.router.config import NodeSpec
+    from pdcluster.router.node_link import NodeLink
 
     server, _ = node
 
