@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.credentials import ClusterSecret
+from pdcluster.core.credentials import ClusterSecret
 
 BACKENDS = ("memory", "etcd")
 HASH_SIZES = (16, 32)

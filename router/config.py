@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.credentials import ClusterSecret
-from core.roles import Role, role_names
-from core.tls import ClientTLS
-from router.policy import PolicyConfig
+from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.roles import Role, role_names
+from pdcluster.core.tls import ClientTLS
+from pdcluster.router.policy import PolicyConfig
 
 
 @dataclass(frozen=True, slots=True)
