@@ -51,9 +51,9 @@ def _all_rooms_but(*allowed: str) -> frozenset[str]:
     return ROOMS - set(allowed)
 
 
-# room -> rooms and top-level package names it must never import (from the arrows in ARCHITECTURE.md). A room
-# importing itself is always fine. `cluster` and `benchmarks` are launchers: `benchmarks` is not
-# restricted here, `cluster` only kept from importing `benchmarks`.
+# room -> rooms and top-level packages it must never import (the arrows in ARCHITECTURE.md).
+# A room importing itself is always fine. `cluster` and `benchmarks` are launchers:
+# `benchmarks` is not restricted here, `cluster` only kept from importing `benchmarks`.
 FORBIDDEN: dict[str, frozenset[str]] = {
     "core": HEAVY | _all_rooms_but("core"),
     # The engine knows nothing of the node wire protocol or its sockets (node/ serves it).
