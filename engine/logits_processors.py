@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from pdcluster.core.types import ReqId
 from pdcluster.engine.request import Request
 from pdcluster.engine.sampling_params import SamplingParams

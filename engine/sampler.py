@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+
 from pdcluster.engine.logits_processors import LogitsProcessors, uses_processors
 from pdcluster.engine.outputs import RequestFailure, SampledToken
 from pdcluster.engine.request import Request

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
 from pdcluster.core.sampling import GuidedDecoding
 from pdcluster.core.types import ReqId
 from pdcluster.engine.request import Request

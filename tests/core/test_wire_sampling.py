@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+
 from pdcluster.core import node_wire
 from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TokenDelta
 from pdcluster.core.sampling import GuidedDecoding

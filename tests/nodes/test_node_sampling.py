@@ -18,7 +18,6 @@ from pdcluster.core.sampling import GuidedDecoding  # noqa: E402
 from pdcluster.engine import LLMEngine  # noqa: E402
 from pdcluster.node.client import BlockingNodeClient, tokens_of  # noqa: E402
 from pdcluster.node.server import NodeServer  # noqa: E402
-
 from tests.cluster_secret import TEST_CURVE  # noqa: E402
 from tests.helpers import assert_pool_clean  # noqa: E402
 from tests.models import random_prompts  # noqa: E402
@@ -108,6 +107,7 @@ def test_bad_values_are_refused_as_invalid_requests(node, sampling, match):
 
 def test_the_routers_node_link_reads_the_top_logprobs(node):
     import zmq.asyncio
+
     from pdcluster.router.config import NodeSpec
     from pdcluster.router.node_link import NodeLink
 
