@@ -15,9 +15,7 @@ pytest.importorskip("torch")
 
 from pdcluster.core.node_wire import GenerateRequest, RequestError, SamplingSpec, TokenDelta  # noqa: E402
 from pdcluster.core.sampling import GuidedDecoding  # noqa: E402
-from pdcluster.engine import LLMEngine  # noqa: E402
-from pdcluster.node.client import BlockingNodeClient, tokens_of  # noqa: E402
-from pdcluster.node.server import NodeServer  # noqa: E402
+from pdcluster.node.client import tokens_of  # noqa: E402
 from tests.cluster_secret import TEST_CURVE  # noqa: E402
 from tests.helpers import assert_pool_clean  # noqa: E402
 from tests.models import random_prompts  # noqa: E402
@@ -32,15 +30,6 @@ def spec(**fields) -> SamplingSpec:
     fields.setdefault("max_tokens", 6)
     return SamplingSpec(ignore_eos=True, **fields)
 
-
-@pytest.fixture(scope="module")
-def node(model_dirs):
-    engine = LLMEngine.from_model(model_dirs["llama-gqa"], num_kv_blocks=128, block_size=8)
-    server = NodeServer(engine, "n0", "both", curve=TEST_CURVE).start()
-    client = BlockingNodeClient(server.address, curve=TEST_CURVE)
-    yield server, client
-    client.close()
-    server.stop(drain=False)
 
 
 def test_every_delta_carries_the_chosen_and_top_k_logprobs(node, model_dirs, hf_reference):

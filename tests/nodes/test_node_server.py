@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from pdcluster.core.node_wire import (
     AbortRequest,
     GenerateRequest,
@@ -27,15 +25,6 @@ from tests.transfer.disagg import make_engine
 
 GREEDY = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
 
-
-@pytest.fixture
-def node(model_dirs):
-    engine = LLMEngine.from_model(model_dirs["llama-gqa"], num_kv_blocks=128, block_size=8)
-    server = NodeServer(engine, "n0", "both", curve=TEST_CURVE).start()
-    client = BlockingNodeClient(server.address, curve=TEST_CURVE)
-    yield server, client
-    client.close()
-    server.stop(drain=False)
 
 
 def wait_idle(server: NodeServer, timeout_s: float = 10.0) -> None:
