@@ -189,3 +189,19 @@ def test_the_mask_covers_a_padded_vocabulary(tmp_path) -> None:
     assert all(t < 32000 for out in outs for t in out.token_ids)
     structured = llm.engine.runner.sampler.structured
     assert structured.compiler.mask_words * 32 >= 32064
+
+
+def test_the_real_model_answers_within_the_grammar(real_llm) -> None:
+    """SmolLM2 asked for a cat as JSON: schema-valid JSON, any-object JSON, and a choice."""
+    tokenizer = real_llm.engine.tokenizer
+    messages = [{"role": "user", "content": "Describe a pet cat as JSON: name, age, pet, tags."}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer(text, add_special_tokens=False).input_ids
+    schema, any_object, choice = real_llm.generate([prompt] * 3, [
+        params(guided("json_schema", SCHEMA), max_tokens=128),
+        params(guided("json_object"), max_tokens=256),
+        params(guided("choice", ["cat", "dog"]))])
+    assert schema.finish_reason == any_object.finish_reason == "stop"
+    jsonschema.validate(json.loads(schema.text), SCHEMA)
+    assert isinstance(json.loads(any_object.text), dict)
+    assert choice.text in ("cat", "dog")
