@@ -6,6 +6,7 @@ hide what the server does."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from tests.router.test_http import client, raw_post
+from tests.router.test_http import raw_post
 
 
 def raw_exchange(router, payload: bytes, timeout_s: float = 10.0) -> bytes:
@@ -75,11 +76,10 @@ def test_a_chunked_body_over_the_limit_is_413(start_router, make_node) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", router.app.port, timeout=30)
     chunk = b'{"model": "tiny", "prompt": "' + b"x" * (1 << 20)
     chunks = (chunk if i == 0 else b"x" * (1 << 20) for i in range(50))
-    try:
+    # the server may stop reading once it has answered
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         conn.request("POST", "/v1/completions", body=chunks, encode_chunked=True,
                      headers={"Content-Type": "application/json"})
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the server may stop reading once it has answered
     response = conn.getresponse()
     payload = json.loads(response.read())
     assert response.status == 413 and payload["error"]["code"] == "request_too_large"
@@ -251,5 +251,4 @@ def test_health_is_503_without_a_healthy_decode_node(start_router, make_node) ->
 def test_health_without_any_node_is_503(start_router) -> None:
     router = start_router([])
     status, _, health = _get(router, "GET", "/health")
-    assert status == 503 and health["reason"]
-    assert client is not None
+    assert status == 503 and health["reason"] == "no node known"
