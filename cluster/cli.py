@@ -13,6 +13,7 @@ Subcommands:
   bench serve               run the serving benchmark on a local Ray cluster (JSON last)
   bench router              run the router-overhead benchmark (JSON last)
   bench curve               run the CURVE-cost benchmark (JSON last)
+  bench client --url URL    load a served cluster with aiperf (JSON last)
   replay --trace FILE       replay a request trace through the routing policy (JSON last)
 
 `pdcluster --help` must stay fast and torch-free, so `engine` and `benchmarks` are imported only
@@ -25,6 +26,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +65,10 @@ BENCHMARKS = {
     "curve": ("curve_bench", "The price of ZMQ CURVE on node and KV side-channel sockets: "
               "handshake, round trips and bulk throughput against plaintext sockets in the "
               "same run."),
+    "client": ("client_bench", "A published load client (aiperf, installed by `make peers` "
+               "in its own environment) against a served cluster at --url: TTFT, inter-token "
+               "latency, request latency and throughput, against the router's own figures "
+               "for the same requests."),
 }
 
 
@@ -88,7 +94,38 @@ def _metadata_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="skip the etcd part (write rate and recovery)")
 
 
-_BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "metadata": _metadata_bench_args}
+def _client_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", required=True,
+                        help="the server's base URL, e.g. http://127.0.0.1:8000 (a trailing "
+                        "/v1 is dropped: aiperf appends the endpoint path)")
+    # not `model`: the bench handler would resolve that as a model folder
+    parser.add_argument("--model", dest="served_model", required=True,
+                        help="the served model name (as /v1/models lists it)")
+    parser.add_argument("--tokenizer", required=True,
+                        help="local tokenizer folder (usually the model folder)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="requests in flight (default 4; --quick 2)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests to complete (default 32; --quick 8)")
+    parser.add_argument("--isl", type=int, default=None,
+                        help="synthetic prompt tokens (default 128; --quick 64)")
+    parser.add_argument("--osl", type=int, default=None,
+                        help="max output tokens per request (default 32; --quick 16)")
+    parser.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
+                        help="the OpenAI endpoint to load")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="API key (default: $OPENAI_API_KEY)")
+    parser.add_argument("--tool-dir", default=None,
+                        help="aiperf's virtual environment (default: $PDCLUSTER_AIPERF_DIR "
+                        "or .cache/peers/aiperf in the repository)")
+    parser.add_argument("--artifact-dir", default=None,
+                        help="keep aiperf's exports here (default: a temporary folder)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds the whole aiperf run may take")
+
+
+_BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "metadata": _metadata_bench_args,
+                     "client": _client_bench_args}
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
