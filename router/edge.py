@@ -65,6 +65,8 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         response = _from_http_exception(exc)
+    except ConnectionError:  # the client went away: nobody to answer, nothing to log
+        raise
     except Exception:
         logger.exception("unhandled error serving %s %s", request.method, request.path)
         if request.writer.output_size > 0:  # a stream had started: nothing more to say
@@ -102,6 +104,9 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s", None,
                        "request_timeout") from None
+    except web.RequestPayloadError as exc:  # bad chunk framing or content encoding
+        raise ApiError(400, f"the request body could not be read: {exc}", None,
+                       "invalid_body") from None
     return b"".join(chunks)
 
 

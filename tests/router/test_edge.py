@@ -252,3 +252,34 @@ def test_health_without_any_node_is_503(start_router) -> None:
     router = start_router([])
     status, _, health = _get(router, "GET", "/health")
     assert status == 503 and health["reason"] == "no node known"
+
+
+def test_a_malformed_chunked_body_is_400(start_router, make_node) -> None:
+    router = start_router([make_node()])
+    raw = raw_exchange(router, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                               b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+                               b"5\r\n{\"mod\r\nzz\r\n")
+    status, payload = _status_and_json(raw)
+    assert status == 400 and payload["error"]["code"] in ("invalid_body", "bad_http_request")
+
+
+def test_a_client_gone_mid_stream_is_no_error_log(start_router, make_node, caplog) -> None:
+    router = start_router([make_node(delay_s=0.05)])
+    with socket.create_connection(("127.0.0.1", router.app.port), timeout=5) as sock:
+        sock.sendall(_request("/v1/completions", b'{"model": "tiny", "prompt": "x", '
+                                                 b'"max_tokens": 100, "stream": true}'))
+        assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    time.sleep(0.5)
+    assert "unhandled error" not in caplog.text
+
+
+def test_a_long_stream_outlives_the_head_timeout(start_router, make_node) -> None:
+    from tests.router.test_http import TEXT, client
+
+    router = start_router([make_node(delay_s=0.1)], header_timeout_s=0.5)
+    api = client(router)
+    for _ in range(2):  # the second request reuses the kept-alive connection
+        stream = api.completions.create(model="tiny", prompt="x", max_tokens=16, stream=True)
+        text = "".join(c.choices[0].text for c in stream)  # ~1.6 s of tokens
+        assert text.startswith(TEXT.split()[0]) and len(text) > len(TEXT)
