@@ -32,7 +32,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.cli_common import UsageError
+from pdcluster.cluster.cli_common import UsageError
 
 AIPERF_VERSION = "0.13.0"  # the version `make peers` installs and this parser was written for
 TOOL_DIR_ENV = "PDCLUSTER_AIPERF_DIR"

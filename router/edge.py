@@ -30,8 +30,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 
-from router.config import RouterConfig
-from router.errors import ApiError, error_body
+from pdcluster.router.config import RouterConfig
+from pdcluster.router.errors import ApiError, error_body
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"

@@ -24,14 +24,14 @@ from typing import Any
 
 from aiohttp import web
 
-from core.roles import Role
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
-from router.edge import RETRY_AFTER_S, json_error
-from router.errors import ApiError
-from router.protocol import parse_chat
-from router.request_prep import check_auth, read_json
-from router.tokenizer import RouterTokenizer
+from pdcluster.core.roles import Role
+from pdcluster.router.config import RouterConfig
+from pdcluster.router.dispatch import Dispatcher
+from pdcluster.router.edge import RETRY_AFTER_S, json_error
+from pdcluster.router.errors import ApiError
+from pdcluster.router.protocol import parse_chat
+from pdcluster.router.request_prep import check_auth, read_json
+from pdcluster.router.tokenizer import RouterTokenizer
 
 # vLLM's chat-tokenize fields that change the rendering and that this router does not do:
 # refused when set rather than ignored.

@@ -24,13 +24,13 @@ import signal
 
 from aiohttp import web
 
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
-from router.edge import EdgeRunner, error_middleware
-from router.extra_routes import ExtraRoutes
-from router.handlers import Handlers
-from router.metrics import RouterMetrics
-from router.tokenizer import RouterTokenizer
+from pdcluster.router.config import RouterConfig
+from pdcluster.router.dispatch import Dispatcher
+from pdcluster.router.edge import EdgeRunner, error_middleware
+from pdcluster.router.extra_routes import ExtraRoutes
+from pdcluster.router.handlers import Handlers
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import client_bench
-from cluster import cli
-from cluster.cli_common import UsageError
+from pdcluster.benchmarks import client_bench
+from pdcluster.cluster import cli
+from pdcluster.cluster.cli_common import UsageError
 
 PROFILE = {
     "aiperf_version": "0.13.0",
