@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from core.roles import Role
 from core.types import NodeId
@@ -77,25 +77,42 @@ class PolicyConfig:
     block_size: int = 16
     prefill_weight: float = 1.0
     transfer_weight: float = 0.25
-    queue_weight: float = 0.5
+    queue_weight: float = 0.35
     running_weight: float = 16.0
     kv_weight: float = 512.0
-    work_weight: float = 0.03
+    work_weight: float = 0.0  # a plain charge per token of recent work (the old balance term)
     output_token_weight: float = 10.0  # node time of one output token / of one prompt token
-    work_half_life_s: float = 60.0
+    work_half_life_s: float = 300.0
+    # the balance term (module docstring): free up to `balance_slack` above the mean recent
+    # work, then rising to the whole prompt over `balance_ramp`; `balance_tilt` steers
+    # choices that hits leave open; the mean counts as at least `balance_floor_prompts`
+    # prompts of work (an idle cluster keeps its conversations where they are)
+    balance_slack: float = 0.05
+    balance_ramp: float = 0.1
+    balance_tilt: float = 0.03
+    balance_floor_prompts: float = 32.0
     local_prefill_threshold: int = 256
     global_reuse_min_tokens: int = 512  # pull a prefix at least this long; 0: never pull
     tie_epsilon: float = 1e-9
+
+    def load_only(self) -> PolicyConfig:
+        """This configuration blind to prefixes and to the router's memory of work: the
+        least-loaded baseline."""
+        return replace(self, prefill_weight=0.0, work_weight=0.0, global_reuse_min_tokens=0,
+                       balance_slack=0.0, balance_tilt=0.0)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("prefill_weight", "transfer_weight", "queue_weight", "running_weight",
-                     "kv_weight", "work_weight", "output_token_weight", "tie_epsilon"):
+                     "kv_weight", "work_weight", "output_token_weight", "tie_epsilon",
+                     "balance_slack", "balance_tilt", "balance_floor_prompts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.local_prefill_threshold < 0 or self.global_reuse_min_tokens < 0:
             raise ValueError("local_prefill_threshold and global_reuse_min_tokens must be >= 0")
+        if not self.balance_ramp > 0:
+            raise ValueError(f"balance_ramp must be > 0, got {self.balance_ramp}")
         if not self.work_half_life_s > 0:
             raise ValueError(f"work_half_life_s must be > 0, got {self.work_half_life_s}")
 
@@ -174,6 +191,26 @@ class _Scores:
         return _argmin(nodes, costs, rng, epsilon)
 
 
+class _Balance:
+    """The balance term of one decision over one pool of nodes (those that can prefill, or
+    those that can decode: their work is not alike), see the module docstring."""
+
+    __slots__ = ("on", "_mean", "_scale", "_slack", "_ramp", "_tilt", "_prompt")
+
+    def __init__(self, pool: Sequence[NodeView], num_prompt_tokens: int,
+                 config: PolicyConfig) -> None:
+        self.on = bool(pool) and (config.balance_slack > 0 or config.balance_tilt > 0)
+        self._mean = sum(n.recent_work for n in pool) / len(pool) if self.on else 0.0
+        self._scale = max(self._mean, config.balance_floor_prompts * num_prompt_tokens, 1.0)
+        self._slack, self._ramp = config.balance_slack, config.balance_ramp
+        self._tilt, self._prompt = config.balance_tilt, num_prompt_tokens
+
+    def cost(self, recent_work: float) -> float:
+        over = (recent_work - self._mean) / self._scale
+        excess = (over - self._slack) / self._ramp if over > self._slack else 0.0
+        return self._prompt * (self._tilt * over + excess)
+
+
 def _score(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConfig) -> _Scores:
     bs, pw, tw = config.block_size, config.prefill_weight, config.transfer_weight
     live = [n for n in nodes if not n.draining]
@@ -182,6 +219,8 @@ def _score(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConf
     scores = _Scores([], [], [], [], best, len(nodes))
     d_nodes, d_costs = scores.decode_nodes.append, scores.decode_costs.append
     p_nodes, p_costs = scores.prefill_nodes.append, scores.prefill_costs.append
+    p_balance = _Balance([n for n in live if n.role != "decode"], num_prompt_tokens, config)
+    d_balance = _Balance([n for n in live if n.role != "prefill"], num_prompt_tokens, config)
     for n in live:  # conditionals rather than min/max calls: this loop is most of a decision
         uncached = num_prompt_tokens - n.cached_blocks * bs
         uncached = uncached if uncached > 0 else 0
@@ -190,11 +229,13 @@ def _score(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConf
             load = load_cost(n, config)
         if n.role != "prefill":
             d_nodes(n)
-            d_costs(tw * uncached + load)
+            d_costs(tw * uncached + load
+                    + (d_balance.cost(n.recent_work) if d_balance.on else 0.0))
         if n.role != "decode":
             pulled = best - n.cached_blocks
             p_nodes(n)
             p_costs(pw * uncached + load
+                    + (p_balance.cost(n.recent_work) if p_balance.on else 0.0)
                     - (pull_saving * pulled if pulled > 0 and pulled * bs >= min_pull else 0.0))
     return scores
 
@@ -223,6 +264,16 @@ def _source(scores: _Scores, nodes: Sequence[NodeView], node: NodeView,
         return None, 0
     holder = next(n for n in nodes if not n.draining and n.cached_blocks >= scores.pull_blocks)
     return holder.node_id, scores.pull_blocks
+
+
+def pull_source(nodes: Sequence[NodeView], node: NodeView, num_prompt_tokens: int,
+                config: PolicyConfig) -> tuple[NodeId | None, int]:
+    """Where `node` pulls its prefix from if it prefills this prompt, and how many leading
+    blocks that holder has ((None, 0): no pull): the rule `route` applies, for a caller that
+    chose the node itself (the replay)."""
+    live = [n for n in nodes if not n.draining]
+    scores = _Scores([], [], [], [], _pull_blocks(live, num_prompt_tokens, config), len(nodes))
+    return _source(scores, nodes, node, config)
 
 
 def choose_prefill(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConfig,
