@@ -90,7 +90,7 @@ class PolicyConfig:
     balance_slack: float = 0.05
     balance_ramp: float = 0.1
     balance_tilt: float = 0.03
-    balance_floor_prompts: float = 32.0
+    balance_floor_prompts: float = 8.0
     local_prefill_threshold: int = 256
     global_reuse_min_tokens: int = 512  # pull a prefix at least this long; 0: never pull
     tie_epsilon: float = 1e-9

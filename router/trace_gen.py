@@ -107,7 +107,7 @@ def _conversation(trace: _Trace, start_s: float, prompt: list[int], turns: int,
                   output: tuple[int, int]) -> None:
     """One conversation: each turn sends the whole history (earlier prompts, answers) plus a
     new message, `gap_s` (lognormal median, sigma) after the previous turn."""
-    history, at = list(prompt), start_s
+    history, at, last_output = list(prompt), start_s, 0
     for turn in range(turns):
         if turn:
             answer = trace.fresh(max(1, round(last_output / BLOCK_TOKENS)))
