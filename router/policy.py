@@ -11,15 +11,19 @@ Every cost is in *prefill-token equivalents* (the unit of the work a node must d
     load(n)     = queue_weight   * queued_prefill_tokens(n)
                 + running_weight * num_running(n)
                 + kv_weight      * kv_usage(n)                 (kv_usage in [0, 1])
-                + work_weight    * recent_work(n)
+                + work_weight    * recent_work(n)              (0 by default)
+    balance(n)  = prompt_tokens * (balance_tilt * over(n)
+                                   + max(0, over(n) - balance_slack) / balance_ramp)
+    over(n)     = (recent_work(n) - mean) / max(mean, balance_floor_prompts * prompt_tokens)
+                  (mean: over the nodes that can take the same role)
 
     recent_work(n) = sum over requests r the router sent to n of
                      work(r) * 2 ** (-(now - sent_at(r)) / work_half_life_s)
     work(r)        = uncached prompt tokens it prefills there
                    + output_token_weight * output tokens it decodes there
 
-    cost_P(n) = prefill_weight  * uncached(n) + load(n)        (prefill work left + queue)
-    cost_D(n) = transfer_weight * uncached(n) + load(n)        (blocks D lacks must move)
+    cost_P(n) = prefill_weight  * uncached(n) + load(n) + balance(n)
+    cost_D(n) = transfer_weight * uncached(n) + load(n) + balance(n)
 
 D = argmin cost_D; if uncached(D) <= local_prefill_threshold (or there is no prefill node),
 D prefills locally; else P = argmin cost_P. Ties (within `tie_epsilon`) are broken uniformly
@@ -38,27 +42,41 @@ and D's local work shrinks the same way. The decision names the holder (`prefix_
 
 Why `recent_work`: the first three load terms are what a node reports *now*. At low
 utilization its queue is empty most of the time, so they cannot tell a node that served ten
-long conversations in the last minute from one that served none, and sticky conversations
+long conversations in the last minutes from one that served none, and sticky conversations
 pile up cumulative work on a few nodes. `recent_work` is the router's own memory of the work
-it sent (`router.load_decay.DecayedWork`, kept by the caller and advanced with the caller's clock).
-Only the differences between nodes matter to the argmin, so a conversation stays on the node holding
-its prefix until that node's excess recent work, times `work_weight`, outweighs recomputing
-the prefix elsewhere.
+it sent (`router.load_decay.DecayedWork`, kept by the caller and advanced with its clock).
 
-Why this does not herd on a shared prefix: once a prefix is cached on several nodes its
-credit is equal on all of them, so load alone decides among them; while it is cached on one
-node only, that node's queue (under load) or its recent work (at low load, where the queue
-stays empty) grows with every request sent there, and the others win as soon as that
-outweighs recomputing the prefix (after which they hold it too). Why it does not starve: with
-no prefix overlap the cost is load alone, i.e. least-loaded, recent work breaking what would
-be ties.
+Why the balance term has a dead band (adaptive, not a price per token): a load term that is
+charged everywhere gives away hits for balance nobody needs (a follow-up moved off its node
+because that node did slightly more work). Here a node's excess recent work costs nothing
+up to `balance_slack` (5%) above the mean; past it the charge rises to the whole prompt over
+`balance_ramp` (10%), so a node that far ahead takes nothing new, and in between a request
+leaves it only if it would lose less than (over - slack) / ramp of its prompt: the cheap
+requests move first, the long conversations last. The term is relative (to the mean and to
+the request's own prompt), so one setting serves 8 or 64 nodes, short or long prompts, light
+or heavy load, without per-trace settings. The small `balance_tilt` steers the choices that
+hits leave open (a new conversation whose only hit is a system prompt every node holds) to
+the nodes below the mean; it stays far below a block of hits. The queue term stays linear:
+`queue_weight` prices each queued token (real delay) against each prefill token saved, at
+0.35: a request leaves its prefix for a queue shorter by about three times the recompute.
+`balance_floor_prompts` keeps a near-idle cluster from bouncing a lone conversation at once:
+its node's excess is measured against at least 8 of its prompts of work, so it moves only once
+that node's recent work passes about 1.3 prompts (its first turn and a few follow-ups). The
+half-life (300 s) spans a few conversations per node, so the balance tracks cumulative work
+rather than the last burst.
+
+Why this does not herd on a shared prefix: while a prefix is cached on one node only, that
+node's recent work grows with every request sent there until it passes the slack, and the
+others then win the requests the prefix alone cannot hold (after which they hold it too and
+load alone decides). Why it does not starve: with no prefix overlap the cost is load alone,
+i.e. least-loaded, recent work (the tilt) breaking what would be ties.
 Metadata unreachable: call with every `cached_blocks=0` (load-only routing).
 
 Speed: a decision is one pass over the candidates per role with the arithmetic inline (no
 per-node calls or allocations); 64 nodes decide in tens of microseconds.
 
 API: `PolicyConfig`, `NodeView`, `RouteDecision`, `request_work`,
-`choose_prefill`, `choose_decode`, `route`.
+`choose_prefill`, `choose_decode`, `route`, `pull_source`.
 """
 
 from __future__ import annotations
