@@ -39,6 +39,7 @@ import json
 import math
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 BLOCK_TOKENS = 512
@@ -137,16 +138,36 @@ def conversation(seed: int = 0, scale: float = 1.0) -> list[Row]:
     return trace.rows()
 
 
+@dataclass(frozen=True, slots=True)
+class _ChatShape:
+    """Conversations over a few system prompts: their lengths (blocks) and Zipf exponent,
+    the first message (lognormal median, sigma, most blocks), the depth (mean, most turns),
+    the gap between turns (lognormal median s, sigma) and the output length range."""
+
+    system_blocks: tuple[int, ...]
+    zipf_s: float
+    first_message: tuple[float, float, int]
+    depth: tuple[float, int]
+    gap_s: tuple[float, float]
+    output: tuple[int, int]
+
+
+def _chats(trace: _Trace, starts: Iterator[float], shape: _ChatShape) -> list[Row]:
+    systems = [trace.fresh(n) for n in shape.system_blocks]
+    for start in starts:
+        system = systems[trace.zipf(len(systems), shape.zipf_s)]
+        prompt = system + trace.fresh(trace.blocks(*shape.first_message))
+        _conversation(trace, start, prompt, _depth(trace, *shape.depth), gap_s=shape.gap_s,
+                      message=(1.5, 0.7, 12), output=shape.output)
+    return trace.rows()
+
+
 def chat(seed: int = 0, scale: float = 1.0) -> list[Row]:
     """Conversations of varying depth (mean 4) over five system prompts of Zipf popularity."""
     trace = _Trace(seed)
-    systems = [trace.fresh(n) for n in (6, 4, 8, 3, 5)]
-    for start in _arrivals(trace, round(1500 * scale), 3.0):
-        system = systems[trace.zipf(len(systems), 1.2)]
-        prompt = system + trace.fresh(trace.blocks(2, 0.8, 16))
-        _conversation(trace, start, prompt, _depth(trace, 4.0, 24), gap_s=(20.0, 0.7),
-                      message=(1.5, 0.7, 12), output=(20, 500))
-    return trace.rows()
+    return _chats(trace, _arrivals(trace, round(1500 * scale), 3.0),
+                  _ChatShape((6, 4, 8, 3, 5), 1.2, (2, 0.8, 16), (4.0, 24), (20.0, 0.7),
+                             (20, 500)))
 
 
 def system_prompts(seed: int = 0, scale: float = 1.0) -> list[Row]:
@@ -205,13 +226,9 @@ def rag(seed: int = 0, scale: float = 1.0) -> list[Row]:
 def bursty(seed: int = 0, scale: float = 1.0) -> list[Row]:
     """Chat sessions over four system prompts whose starts arrive in bursts (on/off)."""
     trace = _Trace(seed)
-    systems = [trace.fresh(n) for n in (8, 5, 4, 6)]
-    for start in _bursty_arrivals(trace, round(2000 * scale), 2.2):
-        system = systems[trace.zipf(len(systems), 1.0)]
-        prompt = system + trace.fresh(trace.blocks(2, 0.9, 20))
-        _conversation(trace, start, prompt, _depth(trace, 3.0, 16), gap_s=(10.0, 0.7),
-                      message=(1.5, 0.7, 12), output=(20, 400))
-    return trace.rows()
+    return _chats(trace, _bursty_arrivals(trace, round(2000 * scale), 2.2),
+                  _ChatShape((8, 5, 4, 6), 1.0, (2, 0.9, 20), (3.0, 16), (10.0, 0.7),
+                             (20, 400)))
 
 
 GENERATORS: dict[str, Callable[[int, float], list[Row]]] = {
