@@ -30,8 +30,8 @@ import logging
 import sys
 from collections.abc import Callable
 
-from cluster import cli_models, cli_replay, cli_services
-from cluster.cli_common import (
+from pdcluster.cluster import cli_models, cli_replay, cli_services
+from pdcluster.cluster.cli_common import (
     DEVICES,
     UsageError,
     add_command,
@@ -39,7 +39,7 @@ from cluster.cli_common import (
     require_device,
     resolve_model_arg,
 )
-from cluster.cli_models import parse_token_ids  # noqa: F401 (part of this module's API)
+from pdcluster.cluster.cli_models import parse_token_ids  # noqa: F401 (part of this module's API)
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from cluster.cli_common import UsageError, add_command, config_errors_as_usage
-from router import trace_gen
+from pdcluster.cluster.cli_common import UsageError, add_command, config_errors_as_usage
+from pdcluster.router import trace_gen
 
 REPLAY_POLICIES = ("kv", "round-robin", "least-loaded")
 Report = Callable[[Callable[[argparse.Namespace], dict]], Callable[[argparse.Namespace], int]]
@@ -54,7 +54,7 @@ def add_replay(subparsers: argparse._SubParsersAction, report: Report) -> None:
 def _cmd_replay(args: argparse.Namespace, report: Report) -> int:
     if args.trace and not Path(args.trace).is_file():
         raise UsageError(f"trace file not found: {args.trace}")
-    from router import replay
+    from pdcluster.router import replay
 
     with config_errors_as_usage():
         replay.replay_config(args)

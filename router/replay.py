@@ -46,13 +46,13 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from core.block_index import BlockIndex
-from core.hashing import hash_block, root_hash
-from core.types import BlockHash
-from router import trace_gen
-from router.load_decay import DecayedWork
-from router.policy import PolicyConfig, choose_prefill, pull_source, request_work
-from router.replay_sim import TRACE_BLOCK_TOKENS, SimNode, apply_events, node_pull_blocks
+from pdcluster.core.block_index import BlockIndex
+from pdcluster.core.hashing import hash_block, root_hash
+from pdcluster.core.types import BlockHash
+from pdcluster.router import trace_gen
+from pdcluster.router.load_decay import DecayedWork
+from pdcluster.router.policy import PolicyConfig, choose_prefill, pull_source, request_work
+from pdcluster.router.replay_sim import TRACE_BLOCK_TOKENS, SimNode, apply_events, node_pull_blocks
 
 POLICIES = ("kv", "round-robin", "least-loaded")
 

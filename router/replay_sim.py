@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from core.block_index import BlockIndex
-from core.events import BlockRemoved, BlockStored, KVEvent
-from core.types import BlockHash
-from router.policy import NodeView
+from pdcluster.core.block_index import BlockIndex
+from pdcluster.core.events import BlockRemoved, BlockStored, KVEvent
+from pdcluster.core.types import BlockHash
+from pdcluster.router.policy import NodeView
 
 TRACE_BLOCK_TOKENS = 512
 

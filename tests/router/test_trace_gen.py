@@ -8,9 +8,8 @@ from __future__ import annotations
 import statistics
 
 import pytest
-
-from router import trace_gen
-from router.replay import ReplayConfig, ideal_hit_ratio, parse_trace, replay
+from pdcluster.router import trace_gen
+from pdcluster.router.replay import ReplayConfig, ideal_hit_ratio, parse_trace, replay
 
 NAMES = sorted(trace_gen.GENERATORS)
 
