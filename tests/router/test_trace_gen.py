@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
+
 from pdcluster.router import trace_gen
 from pdcluster.router.replay import ReplayConfig, ideal_hit_ratio, parse_trace, replay
 
