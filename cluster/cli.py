@@ -15,6 +15,8 @@ Subcommands:
   bench curve               run the CURVE-cost benchmark (JSON last)
   bench client --url URL    load a served cluster with aiperf (JSON last)
   replay --trace FILE       replay a request trace through the routing policy (JSON last)
+  replay --synthetic NAME   the same on a generated trace (router/trace_gen.py)
+  trace-gen NAME --out FILE write a synthetic trace
 
 `pdcluster --help` must stay fast and torch-free, so `engine` and `benchmarks` are imported only
 inside the handlers that need them. API: `main(argv) -> int` (exit status).
@@ -29,14 +31,12 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
-from pdcluster.cluster import cli_models, cli_services
+from pdcluster.cluster import cli_models, cli_replay, cli_services
 from pdcluster.cluster.cli_common import (
     DEVICES,
     UsageError,
     add_command,
-    config_errors_as_usage,
     formatter,
     require_device,
     resolve_model_arg,
@@ -145,28 +145,6 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         _BENCH_EXTRA_ARGS.get(name, lambda _: None)(parser)
 
 
-REPLAY_POLICIES = ("kv", "round-robin", "least-loaded")
-
-
-def _add_replay(subparsers: argparse._SubParsersAction) -> None:
-    replay = add_command(
-        subparsers,
-        "replay",
-        "Replay a request trace (JSONL: timestamp, input_length, output_length, hash_ids) "
-        "through the router's policy over simulated LRU-cache nodes feeding the real block "
-        "index. Reports hit_ratio, work_imbalance and ideal_hit_ratio for the chosen policy "
-        "and for round-robin and least-loaded, measured in the same run.",
-        _cmd_replay,
-    )
-    replay.add_argument("--trace", required=True, help="trace file (JSON lines)")
-    replay.add_argument("--nodes", type=int, default=8, help="simulated nodes")
-    replay.add_argument("--cache-blocks", type=int, default=100_000,
-                        help="blocks of cache over all nodes (each node holds C/N)")
-    replay.add_argument("--policy", choices=REPLAY_POLICIES, default="kv", help="routing policy")
-    replay.add_argument("--seed", type=int, default=0, help="seed of the tie-breaking RNG")
-    replay.add_argument("--json", action="store_true", help="print only the JSON line")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdcluster",
@@ -187,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     cli_services.add_router(subparsers)
     cli_services.add_metadata(subparsers)
     _add_bench(subparsers)
-    _add_replay(subparsers)
+    cli_replay.add_replay(subparsers, _report_command)
+    cli_replay.add_trace_gen(subparsers)
     return parser
 
 
@@ -218,7 +197,8 @@ def format_table(result: dict) -> str:
 
 def _bench_command(module: str) -> Callable[[argparse.Namespace], int]:
     """A handler that runs `benchmarks.<module>.run(args)` and prints its JSON result last."""
-    return _report_command(lambda args: importlib.import_module(f"benchmarks.{module}").run(args))
+    return _report_command(
+        lambda args: importlib.import_module(f"pdcluster.benchmarks.{module}").run(args))
 
 
 def _report_command(run: Callable[[argparse.Namespace], dict]
@@ -237,16 +217,6 @@ def _report_command(run: Callable[[argparse.Namespace], dict]
         return 0
 
     return handler
-
-
-def _cmd_replay(args: argparse.Namespace) -> int:
-    if not Path(args.trace).is_file():
-        raise UsageError(f"trace file not found: {args.trace}")
-    from pdcluster.router import replay
-
-    with config_errors_as_usage():
-        replay.ReplayConfig(num_nodes=args.nodes, cache_blocks=args.cache_blocks)
-    return _report_command(replay.run)(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,8 +46,8 @@ def test_health_is_503_when_the_router_knows_no_decode_node(model_dir) -> None:
     port = _free_port()
     env = {**os.environ, "PDCLUSTER_CLUSTER_SECRET": TEST_SECRET.to_text()}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdcluster.cluster.cli", "router", "serve", "--model", str(model_dir),
-         "--port", str(port), "--metadata", f"127.0.0.1:{_free_port()}"],
+        [sys.executable, "-m", "pdcluster.cluster.cli", "router", "serve", "--model",
+         str(model_dir), "--port", str(port), "--metadata", f"127.0.0.1:{_free_port()}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_listening(port, proc)
