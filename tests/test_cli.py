@@ -19,7 +19,8 @@ from pdcluster.cluster import cli
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = [["make-tiny-model"], ["convert-gguf"], ["generate"], ["bench"], ["bench", "engine"],
                ["bench", "metadata"], ["bench", "transfer"], ["bench", "serve"],
-               ["bench", "router"], ["bench", "curve"], ["metadata"], ["serve"], ["router"],
+               ["bench", "router"], ["bench", "curve"], ["bench", "client"], ["metadata"],
+               ["serve"], ["router"],
                ["router", "serve"], ["metadata", "serve"], ["replay"]]
 
 
