@@ -80,6 +80,10 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # per new token, the top-k alternatives (sampling.logprobs = k > 0): their ids and
+    # logprobs, best first; a token whose alternatives the node does not know has []
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedDecoding:
+    """Structured output: the tokens the sampler may pick are masked so the text matches
+    `spec`. `kind` is one of `GUIDED_KINDS`; `spec` is the schema's JSON text
+    ("json_schema"), the pattern ("regex"), a JSON list of strings ("choice"), the grammar
+    ("grammar"), or empty ("json_object": any JSON object)."""
+
+    kind: str
+    spec: str = ""
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingSpec:
@@ -28,3 +41,8 @@ class SamplingSpec:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    guided: GuidedDecoding | None = None

@@ -2,7 +2,7 @@
 
 A frame is `{"v": version, "type": class name, "body": fields}`. `decode` checks the envelope,
 the version, that the type is one of the protocol's message classes, and every field against
-the class's type hints (nested dataclasses, lists, `X | None`; bool is never an int, an int is
+the class's type hints (nested dataclasses, lists, maps, `X | None`; bool is never an int, an int is
 accepted for a float). Anything else raises `WireError`. Never pickle. Protocols
 (`core.kv_transfer`, `core.node_wire`) are a `Protocol(version, classes, max_bytes)`.
 """
@@ -41,7 +41,8 @@ class Protocol:
         if len(data) > self.max_bytes:
             raise WireError(f"message of {len(data)} bytes exceeds {self.max_bytes}")
         try:
-            envelope = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            # int map keys are allowed (token id -> bias); every key is checked by `_value`
+            envelope = msgpack.unpackb(data, raw=False, strict_map_key=False)
         except Exception as exc:  # msgpack raises several unrelated types for bad input
             raise WireError(f"not msgpack: {exc}") from exc
         if not isinstance(envelope, dict) or envelope.keys() != {"v", "type", "body"}:
@@ -96,6 +97,11 @@ def _value(hint, value, where: str):
         if args[0] in (int, str, bytes) and all(type(v) is args[0] for v in value):
             return value  # the common case (token ids), checked in one pass
         return [_value(args[0], v, f"{where}[]") for v in value]
+    if typing.get_origin(hint) is dict:
+        if not isinstance(value, dict):
+            raise WireError(f"{where} must be a map")
+        return {_value(args[0], k, f"{where} key"): _value(args[1], v, f"{where}[]")
+                for k, v in value.items()}
     if isinstance(hint, type) and hasattr(hint, "__dataclass_fields__"):
         return build(hint, value, where)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
-from core.sampling import SamplingSpec
+from core.sampling import GuidedDecoding, SamplingSpec
 
 _GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0  # far past any useful value; keeps logits / temperature finite
@@ -42,6 +42,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a single stop string) from callers while staying hashable/frozen.

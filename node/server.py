@@ -232,12 +232,15 @@ class NodeServer:
         identity = self._owners.get(out.request_id)
         if identity is None:
             return  # aborted by its client
+        num_new = len(out.new_token_ids)
         new_logprobs = None
         if out.logprobs is not None:
-            new_logprobs = out.logprobs[len(out.logprobs) - len(out.new_token_ids):]
+            new_logprobs = out.logprobs[len(out.logprobs) - num_new:]
+        top_ids, top_values = _new_top_logprobs(out.top_logprobs, num_new)
         self._send(identity, TokenDelta(
             out.request_id, out.new_token_ids, out.finished, out.finish_reason, new_logprobs,
-            self._prompt_lens.get(out.request_id, 0), out.num_cached_tokens, out.error))
+            self._prompt_lens.get(out.request_id, 0), out.num_cached_tokens, out.error,
+            top_ids, top_values))
         if out.finished:
             self._forget(out.request_id)
 
@@ -262,6 +265,19 @@ class NodeServer:
         return LoadReport(self.node_id, self.role, load.num_waiting, load.num_running,
                           load.num_free_blocks, load.num_blocks, load.num_queued_tokens,
                           self.draining)
+
+
+def _new_top_logprobs(top: list[list[tuple[int, float]]] | None, num_new: int
+                      ) -> tuple[list[list[int]] | None, list[list[float]] | None]:
+    """The top-k alternatives of the last `num_new` tokens, as (ids, logprobs) lists. The
+    first token of a remotely prefilled request arrives without its alternatives, so the
+    list may be one short: the tokens it lacks (the oldest) get []."""
+    if top is None:
+        return None, None
+    tail = top[max(0, len(top) - num_new):]
+    tail = [[]] * (num_new - len(tail)) + tail
+    return ([[i for i, _ in pairs] for pairs in tail],
+            [[float(v) for _, v in pairs] for pairs in tail])
 
 
 def _transfer_params(spec: TransferSpec | None):
