@@ -3,8 +3,8 @@
 One generation path for both endpoints: validate (router.protocol, with the parameter
 policy of router.params) -> tokenize -> place -> run the samples and answer
 (router.generation: one body or SSE chunks). A request asking for top logprobs is prefilled
-on its decode node, where its first token is sampled (a remote prefill carries that token's
-logprob but not its alternatives). Leaving the run (stop, disconnect, error) aborts the
+or seeded sampling is prefilled on its decode node, where its first token is sampled
+(`_needs_local_prefill`). Leaving the run (stop, disconnect, error) aborts the
 request on its nodes. Deltas come through `router.migration.execute_migrating`, so a request
 whose decode node is lost mid-stream continues on another node within the same response. An
 error after the stream has started (no move left, no healthy node) is sent as an SSE event
@@ -25,7 +25,7 @@ from router.errors import ApiError, NodeFailure, NoHealthyNode, api_error, error
 from router.fanout import local_placement
 from router.generation import EndedWithError, Generation
 from router.metrics import RouterMetrics
-from router.protocol import parse_chat, parse_completion
+from router.protocol import CompletionRequest, parse_chat, parse_completion
 from router.request_prep import check_auth, read_json, resolve_prompt
 from router.tokenizer import RouterTokenizer
 
@@ -99,7 +99,7 @@ class Handlers:
         prompt = resolve_prompt(req, self.tokenizer, self.model_name,
                                 self.config.max_tokens_limit)
         placement = await self.dispatcher.place(prompt.token_ids, req.cache_salt)
-        if req.logprobs:  # the first token's alternatives exist only where it is sampled
+        if _needs_local_prefill(req):
             placement = local_placement(placement)
         self._count(placement, len(prompt.token_ids))
         generation = Generation(req, prompt, self.model_name, self.tokenizer, self._metrics)
@@ -113,6 +113,14 @@ class Handlers:
             m.decisions.labels(d.prefill_node, "prefill", reason).inc()
         m.prompt_tokens.inc(num_prompt)
         m.prefix_hit_tokens.inc(d.cached_tokens)
+
+
+def _needs_local_prefill(req: CompletionRequest) -> bool:
+    """Requests whose first token must be sampled where the rest is: top logprobs (a remote
+    prefill sends the first token's logprob but not its alternatives) and seeded sampling
+    (the decode node would start the seed's generator afresh after the prefill node's draw,
+    repeating it: not what the same request prefilled locally gives)."""
+    return bool(req.logprobs) or (req.seed is not None and req.temperature > 0)
 
 
 def json_error(exc: ApiError) -> web.Response:
