@@ -23,7 +23,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog and"
 LONG_PROMPT = " ".join(f"item{i % 23} then" for i in range(60))  # ~180 tokens: remote prefill
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+    # bounded strings: a random model under a grammar mask may not close a string soon
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "maxLength": 12}},
                    "required": ["city"]}}}
 
 
@@ -245,10 +247,10 @@ def test_engine_ignore_eos_runs_past_eos(served):
 def test_engine_response_format_json_schema_validates(served):
     client, name, _ = served
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                               "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
+                                               "adult": {"type": "boolean"}},
+              "required": ["name", "adult"], "additionalProperties": False}
     out = client.chat.completions.create(
-        model=name, max_tokens=60, temperature=0,
+        model=name, max_tokens=100, temperature=0,
         messages=[{"role": "user", "content": "A person as JSON."}],
         response_format={"type": "json_schema",
                          "json_schema": {"name": "person", "schema": schema}})
@@ -261,7 +263,7 @@ def test_engine_response_format_json_schema_validates(served):
 def test_engine_tool_choice_gives_valid_tool_calls(served, choice):
     client, name, _ = served
     out = client.chat.completions.create(
-        model=name, max_tokens=60, temperature=0, tools=[WEATHER], tool_choice=choice,
+        model=name, max_tokens=100, temperature=0, tools=[WEATHER], tool_choice=choice,
         parallel_tool_calls=False,
         messages=[{"role": "user", "content": "What is the weather in Paris?"}])
     message = out.choices[0].message
@@ -276,7 +278,7 @@ def test_engine_tool_choice_gives_valid_tool_calls(served, choice):
 def test_engine_tool_call_streams_as_a_delta(served):
     client, name, _ = served
     chunks = list(client.chat.completions.create(
-        model=name, max_tokens=60, temperature=0, tools=[WEATHER], tool_choice="required",
+        model=name, max_tokens=100, temperature=0, tools=[WEATHER], tool_choice="required",
         stream=True, messages=[{"role": "user", "content": "Weather in Oslo?"}]))
     calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
     assert len(calls) >= 1 and calls[0].function.name == "get_weather"
