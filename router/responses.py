@@ -61,6 +61,16 @@ class Choice:
     def cumulative_logprob(self) -> float:
         return sum(self.logprobs)
 
+    def logprob(self, i: int) -> float | None:
+        """Token i's logprob (None if the node sent none for it)."""
+        return self.logprobs[i] if i < len(self.logprobs) else None
+
+    def alternatives(self, i: int) -> list[tuple[int, float]]:
+        """Token i's top-k (id, logprob) pairs, best first ([] if unknown)."""
+        if i >= len(self.top_ids):
+            return []
+        return list(zip(self.top_ids[i], self.top_values[i], strict=True))
+
 
 def rank_best(choices: list[Choice], n: int) -> list[Choice]:
     """best_of: the n choices of highest cumulative logprob, best first (vLLM)."""
@@ -80,12 +90,11 @@ def completion_logprobs(tokenizer: RouterTokenizer, choice: Choice, start: int, 
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-        top = {text: choice.logprobs[i]}
-        if i < len(choice.top_ids):
-            for tid, value in zip(choice.top_ids[i], choice.top_values[i], strict=True):
-                top.setdefault(_shown(tokenizer, tid, as_ids), value)
+        top = {text: choice.logprob(i)}
+        for tid, value in choice.alternatives(i):
+            top.setdefault(_shown(tokenizer, tid, as_ids), value)
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": choice.logprobs[start:end],
+    return {"tokens": tokens, "token_logprobs": [choice.logprob(i) for i in range(start, end)],
             "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -94,16 +103,14 @@ def chat_logprobs(tokenizer: RouterTokenizer, choice: Choice, start: int, end: i
     """Chat's logprobs of tokens [start, end)."""
     content = []
     for i in range(start, end):
-        top = []
-        if i < len(choice.top_ids):
-            top = [_entry(_shown(tokenizer, tid, as_ids), value)
-                   for tid, value in zip(choice.top_ids[i], choice.top_values[i], strict=True)]
-        entry = _entry(_shown(tokenizer, choice.token_ids[i], as_ids), choice.logprobs[i])
+        top = [_entry(_shown(tokenizer, tid, as_ids), value)
+               for tid, value in choice.alternatives(i)]
+        entry = _entry(_shown(tokenizer, choice.token_ids[i], as_ids), choice.logprob(i))
         content.append({**entry, "top_logprobs": top})
     return {"content": content}
 
 
-def _entry(token: str, logprob: float) -> dict:
+def _entry(token: str, logprob: float | None) -> dict:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 

@@ -103,26 +103,31 @@ def test_chat_logprobs_stream_and_not(served):
 
 # ---- n, seed, best_of, echo ------------------------------------------------------------
 
-def test_n_with_seed_is_reproducible_and_prefills_once(served):
+@pytest.mark.parametrize("seed", [1234, None], ids=["seeded-local", "disaggregated"])
+def test_n_prefills_the_prompt_once(served, seed):
     client, name, port = served
-    prompt_before = metric(port, "router_node_prompt_tokens_total")
-    cached_before = metric(port, "router_node_cached_tokens_total")
-    first = client.completions.create(model=name, prompt=LONG_PROMPT, max_tokens=8, n=3,
-                                      seed=1234, temperature=1.0,
-                                      extra_body={"cache_salt": "n-seed-test"})
-    num_prompt = first.usage.prompt_tokens
-    prompts = metric(port, "router_node_prompt_tokens_total") - prompt_before
-    cached = metric(port, "router_node_cached_tokens_total") - cached_before
-    assert prompts == 3 * num_prompt
+    before = {m: metric(port, m) for m in ("router_node_prompt_tokens_total",
+                                           "router_node_cached_tokens_total",
+                                           "router_prefix_hit_tokens_total")}
+    out = client.completions.create(model=name, prompt=LONG_PROMPT, max_tokens=8, n=3,
+                                    seed=seed, temperature=1.0,
+                                    extra_body={"cache_salt": f"n-once-{seed}"})
+    grew = {m: metric(port, m) - v for m, v in before.items()}
+    num_prompt = out.usage.prompt_tokens
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert out.usage.completion_tokens == 24
+    assert grew["router_node_prompt_tokens_total"] == 3 * num_prompt
+    assert grew["router_prefix_hit_tokens_total"] == 0  # a fresh salt: nothing cached before
     # samples 1 and 2 find every full block of the prompt in the decode node's cache
-    assert cached >= 2 * ((num_prompt - 1) // BLOCK) * BLOCK
-    second = client.completions.create(model=name, prompt=LONG_PROMPT, max_tokens=8, n=3,
-                                       seed=1234, temperature=1.0,
-                                       extra_body={"cache_salt": "n-seed-test"})
-    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
-    assert [c.index for c in sorted(first.choices, key=lambda c: c.index)] == [0, 1, 2]
-    assert texts == [c.text for c in sorted(second.choices, key=lambda c: c.index)]
-    assert len(set(texts)) == 3
+    assert grew["router_node_cached_tokens_total"] >= 2 * ((num_prompt - 1) // BLOCK) * BLOCK
+
+
+def test_n_with_seed_is_reproducible(served):
+    client, name, _ = served
+    replies = [client.completions.create(model=name, prompt=LONG_PROMPT, max_tokens=8, n=3,
+                                         seed=1234, temperature=1.0) for _ in range(2)]
+    texts = [[c.text for c in sorted(r.choices, key=lambda c: c.index)] for r in replies]
+    assert texts[0] == texts[1] and len(set(texts[0])) == 3
 
 
 def test_n_streams_interleaved_choices(served):

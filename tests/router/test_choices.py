@@ -3,6 +3,8 @@ nodes over ZMQ): where the samples go, and the exact OpenAI shapes, streaming an
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 
@@ -124,3 +126,27 @@ def test_top_logprobs_and_seeded_sampling_prefill_locally(start_router, make_nod
                                       temperature=0)
     assert len(prefill.requests()) == 1  # only the greedy one went disaggregated
     assert [r.transfer is None for r in decode.requests()] == [True, True, False]
+
+
+def test_a_disconnect_aborts_every_sample(start_router, make_node) -> None:
+    node = make_node(delay_s=0.05)
+    router = start_router([node])
+    stream = client(router).completions.create(model="tiny", prompt="x", max_tokens=200, n=3,
+                                               stream=True)
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 5
+    while len(node.aborts()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(node.aborts()) == sorted(r.request_id for r in node.requests())
+    assert node.num_active() == 0
+
+
+def test_a_stop_string_ends_only_its_choice(start_router, make_node, model_dir) -> None:
+    node = make_node(delay_s=0.01)
+    router = start_router([node])
+    text = RouterTokenizer(model_dir).decode(list(SCRIPT[:6]))
+    out = client(router).completions.create(model="tiny", prompt="x", max_tokens=6, n=2,
+                                            stop=[text.split()[2]])
+    assert all(c.finish_reason == "stop" and len(c.text) < len(text) for c in out.choices)
+    assert len(node.aborts()) == 2  # both samples stopped early, both aborted
