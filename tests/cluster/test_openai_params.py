@@ -23,10 +23,11 @@ PROMPT = "The quick brown fox jumps over the lazy dog and"
 LONG_PROMPT = " ".join(f"item{i % 23} then" for i in range(60))  # ~180 tokens: remote prefill
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
-    # bounded strings: a random model under a grammar mask may not close a string soon
+    # an enum: a random model under a grammar mask may never close a free string
     "parameters": {"type": "object",
-                   "properties": {"city": {"type": "string", "maxLength": 12}},
-                   "required": ["city"]}}}
+                   "properties": {"city": {"type": "string",
+                                           "enum": ["Paris", "Oslo", "Rome"]}},
+                   "required": ["city"], "additionalProperties": False}}}
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +252,7 @@ def test_engine_ignore_eos_runs_past_eos(served):
 
 def test_engine_response_format_json_schema_validates(served):
     client, name, _ = served
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+    schema = {"type": "object", "properties": {"name": {"enum": ["Ada", "Alan", "Grace"]},
                                                "adult": {"type": "boolean"}},
               "required": ["name", "adult"], "additionalProperties": False}
     out = client.chat.completions.create(
@@ -284,8 +285,10 @@ def test_engine_tool_call_streams_as_a_delta(served):
     client, name, _ = served
     chunks = list(client.chat.completions.create(
         model=name, max_tokens=100, temperature=0, tools=[WEATHER], tool_choice="required",
-        stream=True, messages=[{"role": "user", "content": "Weather in Oslo?"}]))
+        parallel_tool_calls=False, stream=True,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}]))
     calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
     assert len(calls) >= 1 and calls[0].function.name == "get_weather"
     json.loads(calls[0].function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
