@@ -118,3 +118,18 @@ def test_a_scripted_tool_call_comes_back_as_tool_calls(start_router, make_node,
                                            tool_choice="none", max_tokens=len(script))
     assert plain.choices[0].message.tool_calls is None
     assert '"get_weather"' not in tok.decode(node.requests()[-1].prompt_token_ids)
+
+
+def test_a_conversation_with_earlier_calls_reaches_the_template() -> None:
+    from router.protocol import parse_chat
+
+    req = parse_chat({"model": "m", "tools": [TOOL], "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+    assistant, tool = req.messages[1], req.messages[2]
+    assert assistant["content"] == "" and assistant["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert tool == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
