@@ -118,6 +118,9 @@ def _common(body: Any, chat: bool) -> CompletionRequest:
     _choices(req, body)
     req.stream = _get(body, "stream", bool, False)
     options = _get(body, "stream_options", dict, {})
+    if options and not req.stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true",
+                       "stream_options", "invalid_value")
     unknown = set(options) - {"include_usage", "continuous_usage_stats"}
     if unknown:
         raise ApiError(400, f"unknown stream_options {sorted(unknown)}", "stream_options",

@@ -102,7 +102,9 @@ def test_sampling_fields_reach_the_spec() -> None:
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
     ({"n": 2, "best_of": 1}, "best_of"), ({"best_of": 2, "stream": True}, "best_of"),
-    ({"echo": True, "logprobs": 1}, "echo"), ({"stream_options": {"x": 1}}, "stream_options"),
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"stream": True, "stream_options": {"x": 1}}, "stream_options"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_bad_values_name_their_parameter(body, param) -> None:
     assert refused(completion, **body).param == param
