@@ -4,9 +4,10 @@
 The stream is prepared only when the first tokens arrive, so a node that refuses still
 yields a proper JSON error status. Chunks of the n choices interleave, each with its `index`;
 a chat choice's first chunk carries the role. With tools on (chat, tool_choice not "none"),
-a choice's text is held until it finishes, then sent as one `tool_calls` delta (or as its
-content if it is no call). A stop string ends its choice (that sample is aborted); leaving
-the run aborts the rest. best_of > n never streams (router.protocol refuses it).
+content streams up to where a tool call could begin; the calls go out as one `tool_calls`
+delta when the choice finishes (or the held text as content if it is no call). A stop
+string ends its choice (that sample is aborted); leaving the run aborts the rest. best_of > n
+never streams (router.protocol refuses it).
 
 API: `Generation`, `EndedWithError`.
 """
@@ -37,7 +38,7 @@ from router.responses import (
     usage,
 )
 from router.tokenizer import IncrementalDetokenizer, RouterTokenizer
-from router.tools import tool_format
+from router.tools import streamable_prefix, tool_format
 
 
 class EndedWithError(Exception):
@@ -53,7 +54,8 @@ class _Streamed:
     """What a choice has sent so far in a stream."""
 
     num_tokens: int = 0  # tokens whose logprobs went out
-    text_offset: int = 0
+    text_offset: int = 0  # completions: the text offset of the next token (logprobs)
+    num_chars: int = 0  # chat with tools: characters of the text sent as content
     started: bool = False
 
 
@@ -204,18 +206,29 @@ class Generation:
         return out
 
     def _held_chat_choice(self, index: int, choice: Choice, sent: _Streamed) -> list[dict]:
-        """Tools on: nothing until the choice finishes, then its calls (or its text)."""
-        if choice.finish_reason is None:
-            return []
-        msg, finish = message(choice, self.req.tool_choice, self.tool_format)
-        delta: dict = {"content": msg["content"]}
-        if "tool_calls" in msg:
-            delta["tool_calls"] = [{"index": k, **call}
-                                   for k, call in enumerate(msg["tool_calls"])]
+        """Tools on: content streams up to where a call could begin
+        (`tools.streamable_prefix`); once the choice finishes, its calls go out as one
+        `tool_calls` delta, or the held text as content if it is no call."""
+        tools, req = self.req.tool_choice, self.req
         end = len(choice.token_ids)
-        logprobs = (chat_logprobs(self.tokenizer, choice, 0, end, self.req.tokens_as_ids)
-                    if self.req.logprobs is not None else None)
+        logprobs = (chat_logprobs(self.tokenizer, choice, sent.num_tokens, end,
+                                  req.tokens_as_ids) if req.logprobs is not None else None)
+        if choice.finish_reason is None:
+            upto = streamable_prefix(choice.text, tools, self.tool_format)
+            if upto <= sent.num_chars:
+                return []
+            text, sent.num_chars, sent.num_tokens = choice.text[sent.num_chars:upto], upto, end
+            return [{"index": index, "delta": {"content": text}, "logprobs": logprobs,
+                     "finish_reason": None}]
+        msg, finish = message(choice, tools, self.tool_format)
         sent.num_tokens = end
+        if "tool_calls" not in msg:
+            delta: dict = {"content": choice.text[sent.num_chars:]}
+        else:  # the content before the calls, if some of it is still held
+            upto = streamable_prefix(choice.text, tools, self.tool_format)
+            delta = {"content": choice.text[sent.num_chars:upto] or None,
+                     "tool_calls": [{"index": k, **call}
+                                    for k, call in enumerate(msg["tool_calls"])]}
         return [{"index": index, "delta": delta, "logprobs": logprobs,
                  "finish_reason": finish}]
 

@@ -14,7 +14,8 @@ into OpenAI `tool_calls`.
   Qwen2.5, SmolLM, and the fallback prompt) and "llama3_json" (`{"name", "parameters"}`,
   optionally after `<|python_tag|>`, several separated by `;`), picked from the template text.
 
-API: `ToolChoice`, `parse_tools`, `tool_format`, `tools_prompt_messages`, `parse_tool_calls`.
+API: `ToolChoice`, `parse_tools`, `tool_format`, `tools_prompt_messages`, `parse_tool_calls`,
+`streamable_prefix`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from router.errors import ApiError
 from router.guided import json_schema_guide
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+_HERMES_OPEN = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _FALLBACK_PROMPT = (
     "You may call one or more functions to assist with the user query. You are provided "
@@ -171,8 +173,31 @@ def parse_tool_calls(text: str, choice: ToolChoice, fmt: str
     return _parse_hermes(text, choice)
 
 
+def streamable_prefix(text: str, choice: ToolChoice, fmt: str) -> int:
+    """How much of a choice's text so far can stream as content: everything before a call
+    could start. required / named output is all call; Llama-3 JSON calls open the output;
+    a Hermes call may open anywhere, so a tail that could begin `<tool_call>` is held."""
+    if choice.mode != "auto":
+        return 0
+    if fmt == LLAMA3_JSON:
+        head = text.lstrip()
+        opens = not head or head.startswith("{") or _starts_marker(head, "<|python_tag|>")
+        return 0 if opens else len(text)
+    at = text.find(_HERMES_OPEN)
+    if at != -1:
+        return at
+    for keep in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
+        if _HERMES_OPEN.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
+
+
+def _starts_marker(text: str, marker: str) -> bool:
+    return text.startswith(marker) or marker.startswith(text)
+
+
 def _parse_hermes(text: str, choice: ToolChoice) -> tuple[str | None, list[dict]]:
-    if "<tool_call>" not in text:
+    if _HERMES_OPEN not in text:
         return text, []
     calls = []
     for body in _HERMES_CALL.findall(text):
@@ -182,7 +207,7 @@ def _parse_hermes(text: str, choice: ToolChoice) -> tuple[str | None, list[dict]
         if call is None:
             return text, []  # a malformed call: the text is returned as it is
         calls.append(call)
-    content = text[:text.index("<tool_call>")].strip() or None
+    content = text[:text.index(_HERMES_OPEN)].strip() or None
     return content, calls[:None if choice.parallel else 1]
 
 

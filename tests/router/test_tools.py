@@ -133,3 +133,44 @@ def test_a_conversation_with_earlier_calls_reaches_the_template() -> None:
     assert assistant["content"] == "" and assistant["tool_calls"][0]["function"] == {
         "name": "get_weather", "arguments": {"city": "Oslo"}}
     assert tool == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+def test_streamable_prefix_holds_only_what_could_be_a_call() -> None:
+    from router.tools import streamable_prefix
+
+    assert streamable_prefix("Hello there", AUTO, HERMES) == 11
+    assert streamable_prefix("Hello <tool", AUTO, HERMES) == 6
+    assert streamable_prefix("Hi <tool_call>{", AUTO, HERMES) == 3
+    assert streamable_prefix("a < b", AUTO, HERMES) == 5
+    assert streamable_prefix(' {"name"', AUTO, LLAMA3_JSON) == 0
+    assert streamable_prefix("Sure", AUTO, LLAMA3_JSON) == 4
+    assert streamable_prefix("anything", ToolChoice("required"), HERMES) == 0
+
+
+def test_content_streams_before_a_call_and_plain_answers_stream(start_router, make_node,
+                                                                  model_dir) -> None:
+    tok = RouterTokenizer(model_dir)
+    said = "Sure, checking now."
+    script = tok.encode(said + '<tool_call>{"name": "get_weather", "arguments": {}}'
+                        '</tool_call>', add_special_tokens=False)
+    router = start_router([make_node(script=script)])
+    client = openai.OpenAI(base_url=router.base_url, api_key="none", max_retries=0, timeout=10)
+    messages = [{"role": "user", "content": "Weather?"}]
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=[TOOL],
+                                                 max_tokens=len(script), stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    content = [d.content for d in deltas if d.content]
+    assert "".join(content) == said and len(content) > 1  # streamed, not held to the end
+    calls = [tc for d in deltas for tc in d.tool_calls or []]
+    assert [tc.function.name for tc in calls] == ["get_weather"]
+    plain_script = tok.encode("It is sunny in Paris today.", add_special_tokens=False)
+    router2 = start_router([make_node("n2", script=plain_script)])
+    client2 = openai.OpenAI(base_url=router2.base_url, api_key="none", max_retries=0,
+                            timeout=10)
+    chunks = list(client2.chat.completions.create(
+        model="tiny", messages=messages, tools=[TOOL], max_tokens=len(plain_script),
+        stream=True))
+    content = [c.choices[0].delta.content for c in chunks if c.choices and
+               c.choices[0].delta.content]
+    assert "".join(content) == "It is sunny in Paris today." and len(content) > 2
+    assert chunks[-1].choices[0].finish_reason == "length"
