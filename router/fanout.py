@@ -15,7 +15,7 @@ API: `run_samples`, `SampleRun`, `local_placement`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -42,23 +42,38 @@ class SampleRun:
         self._dispatcher, self._placement, self._samples = dispatcher, placement, samples
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: dict[int, asyncio.Task] = {}
+        self._iterator: AsyncGenerator | None = None
 
     async def __aenter__(self) -> SampleRun:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        if self._iterator is not None:  # a lone sample's stream is aborted here
+            await self._iterator.aclose()
         tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def close_sample(self, index: int) -> None:
-        """Stop sample `index` early (its node request is aborted)."""
+        """Stop sample `index` early (its node request is aborted; a lone sample is aborted
+        when the consumer leaves `deltas`)."""
         task = self._tasks.get(index)
         if task is not None:
             task.cancel()
 
-    async def deltas(self) -> AsyncIterator[tuple[int, TokenDelta]]:
+    def deltas(self) -> AsyncIterator[tuple[int, TokenDelta]]:
+        """The samples' deltas; closed (and what runs aborted) on leaving the run."""
+        self._iterator = self._deltas()
+        return self._iterator
+
+    async def _deltas(self) -> AsyncGenerator[tuple[int, TokenDelta]]:
+        if len(self._samples) == 1:  # the common case: no task, no queue
+            stream = execute_migrating(self._dispatcher, self._placement, self._samples[0])
+            async with aclosing(stream):
+                async for delta in stream:
+                    yield 0, delta
+            return
         self._start(0, self._placement)
         running, started_rest = 1, len(self._samples) == 1
         while running:
