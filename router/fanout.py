@@ -19,9 +19,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
 
-from core.node_wire import GenerateRequest, TokenDelta
-from router.dispatch import Dispatcher, Placement
-from router.migration import execute_migrating
+from pdcluster.core.node_wire import GenerateRequest, TokenDelta
+from pdcluster.router.dispatch import Dispatcher, Placement
+from pdcluster.router.migration import execute_migrating
 
 _END = object()
 

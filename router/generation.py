@@ -20,14 +20,13 @@ import uuid
 from dataclasses import dataclass
 
 from aiohttp import web
-
-from router.dispatch import Dispatcher, Placement
-from router.errors import NodeFailure, NoHealthyNode, api_error, error_body
-from router.fanout import SampleRun
-from router.metrics import RouterMetrics
-from router.protocol import CompletionRequest
-from router.request_prep import ResolvedPrompt, make_samples
-from router.responses import (
+from pdcluster.router.dispatch import Dispatcher, Placement
+from pdcluster.router.errors import NodeFailure, NoHealthyNode, api_error, error_body
+from pdcluster.router.fanout import SampleRun
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.protocol import CompletionRequest
+from pdcluster.router.request_prep import ResolvedPrompt, make_samples
+from pdcluster.router.responses import (
     Choice,
     chat_logprobs,
     chunk,
@@ -37,8 +36,8 @@ from router.responses import (
     rank_best,
     usage,
 )
-from router.tokenizer import IncrementalDetokenizer, RouterTokenizer
-from router.tools import streamable_prefix, tool_format
+from pdcluster.router.tokenizer import IncrementalDetokenizer, RouterTokenizer
+from pdcluster.router.tools import streamable_prefix, tool_format
 
 
 class EndedWithError(Exception):

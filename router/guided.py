@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from core.sampling import GuidedDecoding
-from router.errors import ApiError
+from pdcluster.core.sampling import GuidedDecoding
+from pdcluster.router.errors import ApiError
 
 MAX_SPEC_CHARS = 64 << 10
 _GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex",

@@ -18,16 +18,15 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
-
-from router.config import RouterConfig
-from router.dispatch import Dispatcher, Placement
-from router.errors import ApiError, NodeFailure, NoHealthyNode, api_error, error_body
-from router.fanout import local_placement
-from router.generation import EndedWithError, Generation
-from router.metrics import RouterMetrics
-from router.protocol import CompletionRequest, parse_chat, parse_completion
-from router.request_prep import check_auth, read_json, resolve_prompt
-from router.tokenizer import RouterTokenizer
+from pdcluster.router.config import RouterConfig
+from pdcluster.router.dispatch import Dispatcher, Placement
+from pdcluster.router.errors import ApiError, NodeFailure, NoHealthyNode, api_error, error_body
+from pdcluster.router.fanout import local_placement
+from pdcluster.router.generation import EndedWithError, Generation
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.protocol import CompletionRequest, parse_chat, parse_completion
+from pdcluster.router.request_prep import check_auth, read_json, resolve_prompt
+from pdcluster.router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from router.errors import ApiError
+from pdcluster.router.errors import ApiError
 
 
 def parse_message(message: Any, i: int) -> dict:

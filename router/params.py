@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import ApiError
+from pdcluster.router.errors import ApiError
 
 APPLIED, DEFAULT_ONLY = "applied", "default_only"
 BOTH, COMPLETIONS, CHAT = "both", "completions", "chat"

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.sampling import GuidedDecoding, SamplingSpec
-from router.errors import ApiError
-from router.guided import parse_guided
-from router.messages import parse_message
-from router.params import check_params
-from router.tools import ToolChoice, parse_tools
+from pdcluster.core.sampling import GuidedDecoding, SamplingSpec
+from pdcluster.router.errors import ApiError
+from pdcluster.router.guided import parse_guided
+from pdcluster.router.messages import parse_message
+from pdcluster.router.params import check_params
+from pdcluster.router.tools import ToolChoice, parse_tools
 
 _NUMBER = (int, float)
 MAX_N = 16  # choices (or best_of samples) per request

@@ -17,12 +17,11 @@ import uuid
 from dataclasses import dataclass, replace
 
 from aiohttp import web
-
-from core.node_wire import GenerateRequest
-from router.errors import ApiError
-from router.protocol import CompletionRequest
-from router.tokenizer import RouterTokenizer
-from router.tools import tools_prompt_messages
+from pdcluster.core.node_wire import GenerateRequest
+from pdcluster.router.errors import ApiError
+from pdcluster.router.protocol import CompletionRequest
+from pdcluster.router.tokenizer import RouterTokenizer
+from pdcluster.router.tools import tools_prompt_messages
 
 _DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 

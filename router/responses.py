@@ -20,10 +20,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from core.node_wire import TokenDelta
-from router.errors import NodeFailure
-from router.tokenizer import IncrementalDetokenizer, RouterTokenizer
-from router.tools import ToolChoice, parse_tool_calls
+from pdcluster.core.node_wire import TokenDelta
+from pdcluster.router.errors import NodeFailure
+from pdcluster.router.tokenizer import IncrementalDetokenizer, RouterTokenizer
+from pdcluster.router.tools import ToolChoice, parse_tool_calls
 
 
 @dataclass(slots=True)

@@ -26,9 +26,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from core.sampling import GuidedDecoding
-from router.errors import ApiError
-from router.guided import json_schema_guide
+from pdcluster.core.sampling import GuidedDecoding
+from pdcluster.router.errors import ApiError
+from pdcluster.router.guided import json_schema_guide
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 _HERMES_OPEN = "<tool_call>"

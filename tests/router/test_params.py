@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from core.sampling import GuidedDecoding
-from router.errors import ApiError
-from router.params import APPLIED, BOTH, CHAT, COMPLETIONS, DEFAULT_ONLY, PARAMS
-from router.protocol import parse_chat, parse_completion
-from router.request_prep import sample_seed
+from pdcluster.core.sampling import GuidedDecoding
+from pdcluster.router.errors import ApiError
+from pdcluster.router.params import APPLIED, BOTH, CHAT, COMPLETIONS, DEFAULT_ONLY, PARAMS
+from pdcluster.router.protocol import parse_chat, parse_completion
+from pdcluster.router.request_prep import sample_seed
 
 # vLLM's CompletionRequest / ChatCompletionRequest fields (entrypoints/openai/protocol.py)
 VLLM_COMMON = """model frequency_penalty logit_bias logprobs max_tokens n presence_penalty seed
