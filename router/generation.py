@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 from aiohttp import web
+
 from pdcluster.router.dispatch import Dispatcher, Placement
 from pdcluster.router.errors import NodeFailure, NoHealthyNode, api_error, error_body
 from pdcluster.router.fanout import SampleRun

@@ -18,9 +18,11 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
+
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.dispatch import Dispatcher, Placement
-from pdcluster.router.errors import ApiError, NodeFailure, NoHealthyNode, api_error, error_body
+from pdcluster.router.edge import json_error
+from pdcluster.router.errors import ApiError, NodeFailure, NoHealthyNode, api_error
 from pdcluster.router.fanout import local_placement
 from pdcluster.router.generation import EndedWithError, Generation
 from pdcluster.router.metrics import RouterMetrics
@@ -29,7 +31,6 @@ from pdcluster.router.request_prep import check_auth, read_json, resolve_prompt
 from pdcluster.router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
-RETRY_AFTER_S = "1"
 
 
 class Handlers:
@@ -53,21 +54,6 @@ class Handlers:
         card = {"id": self.model_name, "object": "model", "created": 0,
                 "owned_by": "pdcluster", "max_model_len": self.tokenizer.max_model_len}
         return web.json_response({"object": "list", "data": [card]})
-
-    async def health(self, request: web.Request) -> web.Response:
-        dispatcher = self.dispatcher
-        nodes = {n.node_id: {"role": n.spec.role, "healthy": n.healthy,
-                             "connected": not n.disconnected, "inflight": n.num_inflight}
-                 for n in dispatcher.nodes.values()}
-        healthy = any(n.healthy for n in dispatcher.nodes.values())
-        link = dispatcher.metadata
-        body = {"status": "ok" if healthy else "unavailable", "nodes": nodes,
-                "routing": "prefix_aware" if dispatcher.prefix_aware else "load_only",
-                "metadata": None if link is None else {
-                    "address": link.address, "available": link.available,
-                    "last_error": link.last_error, "mirror_in_sync": link.mirror_in_sync,
-                    "mirror_blocks": link.mirror_blocks, "watch_error": link.watch_error}}
-        return web.json_response(body, status=200 if healthy else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(),
@@ -93,7 +79,8 @@ class Handlers:
 
     async def _checked(self, request: web.Request, chat: bool) -> web.StreamResponse:
         check_auth(request, self._keys)
-        body = await read_json(request, self.config.max_body_bytes)
+        body = await read_json(request, self.config.max_body_bytes,
+                               self.config.body_timeout_s)
         req = parse_chat(body) if chat else parse_completion(body)
         prompt = resolve_prompt(req, self.tokenizer, self.model_name,
                                 self.config.max_tokens_limit)
@@ -120,8 +107,3 @@ def _needs_local_prefill(req: CompletionRequest) -> bool:
     (the decode node would start the seed's generator afresh after the prefill node's draw,
     repeating it: not what the same request prefilled locally gives)."""
     return bool(req.logprobs) or (req.seed is not None and req.temperature > 0)
-
-
-def json_error(exc: ApiError) -> web.Response:
-    headers = {"Retry-After": RETRY_AFTER_S} if exc.status == 503 else None
-    return web.json_response(error_body(exc), status=exc.status, headers=headers)

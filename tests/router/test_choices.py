@@ -7,10 +7,10 @@ import time
 
 import openai
 import pytest
+
 from pdcluster.router.policy import PolicyConfig
 from pdcluster.router.request_prep import sample_seed
 from pdcluster.router.tokenizer import RouterTokenizer
-
 from tests.router.conftest import SCRIPT
 
 LONG = "tell me a story about a dog " * 30  # above the local-prefill threshold below

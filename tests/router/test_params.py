@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from pdcluster.core.sampling import GuidedDecoding
 from pdcluster.router.errors import ApiError
 from pdcluster.router.params import APPLIED, BOTH, CHAT, COMPLETIONS, DEFAULT_ONLY, PARAMS

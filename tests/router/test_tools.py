@@ -8,6 +8,7 @@ import json
 import shutil
 
 import openai
+
 from pdcluster.router.tokenizer import RouterTokenizer
 from pdcluster.router.tools import (
     HERMES,
