@@ -241,7 +241,12 @@ async def _race(stream: NodeStream, failure: asyncio.Future) -> AsyncIterator[To
     iterator = stream.__aiter__()
     while True:
         next_msg = asyncio.ensure_future(iterator.__anext__())
-        done, _ = await asyncio.wait({next_msg, failure}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({next_msg, failure},
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # e.g. one of n samples closed early (router.fanout)
+            next_msg.cancel()
+            raise
         if failure in done:
             next_msg.cancel()
             raise failure.result()

@@ -25,6 +25,13 @@ class RouterMetrics:
         self.prefix_hit_tokens = Counter("router_prefix_hit_tokens",
                                          "prompt tokens the chosen node already held",
                                          registry=r)
+        self.node_prompt_tokens = Counter(
+            "router_node_prompt_tokens", "prompt tokens of every node request (each sample "
+            "of n / best_of counts)", registry=r)
+        self.node_cached_tokens = Counter(
+            "router_node_cached_tokens", "of those, the tokens the serving node reported "
+            "found in its prefix cache (samples after the first of n should find the prompt)",
+            registry=r)
         self.decisions = Counter("router_routing_decisions",
                                  "placements by node, role and reason",
                                  ["node", "role", "reason"], registry=r)

@@ -96,8 +96,8 @@ async def _replace(dispatcher: Dispatcher, attempt: GenerateRequest,
 
 def _stopped(request: GenerateRequest, generated: list[int]) -> bool:
     sampling = request.sampling
-    return (bool(generated) and not sampling.ignore_eos
-            and len(generated) >= sampling.min_tokens
+    # the router leaves EOS out of stop_token_ids when the request ignores it
+    return (bool(generated) and len(generated) >= sampling.min_tokens
             and generated[-1] in sampling.stop_token_ids)
 
 

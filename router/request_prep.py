@@ -4,15 +4,17 @@ the prompt (model name, tokenize or apply the chat template, context and max_tok
 and build the node's `GenerateRequest`. Every client mistake is an `ApiError` (4xx).
 Nothing here writes into the parsed `CompletionRequest`: resolved values are returned.
 
-API: `check_auth`, `read_json`, `ResolvedPrompt`, `resolve_prompt`, `make_generate`.
+API: `check_auth`, `read_json`, `ResolvedPrompt`, `resolve_prompt`, `make_generate`,
+`make_samples`, `sample_seed`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
@@ -21,6 +23,7 @@ from pdcluster.router.edge import find_invalid_unicode, read_body
 from pdcluster.router.errors import ApiError
 from pdcluster.router.protocol import CompletionRequest
 from pdcluster.router.tokenizer import RouterTokenizer
+from pdcluster.router.tools import tools_prompt_messages
 
 _DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -31,6 +34,7 @@ class ResolvedPrompt:
 
     token_ids: list[int]
     max_tokens: int
+    text: str = ""  # the prompt as text, for `echo` (completions only)
 
 
 def check_auth(request: web.Request, keys: list[bytes]) -> None:
@@ -70,6 +74,7 @@ def resolve_prompt(req: CompletionRequest, tokenizer: RouterTokenizer, model_nam
     if req.model != model_name:
         raise ApiError(404, f"the model '{req.model}' does not exist", "model",
                        "model_not_found")
+    _check_token_ids(req, tokenizer.vocab_size)
     ids = _tokenize(req, tokenizer)
     context = tokenizer.max_model_len
     if not ids:
@@ -86,13 +91,28 @@ def resolve_prompt(req: CompletionRequest, tokenizer: RouterTokenizer, model_nam
         raise ApiError(400, f"max_tokens={max_tokens} is too large: the prompt has "
                        f"{len(ids)} tokens and the context is {context} (limit "
                        f"{max_tokens_limit})", "max_tokens", "context_length_exceeded")
-    return ResolvedPrompt(ids, max_tokens)
+    if req.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens={req.min_tokens} is above max_tokens={max_tokens}",
+                       "min_tokens", "invalid_value")
+    text = ""
+    if req.echo:
+        text = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(ids)
+    return ResolvedPrompt(ids, max_tokens, text)
+
+
+def _check_token_ids(req: CompletionRequest, vocab_size: int) -> None:
+    """Token ids a client names must be in the vocabulary."""
+    for name, ids in (("logit_bias", req.logit_bias), ("stop_token_ids", req.stop_token_ids)):
+        bad = [i for i in ids if i >= vocab_size]
+        if bad:
+            raise ApiError(400, f"'{name}' names token id {bad[0]}, outside the vocabulary "
+                           f"of {vocab_size}", name, "invalid_value")
 
 
 def _tokenize(req: CompletionRequest, tokenizer: RouterTokenizer) -> list[int]:
     try:
         if req.chat:
-            return tokenizer.apply_chat_template(req.messages)
+            return _render_chat(req, tokenizer)
         if isinstance(req.prompt, str):
             return tokenizer.encode(req.prompt)
         return list(req.prompt or [])
@@ -100,7 +120,40 @@ def _tokenize(req: CompletionRequest, tokenizer: RouterTokenizer) -> list[int]:
         raise ApiError(400, str(exc), "messages" if req.chat else "prompt") from None
 
 
+def _render_chat(req: CompletionRequest, tokenizer: RouterTokenizer) -> list[int]:
+    """The chat with its tools: through the template when it renders them, else in a
+    system prompt (router.tools); tool_choice "none" renders none."""
+    choice = req.tool_choice
+    if not req.tools or choice is None or choice.mode == "none":
+        return tokenizer.apply_chat_template(req.messages)
+    if tokenizer.template_uses_tools:
+        return tokenizer.apply_chat_template(req.messages, tools=req.tools)
+    return tokenizer.apply_chat_template(tools_prompt_messages(req.messages, req.tools))
+
+
 def make_generate(req: CompletionRequest, prompt: ResolvedPrompt,
                   eos_token_ids: list[int]) -> GenerateRequest:
     spec = req.sampling_spec(prompt.max_tokens, eos_token_ids)
     return GenerateRequest(uuid.uuid4().hex, prompt.token_ids, spec, None, req.cache_salt)
+
+
+def make_samples(req: CompletionRequest, prompt: ResolvedPrompt,
+                 eos_token_ids: list[int]) -> list[GenerateRequest]:
+    """One node request per sample (best_of of them, >= n): the same prompt and cache salt
+    (so samples after the first hit the prefix cache), fresh ids, and with a seed, a derived
+    seed per sample (`sample_seed`): reproducible and, when sampling, distinct."""
+    first = make_generate(req, prompt, eos_token_ids)
+    samples = [first]
+    for i in range(1, req.best_of):
+        seed = None if req.seed is None else sample_seed(req.seed, i)
+        samples.append(replace(first, request_id=uuid.uuid4().hex,
+                               sampling=replace(first.sampling, seed=seed)))
+    return samples
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Sample `index`'s seed: the request's own for 0, else a hash of both (63 bits)."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1

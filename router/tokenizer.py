@@ -42,7 +42,9 @@ class RouterTokenizer:
             template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
+        self.template_source = template if isinstance(template, str) else ""
         self._template = env.from_string(template) if isinstance(template, str) else None
+        self._token_texts: dict[int, str] = {}
 
     @property
     def has_chat_template(self) -> bool:
@@ -55,6 +57,20 @@ class RouterTokenizer:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @property
+    def template_uses_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (else tools go in a prompt)."""
+        return "tools" in self.template_source
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens included), as logprobs show it."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            if len(self._token_texts) < (1 << 18):
+                self._token_texts[token_id] = text
+        return text
+
+    @property
     def vocab_size(self) -> int:
         """Token ids run from 0 to this (excluded), added tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -64,14 +80,16 @@ class RouterTokenizer:
         return [self._tok.id_to_token(i) or "" for i in token_ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            add_special_tokens: bool = False) -> list[int]:
+                            add_special_tokens: bool = False,
+                            tools: list[dict] | None = None) -> list[int]:
         """Render the chat and tokenize it; the template places the special tokens itself
-        (`add_special_tokens` adds the tokenizer's own as well, as /tokenize may ask)."""
+        (`add_special_tokens` adds the tokenizer's own as well, as /tokenize may ask).
+        `tools` (OpenAI function tools) are passed to the template as HF templates expect."""
         if self._template is None:
             raise ValueError("this model has no chat template: use /v1/completions")
         try:
             text = self._template.render(messages=messages, bos_token=self.bos_token,
-                                         eos_token=self.eos_token,
+                                         eos_token=self.eos_token, tools=tools,
                                          add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template rejected the messages: {exc}") from None

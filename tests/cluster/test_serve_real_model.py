@@ -57,3 +57,19 @@ def test_answers_the_capital_of_france(served_real):
         messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop"
+
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
+                                     {"repetition_penalty": 2.0}],
+                         ids=["presence", "frequency", "repetition"])
+def test_penalties_change_a_repetitive_completion(served_real, penalty):
+    """Needs the node's sampler to apply the penalties (issue 13, engine side)."""
+    client, _, name = served_real
+    prompt = "apple, banana, " * 12
+    plain = client.completions.create(model=name, prompt=prompt, max_tokens=24, temperature=0)
+    words = plain.choices[0].text.split()
+    assert len(set(words)) < len(words) / 2  # greedy goes on repeating the pattern
+    penalised = client.completions.create(model=name, prompt=prompt, max_tokens=24,
+                                          temperature=0, extra_body=penalty)
+    assert penalised.choices[0].text != plain.choices[0].text

@@ -113,9 +113,7 @@ class FakeNode:
             generated.append(token)
             sent += 1
             done = sent >= msg.sampling.max_tokens
-            self._send(identity, TokenDelta(request_id, [token], done,
-                                            "length" if done else None, None,
-                                            len(msg.prompt_token_ids), 0))
+            self._send(identity, _delta(msg, token, done))
             if done:
                 del self._active[request_id]
             else:
@@ -128,3 +126,15 @@ class FakeNode:
 
     def _send(self, identity: bytes, msg: object) -> None:
         self._socket.send_multipart([identity, encode(msg)])
+
+
+def _delta(msg: GenerateRequest, token: int, done: bool) -> TokenDelta:
+    """One token's delta; with logprobs asked for, the chosen token's is -0.5 and its k
+    alternatives are token, token + 1, ... with logprobs -0.5, -1.5, ..."""
+    k = msg.sampling.logprobs
+    logprobs = top_ids = top_values = None
+    if k is not None:
+        logprobs = [-0.5]
+        top_ids, top_values = [[token + i for i in range(k)]], [[-0.5 - i for i in range(k)]]
+    return TokenDelta(msg.request_id, [token], done, "length" if done else None, logprobs,
+                      len(msg.prompt_token_ids), 0, None, top_ids, top_values)

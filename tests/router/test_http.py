@@ -111,7 +111,9 @@ def test_models_health_metrics(start_router, make_node) -> None:
     (b'{"model": "tiny", "prompt": "x", "max_tokens": -3}', 400, "invalid_value"),
     (b'{"model": "tiny", "prompt": "x", "max_tokens": 100000}', 400, "context_length_exceeded"),
     (b'{"model": "tiny", "prompt": "x", "temperature": 9}', 400, "invalid_value"),
-    (b'{"model": "tiny", "prompt": "x", "n": 2}', 400, "unsupported_value"),
+    (b'{"model": "tiny", "prompt": "x", "n": 17}', 400, "invalid_value"),
+    (b'{"model": "tiny", "prompt": "x", "min_p": 0.5}', 400, "unsupported_parameter"),
+    (b'{"model": "tiny", "prompt": "x", "frobnicate": 1}', 400, "unknown_parameter"),
     (b'{"model": "nope", "prompt": "x"}', 404, "model_not_found"),
     (b'{"prompt": "x"}', 400, "missing_required_parameter"),
 ])
