@@ -24,7 +24,6 @@ from pdcluster.core.node_wire import (
     TokenDelta,
     TransferSpec,
 )
-from pdcluster.engine import LLMEngine
 from pdcluster.node.client import BlockingNodeClient, tokens_of
 from pdcluster.node.server import NodeServer
 from pdcluster.transfer.loopback import LoopbackFabric
@@ -41,16 +40,6 @@ def wait_idle(server: NodeServer, timeout_s: float = 20.0) -> None:
     while server.engine.has_unfinished_requests() or server.engine.has_pinned_blocks():
         assert time.monotonic() < deadline, "node did not become idle"
         time.sleep(0.01)
-
-
-@pytest.fixture
-def node(model_dirs):
-    engine = LLMEngine.from_model(model_dirs["llama-gqa"], num_kv_blocks=128, block_size=8)
-    server = NodeServer(engine, "n0", "both", curve=TEST_CURVE).start()
-    client = BlockingNodeClient(server.address, curve=TEST_CURVE)
-    yield server, client
-    client.close()
-    server.stop(drain=False)
 
 
 @pytest.mark.parametrize("bad, field", [
