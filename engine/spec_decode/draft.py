@@ -112,7 +112,8 @@ class DraftProposer(Proposer):
             common += 1
         del ours[common:]
         ours.extend(theirs[common:])
-        shadow.num_computed_tokens = min(shadow.num_computed_tokens, common)
+        # The last token is always computed again: its logits give the first draft.
+        shadow.num_computed_tokens = min(shadow.num_computed_tokens, common, len(theirs) - 1)
         self.kv.trim(shadow, shadow.num_computed_tokens + 1)
         self._synced[req.request_id] = len(theirs)
         return shadow
