@@ -4,8 +4,8 @@ Before each schedule, `propose` asks the proposer for draft tokens for every run
 in decode, capped so that no proposal can pass the request's `max_tokens` or the model
 length (a request that can emit one more token gets none). After the step, `record` counts
 proposed and accepted tokens (`stats`) and adapts: a request whose proposal was rejected
-outright skips proposing for 1, 2, 4 ... up to `_MAX_BACKOFF` steps, reset by any acceptance,
-so text that does not repeat costs next to nothing over plain decoding.
+outright skips proposing for 1, 2, 4 ... up to `_MAX_BACKOFF` steps; an acceptance halves the
+back-off. Text that does not repeat thus costs next to nothing over plain decoding.
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ class SpecDecoder:
 
     def _adapt(self, request_id: ReqId, num_accepted: int) -> None:
         if num_accepted:
-            self._backoff.pop(request_id, None)
+            backoff = self._backoff.pop(request_id, 0) // 2
+            if backoff:
+                self._backoff[request_id] = backoff
             return
         backoff = min(2 * self._backoff.get(request_id, 0) or 1, _MAX_BACKOFF)
         self._backoff[request_id] = self._skip[request_id] = backoff
