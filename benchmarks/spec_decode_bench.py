@@ -50,7 +50,7 @@ BATCHES = (1, 8)
 
 def spec_fields(model_dir: str, device: str, speculative: str, quick: bool) -> dict:
     """The comparison's flat result: `spec_<workload>_b<batch>_*` per case."""
-    from engine import LLM
+    from pdcluster.engine import LLM
 
     max_tokens, rounds = (48, 1) if quick else (160, 2)
     options = dict(device=device, dtype="float32", max_num_seqs=8,
@@ -106,7 +106,7 @@ def _case(engines: dict, key: str, prompts: list[list[int]], max_tokens: int,
 def _decode_rate(engine, prompts: list[list[int]], max_tokens: int
                  ) -> tuple[float, list[list[int]]]:
     """(decode tokens/s after every prefill has finished, each request's output tokens)."""
-    from engine import SamplingParams
+    from pdcluster.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     reqs = [engine.add_request(f"bench-{i}-{time.monotonic_ns()}", p, params)

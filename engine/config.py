@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.hashing import HashConfig
-from engine.spec_decode.config import SpeculativeConfig
+from pdcluster.core.hashing import HashConfig
+from pdcluster.engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

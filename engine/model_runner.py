@@ -9,14 +9,13 @@ uncached token is its last), then prefill chunks; see `engine.attention`.
 from __future__ import annotations
 
 import torch
-
-from engine.attention import AttentionMetadata, PrefillChunk
-from engine.kv_cache import PagedKVCache
-from engine.models.llama import CausalLM
-from engine.outputs import StepResult
-from engine.sampler import Sampler
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.spec_decode.rejection import verify_chunks
+from pdcluster.engine.attention import AttentionMetadata, PrefillChunk
+from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.models.llama import CausalLM
+from pdcluster.engine.outputs import StepResult
+from pdcluster.engine.sampler import Sampler
+from pdcluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pdcluster.engine.spec_decode.rejection import verify_chunks
 
 
 class ModelRunner:

@@ -16,6 +16,6 @@ drawn from the target, so the output distribution is exactly the target model's.
 This package's `__init__` imports nothing heavy: `engine.config` imports `config` from it.
 """
 
-from engine.spec_decode.config import SpeculativeConfig
+from pdcluster.engine.spec_decode.config import SpeculativeConfig
 
 __all__ = ["SpeculativeConfig"]

@@ -10,12 +10,12 @@ back-off. Text that does not repeat thus costs next to nothing over plain decodi
 
 from __future__ import annotations
 
-from core.types import ReqId
-from engine.request import Request, RequestStatus
-from engine.scheduler_output import SchedulerOutput
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.proposer import Proposer
-from engine.spec_decode.stats import SpecDecodeStats
+from pdcluster.core.types import ReqId
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.scheduler_output import SchedulerOutput
+from pdcluster.engine.spec_decode.config import SpeculativeConfig
+from pdcluster.engine.spec_decode.proposer import Proposer
+from pdcluster.engine.spec_decode.stats import SpecDecodeStats
 
 _MAX_BACKOFF = 16
 
@@ -90,10 +90,10 @@ def build_proposer(config: SpeculativeConfig, target) -> Proposer:
     """The proposer `config` names; `target` is the `LLMEngine` (the draft model takes its
     device, dtype, block size, pool size and vocabulary from it)."""
     if config.method == "ngram":
-        from engine.spec_decode.ngram import NgramProposer
+        from pdcluster.engine.spec_decode.ngram import NgramProposer
 
         return NgramProposer(config.ngram_min, config.ngram_max)
-    from engine.spec_decode.draft import DraftProposer
+    from pdcluster.engine.spec_decode.draft import DraftProposer
 
     return DraftProposer.for_target(config, target)
 

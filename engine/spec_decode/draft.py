@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from core.types import ReqId
-from engine.block_pool import BlockPool
-from engine.kv_cache import PagedKVCache
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.models.loader import load_model
-from engine.outputs import SampledToken
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.proposer import Proposer
+from pdcluster.core.types import ReqId
+from pdcluster.engine.block_pool import BlockPool
+from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.kv_cache_manager import KVCacheManager
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.model_runner import ModelRunner
+from pdcluster.engine.models.loader import load_model
+from pdcluster.engine.outputs import SampledToken
+from pdcluster.engine.request import Request
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pdcluster.engine.spec_decode.config import SpeculativeConfig
+from pdcluster.engine.spec_decode.proposer import Proposer
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 

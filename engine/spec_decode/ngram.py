@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
-
-from engine.request import Request
-from engine.spec_decode.proposer import Proposer
+from pdcluster.engine.request import Request
+from pdcluster.engine.spec_decode.proposer import Proposer
 
 
 class NgramProposer(Proposer):

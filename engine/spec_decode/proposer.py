@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from core.types import ReqId
-from engine.request import Request
+from pdcluster.core.types import ReqId
+from pdcluster.engine.request import Request
 
 
 class Proposer(ABC):

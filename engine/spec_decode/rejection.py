@@ -20,11 +20,10 @@ from __future__ import annotations
 import logging
 
 import torch
-
-from engine.outputs import RequestFailure, SampledToken
-from engine.request import Request
-from engine.sampler import Sampler, _top_p_filter
-from engine.scheduler_output import ScheduledRequest
+from pdcluster.engine.outputs import RequestFailure, SampledToken
+from pdcluster.engine.request import Request
+from pdcluster.engine.sampler import Sampler, _top_p_filter
+from pdcluster.engine.scheduler_output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 

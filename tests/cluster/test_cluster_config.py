@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.cluster.launch import router_config
+from pdcluster.node.config import NodeConfig
 
-from cluster.config import ClusterConfig
-from cluster.launch import router_config
-from node.config import NodeConfig
 from tests.cluster_secret import TEST_SECRET
 
 
@@ -65,8 +65,8 @@ def test_metadata_tls_reaches_the_router_and_the_node_options():
 
 
 def test_cli_metadata_tls_flags_reach_the_configs():
-    from cluster import cli
-    from cluster.cli_services import metadata_tls_fields
+    from pdcluster.cluster import cli
+    from pdcluster.cluster.cli_services import metadata_tls_fields
 
     tls = ["--metadata-tls-ca", "ca.crt", "--metadata-tls-cert", "c.crt",
            "--metadata-tls-key", "c.key", "--metadata-tls-server-name", "meta"]
@@ -90,8 +90,8 @@ def test_speculative_decoding_goes_to_decode_nodes_only():
 
 
 def test_serve_refuses_a_bad_speculative_flag():
-    from cluster.cli_common import UsageError
-    from cluster.cli_services import _speculative_arg
+    from pdcluster.cluster.cli_common import UsageError
+    from pdcluster.cluster.cli_services import _speculative_arg
 
     assert _speculative_arg("draft:/m/small,k=2") == "draft:/m/small,k=2"
     with pytest.raises(UsageError, match="speculative method"):

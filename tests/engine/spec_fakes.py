@@ -5,8 +5,8 @@ real `Proposer` interface; it stands in for nothing in the product."""
 
 from __future__ import annotations
 
-from engine.request import Request
-from engine.spec_decode.proposer import Proposer
+from pdcluster.engine.request import Request
+from pdcluster.engine.spec_decode.proposer import Proposer
 
 
 class OracleProposer(Proposer):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from engine import LLM, SamplingParams
+from pdcluster.engine import LLM, SamplingParams
+
 from tests.helpers import assert_pool_clean
 from tests.hf_tiny import build_hf_model
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.rejection import accept_greedy, rejection_sample
-from engine.spec_decode.stats import SpecDecodeStats
+from pdcluster.engine.spec_decode.config import SpeculativeConfig
+from pdcluster.engine.spec_decode.ngram import NgramProposer
+from pdcluster.engine.spec_decode.rejection import accept_greedy, rejection_sample
+from pdcluster.engine.spec_decode.stats import SpecDecodeStats
 
 
 def test_parse_forms():
@@ -30,7 +29,7 @@ def test_parse_refuses(text):
 
 
 def test_engine_config_takes_the_text_form():
-    from engine.config import EngineConfig
+    from pdcluster.engine.config import EngineConfig
 
     assert EngineConfig("m", speculative="ngram:k=2").speculative == SpeculativeConfig("ngram", 2)
     with pytest.raises(ValueError):
