@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 import torch
+
 from pdcluster.engine.outputs import RequestFailure, SampledToken
 from pdcluster.engine.request import Request
 from pdcluster.engine.sampler import Sampler, _top_p_filter

@@ -8,8 +8,8 @@ pool and the draft pool) after every scenario."""
 from __future__ import annotations
 
 import pytest
-from pdcluster.engine import LLM, SamplingParams
 
+from pdcluster.engine import LLM, SamplingParams
 from tests.engine.spec_fakes import OracleProposer, use_proposer
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts

@@ -6,9 +6,9 @@ proposals accepted on the repetitive prompts. Skips when setup has not converted
 from __future__ import annotations
 
 import pytest
+
 from pdcluster.benchmarks.spec_decode_bench import REPETITIVE
 from pdcluster.engine import LLM, SamplingParams
-
 from tests.helpers import assert_pool_clean
 from tests.real_model import chats
 

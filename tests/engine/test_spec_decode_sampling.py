@@ -11,7 +11,6 @@ import math
 from collections import Counter
 
 from pdcluster.engine import LLM, SamplingParams
-
 from tests.helpers import assert_pool_clean
 from tests.hf_tiny import build_hf_model
 

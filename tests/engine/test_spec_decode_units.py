@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdcluster.engine.spec_decode.config import SpeculativeConfig
 from pdcluster.engine.spec_decode.ngram import NgramProposer
 from pdcluster.engine.spec_decode.rejection import accept_greedy, rejection_sample

@@ -6,9 +6,9 @@ model's pool) end with every block free."""
 from __future__ import annotations
 
 import pytest
+
 from pdcluster.engine import SamplingParams
 from pdcluster.transfer.loopback import LoopbackFabric
-
 from tests.engine.spec_fakes import OracleProposer
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
