@@ -52,7 +52,7 @@ def spec_fields(model_dir: str, device: str, speculative: str, quick: bool) -> d
     """The comparison's flat result: `spec_<workload>_b<batch>_*` per case."""
     from pdcluster.engine import LLM
 
-    max_tokens, rounds = (48, 1) if quick else (160, 2)
+    max_tokens, rounds = (48, 2) if quick else (160, 2)
     options = dict(device=device, dtype="float32", max_num_seqs=8,
                    kv_cache_memory_gib=0.25, enable_prefix_caching=False)
     engines = {"base": LLM(model_dir, **options),
