@@ -1,7 +1,8 @@
 """Engine benchmark: `pdcluster bench engine [--json] [--quick] [--threads N] [--device D]
-[--model DIR|GGUF] [--moe] [--mla]` (`--moe` adds a MoE vs dense step comparison:
-benchmarks/moe_step.py; `--mla` MLA decode absorbed vs expanded and KV bytes per token:
-benchmarks/mla_decode.py).
+[--model DIR|GGUF] [--moe] [--mla] [--speculative SPEC]` (`--moe` adds a MoE vs dense step
+comparison: benchmarks/moe_step.py; `--mla` MLA decode absorbed vs expanded and KV bytes per
+token: benchmarks/mla_decode.py; `--speculative ngram:k=4` measures decode tokens/s with and
+without speculative decoding instead of the parts below: benchmarks/spec_decode_bench.py).
 
 Measures, in one run, on `--model` (e.g. the built-in SmolLM2-135M-Instruct) or else on one
 random model big enough that compute dominates on CPU (the `bench` preset of
@@ -75,8 +76,13 @@ def run(args: argparse.Namespace) -> dict:
             "device": device,
             "threads": torch.get_num_threads(),
             **_model_facts(model_dir),
-            **asdict(sizes),
         }
+        if getattr(args, "speculative", None):
+            from pdcluster.benchmarks.spec_decode_bench import spec_fields
+
+            result.update(spec_fields(model_dir, device, args.speculative, args.quick))
+            return result
+        result.update(asdict(sizes))
         result.update(_throughput(model_dir, sizes, device))
         result.update(_ttft(model_dir, sizes, device))
         result.update(_decode_step(model_dir, sizes, device))

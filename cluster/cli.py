@@ -83,6 +83,10 @@ def _engine_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="model folder or GGUF file to measure (default: a random model "
                         "of the `bench` preset)")
+    parser.add_argument("--speculative", default=None, metavar="SPEC",
+                        help="measure decode tokens/s with and without speculative decoding "
+                        "(ngram:k=4 or draft:PATH,k=4) instead of the default parts; use a "
+                        "model with a chat template (--model)")
 
 
 def _metadata_bench_args(parser: argparse.ArgumentParser) -> None:

@@ -47,6 +47,10 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="KV cache memory per node (default: the engine's own)")
     parser.add_argument("--gpus-per-node", type=float, default=0.0,
                         help="Ray GPUs per node actor (1 on a GPU machine)")
+    parser.add_argument("--speculative", default=None, metavar="SPEC",
+                        help="speculative decoding on decode nodes: ngram:k=4 (prompt "
+                        "lookup) or draft:PATH,k=4 (a smaller model, same tokenizer); "
+                        "default: off")
     parser.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="uncached prompt tokens up to which the decode node prefills "
                         "itself; longer prompts go through a prefill node (0: every new "
@@ -63,6 +67,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine["dtype"] = args.dtype
     if args.kv_cache_gib:
         engine["kv_cache_memory_gib"] = args.kv_cache_gib
+    if args.speculative:
+        engine["speculative"] = _speculative_arg(args.speculative)
     thresholds = {} if args.local_prefill_threshold is None else {
         "local_prefill_threshold_tokens": args.local_prefill_threshold}
     with config_errors_as_usage():
@@ -72,6 +78,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                router_port=args.port, node_gpus=args.gpus_per_node,
                                **thresholds, **metadata_tls_fields(args))
     return serve(config, cluster_secret=_serve_secret())
+
+
+def _speculative_arg(text: str) -> str:
+    """`--speculative`, checked here so a typo is a usage error before anything starts."""
+    from pdcluster.engine.spec_decode.config import SpeculativeConfig
+
+    with config_errors_as_usage():
+        SpeculativeConfig.parse(text)
+    return text
 
 
 def _serve_secret():

@@ -5,7 +5,8 @@ cluster.yaml:
     model: /models/name
     num_prefill: 2
     num_decode: 2
-    engine: {dtype: bfloat16, block_size: 16, max_num_seqs: 64, max_num_batched_tokens: 2048}
+    engine: {dtype: bfloat16, block_size: 16, max_num_seqs: 64, max_num_batched_tokens: 2048,
+             speculative: "ngram:k=4"}         # speculative decoding: decode nodes only
     transfer: {protocol: rdma, device_name: "", timeout_s: 30}
     metadata: {address: "metadata:50061",      # absent: an embedded in-memory service
                tls_ca: /tls/ca.crt,            # TLS to it (router and nodes); absent: plaintext
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdcluster.core.roles import Role
 from pdcluster.core.tls import ClientTLS
 from pdcluster.engine.config import EngineConfig
 
@@ -84,6 +86,14 @@ class ClusterConfig:
         if tls is not None and self.metadata_address is None:
             raise ValueError("metadata TLS settings need an external metadata service (its "
                              "address): the embedded one serves plaintext on 127.0.0.1")
+
+    def engine_options(self, role: str) -> dict[str, Any]:
+        """EngineConfig keywords for a node of `role`. Speculative decoding runs on decode
+        nodes only: a prefill node emits one token per request, nothing to speculate on."""
+        options = dict(self.engine)
+        if role != Role.DECODE:
+            options.pop("speculative", None)
+        return options
 
     def metadata_tls_fields(self) -> dict[str, str | None]:
         """The `metadata_tls_*` fields, as RouterConfig and NodeConfig take them."""

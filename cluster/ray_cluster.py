@@ -94,7 +94,8 @@ class RayCluster:
             name=f"pdcluster-{node_id}", num_cpus=cfg.node_cpus, num_gpus=cfg.node_gpus,
             resources=resources, max_restarts=cfg.max_restarts, max_task_retries=0,
             max_concurrency=4)
-        return remote.remote(node_id, cfg.model, host=cfg.host, engine_options=dict(cfg.engine),
+        return remote.remote(node_id, cfg.model, host=cfg.host,
+                             engine_options=cfg.engine_options(cls.role),
                              metadata_address=self.metadata_address,
                              **cfg.metadata_tls_fields(),
                              # the hex text, as a constructor option (node/actor.py says why)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pdcluster.core.hashing import HashConfig
+from pdcluster.engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -34,6 +35,9 @@ class EngineConfig:
     # this fraction of the pool, each send pin for at most `pin_timeout_s` (engine/pins.py).
     max_pinned_fraction: float = 0.5
     pin_timeout_s: float = 10.0
+    # Speculative decoding (engine/spec_decode): a SpeculativeConfig or its text form
+    # ("ngram:k=4", "draft:PATH,k=4"), turned into the config here; None: off.
+    speculative: SpeculativeConfig | str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,6 +56,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         HashConfig(self.hash_algorithm, self.hash_seed)  # validates both
         self._validate_limits()
+        object.__setattr__(self, "speculative", SpeculativeConfig.coerce(self.speculative))
 
     def _validate_limits(self) -> None:
         if self.max_logprobs < 0:

@@ -84,6 +84,17 @@ class KVCacheManager:
         self.pool.cache_blocks(blocks[start:end], hashes[start:end], parent)
         self._num_hashed[req.request_id] = end
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free the request's blocks past those `num_tokens` tokens need (blocks that held
+        only rejected speculative tokens), last first. They were never hashed."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks and len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            assert all(b.block_hash is None for b in extra), "trimming a cached block"
+            self.pool.free_blocks(reversed(extra))
+
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, None)
         self._num_hashed.pop(req.request_id, None)

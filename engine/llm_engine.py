@@ -48,6 +48,9 @@ from pdcluster.engine.outputs import EngineLoad, RequestOutput, StopStringChecke
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdcluster.engine.spec_decode.decoder import SpecDecoder, build_proposer
+from pdcluster.engine.spec_decode.stats import SpecDecodeStats
+from pdcluster.engine.spec_decode.stops import cut_at_first_stop
 from pdcluster.engine.structured_output import GrammarCompiler
 from pdcluster.engine.validation import RequestLimits, validate_keys, validate_request
 
@@ -87,6 +90,7 @@ class LLMEngine:
         self.limits = RequestLimits(self.model_config.vocab_size, config.max_logprobs,
                                     self.max_model_len, config.block_size,
                                     self.kv_spec.num_blocks, self.tokenizer is not None)
+        self.spec_decoder = self._spec_decoder()
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens",
                     self.model_config.architecture, self.device, self.dtype,
                     self.kv_spec.num_blocks, config.block_size)
@@ -100,6 +104,12 @@ class LLMEngine:
                                    self.model_config.eos_token_ids)
         self.runner.sampler.use_grammars(compiler)
         return compiler
+
+    def _spec_decoder(self) -> SpecDecoder | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        return SpecDecoder(spec, build_proposer(spec, self), self.max_model_len)
 
     @classmethod
     def from_model(cls, model: str | Path, kv_connector: KVConnector | None = None,
@@ -177,8 +187,14 @@ class LLMEngine:
 
     def abort_request(self, request_id: ReqId) -> bool:
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        self.runner.sampler.forget(request_id)
+        self._forget(request_id)
         return req is not None
+
+    def _forget(self, request_id: ReqId) -> None:
+        """Drop per-request state kept outside the scheduler (seeded generators, drafts)."""
+        self.runner.sampler.forget(request_id)
+        if self.spec_decoder is not None:
+            self.spec_decoder.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -233,10 +249,12 @@ class LLMEngine:
         if self.connector is not None:
             results = self.connector.worker.get_results()
             updated += self.scheduler.apply_connector_results(results)
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._propose())
         if not sched.is_empty:
             sampled = self.runner.execute(sched)
             updated += self.scheduler.update_from_output(sched, sampled)
+            if self.spec_decoder is not None:
+                self.spec_decoder.record(sched, sampled)
         if self.connector is not None:
             self.scheduler.expire_pins()
             self.connector.worker.execute(self.connector.scheduler.build_plan())
@@ -244,13 +262,20 @@ class LLMEngine:
         unique = {req.request_id: req for req in updated}
         return [self._output_or_error(req, elapsed) for req in unique.values()]
 
+    def _propose(self) -> dict[ReqId, list[int]] | None:
+        """This step's proposed tokens per request (speculative decoding), or None when off."""
+        if self.spec_decoder is None:
+            return None
+        self.spec_decoder.retain(set(self.scheduler.requests))
+        return self.spec_decoder.propose(self.scheduler.running)
+
     def _output_or_error(self, req: Request, step_s: float) -> RequestOutput:
         try:
             return self._output(req, step_s)
         except Exception:
             logger.exception("building the output of request %s failed", req.request_id)
             self.scheduler.fail_request(req, "detokenising its output failed on the node")
-            self.runner.sampler.forget(req.request_id)
+            self._forget(req.request_id)
             return self._error_output(req, step_s)
 
     def _error_output(self, req: Request, step_s: float) -> RequestOutput:
@@ -269,7 +294,7 @@ class LLMEngine:
         elif req.is_finished and self.tokenizer is not None:
             text = self._stops.decode(req)
         if req.is_finished:
-            self.runner.sampler.forget(req.request_id)
+            self._forget(req.request_id)
         new_token_ids = req.output_token_ids[req.num_emitted_tokens:]
         req.num_emitted_tokens = req.num_output_tokens
         return RequestOutput(
@@ -289,6 +314,8 @@ class LLMEngine:
         hit = self._stops.find(req, text)
         if hit is None:
             return text
+        if req.num_output_tokens - req.num_emitted_tokens > 1:  # a verified run of tokens
+            hit = cut_at_first_stop(self._stops, req, req.num_emitted_tokens) or hit
         req.stop_reason, text = hit
         if req.is_finished:
             req.status = RequestStatus.FINISHED_STOPPED
@@ -302,7 +329,15 @@ class LLMEngine:
                 "num_running": len(self.scheduler.running),
                 "num_free_blocks": pool.num_free_blocks, "kv_usage": pool.usage,
                 "num_pinned_blocks": pins.num_used, "num_pin_refusals": pins.num_refused,
-                "num_pins_expired": pins.num_expired}
+                "num_pins_expired": pins.num_expired, **self._spec_stats()}
+
+    def _spec_stats(self) -> dict[str, float]:
+        return {} if self.spec_decoder is None else self.spec_decoder.stats.as_dict()
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's counters (proposed, accepted, per position), None when
+        off: what a node maps to its metrics."""
+        return None if self.spec_decoder is None else self.spec_decoder.stats
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -13,9 +13,10 @@ import torch
 from pdcluster.engine.attention import AttentionMetadata, PrefillChunk
 from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.models.llama import CausalLM
-from pdcluster.engine.outputs import RequestFailure, SampledToken
+from pdcluster.engine.outputs import StepResult
 from pdcluster.engine.sampler import Sampler
 from pdcluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pdcluster.engine.spec_decode.rejection import verify_chunks
 
 
 class ModelRunner:
@@ -28,22 +29,30 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampledToken | RequestFailure | None]:
+    def execute(self, out: SchedulerOutput) -> list[StepResult]:
         """One entry per `out.scheduled` item, in that order; None where nothing is sampled,
-        a `RequestFailure` where sampling failed for that request alone (engine.sampler)."""
+        a `RequestFailure` where sampling failed for that request alone (engine.sampler), a
+        list of tokens for a chunk that verified proposed tokens (engine/spec_decode)."""
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_tokens > 1)
         items = [out.scheduled[i] for i in order]
         input_ids, positions, meta, last_rows = self._prepare(items)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        sampling = [k for k, item in enumerate(items) if item.samples]
-        results: list[SampledToken | RequestFailure | None] = [None] * len(items)
+        sampling = [k for k, item in enumerate(items) if item.samples and not item.spec_token_ids]
+        results: list[StepResult] = [None] * len(items)
+        verifying = [k for k, item in enumerate(items) if item.spec_token_ids]
+        if verifying:
+            verified = verify_chunks(self.model, self.sampler, hidden,
+                                     [items[k] for k in verifying],
+                                     [last_rows[k] for k in verifying])
+            for k, tokens in zip(verifying, verified, strict=True):
+                results[k] = tokens
         if sampling:
             rows = torch.tensor([last_rows[k] for k in sampling], device=self.device)
             logits = self.model.compute_logits(hidden[rows])
             tokens = self.sampler.sample(logits, [items[k].request for k in sampling])
             for k, token in zip(sampling, tokens, strict=True):
                 results[k] = token
-        unordered: list[SampledToken | RequestFailure | None] = [None] * len(items)
+        unordered: list[StepResult] = [None] * len(items)
         for k, i in enumerate(order):
             unordered[i] = results[k]
         return unordered
@@ -58,7 +67,7 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         for it in items:
             start, end = it.start, it.start + it.num_tokens
-            ids.extend(it.request.all_token_ids[start:end])
+            ids.extend(it.token_ids)
             p = torch.arange(start, end)
             table = torch.tensor(it.block_ids[: -(-end // bs)])
             pos.append(p)

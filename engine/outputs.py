@@ -45,6 +45,11 @@ class RequestFailure:
     error: str
 
 
+# What the runner returns per scheduled chunk: nothing (no token drawn), one token, the
+# tokens of a verified proposal (engine/spec_decode), or this request's failure.
+StepResult = SampledToken | list[SampledToken] | RequestFailure | None
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: ReqId

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
 
 from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
 from pdcluster.core.kv_connector import (
@@ -45,7 +46,7 @@ from pdcluster.core.kv_connector import (
 from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill
 from pdcluster.core.types import ReqId
 from pdcluster.engine.kv_cache_manager import KVCacheManager, cdiv
-from pdcluster.engine.outputs import RequestFailure, SampledToken
+from pdcluster.engine.outputs import RequestFailure, SampledToken, StepResult
 from pdcluster.engine.pins import OverloadedError, PinBudget
 from pdcluster.engine.prefix_pulls import PrefixPulls
 from pdcluster.engine.request import Request, RequestStatus
@@ -107,14 +108,19 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, spec_tokens: Mapping[ReqId, list[int]] | None = None
+                 ) -> SchedulerOutput:
+        """`spec_tokens`: proposed tokens per request in decode (engine/spec_decode); each
+        request's are scheduled after its last token as far as budget and blocks allow."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens,
+                                        spec_tokens or {})
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          spec_tokens: Mapping[ReqId, list[int]]) -> int:
         scheduled_ids: set[ReqId] = set()
         for req in sorted(self.running, key=lambda r: (r.is_prefilling, r.arrival_time)):
             if budget == 0:
@@ -122,12 +128,25 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, num_new, scheduled_ids, out):
+            drafts = self._fitting_drafts(req, spec_tokens.get(req.request_id), budget)
+            if not drafts and not self._allocate_or_preempt(req, num_new, scheduled_ids, out):
                 continue
             scheduled_ids.add(req.request_id)
-            out.scheduled.append(self._scheduled(req, num_new))
-            budget -= num_new
+            out.scheduled.append(self._scheduled(req, num_new + len(drafts)))
+            out.scheduled[-1].spec_token_ids = drafts
+            budget -= num_new + len(drafts)
         return budget
+
+    def _fitting_drafts(self, req: Request, drafts: list[int] | None, budget: int) -> list[int]:
+        """The proposed tokens that fit the budget and the model length, with their slots
+        allocated; none (nothing allocated) for a request not in decode or when blocks are
+        short: speculation never preempts."""
+        if not drafts or req.is_prefilling:
+            return []
+        drafts = drafts[:min(budget - 1, self.config.max_model_len - req.num_tokens)]
+        if drafts and self.kv.allocate_slots(req, 1 + len(drafts)) is None:
+            return []
+        return drafts
 
     def _allocate_or_preempt(self, req: Request, num_new: int, scheduled_ids: set[ReqId],
                              out: SchedulerOutput) -> bool:
@@ -265,9 +284,11 @@ class Scheduler:
                                 self.kv.block_ids(req.request_id))
 
     def update_from_output(self, out: SchedulerOutput,
-                           sampled: list[SampledToken | RequestFailure | None]) -> list[Request]:
+                           sampled: list[StepResult]) -> list[Request]:
         """Apply one step's results; returns the requests that produced a token or finished.
-        A request whose sampling failed, or whose token cannot be applied, fails alone."""
+        A request whose sampling failed, or whose token cannot be applied, fails alone. A
+        list of tokens is a verified proposal (engine/spec_decode): its accepted tokens and
+        the one drawn after them."""
         updated = []
         for item, token in zip(out.scheduled, sampled, strict=True):
             req = item.request
@@ -278,10 +299,36 @@ class Scheduler:
                 continue
             if isinstance(token, RequestFailure):
                 self.fail_request(req, token.error)
+            elif isinstance(token, list):
+                self._apply_verified(req, item.start, token)
             else:
                 self._apply_token(req, token)
             updated.append(req)
         return updated
+
+    def _apply_verified(self, req: Request, start: int, tokens: list[SampledToken]) -> None:
+        """Append verified tokens one by one with the stop rules of single tokens, so a
+        request stops exactly where it would have; only accepted tokens' KV counts as
+        computed, blocks they complete are cached and blocks holding only rejected
+        proposals are freed."""
+        status = None
+        num_applied = 0
+        try:
+            for token in tokens:
+                req.append_output_token(token.token_id, token.logprob, token.top_logprobs)
+                num_applied += 1
+                status = self._check_stop(req)
+                if status is not None:
+                    break
+        except Exception:
+            logger.exception("applying tokens to request %s failed", req.request_id)
+            status, req.error = RequestStatus.FINISHED_ERROR, "stop checking failed on the node"
+        # Positions start .. start + accepted hold the right KV; the last token is new.
+        req.num_computed_tokens = start + 1 + min(num_applied, len(tokens) - 1)
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        self.kv.trim(req, req.num_tokens)
+        if status is not None:
+            self.finish_request(req.request_id, status)
 
     def _apply_token(self, req: Request, token: SampledToken) -> None:
         try:

@@ -33,11 +33,20 @@ class ScheduledRequest:
     start: int  # first position computed this step
     num_tokens: int
     block_ids: list[int]
+    # Proposed tokens computed after the request's last token, counted in `num_tokens`
+    # (speculative decoding, engine/spec_decode): verified, not yet the request's own.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the request's last known token (so a token is drawn)."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - len(self.spec_token_ids) == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this chunk computes: the request's, then any proposed ones."""
+        end = self.start + self.num_tokens - len(self.spec_token_ids)
+        return self.request.all_token_ids[self.start:end] + self.spec_token_ids
 
 
 @dataclass(slots=True)

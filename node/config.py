@@ -59,8 +59,8 @@ class NodeConfig:
         if not isinstance(self.engine, EngineConfig):
             raise ValueError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
         if not isinstance(self.cluster_secret, ClusterSecret):
-            raise ValueError(f"node {self.node_id}: cluster_secret (a pdcluster.core.credentials."
-                             "ClusterSecret) is required: a node never serves without it")
+            raise ValueError(f"node {self.node_id}: cluster_secret (a ClusterSecret, "
+                             "core/credentials.py) is required: a node never serves without it")
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 
     @property

@@ -81,3 +81,20 @@ def test_cli_metadata_tls_flags_reach_the_configs():
     metadata = parser.parse_args(["metadata", "serve", "--tls-cert", "s.crt", "--tls-key",
                                   "s.key", "--tls-client-ca", "clients.crt"])
     assert metadata.tls_client_ca == "clients.crt"
+
+
+def test_speculative_decoding_goes_to_decode_nodes_only():
+    config = ClusterConfig.from_dict({"model": "m", "engine": {"block_size": 8,
+                                                                "speculative": "ngram:k=4"}})
+    assert config.engine_options("decode") == {"block_size": 8, "speculative": "ngram:k=4"}
+    assert config.engine_options("prefill") == {"block_size": 8}
+    assert config.engine == {"block_size": 8, "speculative": "ngram:k=4"}  # not mutated
+
+
+def test_serve_refuses_a_bad_speculative_flag():
+    from pdcluster.cluster.cli_common import UsageError
+    from pdcluster.cluster.cli_services import _speculative_arg
+
+    assert _speculative_arg("draft:/m/small,k=2") == "draft:/m/small,k=2"
+    with pytest.raises(UsageError, match="speculative method"):
+        _speculative_arg("beam:k=2")

@@ -12,7 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TORCH_FREE = [f"pdcluster.engine.{name}" for name in (
     "block_pool", "kv_cache_manager", "scheduler", "request", "sampling_params", "outputs",
-    "model_config", "config", "prefix_pulls", "scheduler_output", "pins", "validation")]
+    "model_config", "config", "prefix_pulls", "scheduler_output", "pins", "validation",
+    "spec_decode.config", "spec_decode.ngram", "spec_decode.decoder", "spec_decode.stats",
+    "spec_decode.stops")]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
