@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from core.credentials import ClusterSecret
 from core.roles import Role, role_names
 from core.tls import ClientTLS
+from router.baselines import ROUTINGS
 from router.policy import PolicyConfig
 
 
@@ -50,6 +51,9 @@ class RouterConfig:
     cluster_secret: ClusterSecret | None = None
     api_keys: tuple[str, ...] = ()
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # "kv": the policy (prefix hits and load); "round_robin" / "least_loaded": the cache-blind
+    # baselines of router.baselines, for benchmarks against the KV policy
+    routing: str = "kv"
     max_body_bytes: int = 4 << 20
     max_tokens_limit: int = 32768
     load_interval_s: float = 0.5
@@ -66,6 +70,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got "
+                             f"{self.routing!r}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.max_body_bytes < 1024:

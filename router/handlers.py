@@ -84,7 +84,7 @@ class Handlers:
         healthy = any(n.healthy for n in dispatcher.nodes.values())
         link = dispatcher.metadata
         body = {"status": "ok" if healthy else "unavailable", "nodes": nodes,
-                "routing": "prefix_aware" if dispatcher.prefix_aware else "load_only",
+                "routing": _routing(self.config.routing, dispatcher.prefix_aware),
                 "metadata": None if link is None else {
                     "address": link.address, "available": link.available,
                     "last_error": link.last_error, "mirror_in_sync": link.mirror_in_sync,
@@ -274,3 +274,10 @@ def _chunk(req: CompletionRequest, request_id: str, content: str | dict,
 
 async def _send(response: web.StreamResponse, payload: dict) -> None:
     await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+
+def _routing(routing: str, prefix_aware: bool) -> str:
+    """What /health reports: a baseline by name, else whether prefix hits are used."""
+    if routing != "kv":
+        return routing
+    return "prefix_aware" if prefix_aware else "load_only"
