@@ -219,6 +219,14 @@ class LLMEngine:
             return True
         return self.connector is not None and self.connector.worker.has_pending_work()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (a KV event tells the global index), e.g. between
+        benchmark runs. Only when idle: False, and nothing changes, while a request or a
+        transfer holds blocks."""
+        if self.has_unfinished_requests() or self.has_pinned_blocks():
+            return False
+        return self.block_pool.reset_prefix_cache()
+
     def close(self) -> None:
         if self.connector is not None:
             self.connector.worker.close()

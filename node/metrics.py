@@ -89,14 +89,19 @@ class NodeMetrics:
     def observe(self, engine: LLMEngine, num_admitted: int = 0, num_refused: int = 0) -> None:
         """Take the engine's figures (on the thread that steps it)."""
         worker = engine.connector.worker if engine.connector is not None else None
-        counts = worker.counters() if worker is not None else {}
-        # one assignment: a scrape sees the old snapshot or the new one, never half of each
-        self._snapshot = _Snapshot(engine.counters(), counts, num_admitted, num_refused)
+        self.update(engine.counters(), worker.counters() if worker is not None else {},
+                    num_admitted, num_refused)
         labels = (self.node_id, self.role)
         for seconds in engine.take_step_times():
             self.step_seconds.labels(*labels).observe(seconds)
         for kind, seconds in worker.take_latencies() if worker is not None else ():
             self.transfer_seconds.labels(*labels, kind).observe(seconds)
+
+    def update(self, counters: EngineCounters, worker_counters: dict[str, int],
+               num_admitted: int = 0, num_refused: int = 0) -> None:
+        """Replace the snapshot the gauges and counters are read from."""
+        # one assignment: a scrape sees the old snapshot or the new one, never half of each
+        self._snapshot = _Snapshot(counters, dict(worker_counters), num_admitted, num_refused)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -95,6 +95,10 @@ class NodeRuntime:
         stats = self.server.stats
         self.metrics.observe(engine, stats.num_requests, stats.num_refused)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the node's prefix cache (the global index follows); False while busy."""
+        return self.server.call(LLMEngine.reset_prefix_cache)
+
     def info(self) -> dict[str, str]:
         return {"node_id": self.config.node_id, "role": self.config.role,
                 "request_address": self.server.address, "kv_address": self.kv_address,

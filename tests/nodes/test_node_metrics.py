@@ -1,7 +1,8 @@
 """Node metrics (node/metrics.py): a prefill and a decode node (engine + Mooncake connector
 over TCP + node server) serving Prometheus metrics on 127.0.0.1; the figures are read back
-over HTTP and move as requests run — prefix hits after a repeated prompt, blocks sent and
-received after a P->D transfer, step times, the registration in the metadata service."""
+over HTTP and move as requests run — prefix hits after a repeated prompt (and none after a
+prefix-cache reset), blocks sent and received after a P->D transfer, step times, the
+registration in the metadata service."""
 
 from __future__ import annotations
 
@@ -76,6 +77,12 @@ def test_prefix_hit_tokens_move_after_a_repeated_prompt(model_dirs):
         assert after[("pdcluster_node_requests_total", (("outcome", "admitted"),))] == 2
         assert after[("pdcluster_node_step_seconds_count", ())] >= 6
         assert after[("pdcluster_node_requests_running", ())] == 0
+        # a reset empties the prefix cache: the same prompt now hits nothing
+        assert node.reset_prefix_cache()
+        assert scrape(node)[("pdcluster_node_kv_blocks", (("state", "cached"),))] == 0
+        wire.send(GenerateRequest("reset", prompt, sampling(3)))
+        wire.collect({"reset"})
+        assert scrape(node)[("pdcluster_node_prefix_hit_tokens_total", ())] == 40
     finally:
         wire.close()
         node.stop()
