@@ -37,6 +37,7 @@ API: `NodeMetrics`, `MetricsServer`.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from prometheus_client.registry import Collector
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineCounters
 
+logger = logging.getLogger(__name__)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
                      5, 10, 30)
@@ -181,10 +183,18 @@ def _worker_families(w: dict[str, int], labels: list[str]) -> Iterator[Metric]:
 
 class MetricsServer:
     """Serves a registry at http://host:port/metrics (port 0: a free one) on a daemon
-    thread."""
+    thread. A port in use (two nodes on one pod) falls back to a free one, with a warning:
+    metrics are not worth failing a node for, and the address it registers is the real one."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            if not port:
+                raise
+            logger.warning("metrics port %s:%d unavailable (%s): serving on a free port",
+                           host, port, exc)
+            self._server, self._thread = start_http_server(0, addr=host, registry=registry)
         self.host, self.port = host, self._server.server_port
         self._stopped = threading.Event()
 

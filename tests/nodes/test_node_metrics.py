@@ -16,6 +16,7 @@ from metadata_service.client import MetadataClient
 from metadata_service.server import ServerThread
 from node.client import BlockingNodeClient, tokens_of
 from node.config import NodeConfig
+from node.metrics import MetricsServer, NodeMetrics
 from node.runtime import NodeRuntime
 from tests.cluster_secret import TEST_CURVE, TEST_SECRET
 from tests.metadata_service.helpers import make_config
@@ -135,6 +136,18 @@ def test_no_metrics_endpoint_unless_asked(model_dirs):
         assert b"pdcluster_node_requests_waiting" in node.metrics.render()
     finally:
         node.stop()
+
+
+def test_a_port_in_use_falls_back_to_a_free_one():
+    first = MetricsServer(NodeMetrics("a", "decode").registry, "127.0.0.1", 0)
+    try:
+        second = MetricsServer(NodeMetrics("b", "decode").registry, "127.0.0.1", first.port)
+        assert second.port not in (0, first.port)
+        with urllib.request.urlopen(second.address, timeout=5) as reply:
+            assert b'node="b"' in reply.read()
+        second.stop()
+    finally:
+        first.stop()
 
 
 def test_metrics_port_is_validated():
