@@ -39,7 +39,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.trace_workload import (
+from pdcluster.benchmarks.trace_workload import (
     TRACE_BLOCK_TOKENS,
     TraceRequest,
     Workload,
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _tiny_model(tmp: str) -> str:
-    from engine.tiny_model import make_tiny_model
+    from pdcluster.engine.tiny_model import make_tiny_model
 
     return str(make_tiny_model(Path(tmp) / "tiny", preset="tiny",
                                max_position_embeddings=8192))
@@ -82,9 +82,9 @@ def _vocab_size(model: str) -> int:
 def _run_policies(args: argparse.Namespace, model: str, workload: Workload,
                   policies: tuple[str, ...]) -> dict[str, dict]:
     """One cluster; per policy a fresh router, after every node's prefix cache was reset."""
-    from cluster.config import ClusterConfig
-    from cluster.launch import router_config
-    from cluster.ray_cluster import RayCluster
+    from pdcluster.cluster.config import ClusterConfig
+    from pdcluster.cluster.launch import router_config
+    from pdcluster.cluster.ray_cluster import RayCluster
 
     config = ClusterConfig(model=model, num_prefill=args.num_prefill,
                            num_decode=args.num_decode, node_metrics_port=0,
@@ -140,7 +140,7 @@ async def _serve_and_replay(config, requests: list[TraceRequest], num_nodes: int
                             timeout_s: float) -> dict:
     import aiohttp
 
-    from router.server import RouterApp
+    from pdcluster.router.server import RouterApp
 
     app = RouterApp(config)
     await app.start()

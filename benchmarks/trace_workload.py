@@ -82,7 +82,7 @@ def predict_hit_ratios(workload: Workload, num_nodes: int, cache_trace_blocks: i
                        policies: tuple[str, ...]) -> dict[str, dict]:
     """`pdcluster replay` (router.replay) on the same slice, arrival times and node count:
     per policy, its `hit_ratio` and `work_imbalance`, plus the slice's `ideal_hit_ratio`."""
-    from router import replay
+    from pdcluster.router import replay
 
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write("".join(json.dumps(row) + "\n" for row in workload.rows))

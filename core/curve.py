@@ -23,7 +23,7 @@ import threading
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from core.credentials import CurveKeys
+from pdcluster.core.credentials import CurveKeys
 
 logger = logging.getLogger(__name__)
 ZAP_DOMAIN = "pdcluster"

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from core.types import BlockHash
-from metadata_service.errors import InvalidBatch
+from pdcluster.core.types import BlockHash
+from pdcluster.metadata_service.errors import InvalidBatch
 
 _DELTA_VERSION = 1
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from core.roles import Role
-from router.errors import NoHealthyNode
-from router.policy import NodeView, PolicyConfig, RouteDecision
+from pdcluster.core.roles import Role
+from pdcluster.router.errors import NoHealthyNode
+from pdcluster.router.policy import NodeView, PolicyConfig, RouteDecision
 
 ROUTINGS = ("kv", "round_robin", "least_loaded")
 

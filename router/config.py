@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.credentials import ClusterSecret
-from core.roles import Role, role_names
-from core.tls import ClientTLS
-from router.baselines import ROUTINGS
-from router.policy import PolicyConfig
+from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.roles import Role, role_names
+from pdcluster.core.tls import ClientTLS
+from pdcluster.router.baselines import ROUTINGS
+from pdcluster.router.policy import PolicyConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +86,7 @@ class RouterConfig:
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
         if not isinstance(self.cluster_secret, ClusterSecret):
-            raise ValueError("cluster_secret (a core.credentials.ClusterSecret) is required: "
+            raise ValueError("cluster_secret (a pdcluster.core.credentials.ClusterSecret) is required: "
                              "the router reaches nodes and the metadata service with it")
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 

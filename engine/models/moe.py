@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model_families import MoEConfig
+from pdcluster.engine.model_families import MoEConfig
 
 
 class FusedLinear(nn.Linear):

@@ -11,7 +11,7 @@ import importlib
 
 from torch import nn
 
-from engine.model_config import SUPPORTED_ARCHITECTURES
+from pdcluster.engine.model_config import SUPPORTED_ARCHITECTURES
 
 _IMPLEMENTATIONS = {
     "LlamaForCausalLM": "engine.models.llama:CausalLM",

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from engine.model_config import RopeConfig
+from pdcluster.engine.model_config import RopeConfig
 
 
 def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:

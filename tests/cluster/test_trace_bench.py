@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from cluster.cli import main
+from pdcluster.cluster.cli import main
 from tests.cluster.trace_fixture import write_session_trace
 
 pytest.importorskip("ray")

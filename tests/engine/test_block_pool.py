@@ -13,9 +13,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from core.events import AllBlocksCleared, BlockRemoved, BlockStored
-from core.hashing import hash_block_tokens
-from engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from pdcluster.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from pdcluster.core.hashing import hash_block_tokens
+from pdcluster.engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from tests.helpers import assert_pool_clean
 
 BLOCK_SIZE = 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from pdcluster.engine import SamplingParams
 from tests.helpers import assert_pool_clean
 from tests.real_model import MAX_TOKENS, QUESTIONS, chats
 

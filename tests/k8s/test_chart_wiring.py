@@ -307,9 +307,9 @@ def test_dashboard_queries_the_documented_metrics() -> None:
 
 def test_dashboard_router_metrics_exist_in_the_router() -> None:
     try:
-        from router.metrics import RouterMetrics
+        from pdcluster.router.metrics import RouterMetrics
     except ImportError as exc:
-        pytest.skip(f"router.metrics not importable ({exc}): issue 6 builds it")
+        pytest.skip(f"pdcluster.router.metrics not importable ({exc}): issue 6 builds it")
     exported = set(re.findall(r"^# TYPE (\S+) (\S+)$", RouterMetrics().render().decode(),
                               re.M))
     names = {name for name, _ in exported}
@@ -363,8 +363,8 @@ def test_notes_tell_how_to_call_the_endpoint(tmp_path) -> None:
 
 
 def test_dashboard_node_metrics_exist_on_the_nodes() -> None:
-    from engine.outputs import EngineCounters, EngineLoad
-    from node.metrics import NodeMetrics
+    from pdcluster.engine.outputs import EngineCounters, EngineLoad
+    from pdcluster.node.metrics import NodeMetrics
 
     metrics = NodeMetrics("n0", "prefill")
     metrics.update(EngineCounters(EngineLoad(0, 0, 8, 8, 0), 0, 0, 0, 0.0, 0, 0, 0),

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from metadata_service.client import MetadataClient
-from metadata_service.server import ServerThread
+from pdcluster.metadata_service.client import MetadataClient
+from pdcluster.metadata_service.server import ServerThread
 from tests.metadata_service.helpers import EtcdProcess, make_config
 
 

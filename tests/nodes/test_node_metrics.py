@@ -11,13 +11,13 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
-from metadata_service.client import MetadataClient
-from metadata_service.server import ServerThread
-from node.client import BlockingNodeClient, tokens_of
-from node.config import NodeConfig
-from node.metrics import MetricsServer, NodeMetrics
-from node.runtime import NodeRuntime
+from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
+from pdcluster.metadata_service.client import MetadataClient
+from pdcluster.metadata_service.server import ServerThread
+from pdcluster.node.client import BlockingNodeClient, tokens_of
+from pdcluster.node.config import NodeConfig
+from pdcluster.node.metrics import MetricsServer, NodeMetrics
+from pdcluster.node.runtime import NodeRuntime
 from tests.cluster_secret import TEST_CURVE, TEST_SECRET
 from tests.metadata_service.helpers import make_config
 from tests.models import random_prompts

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import zmq
 
-from core.curve import secure_server, stop_authenticator
-from core.node_wire import (
+from pdcluster.core.curve import secure_server, stop_authenticator
+from pdcluster.core.node_wire import (
     AbortRequest,
     GenerateRequest,
     LoadQuery,

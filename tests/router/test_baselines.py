@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from router.baselines import RoundRobin, least_loaded_config
-from router.config import RouterConfig
-from router.errors import NoHealthyNode
-from router.policy import NodeView, PolicyConfig, route
+from pdcluster.router.baselines import RoundRobin, least_loaded_config
+from pdcluster.router.config import RouterConfig
+from pdcluster.router.errors import NoHealthyNode
+from pdcluster.router.policy import NodeView, PolicyConfig, route
 from tests.cluster_secret import TEST_SECRET
 
 CONFIG = PolicyConfig(block_size=16, local_prefill_threshold=32)
