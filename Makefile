@@ -16,7 +16,7 @@ MODEL ?= .cache/smollm2-135m-instruct
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup setup-serve run test lint bench clean distclean
+.PHONY: setup setup-serve run test lint bench peers bench-client clean distclean
 
 setup:
 	bash scripts/setup.sh test
@@ -31,9 +31,12 @@ run: setup-serve
 	$(PDCLUSTER) serve --model $(MODEL) --num-prefill 1 --num-decode 1 --port $(PORT) \
 		$(SERVE_ARGS)
 
+# ruff on every room, the tests and the build scripts; mypy as pyproject.toml's [tool.mypy] says
+# (strict on core/ and the wire types).
 lint: setup
 	$(VENV)/bin/ruff check core engine transfer metadata_service node prefill_node \
-		decode_node router cluster proto benchmarks tests
+		decode_node router cluster proto benchmarks tests scripts setup.py pdcluster/__init__.py
+	$(VENV)/bin/mypy
 
 test: lint
 	$(VENV)/bin/python -m pytest -q
@@ -45,8 +48,23 @@ bench: setup-serve
 	$(PDCLUSTER) bench metadata --json
 	$(PDCLUSTER) bench curve --json
 
+# Third-party load clients, each in its own virtual environment under .cache/peers (never the
+# project's .venv, never part of `make test`). aiperf loads the local tokenizer folder only with
+# HF_HUB_OFFLINE unset: `pdcluster bench client` unsets it for aiperf alone.
+AIPERF_VERSION := 0.13.0
+peers: .cache/peers/aiperf/bin/aiperf
+
+.cache/peers/aiperf/bin/aiperf:
+	python3 -m venv .cache/peers/aiperf
+	.cache/peers/aiperf/bin/pip install aiperf==$(AIPERF_VERSION)
+
+# aiperf against a cluster already serving $(MODEL) on $(PORT) (`make run` in another shell).
+bench-client: setup-serve peers
+	$(PDCLUSTER) bench client --url http://127.0.0.1:$(PORT) --json \
+		--model $(notdir $(MODEL)) --tokenizer $(MODEL)
+
 clean:
-	rm -rf .cache build dist *.egg-info .pytest_cache .hypothesis .ruff_cache
+	rm -rf .cache build dist *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean

@@ -62,9 +62,11 @@ def run(args: argparse.Namespace) -> dict:
                                  args.time_scale, args.max_output_tokens, _vocab_size(model))
         cache_trace_blocks = (args.num_prefill * args.kv_blocks * BLOCK_SIZE
                               // args.tokens_per_block)
+        config = _cluster_config(args, model)
         predicted = predict_hit_ratios(workload, max(args.num_prefill, 1),
-                                       cache_trace_blocks, policies)
-        live = _run_policies(args, model, workload, policies)
+                                       cache_trace_blocks, policies,
+                                       config.global_reuse_min_tokens)
+        live = _run_policies(args, config, workload, policies)
     return _report(args, model, workload, predicted, live, time.perf_counter() - started)
 
 
@@ -79,17 +81,21 @@ def _vocab_size(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
 
 
-def _run_policies(args: argparse.Namespace, model: str, workload: Workload,
+def _cluster_config(args: argparse.Namespace, model: str):
+    from pdcluster.cluster.config import ClusterConfig
+
+    return ClusterConfig(model=model, num_prefill=args.num_prefill,
+                         num_decode=args.num_decode, node_metrics_port=0,
+                         engine={"block_size": BLOCK_SIZE, "num_kv_blocks": args.kv_blocks,
+                                 "max_num_batched_tokens": 2048})
+
+
+def _run_policies(args: argparse.Namespace, config, workload: Workload,
                   policies: tuple[str, ...]) -> dict[str, dict]:
     """One cluster; per policy a fresh router, after every node's prefix cache was reset."""
-    from pdcluster.cluster.config import ClusterConfig
     from pdcluster.cluster.launch import router_config
     from pdcluster.cluster.ray_cluster import RayCluster
 
-    config = ClusterConfig(model=model, num_prefill=args.num_prefill,
-                           num_decode=args.num_decode, node_metrics_port=0,
-                           engine={"block_size": BLOCK_SIZE, "num_kv_blocks": args.kv_blocks,
-                                   "max_num_batched_tokens": 2048})
     cluster = RayCluster(config).start()
     try:
         nodes = cluster.nodes()
@@ -286,6 +292,7 @@ def _report(args: argparse.Namespace, model: str, workload: Workload, predicted:
             live: dict[str, dict], wall_s: float) -> dict:
     for policy, figures in live.items():
         figures["replay_hit_ratio"] = predicted[policy]["hit_ratio"]
+        figures["replay_reuse_ratio"] = predicted[policy]["reuse_ratio"]
         figures["replay_work_imbalance"] = predicted[policy]["work_imbalance"]
     result = {
         "trace": str(args.trace), "offset": args.offset, "requests": len(workload.requests),
@@ -303,7 +310,7 @@ def _report(args: argparse.Namespace, model: str, workload: Workload, predicted:
     if kv and rr and rr["ttft_p50_ms"] > 0:
         result["ttft_p50_ratio_kv_vs_round_robin"] = round(kv["ttft_p50_ms"] / rr["ttft_p50_ms"],
                                                            3)
-    if kv and kv["replay_hit_ratio"]:
+    if kv and kv["replay_reuse_ratio"]:
         result["live_vs_replay_hit_ratio"] = round(kv["prefix_hit_ratio"]
-                                                   / kv["replay_hit_ratio"], 3)
+                                                   / kv["replay_reuse_ratio"], 3)
     return result

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import random
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,22 +78,23 @@ def load_workload(path: str | Path, offset: int, limit: int, tokens_per_block: i
 
 
 def predict_hit_ratios(workload: Workload, num_nodes: int, cache_trace_blocks: int,
-                       policies: tuple[str, ...]) -> dict[str, dict]:
+                       policies: tuple[str, ...], global_reuse_min_tokens: int) -> dict:
     """`pdcluster replay` (router.replay) on the same slice, arrival times and node count:
-    per policy, its `hit_ratio` and `work_imbalance`, plus the slice's `ideal_hit_ratio`."""
+    per policy its `hit_ratio` (local hits), `reuse_ratio` (with pulled blocks) and
+    `work_imbalance`, plus the slice's `ideal_hit_ratio`. The pull threshold is the live
+    router's, in trace blocks."""
     from pdcluster.router import replay
+    from pdcluster.router.policy import PolicyConfig
 
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        f.write("".join(json.dumps(row) + "\n" for row in workload.rows))
-    try:
-        requests = replay.load_trace(f.name)
-    finally:
-        Path(f.name).unlink()
+    requests = replay.parse_trace(workload.rows)
     config = replay.ReplayConfig(num_nodes=num_nodes,
                                  cache_blocks=max(cache_trace_blocks, num_nodes))
-    predicted = {"ideal_hit_ratio": replay.ideal_hit_ratio(requests)}
+    min_blocks = -(-global_reuse_min_tokens // workload.tokens_per_block)  # ceil
+    pconf = PolicyConfig(block_size=TRACE_BLOCK_TOKENS,
+                         global_reuse_min_tokens=min_blocks * TRACE_BLOCK_TOKENS)
+    predicted: dict = {"ideal_hit_ratio": replay.ideal_hit_ratio(requests)}
     for policy in policies:
-        stats = replay.replay(requests, _REPLAY_NAMES[policy], config)
-        predicted[policy] = {"hit_ratio": stats["hit_ratio"],
-                             "work_imbalance": stats["work_imbalance"]}
+        stats = replay.replay(requests, _REPLAY_NAMES[policy], config, pconf)
+        predicted[policy] = {k: stats[k] for k in ("hit_ratio", "reuse_ratio",
+                                                   "work_imbalance")}
     return predicted

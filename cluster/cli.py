@@ -13,7 +13,10 @@ Subcommands:
   bench serve               run the serving benchmark on a local Ray cluster (JSON last)
   bench router              run the router-overhead benchmark (JSON last)
   bench curve               run the CURVE-cost benchmark (JSON last)
+  bench client --url URL    load a served cluster with aiperf (JSON last)
   replay --trace FILE       replay a request trace through the routing policy (JSON last)
+  replay --synthetic NAME   the same on a generated trace (router/trace_gen.py)
+  trace-gen NAME --out FILE write a synthetic trace
 
 `pdcluster --help` must stay fast and torch-free, so `engine` and `benchmarks` are imported only
 inside the handlers that need them. API: `main(argv) -> int` (exit status).
@@ -25,16 +28,15 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
-from pdcluster.cluster import cli_models, cli_services
+from pdcluster.cluster import cli_models, cli_replay, cli_services
 from pdcluster.cluster.cli_common import (
     DEVICES,
     UsageError,
     add_command,
-    config_errors_as_usage,
     formatter,
     require_device,
     resolve_model_arg,
@@ -65,10 +67,14 @@ BENCHMARKS = {
               "same run."),
     "trace": ("trace_bench", "Replay a slice of a Mooncake trace (JSONL: timestamp, "
               "input_length, output_length, hash_ids) against a live local cluster through the "
-              "router's HTTP API, once per routing policy (kv, round_robin, least_loaded; a "
-              "fresh cluster each): TTFT and latency p50/p90, output tokens/s, the prefix hit "
+              "router's HTTP API, once per routing policy (kv, round_robin, least_loaded; caches "
+              "reset between them): TTFT and latency p50/p90, output tokens/s, the prefix hit "
               "ratio and blocks moved read from the nodes' metrics, next to what `pdcluster "
               "replay` predicts for the same slice."),
+    "client": ("client_bench", "A published load client (aiperf, installed by `make peers` "
+               "in its own environment) against a served cluster at --url: TTFT, inter-token "
+               "latency, request latency and throughput, against the router's own figures "
+               "for the same requests."),
 }
 
 
@@ -116,8 +122,38 @@ def _trace_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds one request may take before it counts as failed")
 
 
+def _client_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", required=True,
+                        help="the server's base URL, e.g. http://127.0.0.1:8000 (a trailing "
+                        "/v1 is dropped: aiperf appends the endpoint path)")
+    # not `model`: the bench handler would resolve that as a model folder
+    parser.add_argument("--model", dest="served_model", required=True,
+                        help="the served model name (as /v1/models lists it)")
+    parser.add_argument("--tokenizer", required=True,
+                        help="local tokenizer folder (usually the model folder)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="requests in flight (default 4; --quick 2)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests to complete (default 32; --quick 8)")
+    parser.add_argument("--isl", type=int, default=None,
+                        help="synthetic prompt tokens (default 128; --quick 64)")
+    parser.add_argument("--osl", type=int, default=None,
+                        help="max output tokens per request (default 32; --quick 16)")
+    parser.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
+                        help="the OpenAI endpoint to load")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="API key (default: $OPENAI_API_KEY)")
+    parser.add_argument("--tool-dir", default=None,
+                        help="aiperf's virtual environment (default: $PDCLUSTER_AIPERF_DIR "
+                        "or .cache/peers/aiperf in the repository)")
+    parser.add_argument("--artifact-dir", default=None,
+                        help="keep aiperf's exports here (default: a temporary folder)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds the whole aiperf run may take")
+
+
 _BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "metadata": _metadata_bench_args,
-                     "trace": _trace_bench_args}
+                     "client": _client_bench_args, "trace": _trace_bench_args}
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
@@ -135,28 +171,6 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument("--json", action="store_true", help="print only the JSON line")
         parser.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
         _BENCH_EXTRA_ARGS.get(name, lambda _: None)(parser)
-
-
-REPLAY_POLICIES = ("kv", "round-robin", "least-loaded")
-
-
-def _add_replay(subparsers: argparse._SubParsersAction) -> None:
-    replay = add_command(
-        subparsers,
-        "replay",
-        "Replay a request trace (JSONL: timestamp, input_length, output_length, hash_ids) "
-        "through the router's policy over simulated LRU-cache nodes feeding the real block "
-        "index. Reports hit_ratio, work_imbalance and ideal_hit_ratio for the chosen policy "
-        "and for round-robin and least-loaded, measured in the same run.",
-        _cmd_replay,
-    )
-    replay.add_argument("--trace", required=True, help="trace file (JSON lines)")
-    replay.add_argument("--nodes", type=int, default=8, help="simulated nodes")
-    replay.add_argument("--cache-blocks", type=int, default=100_000,
-                        help="blocks of cache over all nodes (each node holds C/N)")
-    replay.add_argument("--policy", choices=REPLAY_POLICIES, default="kv", help="routing policy")
-    replay.add_argument("--seed", type=int, default=0, help="seed of the tie-breaking RNG")
-    replay.add_argument("--json", action="store_true", help="print only the JSON line")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     cli_services.add_router(subparsers)
     cli_services.add_metadata(subparsers)
     _add_bench(subparsers)
-    _add_replay(subparsers)
+    cli_replay.add_replay(subparsers, _report_command)
+    cli_replay.add_trace_gen(subparsers)
     return parser
 
 
@@ -210,7 +225,8 @@ def format_table(result: dict) -> str:
 
 def _bench_command(module: str) -> Callable[[argparse.Namespace], int]:
     """A handler that runs `benchmarks.<module>.run(args)` and prints its JSON result last."""
-    return _report_command(lambda args: importlib.import_module(f"benchmarks.{module}").run(args))
+    return _report_command(
+        lambda args: importlib.import_module(f"pdcluster.benchmarks.{module}").run(args))
 
 
 def _report_command(run: Callable[[argparse.Namespace], dict]
@@ -229,16 +245,6 @@ def _report_command(run: Callable[[argparse.Namespace], dict]
         return 0
 
     return handler
-
-
-def _cmd_replay(args: argparse.Namespace) -> int:
-    if not Path(args.trace).is_file():
-        raise UsageError(f"trace file not found: {args.trace}")
-    from pdcluster.router import replay
-
-    with config_errors_as_usage():
-        replay.ReplayConfig(num_nodes=args.nodes, cache_blocks=args.cache_blocks)
-    return _report_command(replay.run)(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcluster.core.tls import ClientTLS
+from pdcluster.engine.config import EngineConfig
 from pdcluster.router.baselines import ROUTINGS
 
 # Uncached prompt tokens up to which the decode node prefills itself. Low, because on a CPU
@@ -80,6 +81,7 @@ class ClusterConfig:
                              "must be >= 0")
         if not 0 < self.router_port < 65536:
             raise ValueError(f"router port {self.router_port} out of range")
+        EngineConfig.from_options(self.model, self.engine)  # every node's, checked at load
         if self.node_metrics_port is not None and not 0 <= self.node_metrics_port < 65536:
             raise ValueError(f"node metrics port {self.node_metrics_port} out of range")
         if self.routing not in ROUTINGS:

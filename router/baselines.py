@@ -6,8 +6,8 @@ against (`RouterConfig.routing`): pure decisions over the same `NodeView`s, no I
   node, as the KV policy does for a short uncached prompt). Load and cache contents are
   ignored; draining nodes are skipped.
 - `least_loaded`: the KV policy's own cost function with every prefix hit ignored, no work
-  memory (`work_weight=0`) and no global prefix reuse — the load terms alone decide
-  (`least_loaded_config`), as in `router.replay`'s least-loaded baseline.
+  memory and no global prefix reuse — the load terms alone decide (`least_loaded_config`:
+  `PolicyConfig.load_only`, as in `router.replay`'s least-loaded baseline).
 
 API: `ROUTINGS`, `RoundRobin`, `least_loaded_config`.
 """
@@ -15,7 +15,6 @@ API: `ROUTINGS`, `RoundRobin`, `least_loaded_config`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from pdcluster.core.roles import Role
 from pdcluster.router.errors import NoHealthyNode
@@ -25,8 +24,9 @@ ROUTINGS = ("kv", "round_robin", "least_loaded")
 
 
 def least_loaded_config(config: PolicyConfig) -> PolicyConfig:
-    """`config` with what makes it cache-aware switched off (see the module docstring)."""
-    return replace(config, work_weight=0.0, global_reuse_min_tokens=0)
+    """`config` with what makes it cache-aware switched off (`PolicyConfig.load_only`, the
+    replay's least-loaded baseline too)."""
+    return config.load_only()
 
 
 class RoundRobin:

@@ -55,6 +55,14 @@ class RouterConfig:
     # baselines of router.baselines, for benchmarks against the KV policy
     routing: str = "kv"
     max_body_bytes: int = 4 << 20
+    # The HTTP edge (router.edge): a request head must arrive within header_timeout_s of the
+    # connection opening or of the previous response (idle keep-alive connections close
+    # then too), a body within body_timeout_s of its head; the longest request or header
+    # line and the number of headers.
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    max_header_bytes: int = 8190
+    max_headers: int = 128
     max_tokens_limit: int = 32768
     load_interval_s: float = 0.5
     node_timeout_s: float = 2.0
@@ -77,8 +85,10 @@ class RouterConfig:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.max_header_bytes < 256 or self.max_headers < 8:
+            raise ValueError("max_header_bytes must be >= 256 and max_headers >= 8")
         for name in ("load_interval_s", "node_timeout_s", "metadata_timeout_s",
-                     "metadata_retry_s"):
+                     "metadata_retry_s", "header_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if len({n.node_id for n in self.nodes}) != len(self.nodes):
@@ -86,7 +96,7 @@ class RouterConfig:
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
         if not isinstance(self.cluster_secret, ClusterSecret):
-            raise ValueError("cluster_secret (a pdcluster.core.credentials.ClusterSecret) is required: "
+            raise ValueError("cluster_secret (a core.credentials.ClusterSecret) is required: "
                              "the router reaches nodes and the metadata service with it")
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 

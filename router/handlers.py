@@ -26,6 +26,7 @@ from aiohttp import web
 from pdcluster.core.node_wire import TokenDelta
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.dispatch import Dispatcher, Placement
+from pdcluster.router.edge import json_error
 from pdcluster.router.errors import ApiError, NodeFailure, NoHealthyNode, api_error, error_body
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.migration import execute_migrating
@@ -34,7 +35,6 @@ from pdcluster.router.request_prep import check_auth, make_generate, read_json, 
 from pdcluster.router.tokenizer import IncrementalDetokenizer, RouterTokenizer
 
 logger = logging.getLogger(__name__)
-RETRY_AFTER_S = "1"
 
 
 @dataclass(slots=True)
@@ -76,21 +76,6 @@ class Handlers:
                 "owned_by": "pdcluster", "max_model_len": self.tokenizer.max_model_len}
         return web.json_response({"object": "list", "data": [card]})
 
-    async def health(self, request: web.Request) -> web.Response:
-        dispatcher = self.dispatcher
-        nodes = {n.node_id: {"role": n.spec.role, "healthy": n.healthy,
-                             "connected": not n.disconnected, "inflight": n.num_inflight}
-                 for n in dispatcher.nodes.values()}
-        healthy = any(n.healthy for n in dispatcher.nodes.values())
-        link = dispatcher.metadata
-        body = {"status": "ok" if healthy else "unavailable", "nodes": nodes,
-                "routing": _routing(self.config.routing, dispatcher.prefix_aware),
-                "metadata": None if link is None else {
-                    "address": link.address, "available": link.available,
-                    "last_error": link.last_error, "mirror_in_sync": link.mirror_in_sync,
-                    "mirror_blocks": link.mirror_blocks, "watch_error": link.watch_error}}
-        return web.json_response(body, status=200 if healthy else 503)
-
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(),
                             content_type="text/plain", charset="utf-8")
@@ -115,7 +100,8 @@ class Handlers:
 
     async def _checked(self, request: web.Request, chat: bool) -> web.StreamResponse:
         check_auth(request, self._keys)
-        body = await read_json(request, self.config.max_body_bytes)
+        body = await read_json(request, self.config.max_body_bytes,
+                               self.config.body_timeout_s)
         req = parse_chat(body) if chat else parse_completion(body)
         prompt = resolve_prompt(req, self.tokenizer, self.model_name,
                                 self.config.max_tokens_limit)
@@ -240,11 +226,6 @@ class _SseStream:
     response: web.StreamResponse | None = None
 
 
-def json_error(exc: ApiError) -> web.Response:
-    headers = {"Retry-After": RETRY_AFTER_S} if exc.status == 503 else None
-    return web.json_response(error_body(exc), status=exc.status, headers=headers)
-
-
 def now_s() -> int:
     return int(time.time())
 
@@ -274,10 +255,3 @@ def _chunk(req: CompletionRequest, request_id: str, content: str | dict,
 
 async def _send(response: web.StreamResponse, payload: dict) -> None:
     await response.write(f"data: {json.dumps(payload)}\n\n".encode())
-
-
-def _routing(routing: str, prefix_aware: bool) -> str:
-    """What /health reports: a baseline by name, else whether prefix hits are used."""
-    if routing != "kv":
-        return routing
-    return "prefix_aware" if prefix_aware else "load_only"

@@ -11,15 +11,19 @@ Every cost is in *prefill-token equivalents* (the unit of the work a node must d
     load(n)     = queue_weight   * queued_prefill_tokens(n)
                 + running_weight * num_running(n)
                 + kv_weight      * kv_usage(n)                 (kv_usage in [0, 1])
-                + work_weight    * recent_work(n)
+                + work_weight    * recent_work(n)              (0 by default)
+    balance(n)  = prompt_tokens * (balance_tilt * over(n)
+                                   + max(0, over(n) - balance_slack) / balance_ramp)
+    over(n)     = (recent_work(n) - mean) / max(mean, balance_floor_prompts * prompt_tokens)
+                  (mean: over the nodes that can take the same role)
 
     recent_work(n) = sum over requests r the router sent to n of
                      work(r) * 2 ** (-(now - sent_at(r)) / work_half_life_s)
     work(r)        = uncached prompt tokens it prefills there
                    + output_token_weight * output tokens it decodes there
 
-    cost_P(n) = prefill_weight  * uncached(n) + load(n)        (prefill work left + queue)
-    cost_D(n) = transfer_weight * uncached(n) + load(n)        (blocks D lacks must move)
+    cost_P(n) = prefill_weight  * uncached(n) + load(n) + balance(n)
+    cost_D(n) = transfer_weight * uncached(n) + load(n) + balance(n)
 
 D = argmin cost_D; if uncached(D) <= local_prefill_threshold (or there is no prefill node),
 D prefills locally; else P = argmin cost_P. Ties (within `tie_epsilon`) are broken uniformly
@@ -38,34 +42,48 @@ and D's local work shrinks the same way. The decision names the holder (`prefix_
 
 Why `recent_work`: the first three load terms are what a node reports *now*. At low
 utilization its queue is empty most of the time, so they cannot tell a node that served ten
-long conversations in the last minute from one that served none, and sticky conversations
+long conversations in the last minutes from one that served none, and sticky conversations
 pile up cumulative work on a few nodes. `recent_work` is the router's own memory of the work
-it sent (`router.load_decay.DecayedWork`, kept by the caller and advanced with the caller's clock).
-Only the differences between nodes matter to the argmin, so a conversation stays on the node holding
-its prefix until that node's excess recent work, times `work_weight`, outweighs recomputing
-the prefix elsewhere.
+it sent (`router.load_decay.DecayedWork`, kept by the caller and advanced with its clock).
 
-Why this does not herd on a shared prefix: once a prefix is cached on several nodes its
-credit is equal on all of them, so load alone decides among them; while it is cached on one
-node only, that node's queue (under load) or its recent work (at low load, where the queue
-stays empty) grows with every request sent there, and the others win as soon as that
-outweighs recomputing the prefix (after which they hold it too). Why it does not starve: with
-no prefix overlap the cost is load alone, i.e. least-loaded, recent work breaking what would
-be ties.
+Why the balance term has a dead band (adaptive, not a price per token): a load term that is
+charged everywhere gives away hits for balance nobody needs (a follow-up moved off its node
+because that node did slightly more work). Here a node's excess recent work costs nothing
+up to `balance_slack` (5%) above the mean; past it the charge rises to the whole prompt over
+`balance_ramp` (10%), so a node that far ahead takes nothing new, and in between a request
+leaves it only if it would lose less than (over - slack) / ramp of its prompt: the cheap
+requests move first, the long conversations last. The term is relative (to the mean and to
+the request's own prompt), so one setting serves 8 or 64 nodes, short or long prompts, light
+or heavy load, without per-trace settings. The small `balance_tilt` steers the choices that
+hits leave open (a new conversation whose only hit is a system prompt every node holds) to
+the nodes below the mean; it stays far below a block of hits. The queue term stays linear:
+`queue_weight` prices each queued token (real delay) against each prefill token saved, at
+0.35: a request leaves its prefix for a queue shorter by about three times the recompute.
+`balance_floor_prompts` keeps a near-idle cluster from bouncing a lone conversation at once:
+its node's excess is measured against at least 8 of its prompts of work, so it moves only once
+that node's recent work passes about 1.3 prompts (its first turn and a few follow-ups). The
+half-life (300 s) spans a few conversations per node, so the balance tracks cumulative work
+rather than the last burst.
+
+Why this does not herd on a shared prefix: while a prefix is cached on one node only, that
+node's recent work grows with every request sent there until it passes the slack, and the
+others then win the requests the prefix alone cannot hold (after which they hold it too and
+load alone decides). Why it does not starve: with no prefix overlap the cost is load alone,
+i.e. least-loaded, recent work (the tilt) breaking what would be ties.
 Metadata unreachable: call with every `cached_blocks=0` (load-only routing).
 
 Speed: a decision is one pass over the candidates per role with the arithmetic inline (no
 per-node calls or allocations); 64 nodes decide in tens of microseconds.
 
 API: `PolicyConfig`, `NodeView`, `RouteDecision`, `request_work`,
-`choose_prefill`, `choose_decode`, `route`.
+`choose_prefill`, `choose_decode`, `route`, `pull_source`.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdcluster.core.roles import Role
 from pdcluster.core.types import NodeId
@@ -77,25 +95,42 @@ class PolicyConfig:
     block_size: int = 16
     prefill_weight: float = 1.0
     transfer_weight: float = 0.25
-    queue_weight: float = 0.5
+    queue_weight: float = 0.35
     running_weight: float = 16.0
     kv_weight: float = 512.0
-    work_weight: float = 0.03
+    work_weight: float = 0.0  # a plain charge per token of recent work (the old balance term)
     output_token_weight: float = 10.0  # node time of one output token / of one prompt token
-    work_half_life_s: float = 60.0
+    work_half_life_s: float = 300.0
+    # the balance term (module docstring): free up to `balance_slack` above the mean recent
+    # work, then rising to the whole prompt over `balance_ramp`; `balance_tilt` steers
+    # choices that hits leave open; the mean counts as at least `balance_floor_prompts`
+    # prompts of work (an idle cluster keeps its conversations where they are)
+    balance_slack: float = 0.05
+    balance_ramp: float = 0.1
+    balance_tilt: float = 0.03
+    balance_floor_prompts: float = 8.0
     local_prefill_threshold: int = 256
     global_reuse_min_tokens: int = 512  # pull a prefix at least this long; 0: never pull
     tie_epsilon: float = 1e-9
+
+    def load_only(self) -> PolicyConfig:
+        """This configuration blind to prefixes and to the router's memory of work: the
+        least-loaded baseline."""
+        return replace(self, prefill_weight=0.0, work_weight=0.0, global_reuse_min_tokens=0,
+                       balance_slack=0.0, balance_tilt=0.0)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("prefill_weight", "transfer_weight", "queue_weight", "running_weight",
-                     "kv_weight", "work_weight", "output_token_weight", "tie_epsilon"):
+                     "kv_weight", "work_weight", "output_token_weight", "tie_epsilon",
+                     "balance_slack", "balance_tilt", "balance_floor_prompts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.local_prefill_threshold < 0 or self.global_reuse_min_tokens < 0:
             raise ValueError("local_prefill_threshold and global_reuse_min_tokens must be >= 0")
+        if not self.balance_ramp > 0:
+            raise ValueError(f"balance_ramp must be > 0, got {self.balance_ramp}")
         if not self.work_half_life_s > 0:
             raise ValueError(f"work_half_life_s must be > 0, got {self.work_half_life_s}")
 
@@ -174,6 +209,26 @@ class _Scores:
         return _argmin(nodes, costs, rng, epsilon)
 
 
+class _Balance:
+    """The balance term of one decision over one pool of nodes (those that can prefill, or
+    those that can decode: their work is not alike), see the module docstring."""
+
+    __slots__ = ("on", "_mean", "_scale", "_slack", "_ramp", "_tilt", "_prompt")
+
+    def __init__(self, pool: Sequence[NodeView], num_prompt_tokens: int,
+                 config: PolicyConfig) -> None:
+        self.on = bool(pool) and (config.balance_slack > 0 or config.balance_tilt > 0)
+        self._mean = sum(n.recent_work for n in pool) / len(pool) if self.on else 0.0
+        self._scale = max(self._mean, config.balance_floor_prompts * num_prompt_tokens, 1.0)
+        self._slack, self._ramp = config.balance_slack, config.balance_ramp
+        self._tilt, self._prompt = config.balance_tilt, num_prompt_tokens
+
+    def cost(self, recent_work: float) -> float:
+        over = (recent_work - self._mean) / self._scale
+        excess = (over - self._slack) / self._ramp if over > self._slack else 0.0
+        return self._prompt * (self._tilt * over + excess)
+
+
 def _score(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConfig) -> _Scores:
     bs, pw, tw = config.block_size, config.prefill_weight, config.transfer_weight
     live = [n for n in nodes if not n.draining]
@@ -182,6 +237,8 @@ def _score(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConf
     scores = _Scores([], [], [], [], best, len(nodes))
     d_nodes, d_costs = scores.decode_nodes.append, scores.decode_costs.append
     p_nodes, p_costs = scores.prefill_nodes.append, scores.prefill_costs.append
+    p_balance = _Balance([n for n in live if n.role != "decode"], num_prompt_tokens, config)
+    d_balance = _Balance([n for n in live if n.role != "prefill"], num_prompt_tokens, config)
     for n in live:  # conditionals rather than min/max calls: this loop is most of a decision
         uncached = num_prompt_tokens - n.cached_blocks * bs
         uncached = uncached if uncached > 0 else 0
@@ -190,11 +247,13 @@ def _score(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConf
             load = load_cost(n, config)
         if n.role != "prefill":
             d_nodes(n)
-            d_costs(tw * uncached + load)
+            d_costs(tw * uncached + load
+                    + (d_balance.cost(n.recent_work) if d_balance.on else 0.0))
         if n.role != "decode":
             pulled = best - n.cached_blocks
             p_nodes(n)
             p_costs(pw * uncached + load
+                    + (p_balance.cost(n.recent_work) if p_balance.on else 0.0)
                     - (pull_saving * pulled if pulled > 0 and pulled * bs >= min_pull else 0.0))
     return scores
 
@@ -223,6 +282,16 @@ def _source(scores: _Scores, nodes: Sequence[NodeView], node: NodeView,
         return None, 0
     holder = next(n for n in nodes if not n.draining and n.cached_blocks >= scores.pull_blocks)
     return holder.node_id, scores.pull_blocks
+
+
+def pull_source(nodes: Sequence[NodeView], node: NodeView, num_prompt_tokens: int,
+                config: PolicyConfig) -> tuple[NodeId | None, int]:
+    """Where `node` pulls its prefix from if it prefills this prompt, and how many leading
+    blocks that holder has ((None, 0): no pull): the rule `route` applies, for a caller that
+    chose the node itself (the replay)."""
+    live = [n for n in nodes if not n.draining]
+    scores = _Scores([], [], [], [], _pull_blocks(live, num_prompt_tokens, config), len(nodes))
+    return _source(scores, nodes, node, config)
 
 
 def choose_prefill(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConfig,

@@ -1,8 +1,8 @@
 """What the handlers do to an HTTP request before it reaches the dispatcher: check the API
-key (constant time), read the JSON body under a size limit, resolve the prompt (model name,
-tokenize or apply the chat template, context and max_tokens checks) and build the node's
-`GenerateRequest`. Every client mistake is an `ApiError` (4xx). Nothing here writes into the
-parsed `CompletionRequest`: resolved values are returned.
+key (constant time), read the JSON body (whole, under a size limit and a timeout), resolve
+the prompt (model name, tokenize or apply the chat template, context and max_tokens checks)
+and build the node's `GenerateRequest`. Every client mistake is an `ApiError` (4xx).
+Nothing here writes into the parsed `CompletionRequest`: resolved values are returned.
 
 API: `check_auth`, `read_json`, `ResolvedPrompt`, `resolve_prompt`, `make_generate`.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from pdcluster.core.node_wire import GenerateRequest
+from pdcluster.router.edge import find_invalid_unicode, read_body
 from pdcluster.router.errors import ApiError
 from pdcluster.router.protocol import CompletionRequest
 from pdcluster.router.tokenizer import RouterTokenizer
@@ -36,28 +37,32 @@ def check_auth(request: web.Request, keys: list[bytes]) -> None:
     if not keys:
         return
     header = request.headers.get("Authorization", "")
-    given = header[7:].encode() if header.startswith("Bearer ") else b""
+    # aiohttp keeps undecodable header bytes as surrogates: give them back as they came
+    given = header[7:].encode("utf-8", "surrogateescape") if header.startswith("Bearer ") \
+        else b""
     if not any(hmac.compare_digest(given, key) for key in keys):
         raise ApiError(401, "invalid or missing API key", None, "invalid_api_key",
                        "authentication_error")
 
 
-async def read_json(request: web.Request, limit: int) -> object:
-    if (request.content_length or 0) > limit:
-        raise ApiError(413, f"request body larger than {limit} bytes", None,
-                       "request_too_large")
-    raw = await request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise ApiError(413, f"request body larger than {limit} bytes", None,
-                       "request_too_large")
+async def read_json(request: web.Request, limit: int, timeout_s: float) -> object:
+    """The request body parsed as JSON (router.edge.read_body: whole, under `limit` bytes
+    and `timeout_s`); 400 if it is not UTF-8, not JSON, or holds a string that is not
+    valid Unicode (naming that field)."""
+    raw = await read_body(request, limit, timeout_s)
     try:
-        return json.loads(raw.decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise ApiError(400, "the request body is not valid UTF-8", None,
                        "invalid_encoding") from None
     except (json.JSONDecodeError, RecursionError):
         raise ApiError(400, "the request body is not valid JSON", None,
                        "invalid_json") from None
+    where = find_invalid_unicode(body)
+    if where is not None:
+        raise ApiError(400, f"'{where}' is not valid Unicode (a lone surrogate)", where,
+                       "invalid_unicode")
+    return body
 
 
 def resolve_prompt(req: CompletionRequest, tokenizer: RouterTokenizer, model_name: str,

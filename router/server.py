@@ -1,13 +1,17 @@
 """The OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions (SSE
-streaming with an optional final usage chunk, or one JSON body), /v1/models, /health and
-/metrics (Prometheus).
+streaming with an optional final usage chunk, or one JSON body), /v1/models, vLLM's
+/tokenize, /detokenize and /version, /health (503 with a reason when the router cannot serve)
+and /metrics (Prometheus).
 
-Every client mistake is a 4xx in OpenAI's error shape (never a traceback); no healthy node is
-503 with Retry-After; a client that disconnects has its request aborted on the nodes (the
-handler is cancelled, and `Dispatcher.execute`'s cleanup sends AbortRequest). API keys, if
-configured, are checked in constant time. This module sets the app up and shuts it down; the
-handlers are in router.handlers, the request checks in router.request_prep and the errors and
-their HTTP statuses in router.errors.
+Every client mistake is a 4xx in OpenAI's error shape (never a traceback), and so is every
+other error status: unknown routes, wrong methods, oversized or slow requests, unexpected
+exceptions (router.edge, which also bounds request heads and bodies in size and time); no
+healthy node is 503 with Retry-After; a client that disconnects has its request aborted on the
+nodes (the handler is cancelled, and `Dispatcher.execute`'s cleanup sends AbortRequest). API
+keys, if configured, are checked in constant time. This module sets the app up and shuts it
+down; the generation handlers are in router.handlers, the other endpoints in
+router.extra_routes, the request checks in router.request_prep and the errors and their HTTP
+statuses in router.errors.
 
 API: `RouterApp` (`start()` / `stop()`, `port`), `build_app`, `serve_forever(config)`.
 """
@@ -22,6 +26,8 @@ from aiohttp import web
 
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.dispatch import Dispatcher
+from pdcluster.router.edge import EdgeRunner, error_middleware
+from pdcluster.router.extra_routes import ExtraRoutes
 from pdcluster.router.handlers import Handlers
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.tokenizer import RouterTokenizer
@@ -41,8 +47,7 @@ class RouterApp:
 
     async def start(self) -> None:
         await self.dispatcher.start()
-        self._runner = web.AppRunner(build_app(self), handler_cancellation=True,
-                                     access_log=None)
+        self._runner = EdgeRunner(build_app(self), self.config)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -57,11 +62,16 @@ class RouterApp:
 def build_app(router: RouterApp) -> web.Application:
     handlers = Handlers(router.config, router.tokenizer, router.model_name, router.metrics,
                         router.dispatcher)
-    app = web.Application(client_max_size=router.config.max_body_bytes + 1)
+    extra = ExtraRoutes(router.config, router.tokenizer, router.model_name, router.dispatcher)
+    app = web.Application(client_max_size=router.config.max_body_bytes + 1,
+                          middlewares=[error_middleware])
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat)
     app.router.add_get("/v1/models", handlers.models)
-    app.router.add_get("/health", handlers.health)
+    app.router.add_post("/tokenize", extra.tokenize)
+    app.router.add_post("/detokenize", extra.detokenize)
+    app.router.add_get("/version", extra.version)
+    app.router.add_get("/health", extra.health)
     app.router.add_get("/metrics", handlers.metrics)
     return app
 

@@ -51,12 +51,22 @@ class RouterTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
-                            ) -> list[int]:
-        """Render the chat and tokenize it; the template places the special tokens itself."""
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to this (excluded), added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (e.g. "▁Hello", "Ġworld")."""
+        return [self._tok.id_to_token(i) or "" for i in token_ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            add_special_tokens: bool = False) -> list[int]:
+        """Render the chat and tokenize it; the template places the special tokens itself
+        (`add_special_tokens` adds the tokenizer's own as well, as /tokenize may ask)."""
         if self._template is None:
             raise ValueError("this model has no chat template: use /v1/completions")
         try:
@@ -65,7 +75,7 @@ class RouterTokenizer:
                                          add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template rejected the messages: {exc}") from None
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _raise_template_error(message: str) -> None:

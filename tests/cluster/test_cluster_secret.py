@@ -106,7 +106,8 @@ def test_configs_refuse_to_run_without_a_secret() -> None:
 def test_a_node_actor_takes_the_secret_as_hex_text_or_from_the_environment(
         no_secret_env, monkeypatch) -> None:
     seen = []
-    monkeypatch.setattr("pdcluster.node.actor.NodeRuntime", lambda config: seen.append(config) or _Started())
+    monkeypatch.setattr("pdcluster.node.actor.NodeRuntime",
+                        lambda config: seen.append(config) or _Started())
 
     class Prefill(NodeActor):
         role = "prefill"

@@ -83,3 +83,44 @@ def test_unknown_model_is_a_clear_404(served):
     _, client = served
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+
+
+def _http(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request(method, path, body=None if body is None else json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    payload = json.loads(response.read())
+    conn.close()
+    return response.status, payload
+
+
+def test_tokenize_round_trip_and_edge_errors(served, model_dirs):
+    """/tokenize gives the ids the nodes are served (same count as a completion's usage),
+    /detokenize gives the text back; /health says it can serve; unknown routes and wrong
+    methods are OpenAI errors."""
+    from transformers import AutoTokenizer
+
+    proc, client = served
+    model_dir = model_dirs["llama-gqa"]
+    name, prompt = Path(model_dir).name, "The capital of France is"
+    status, out = _http(proc.port, "POST", "/tokenize", {"model": name, "prompt": prompt})
+    assert status == 200 and out["tokens"] == AutoTokenizer.from_pretrained(model_dir)(
+        prompt)["input_ids"]
+    completion = client.completions.create(model=name, prompt=prompt, max_tokens=2,
+                                           temperature=0)
+    by_ids = client.completions.create(model=name, prompt=out["tokens"], max_tokens=2,
+                                       temperature=0)
+    assert completion.usage.prompt_tokens == by_ids.usage.prompt_tokens == out["count"]
+    assert by_ids.choices[0].text == completion.choices[0].text
+    status, text = _http(proc.port, "POST", "/detokenize", {"tokens": out["tokens"]})
+    assert status == 200 and text["prompt"].endswith(prompt)
+    status, health = _http(proc.port, "GET", "/health")
+    assert status == 200 and health["reason"] is None
+    assert {n["role"] for n in health["nodes"].values() if n["healthy"]} >= {"decode"}
+    assert _http(proc.port, "GET", "/v1/nothing")[1]["error"]["code"] == "not_found"
+    assert _http(proc.port, "GET", "/v1/chat/completions")[0] == 405
+    assert _http(proc.port, "GET", "/version")[0] == 200

@@ -181,19 +181,49 @@ def test_a_joining_node_starts_at_the_mean() -> None:
         DecayedWork(0.0)
 
 
-def test_prefix_affinity_holds_until_recent_work_outweighs_it() -> None:
-    # "hot" holds 100 of the prompt's blocks (1,600 tokens); moving costs 1,600 tokens of
-    # prefill, so hot keeps the request while work_weight * its excess work is below that
-    # (without global reuse: with it, cold could pull the prefix instead)
-    config = PolicyConfig(block_size=16, work_weight=0.05, global_reuse_min_tokens=0)
+def _pick_over(over: float, cached: int = 100, **overrides) -> str:
+    """Which of "hot" (holding `cached` of the prompt's 102 blocks, its recent work `over`
+    above the mean of 8 nodes) and 7 cold nodes (equal work, nothing cached) prefills."""
+    config = PolicyConfig(block_size=16, global_reuse_min_tokens=0, **overrides)
+    cold_work = 1_000_000.0
+    hot_work = (1 + over) * 7 * cold_work / (7 - over)  # so that hot / mean - 1 == over
+    nodes = [NodeView("hot", cached_blocks=cached, recent_work=hot_work)]
+    nodes += [NodeView(f"cold{i}", recent_work=cold_work) for i in range(7)]
+    return choose_prefill(nodes, 102 * 16, config, random.Random(0)).node_id
 
-    def pick(excess: float) -> str:
-        nodes = [NodeView("hot", cached_blocks=100, recent_work=10_000 + excess),
-                 NodeView("cold", recent_work=10_000)]
-        return choose_prefill(nodes, 1600 + 32, config, random.Random(0)).node_id
 
-    assert pick(1600 / 0.05 - 100) == "hot"
-    assert pick(1600 / 0.05 + 100) == "cold"
+def test_prefix_affinity_is_free_within_the_slack_and_yields_beyond_it() -> None:
+    # hot saves 1,600 of 1,632 tokens (98%): inside the slack (5%) no load is charged; past
+    # it the charge rises to the whole prompt over the ramp (10%), so hot keeps the request
+    # until its excess passes about 5% + 98% x 10%, never at 20%
+    assert _pick_over(0.04) == "hot"
+    assert _pick_over(0.14) == "hot"
+    assert _pick_over(0.16).startswith("cold")
+    assert _pick_over(0.20).startswith("cold")
+    # a request that would lose little moves as soon as the node is past the slack
+    assert _pick_over(0.07, cached=10).startswith("cold")
+    assert _pick_over(0.04, cached=10) == "hot"
+
+
+def test_tilt_steers_only_what_hits_leave_open() -> None:
+    # equal hits: the less loaded node wins; one block more: the hit wins, 4% over or not
+    assert _pick_over(0.04, cached=0).startswith("cold")
+    assert _pick_over(-0.04, cached=0) == "hot"
+    assert _pick_over(0.04, cached=1) == "hot"
+
+
+def test_an_idle_cluster_keeps_a_conversation_where_it_is() -> None:
+    # one user alone: hot did all the recent work (a prompt's worth), but the mean counts as
+    # at least balance_floor_prompts (8) prompts, so hot's excess is within the ramp; with
+    # no floor it is 7 times the mean and the conversation moves
+    def pick(**overrides) -> str:
+        config = PolicyConfig(block_size=16, global_reuse_min_tokens=0, **overrides)
+        nodes = [NodeView("hot", cached_blocks=60, recent_work=64 * 16)]
+        nodes += [NodeView(f"cold{i}") for i in range(7)]
+        return choose_prefill(nodes, 64 * 16, config, random.Random(0)).node_id
+
+    assert pick() == "hot"
+    assert pick(balance_floor_prompts=0.0).startswith("cold")
 
 
 def conversation_turns(rng: random.Random, num_conversations: int) -> list[tuple[float, int]]:
@@ -234,8 +264,8 @@ def sticky_routing(config: PolicyConfig, seed: int) -> tuple[float, float]:
 
 def test_sticky_conversations_even_out_at_low_load() -> None:
     for seed in range(3):
-        before, _ = sticky_routing(PolicyConfig(work_weight=0.0, global_reuse_min_tokens=0),
-                                   seed)
+        before, _ = sticky_routing(PolicyConfig(balance_slack=0.0, balance_tilt=0.0,
+                                                global_reuse_min_tokens=0), seed)
         after, stayed = sticky_routing(PolicyConfig(global_reuse_min_tokens=0), seed)
         assert before > 1.25 and after < 1.15, (before, after)
         assert after - 1 < (before - 1) / 2, (before, after)
@@ -244,6 +274,7 @@ def test_sticky_conversations_even_out_at_low_load() -> None:
 
 @pytest.mark.parametrize("field, value", [("block_size", 0), ("queue_weight", -1.0),
                                           ("work_weight", -0.1), ("work_half_life_s", 0.0),
+                                          ("balance_slack", -0.1), ("balance_ramp", 0.0),
                                           ("local_prefill_threshold", -1),
                                           ("global_reuse_min_tokens", -1)])
 def test_config_is_validated(field: str, value: float) -> None:
