@@ -17,8 +17,8 @@ pytest.importorskip("ray")
 POLICY_FIELDS = {"completed", "failed", "ttft_p50_ms", "ttft_p90_ms", "e2e_p50_ms",
                  "e2e_p90_ms", "output_tokens_per_s", "prefix_hit_ratio", "local_hit_ratio",
                  "prefix_queried_tokens", "prefix_hit_tokens", "blocks_transferred_p_to_d",
-                 "blocks_pulled", "preemptions", "replay_hit_ratio", "replay_work_imbalance",
-                 "wall_s"}
+                 "blocks_pulled", "preemptions", "replay_hit_ratio", "replay_reuse_ratio",
+                 "replay_work_imbalance", "wall_s"}
 
 
 def test_trace_bench_runs_every_policy_live(tmp_path, capsys):
