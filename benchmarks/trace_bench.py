@@ -99,8 +99,11 @@ def _run_policies(args: argparse.Namespace, config, workload: Workload,
     cluster = RayCluster(config).start()
     try:
         nodes = cluster.nodes()
+        # a node answers load polls between engine steps: on a small, saturated CPU a step
+        # can outlast the default 2 s timeout, and the router would take the node for dead
         base = dataclasses.replace(
-            router_config(config, cluster.metadata_address, cluster.cluster_secret), port=0)
+            router_config(config, cluster.metadata_address, cluster.cluster_secret), port=0,
+            node_timeout_s=args.node_timeout)
         _run_router(dataclasses.replace(base, routing="round_robin"), _warm_up(args, workload),
                     len(nodes), args.request_timeout)
         results = {}
@@ -302,6 +305,7 @@ def _report(args: argparse.Namespace, model: str, workload: Workload, predicted:
         "trace_block_tokens": TRACE_BLOCK_TOKENS, "tokens_per_trace_block": args.tokens_per_block,
         "prompt_tokens_mean": round(statistics.mean(len(r.prompt) for r in workload.requests), 1),
         "max_output_tokens": args.max_output_tokens, "time_scale": args.time_scale,
+        "node_timeout_s": args.node_timeout,
         "offered_requests_per_s": round(len(workload.requests) / workload.duration_s, 3)
         if workload.duration_s else None,
         "ideal_hit_ratio": predicted["ideal_hit_ratio"], "policies": live,

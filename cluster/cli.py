@@ -120,6 +120,10 @@ def _trace_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="model folder (default: a random tiny model built for the run)")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds one request may take before it counts as failed")
+    parser.add_argument("--node-timeout", type=float, default=10.0,
+                        help="the router's load-poll timeout (a node missing 3 polls in a row "
+                        "is taken for dead; a saturated small CPU needs more than the 2 s "
+                        "default)")
 
 
 def _client_bench_args(parser: argparse.ArgumentParser) -> None:
