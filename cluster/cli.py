@@ -65,6 +65,12 @@ BENCHMARKS = {
     "curve": ("curve_bench", "The price of ZMQ CURVE on node and KV side-channel sockets: "
               "handshake, round trips and bulk throughput against plaintext sockets in the "
               "same run."),
+    "trace": ("trace_bench", "Replay a slice of a Mooncake trace (JSONL: timestamp, "
+              "input_length, output_length, hash_ids) against a live local cluster through the "
+              "router's HTTP API, once per routing policy (kv, round_robin, least_loaded; caches "
+              "reset between them): TTFT and latency p50/p90, output tokens/s, the prefix hit "
+              "ratio and blocks moved read from the nodes' metrics, next to what `pdcluster "
+              "replay` predicts for the same slice."),
     "client": ("client_bench", "A published load client (aiperf, installed by `make peers` "
                "in its own environment) against a served cluster at --url: TTFT, inter-token "
                "latency, request latency and throughput, against the router's own figures "
@@ -98,6 +104,32 @@ def _metadata_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="skip the etcd part (write rate and recovery)")
 
 
+def _trace_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="Mooncake trace (JSON lines)")
+    parser.add_argument("--offset", type=int, default=0, help="first trace row replayed")
+    parser.add_argument("--limit", type=int, default=100, help="trace rows replayed")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="replayed gaps = trace gaps x this (below 1: denser load)")
+    parser.add_argument("--tokens-per-block", type=int, default=32,
+                        help="real tokens standing for one 512-token trace block")
+    parser.add_argument("--max-output-tokens", type=int, default=16,
+                        help="cap on each request's output length")
+    parser.add_argument("--num-prefill", type=int, default=2, help="prefill node actors")
+    parser.add_argument("--num-decode", type=int, default=1, help="decode node actors")
+    parser.add_argument("--kv-blocks", type=int, default=2048,
+                        help="KV blocks of 16 tokens per node")
+    parser.add_argument("--policies", default="kv,round_robin,least_loaded",
+                        help="comma-separated routing policies to run, in order")
+    parser.add_argument("--model", default=None,
+                        help="model folder (default: a random tiny model built for the run)")
+    parser.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds one request may take before it counts as failed")
+    parser.add_argument("--node-timeout", type=float, default=10.0,
+                        help="the router's load-poll timeout (a node missing 3 polls in a row "
+                        "is taken for dead; a saturated small CPU needs more than the 2 s "
+                        "default)")
+
+
 def _client_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True,
                         help="the server's base URL, e.g. http://127.0.0.1:8000 (a trailing "
@@ -129,7 +161,7 @@ def _client_bench_args(parser: argparse.ArgumentParser) -> None:
 
 
 _BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "metadata": _metadata_bench_args,
-                     "client": _client_bench_args}
+                     "client": _client_bench_args, "trace": _trace_bench_args}
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:

@@ -55,6 +55,16 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="uncached prompt tokens up to which the decode node prefills "
                         "itself; longer prompts go through a prefill node (0: every new "
                         "prompt does; default: 32)")
+    add_routing_arg(parser)
+    parser.add_argument("--node-metrics-port", type=int, default=None,
+                        help="serve each node's Prometheus metrics on this port of its host "
+                        "(0: a free port each, listed in the metadata service; default: none)")
+
+
+def add_routing_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--routing", choices=("kv", "round_robin", "least_loaded"),
+                        default="kv", help="kv: by cached prefix and load; round_robin / "
+                        "least_loaded: cache-blind baselines, for comparisons")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -76,6 +86,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                num_decode=args.num_decode, engine=engine,
                                metadata_address=args.metadata, router_host=args.host,
                                router_port=args.port, node_gpus=args.gpus_per_node,
+                               routing=args.routing, node_metrics_port=args.node_metrics_port,
                                **thresholds, **metadata_tls_fields(args))
     return serve(config, cluster_secret=_serve_secret())
 
@@ -165,6 +176,7 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--global-reuse-min-tokens", type=int, default=512,
                        help="cached prefix tokens worth pulling from the node holding them "
                        "instead of recomputing (0: never)")
+    add_routing_arg(serve)
 
 
 def _cmd_router_serve(args: argparse.Namespace) -> int:
@@ -181,6 +193,7 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
             metadata_address=args.metadata, api_keys=api_keys_from_env(),
             cluster_secret=secret, **metadata_tls_fields(args),
             max_migrations=args.max_migrations, index_mirror=args.index_mirror,
+            routing=args.routing,
             policy=PolicyConfig(block_size=args.block_size,
                                 local_prefill_threshold=args.local_prefill_threshold,
                                 global_reuse_min_tokens=args.global_reuse_min_tokens))

@@ -12,8 +12,10 @@ cluster.yaml:
                tls_ca: /tls/ca.crt,            # TLS to it (router and nodes); absent: plaintext
                tls_cert: /tls/client.crt, tls_key: /tls/client.key,   # mTLS client cert
                tls_server_name: metadata}      # name in its certificate, if not the address's
-    router: {host: 0.0.0.0, port: 8000, enabled: true}   # false: a router runs elsewhere
+    router: {host: 0.0.0.0, port: 8000, enabled: true,   # false: a router runs elsewhere
+             routing: kv}                      # or round_robin / least_loaded (baselines)
     node: {gpus: 1, max_restarts: 3, local_prefill_threshold_tokens: 32,
+           metrics_port: 9400,                 # Prometheus /metrics per node; 0: a free port
            global_reuse_min_tokens: 512,        # pull a cached prefix this long; 0: never
            role_resource_prefix: pdcluster_}   # actors ask for Ray resource <prefix><role>
     host: auto                                 # nodes bind and publish $POD_IP (or 127.0.0.1)
@@ -28,6 +30,7 @@ from typing import Any
 from pdcluster.core.roles import Role
 from pdcluster.core.tls import ClientTLS
 from pdcluster.engine.config import EngineConfig
+from pdcluster.router.baselines import ROUTINGS
 
 # Uncached prompt tokens up to which the decode node prefills itself. Low, because on a CPU
 # prefill is dear and moving KV is cheap: SmolLM2-135M, the built-in model, prefills ~4.4
@@ -61,6 +64,8 @@ class ClusterConfig:
     router_host: str = "127.0.0.1"
     router_port: int = 8000
     router_enabled: bool = True
+    routing: str = "kv"  # router.baselines.ROUTINGS
+    node_metrics_port: int | None = None  # each node's Prometheus port; 0: free; None: none
     node_gpus: float = 0.0
     node_cpus: float = 1.0
     max_restarts: int = 3
@@ -79,6 +84,11 @@ class ClusterConfig:
         if not 0 < self.router_port < 65536:
             raise ValueError(f"router port {self.router_port} out of range")
         EngineConfig.from_options(self.model, self.engine)  # every node's, checked at load
+        if self.node_metrics_port is not None and not 0 <= self.node_metrics_port < 65536:
+            raise ValueError(f"node metrics port {self.node_metrics_port} out of range")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got "
+                             f"{self.routing!r}")
         if self.kv_protocol not in ("tcp", "rdma"):
             raise ValueError(f"transfer protocol must be tcp or rdma, got {self.kv_protocol!r}")
         tls = ClientTLS.from_fields(self.metadata_tls_ca, self.metadata_tls_cert,
@@ -133,7 +143,8 @@ class ClusterConfig:
             metadata_tls_key=metadata.get("tls_key"),
             metadata_tls_server_name=metadata.get("tls_server_name"),
             router_host=router.get("host", "127.0.0.1"), router_port=router.get("port", 8000),
-            router_enabled=router.get("enabled", True),
+            router_enabled=router.get("enabled", True), routing=router.get("routing", "kv"),
+            node_metrics_port=node.get("metrics_port"),
             role_resource_prefix=node.get("role_resource_prefix"),
             node_gpus=node.get("gpus", 0.0), node_cpus=node.get("cpus", 1.0),
             max_restarts=node.get("max_restarts", 3),

@@ -70,7 +70,7 @@ def router_config(config: ClusterConfig, metadata_address: str, cluster_secret: 
     return RouterConfig(model_dir=config.model, host=config.router_host,
                         port=config.router_port, metadata_address=metadata_address,
                         cluster_secret=cluster_secret, **config.metadata_tls_fields(),
-                        api_keys=api_keys_from_env(), policy=policy)
+                        api_keys=api_keys_from_env(), policy=policy, routing=config.routing)
 
 
 def api_keys_from_env() -> tuple[str, ...]:

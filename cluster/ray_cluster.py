@@ -3,7 +3,8 @@ driver is attached to), with the metadata service they register with.
 
     cluster = RayCluster(ClusterConfig(model=path, num_prefill=1, num_decode=1),
                          cluster_secret=secret).start()   # None: a fresh one (all embedded)
-    cluster.nodes()     # [{"node_id", "role", "request_address", "kv_address"}, ...]
+    cluster.nodes()     # [{"node_id", "role", "request_address", "kv_address",
+                        #   "metrics_address"}, ...]
     cluster.stop()      # drain the nodes, stop the embedded metadata service, shut Ray down
 
 Ray restarts a crashed node actor up to `max_restarts` times; the new incarnation registers
@@ -101,7 +102,7 @@ class RayCluster:
                              # the hex text, as a constructor option (node/actor.py says why)
                              cluster_secret=self.cluster_secret.to_text(),
                              kv_protocol=cfg.kv_protocol, kv_device=cfg.kv_device,
-                             kv_timeout_s=cfg.kv_timeout_s)
+                             kv_timeout_s=cfg.kv_timeout_s, metrics_port=cfg.node_metrics_port)
 
     def nodes(self, timeout_s: float = 60.0) -> list[dict[str, str]]:
         import ray

@@ -221,6 +221,16 @@ class KVConnectorWorker(ABC):
     def has_pending_work(self) -> bool:
         """Whether the engine must step for the worker's sake (a peer's pull to look up)."""
 
+    def counters(self) -> dict[str, int]:
+        """Running totals of the transfers (blocks, bytes, outcomes) by name, for node
+        metrics; none by default."""
+        return {}
+
+    def take_latencies(self) -> list[tuple[str, float]]:
+        """(kind, seconds) of the transfers finished since the last call, for node metrics;
+        none by default."""
+        return []
+
     @abstractmethod
     def close(self) -> None: ...
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ from pdcluster.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdcluster.engine.model_config import ModelConfig
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.models.loader import load_model
-from pdcluster.engine.outputs import EngineLoad, RequestOutput, StopStringChecker
+from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput, StopStringChecker
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -57,6 +58,7 @@ from pdcluster.engine.validation import RequestLimits, validate_keys, validate_r
 logger = logging.getLogger(__name__)
 _CPU_KV_GIB = 1.0
 _CUDA_MEMORY_FRACTION = 0.9
+_STEP_TIMES_KEPT = 4096  # step durations kept for `take_step_times` (oldest dropped)
 
 
 class LLMEngine:
@@ -87,6 +89,8 @@ class LLMEngine:
             kv_connector.worker.register_kv_region(self.kv_region)
         self._stops = StopStringChecker(self.tokenizer)
         self.grammars = self._grammar_compiler()
+        self._num_steps, self._step_seconds = 0, 0.0
+        self._step_times: deque[float] = deque(maxlen=_STEP_TIMES_KEPT)
         self.limits = RequestLimits(self.model_config.vocab_size, config.max_logprobs,
                                     self.max_model_len, config.block_size,
                                     self.kv_spec.num_blocks, self.tokenizer is not None)
@@ -212,6 +216,22 @@ class LLMEngine:
                           len(scheduler.running) + len(scheduler.waiting_for_remote),
                           pool.num_free_blocks, pool.num_blocks, queued)
 
+    def counters(self) -> EngineCounters:
+        """The engine's figures for metrics (call it on the thread that steps the engine)."""
+        pool, scheduler = self.block_pool, self.scheduler
+        return EngineCounters(self.load(), pool.num_blocks - pool.num_free_blocks,
+                              len(pool.cached_block_map), self._num_steps,
+                              self._step_seconds, scheduler.num_preemptions,
+                              scheduler.num_prefix_queried_tokens,
+                              scheduler.num_prefix_hit_tokens)
+
+    def take_step_times(self) -> list[float]:
+        """Seconds of each step since the last call (at most the latest 4,096), for a
+        step-time histogram."""
+        times = list(self._step_times)
+        self._step_times.clear()
+        return times
+
     def take_kv_events(self) -> list[KVEvent]:
         """The block pool's KV events since the last call (empty without enable_kv_events)."""
         return self.block_pool.take_events()
@@ -228,6 +248,14 @@ class LLMEngine:
         if self.scheduler.pinned or self.scheduler.pulls.serving:
             return True
         return self.connector is not None and self.connector.worker.has_pending_work()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (a KV event tells the global index), e.g. between
+        benchmark runs. Only when idle: False, and nothing changes, while a request or a
+        transfer holds blocks."""
+        if self.has_unfinished_requests() or self.has_pinned_blocks():
+            return False
+        return self.block_pool.reset_prefix_cache()
 
     def close(self) -> None:
         if self.connector is not None:
@@ -259,6 +287,9 @@ class LLMEngine:
             self.scheduler.expire_pins()
             self.connector.worker.execute(self.connector.scheduler.build_plan())
         elapsed = time.perf_counter() - started
+        self._num_steps += 1
+        self._step_seconds += elapsed
+        self._step_times.append(elapsed)
         unique = {req.request_id: req for req in updated}
         return [self._output_or_error(req, elapsed) for req in unique.values()]
 

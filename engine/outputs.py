@@ -26,6 +26,24 @@ class EngineLoad:
     num_queued_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """A snapshot of the engine's figures for a node's metrics: the gauges of `EngineLoad`
+    plus the KV blocks in use and in the prefix cache (a cached block may also be in use),
+    and running totals since start — steps and their seconds, preemptions, and, over the
+    prompts the engine computes itself (not KV that arrives from a prefill node), the
+    prompt tokens looked up in the prefix cache and the tokens it held."""
+
+    load: EngineLoad
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_steps: int
+    step_seconds: float
+    num_preemptions: int
+    num_prefix_queried_tokens: int
+    num_prefix_hit_tokens: int
+
+
 @dataclass(slots=True)
 class SampledToken:
     """One token drawn by the sampler for one request in one step. `grammar_ended`: the

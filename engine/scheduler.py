@@ -72,6 +72,10 @@ class Scheduler:
         self.pulls = PrefixPulls(kv_manager, connector, hash_config, self.pins)
         self.requests: dict[ReqId, Request] = {}
         self.num_preemptions = 0
+        # Prompts this node computes itself (not those whose KV arrives from a prefill node):
+        # their tokens, and how many of them its prefix cache held at admission (metrics).
+        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     def add_request(self, req: Request) -> None:
         """Raises ValueError for an id in use, `OverloadedError` for a `RemoteDecode` request
@@ -189,11 +193,18 @@ class Scheduler:
             self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit_tokens
+                self._count_prefix_hit(req, num_hit_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
+
+    def _count_prefix_hit(self, req: Request, num_hit_tokens: int) -> None:
+        """A prompt computed here met the prefix cache for the first time (a preempted
+        request re-admitted is not counted again)."""
+        req.num_cached_tokens = num_hit_tokens
+        self.num_prefix_queried_tokens += req.num_prompt_tokens
+        self.num_prefix_hit_tokens += num_hit_tokens
 
     def _num_external_tokens(self, req: Request, num_hit_tokens: int) -> int:
         if self.connector is None or not isinstance(req.kv_transfer, RemotePrefill):
@@ -206,6 +217,8 @@ class Scheduler:
         if self.kv.allocate_slots(req, num_external, hit_blocks, delay_caching=True) is None:
             return False
         self.waiting.popleft()
+        if req.num_cached_tokens < 0 and not isinstance(req.kv_transfer, RemotePrefill):
+            self._count_prefix_hit(req, num_hit_tokens)  # a prefix pull: computes the rest
         req.num_computed_tokens = req.num_cached_tokens = num_hit_tokens
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_remote[req.request_id] = req

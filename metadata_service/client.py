@@ -70,12 +70,13 @@ def make_node_info(
     block_size: int = 16,
     capacity_blocks: int = 0,
     epoch: int | None = None,
+    metrics_address: str = "",
 ) -> pb.NodeInfo:
     """A node's registration; ``epoch`` defaults to a fresh random one (a new process)."""
     return pb.NodeInfo(
         node_id=node_id, role=role_value(role), request_address=request_address,
         kv_address=kv_address, model=model, block_size=block_size,
-        capacity_blocks=capacity_blocks,
+        capacity_blocks=capacity_blocks, metrics_address=metrics_address,
         epoch=secrets.randbits(63) if epoch is None else epoch,
     )
 

@@ -54,6 +54,10 @@ class NodeActor:
                 "num_pinned_requests": len(engine.scheduler.pinned),
                 "num_unfinished": int(engine.has_unfinished_requests())}
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache between benchmark runs; False while requests run."""
+        return self.runtime.reset_prefix_cache()
+
     def ping(self) -> bool:
         return True
 

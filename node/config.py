@@ -23,6 +23,9 @@ class NodeConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0  # request endpoint; 0 picks a free port
+    # Prometheus metrics at http://host:metrics_port/metrics (node/metrics.py); 0 picks a
+    # free port, None serves none
+    metrics_port: int | None = None
     metadata_address: str | None = None  # None: run without the global index
     # TLS to the metadata service (core.tls.ClientTLS): its CA; a client certificate and
     # key when it requires mTLS; the name in its certificate. All None: plaintext.
@@ -50,6 +53,8 @@ class NodeConfig:
             raise ValueError(f"node id {self.node_id!r} must match {_NODE_ID.pattern}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics port {self.metrics_port} out of range")
         if self.lease_ttl_s < 1:
             raise ValueError("lease_ttl_s must be >= 1")
         if self.publish_interval_s <= 0 or self.kv_timeout_s <= 0:

@@ -3,7 +3,7 @@
 
     runtime = NodeRuntime(NodeConfig(node_id="p0", role="prefill", engine=EngineConfig(path),
                                      cluster_secret=secret)).start()
-    runtime.info()        # addresses for the router: requests and KV side channel
+    runtime.info()        # addresses: requests, KV side channel, metrics ("" if none)
     runtime.stop()        # drain, deregister, release
 """
 
@@ -18,6 +18,7 @@ from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.node.config import NodeConfig
 from pdcluster.node.events import EventPublisherThread
+from pdcluster.node.metrics import MetricsServer, NodeMetrics
 from pdcluster.node.server import NodeServer
 from pdcluster.transfer.connector_scheduler import ConnectorScheduler
 from pdcluster.transfer.connector_worker import ConnectorWorker
@@ -56,12 +57,23 @@ class NodeRuntime:
         self.kv_address = transport.reply_address
         self.server = NodeServer(self.engine, config.node_id, config.role, config.host,
                                  config.port, on_step=self._on_step, curve=curve)
+        self.metrics = NodeMetrics(config.node_id, config.role)
+        self.metrics.observe(self.engine)  # the engine thread has not started yet
+        self.metrics_server = (None if config.metrics_port is None else
+                               MetricsServer(self.metrics.registry, config.host,
+                                             config.metrics_port))
         self.events = self._publisher() if config.metadata_address else None
+
+    @property
+    def metrics_address(self) -> str:
+        """Where the node's Prometheus metrics are served; "" when they are not."""
+        return self.metrics_server.address if self.metrics_server is not None else ""
 
     def _publisher(self) -> EventPublisherThread:
         cfg, engine = self.config, self.engine
         info = make_node_info(cfg.node_id, cfg.role, request_address=self.server.address,
                               kv_address=self.kv_address, model=cfg.model,
+                              metrics_address=self.metrics_address,
                               block_size=engine.config.block_size,
                               capacity_blocks=engine.kv_spec.num_blocks)
         return EventPublisherThread(metadata_client(cfg), info, engine.cached_block_hashes,
@@ -79,14 +91,23 @@ class NodeRuntime:
     def _on_step(self, engine: LLMEngine) -> None:
         if self.events is not None:
             self.events.put(engine.take_kv_events())
+        stats = self.server.stats
+        self.metrics.observe(engine, stats.num_requests, stats.num_refused)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the node's prefix cache (the global index follows); False while busy."""
+        return self.server.call(LLMEngine.reset_prefix_cache)
 
     def info(self) -> dict[str, str]:
         return {"node_id": self.config.node_id, "role": self.config.role,
-                "request_address": self.server.address, "kv_address": self.kv_address}
+                "request_address": self.server.address, "kv_address": self.kv_address,
+                "metrics_address": self.metrics_address}
 
     def stop(self, drain: bool = True, timeout_s: float = 30.0) -> bool:
         drained = self.server.stop(drain=drain, timeout_s=timeout_s)
         if self.events is not None:
             self.events.stop(deregister=True)
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         self.engine.close()
         return drained

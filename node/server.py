@@ -18,16 +18,21 @@ admits only clients holding it (core.curve), so nobody without the cluster's cre
 submit, abort or query anything. `curve=None` is plaintext, for unit tests only.
 
 `on_step` (optional) runs after every step on the server thread; nodes use it to hand the
-engine's KV events (`LLMEngine.take_kv_events`) to their metadata publisher.
+engine's KV events (`LLMEngine.take_kv_events`) to their metadata publisher. `call(fn)` runs
+`fn(engine)` on the server thread from any other thread (the engine is not thread-safe), then
+`on_step`, and returns its result (e.g. `LLMEngine.reset_prefix_cache`).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -89,6 +94,8 @@ class NodeServer:
         self.address = f"tcp://{host}:{port}"
         self._owners: dict[str, bytes] = {}  # request id -> client identity
         self._prompt_lens: dict[str, int] = {}
+        self._calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future]] = \
+            queue.SimpleQueue()
         self._draining = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"node-{node_id}")
@@ -121,6 +128,27 @@ class NodeServer:
         self._socket.close()
         return drained
 
+    def call(self, fn: Callable[[LLMEngine], Any], timeout_s: float = 30.0) -> Any:
+        """`fn(engine)` on the server thread, between steps; its result (or exception)."""
+        if not self._thread.is_alive():
+            raise RuntimeError(f"node {self.node_id} is not serving")
+        future: Future = Future()
+        self._calls.put((fn, future))
+        return future.result(timeout_s)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:  # the caller gets it; the loop goes on
+                future.set_exception(exc)
+            if self.on_step is not None:
+                self.on_step(self.engine)
+
     def _busy(self) -> bool:
         return self.engine.has_unfinished_requests() or self.engine.has_pinned_blocks()
 
@@ -133,6 +161,7 @@ class NodeServer:
             runnable = self.engine.has_runnable_requests()
             if poller.poll(0 if runnable else _IDLE_POLL_MS):
                 self._drain_socket()
+            self._run_calls()
             if self._busy():
                 self._step()
         for request_id in list(self._owners):  # stopped without draining

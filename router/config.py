@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pdcluster.core.credentials import ClusterSecret
 from pdcluster.core.roles import Role, role_names
 from pdcluster.core.tls import ClientTLS
+from pdcluster.router.baselines import ROUTINGS
 from pdcluster.router.policy import PolicyConfig
 
 
@@ -50,6 +51,9 @@ class RouterConfig:
     cluster_secret: ClusterSecret | None = None
     api_keys: tuple[str, ...] = ()
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # "kv": the policy (prefix hits and load); "round_robin" / "least_loaded": the cache-blind
+    # baselines of router.baselines, for benchmarks against the KV policy
+    routing: str = "kv"
     max_body_bytes: int = 4 << 20
     # The HTTP edge (router.edge): a request head must arrive within header_timeout_s of the
     # connection opening or of the previous response (idle keep-alive connections close
@@ -74,6 +78,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got "
+                             f"{self.routing!r}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.max_body_bytes < 1024:

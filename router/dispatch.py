@@ -43,6 +43,7 @@ from pdcluster.core.node_wire import (
     TokenDelta,
     TransferSpec,
 )
+from pdcluster.router.baselines import RoundRobin, least_loaded_config
 from pdcluster.router.config import NodeSpec, RouterConfig
 from pdcluster.router.errors import NodeFailure, NoHealthyNode
 from pdcluster.router.load_decay import DecayedWork
@@ -74,7 +75,10 @@ class Dispatcher:
         self.rng = random.Random(config.seed)
         self.work = DecayedWork(config.policy.work_half_life_s)
         self.nodes: dict[str, NodeLink] = {}
-        self.views = NodeViews(self.work, config.policy, clock)  # the policy's view of each node
+        self._round_robin = RoundRobin() if config.routing == "round_robin" else None
+        self._policy = (least_loaded_config(config.policy) if config.routing == "least_loaded"
+                        else config.policy)
+        self.views = NodeViews(self.work, self._policy, clock)  # the policy's view of each node
         self.metadata: MetadataLink | None = None
         self._context = zmq.asyncio.Context()
         self._curve = config.cluster_secret.curve_keys()  # nodes admit only cluster members
@@ -132,6 +136,8 @@ class Dispatcher:
         return self.metadata is not None and self.metadata.available
 
     async def place(self, prompt_ids: list[int], cache_salt: str | None) -> Placement:
+        if self.config.routing != "kv":  # a cache-blind baseline (router.baselines)
+            return Placement(self.decide({}, len(prompt_ids)), load_only=False)
         hits = await self._prefix_hits(prompt_ids, cache_salt)
         return Placement(self.decide(hits or {}, len(prompt_ids)), load_only=hits is None)
 
@@ -141,7 +147,9 @@ class Dispatcher:
         views = self.views.current(hits)
         if not views:
             raise NoHealthyNode("no healthy node")
-        return route(views, num_prompt_tokens, self.config.policy, self.rng)
+        if self._round_robin is not None:
+            return self._round_robin.route(views, num_prompt_tokens, self.config.policy)
+        return route(views, num_prompt_tokens, self._policy, self.rng)
 
     async def _prefix_hits(self, prompt_ids: list[int], salt: str | None) -> dict | None:
         if self.metadata is None:

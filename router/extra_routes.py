@@ -130,7 +130,7 @@ class ExtraRoutes:
         link = dispatcher.metadata
         body = {"status": "ok" if problem is None else "unavailable", "reason": problem,
                 "nodes": nodes,
-                "routing": "prefix_aware" if dispatcher.prefix_aware else "load_only",
+                "routing": _routing(self.config.routing, dispatcher.prefix_aware),
                 "metadata": None if link is None else {
                     "address": link.address, "available": link.available,
                     "last_error": link.last_error, "mirror_in_sync": link.mirror_in_sync,
@@ -138,6 +138,13 @@ class ExtraRoutes:
         if problem is None:
             return web.json_response(body)
         return web.json_response(body, status=503, headers={"Retry-After": RETRY_AFTER_S})
+
+
+def _routing(routing: str, prefix_aware: bool) -> str:
+    """What /health reports: a baseline by name, else whether prefix hits are used."""
+    if routing != "kv":
+        return routing
+    return "prefix_aware" if prefix_aware else "load_only"
 
 
 def serving_problem(dispatcher: Dispatcher) -> str | None:

@@ -95,6 +95,20 @@ class ConnectorWorker(KVConnectorWorker):
         with self._lock:
             return bool(self._state.results.lookups) or self._pulls.num_waiting_lookups > 0
 
+    def counters(self) -> dict[str, int]:
+        """`WorkerStats`' counters by name (not `latencies` nor `recent_write_s`)."""
+        stats = self.stats
+        return {name: getattr(stats, name) for name in stats.__dataclass_fields__
+                if name not in ("latencies", "recent_write_s")}
+
+    def take_latencies(self) -> list[tuple[str, float]]:
+        """The (kind, seconds) of the transfers finished since the last call
+        (`WorkerStats.latencies`)."""
+        with self._lock:
+            taken = list(self.stats.latencies)
+            self.stats.latencies.clear()
+        return taken
+
     @property
     def num_pending_receives(self) -> int:
         with self._lock:
@@ -116,7 +130,7 @@ class ConnectorWorker(KVConnectorWorker):
         region = self._state.require_region()
         tid = job.transfer.transfer_id
         self._state.recvs[tid] = Recv(job.request_id, job.transfer.source_addr,
-                                      self._state.deadline())
+                                      self._state.deadline(), started=self._state.clock())
         request = XferRequest(
             transfer_id=tid, request_id=job.request_id,
             reply_addr=self.transport.reply_address, dest_session=self.transport.session_id,
@@ -136,6 +150,10 @@ class ConnectorWorker(KVConnectorWorker):
                 return
             self.stats.blocks_received += msg.num_blocks_sent
             self.stats.descriptors_received += msg.num_descriptors
+            block_nbytes = self._state.require_region().block_nbytes
+            self.stats.bytes_received += msg.num_blocks_sent * block_nbytes
+            if msg.ok:
+                self.stats.latencies.append(("recv", self._state.clock() - recv.started))
             self._finish_recv(recv, msg.ok, msg.first_token, msg.first_logprob, msg.error)
 
     def _finish_recv(self, recv: Recv, ok: bool, token=None, logprob=None, error=None) -> None:
@@ -207,6 +225,7 @@ class ConnectorWorker(KVConnectorWorker):
                                               request.dest_session, request.block_nbytes)
         with self._lock:
             self.stats.recent_write_s.append(time.perf_counter() - started)
+            self.stats.latencies.append(("send", time.perf_counter() - started))
             self.stats.blocks_sent += len(block_ids)
             self.stats.descriptors_sent += num_descriptors
             self.stats.bytes_sent += nbytes

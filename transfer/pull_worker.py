@@ -57,7 +57,8 @@ class PullWorker:
         state = self._state
         region = state.require_region()
         state.recvs[job.transfer_id] = Recv(job.request_id, job.source_addr,
-                                            state.deadline(), is_pull=True)
+                                            state.deadline(), is_pull=True,
+                                            started=state.clock())
         request = PrefixPullRequest(
             transfer_id=job.transfer_id, request_id=job.request_id,
             reply_addr=state.transport.reply_address, dest_session=state.transport.session_id,
@@ -73,6 +74,8 @@ class PullWorker:
         if ok:
             stats.pulls_ok += 1
             stats.blocks_pulled += num_blocks
+            stats.bytes_pulled += num_blocks * self._state.require_region().block_nbytes
+            stats.latencies.append(("pull", self._state.clock() - recv.started))
         else:
             stats.pulls_failed += 1
             logger.warning("prefix pull for %s from %s failed (computing instead): %s",
@@ -121,6 +124,7 @@ class PullWorker:
             if done.ok:
                 state.stats.pull_requests_served += 1
                 state.stats.blocks_served += num_blocks
+                state.stats.bytes_served += num_blocks * msg.block_nbytes
             else:
                 state.stats.pull_serves_failed += 1
         self._flush([(msg.reply_addr, done)])

@@ -15,6 +15,7 @@ from pdcluster.core.types import ReqId
 from pdcluster.transfer.transport import Transport
 
 _FORGET_AFTER = 4096  # finished transfer ids remembered to answer late messages
+_LATENCIES_KEPT = 4096  # transfer latencies kept until drained (oldest dropped)
 
 
 @dataclass(slots=True)
@@ -22,7 +23,10 @@ class WorkerStats:
     """Counters of one node's worker. The send/receive ones cover prefill -> decode
     transfers; pulls (global prefix reuse) have their own: `pulls_*` and `blocks_pulled` on
     the requesting node, `pull_requests_served` / `blocks_served` / `pull_serves_failed` on
-    the holder. `timeouts` and `late_messages` count both kinds."""
+    the holder. `timeouts` and `late_messages` count both kinds. `latencies` keeps the
+    seconds of the latest finished transfers as (kind, seconds) — "send": P's write to D,
+    "recv": D's request to P's done, "pull": a pull's request to its done — until
+    `ConnectorWorker.take_latencies` drains them (node metrics)."""
 
     sends_ok: int = 0
     sends_failed: int = 0
@@ -35,12 +39,16 @@ class WorkerStats:
     bytes_sent: int = 0
     blocks_received: int = 0
     descriptors_received: int = 0
+    bytes_received: int = 0
     pulls_ok: int = 0
     pulls_failed: int = 0
     blocks_pulled: int = 0
+    bytes_pulled: int = 0
     pull_requests_served: int = 0
     pull_serves_failed: int = 0
     blocks_served: int = 0
+    bytes_served: int = 0
+    latencies: deque = field(default_factory=lambda: deque(maxlen=_LATENCIES_KEPT))
     # seconds of the data-plane write of each of the latest sends (benchmarks, metrics)
     recent_write_s: deque = field(default_factory=lambda: deque(maxlen=1024))
 
@@ -53,6 +61,7 @@ class Recv:
     source_addr: str
     deadline: float
     is_pull: bool = False
+    started: float = 0.0  # the worker's clock when the request went out
 
 
 @dataclass(slots=True)

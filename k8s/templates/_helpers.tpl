@@ -128,6 +128,7 @@ its own Deployment), so router.host here is never bound.
     "max_restarts" (int $c.node.maxRestarts)
     "local_prefill_threshold_tokens" (int $c.node.localPrefillThresholdTokens)
     "global_reuse_min_tokens" (int $c.node.globalReuseMinTokens)
+    "metrics_port" (int $c.node.metricsPort)
     "role_resource_prefix" .Values.ray.groupResourcePrefix)
 -}}
 {{- toYaml $config -}}

@@ -148,6 +148,8 @@ Each pod advertises the Ray custom resource <groupResourcePrefix><role>, one uni
           ports:
             - name: metrics
               containerPort: 8080
+            - name: node-metrics
+              containerPort: {{ int $root.Values.cluster.node.metricsPort }}
           env:
             {{- include "pdcluster.commonEnv" $root | nindent 12 }}
             - name: PDCLUSTER_ROLE

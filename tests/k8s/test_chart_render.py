@@ -141,7 +141,9 @@ def test_cluster_yaml(name: str) -> None:
                                      "max_num_batched_tokens", "max_model_len"}
     assert set(config["transfer"]) == {"protocol", "device_name", "timeout_s"}
     assert set(config["node"]) == {"gpus", "max_restarts", "local_prefill_threshold_tokens",
-                                   "global_reuse_min_tokens", "role_resource_prefix"}
+                                   "global_reuse_min_tokens", "role_resource_prefix",
+                                   "metrics_port"}
+    assert config["node"]["metrics_port"] == values["cluster"]["node"]["metricsPort"]
     assert config["node"]["role_resource_prefix"] == values["ray"]["groupResourcePrefix"]
     assert config["host"] == "auto"  # nodes bind and publish their pod's IP
     assert config["model"] == f"/models/{values['model']['name']}"

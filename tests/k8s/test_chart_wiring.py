@@ -19,6 +19,7 @@ from tests.k8s.chart import (
     REPO_ROOT,
     VALUE_SETS,
     chart_defaults,
+    cluster_config,
     containers,
     env_of,
     find,
@@ -251,18 +252,36 @@ def test_monitoring_objects() -> None:
     (endpoint,) = service_monitor["spec"]["endpoints"]
     assert endpoint["path"] == "/metrics"
     assert endpoint["port"] in {p["name"] for p in router_svc["spec"]["ports"]}
-    pod_monitor = one(docs, "PodMonitor")
+    pod_monitor = one(docs, "PodMonitor", f"{RELEASE}-pdcluster-ray")
     (pod_endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
     cluster = one(docs, "RayCluster")
     for where, c in containers([cluster]):
         assert pod_endpoint["port"] in {p["name"] for p in c["ports"]}, where
-    components = {e["key"]: e["values"] for e in pod_monitor["spec"]["selector"]
-                  ["matchExpressions"]}["app.kubernetes.io/component"]
-    assert sorted(components) == ["ray-decode", "ray-head", "ray-prefill"]
+    assert sorted(monitored_components(pod_monitor)) == ["ray-decode", "ray-head",
+                                                         "ray-prefill"]
+    check_node_pod_monitor(docs, cluster)
     dashboard = one(docs, "ConfigMap", f"{RELEASE}-pdcluster-dashboard")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dashboard["data"]["pdcluster.json"])["uid"] == "pdcluster-overview"
     assert not find(render({}), "ServiceMonitor") and not find(render({}), "PodMonitor")
+
+
+def monitored_components(pod_monitor: dict) -> list[str]:
+    return {e["key"]: e["values"] for e in pod_monitor["spec"]["selector"]
+            ["matchExpressions"]}["app.kubernetes.io/component"]
+
+
+def check_node_pod_monitor(docs: list[dict], cluster: dict) -> None:
+    """The node actors' own /metrics: a named container port on every prefill and decode
+    pod, the port cluster.yaml gives the nodes, and a PodMonitor scraping it."""
+    nodes = one(docs, "PodMonitor", f"{RELEASE}-pdcluster-nodes")
+    assert sorted(monitored_components(nodes)) == ["ray-decode", "ray-prefill"]
+    (endpoint,) = nodes["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    port = cluster_config(docs)["node"]["metrics_port"]
+    for where, c in containers([cluster]):
+        if "head" not in where:
+            assert {"name": endpoint["port"], "containerPort": port} in c["ports"], where
 
 
 def dashboard_metrics() -> set[str]:
@@ -273,7 +292,8 @@ def dashboard_metrics() -> set[str]:
     assert len(exprs) >= 10
     metrics = set()
     for expr in exprs:
-        names = re.findall(r"\b(router_[a-z0-9_]+|ray_node_[a-z0-9_]+)", expr)
+        names = re.findall(r"\b(router_[a-z0-9_]+|ray_node_[a-z0-9_]+|pdcluster_node_[a-z0-9_]+)",
+                           expr)
         assert names, expr
         metrics |= {re.sub(r"_(bucket|sum|count)$", "", n) for n in names}
     return metrics
@@ -340,3 +360,18 @@ def test_notes_tell_how_to_call_the_endpoint(tmp_path) -> None:
     notes = render_notes({"router": {"apiKeys": ["sk-0123456789abcdef"]}}, tmp_path / "keys")
     key_line = notes.index("KEY=$(kubectl")
     assert key_line < notes.index('--env="KEY=$KEY"') < notes.index("curl -s $BASE/health")
+
+
+def test_dashboard_node_metrics_exist_on_the_nodes() -> None:
+    from pdcluster.engine.outputs import EngineCounters, EngineLoad
+    from pdcluster.node.metrics import NodeMetrics
+
+    metrics = NodeMetrics("n0", "prefill")
+    metrics.update(EngineCounters(EngineLoad(0, 0, 8, 8, 0), 0, 0, 0, 0.0, 0, 0, 0),
+                   {"blocks_sent": 1})
+    exported = set(re.findall(r"^# TYPE (\S+) (\S+)$", metrics.render().decode(), re.M))
+    names = {name for name, _ in exported}
+    names |= {f"{name}_total" for name, kind in exported if kind == "counter"}
+    missing = sorted(m for m in dashboard_metrics()
+                     if m.startswith("pdcluster_node_") and m not in names)
+    assert not missing, f"the dashboard queries metrics the nodes do not export: {missing}"
