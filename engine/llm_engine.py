@@ -218,12 +218,14 @@ class LLMEngine:
 
     def counters(self) -> EngineCounters:
         """The engine's figures for metrics (call it on the thread that steps the engine)."""
-        pool, scheduler = self.block_pool, self.scheduler
+        pool, scheduler, spec = self.block_pool, self.scheduler, self.spec_decode_stats()
         return EngineCounters(self.load(), pool.num_blocks - pool.num_free_blocks,
                               len(pool.cached_block_map), self._num_steps,
                               self._step_seconds, scheduler.num_preemptions,
                               scheduler.num_prefix_queried_tokens,
-                              scheduler.num_prefix_hit_tokens)
+                              scheduler.num_prefix_hit_tokens,
+                              spec.num_draft_tokens if spec else 0,
+                              spec.num_accepted_tokens if spec else 0)
 
     def take_step_times(self) -> list[float]:
         """Seconds of each step since the last call (at most the latest 4,096), for a

@@ -32,7 +32,8 @@ class EngineCounters:
     plus the KV blocks in use and in the prefix cache (a cached block may also be in use),
     and running totals since start — steps and their seconds, preemptions, and, over the
     prompts the engine computes itself (not KV that arrives from a prefill node), the
-    prompt tokens looked up in the prefix cache and the tokens it held."""
+    prompt tokens looked up in the prefix cache and the tokens it held; with speculative
+    decoding on, the draft tokens verified and those accepted (all zero when off)."""
 
     load: EngineLoad
     num_used_blocks: int
@@ -42,6 +43,8 @@ class EngineCounters:
     num_preemptions: int
     num_prefix_queried_tokens: int
     num_prefix_hit_tokens: int
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -163,6 +163,10 @@ def _engine_families(c: EngineCounters | None, labels: list[str]) -> Iterator[Me
                    [([], c.num_prefix_hit_tokens)], labels)
     yield _counter("preemptions", "requests preempted for KV blocks",
                    [([], c.num_preemptions)], labels)
+    yield _counter("spec_draft_tokens", "speculative decoding: draft tokens verified",
+                   [([], c.num_spec_draft_tokens)], labels)
+    yield _counter("spec_accepted_tokens", "speculative decoding: draft tokens accepted",
+                   [([], c.num_spec_accepted_tokens)], labels)
 
 
 def _worker_families(w: dict[str, int], labels: list[str]) -> Iterator[Metric]:

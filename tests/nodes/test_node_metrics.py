@@ -156,3 +156,26 @@ def test_metrics_port_is_validated():
     with pytest.raises(ValueError, match="metrics port"):
         NodeConfig(node_id="x", role="prefill", engine=EngineConfig("m"), metrics_port=70000,
                    cluster_secret=TEST_SECRET)
+
+
+def test_speculative_decoding_acceptance_is_exported(model_dirs):
+    """A decode node drafting with the target itself (every draft accepted): the draft and
+    accepted token counters move, and agree with the engine's own statistics."""
+    model = model_dirs["llama-gqa"]
+    engine = EngineConfig(model, speculative=f"draft:{model},k=3", **OPTIONS)
+    node = NodeRuntime(NodeConfig(node_id="d-spec", role="decode", engine=engine,
+                                  metrics_port=0, cluster_secret=TEST_SECRET)).start()
+    client = BlockingNodeClient(node.server.address, curve=TEST_CURVE)
+    try:
+        prompt = random_prompts(1, 12, 12, seed=5)[0]
+        client.send(GenerateRequest("r", prompt, sampling(24)))
+        assert len(tokens_of(client.collect({"r"})["r"])) == 24
+        stats = node.engine.spec_decode_stats()
+        assert stats.num_draft_tokens > 0
+        samples = scrape(node)
+        assert samples[("pdcluster_node_spec_draft_tokens_total", ())] == stats.num_draft_tokens
+        assert samples[("pdcluster_node_spec_accepted_tokens_total", ())] == \
+            stats.num_accepted_tokens
+    finally:
+        client.close()
+        node.stop()
