@@ -13,6 +13,7 @@ Subcommands:
   bench serve               run the serving benchmark on a local Ray cluster (JSON last)
   bench router              run the router-overhead benchmark (JSON last)
   bench curve               run the CURVE-cost benchmark (JSON last)
+  bench peers               run the engine against vLLM (CPU), transformers, llama.cpp (JSON last)
   replay --trace FILE       replay a request trace through the routing policy (JSON last)
 
 `pdcluster --help` must stay fast and torch-free, so `engine` and `benchmarks` are imported only
@@ -63,6 +64,10 @@ BENCHMARKS = {
     "curve": ("curve_bench", "The price of ZMQ CURVE on node and KV side-channel sockets: "
               "handshake, round trips and bulk throughput against plaintext sockets in the "
               "same run."),
+    "peers": ("peers_bench", "The engine against vLLM's CPU build (installed into its own venv "
+              "under .cache/peers on first use), transformers generate (one at a time and "
+              "batched) and optionally llama.cpp, on the real model and the same token ids, "
+              "with the machine's matmul and copy limits, in the same run."),
 }
 
 
@@ -88,7 +93,20 @@ def _metadata_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="skip the etcd part (write rate and recovery)")
 
 
-_BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "metadata": _metadata_bench_args}
+def _peers_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=2,
+                        help="CPU threads of every engine measured (and of the machine limits)")
+    parser.add_argument("--model", default=None,
+                        help="model folder (default: the real model, .cache/smollm2-135m-instruct)")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also run llama.cpp if its venv (.cache/peers/llamacpp) is installed")
+    parser.add_argument("--install-llama-cpp", action="store_true",
+                        help="build llama-cpp-python into its venv first if missing (a source "
+                        "build: tens of minutes on 2 cores)")
+
+
+_BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "metadata": _metadata_bench_args,
+                     "peers": _peers_bench_args}
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
