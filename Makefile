@@ -16,7 +16,7 @@ MODEL ?= .cache/smollm2-135m-instruct
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup setup-serve run test lint bench clean distclean
+.PHONY: setup setup-serve run test lint bench bench-peers clean distclean
 
 setup:
 	bash scripts/setup.sh test
@@ -44,6 +44,11 @@ bench: setup-serve
 	$(PDCLUSTER) bench transfer --json
 	$(PDCLUSTER) bench metadata --json
 	$(PDCLUSTER) bench curve --json
+
+# The engine against vLLM's CPU build (first run installs it into .cache/peers/vllm: ~3.4 GB)
+# and transformers, on $(MODEL). Not part of `bench` or `test`: it installs and takes minutes.
+bench-peers: setup-serve
+	$(PDCLUSTER) bench peers --json --model $(MODEL)
 
 clean:
 	rm -rf .cache build dist *.egg-info .pytest_cache .hypothesis .ruff_cache

@@ -1,5 +1,5 @@
 """Peer benchmark: `pdcluster bench peers [--json] [--quick] [--threads N] [--model DIR]
-[--llama-cpp] [--install-llama-cpp]`.
+[--repeats N] [--llama-cpp] [--install-llama-cpp]`.
 
 pdcluster's `LLM` against what users would run instead, in ONE run, on the same token ids
 (benchmarks/peers_workloads.py: W1 32 x 256 -> 64 throughput, W2 batch-1 decode ms/token, W3
@@ -24,6 +24,7 @@ read per batch-1 step / step time / copy bandwidth). Torch is imported lazily.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -65,6 +66,8 @@ def run(args: argparse.Namespace) -> dict:
     threads = args.threads or 2
     torch.set_num_threads(threads)
     sizes = QUICK if args.quick else PeerSizes()
+    if getattr(args, "repeats", None):
+        sizes = dataclasses.replace(sizes, repeats=args.repeats)
     model = str(getattr(args, "model", None) or DEFAULT_MODEL)
     peers = {"vllm": VLLM}
     if getattr(args, "llama_cpp", False) or getattr(args, "install_llama_cpp", False):

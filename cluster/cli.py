@@ -98,6 +98,8 @@ def _peers_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads of every engine measured (and of the machine limits)")
     parser.add_argument("--model", default=None,
                         help="model folder (default: the real model, .cache/smollm2-135m-instruct)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="repeats per workload, medians reported (default 3; --quick 1)")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="also run llama.cpp if its venv (.cache/peers/llamacpp) is installed")
     parser.add_argument("--install-llama-cpp", action="store_true",
