@@ -25,11 +25,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from core.credentials import ClusterSecret
-from core.kv_transfer import XferDone, XferRequest
-from core.kv_transfer import encode as encode_xfer
-from core.node_wire import GenerateRequest, SamplingSpec, TokenDelta
-from core.node_wire import encode as encode_node
+from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.kv_transfer import XferDone, XferRequest
+from pdcluster.core.kv_transfer import encode as encode_xfer
+from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TokenDelta
+from pdcluster.core.node_wire import encode as encode_node
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +47,7 @@ _REPLIES = {b"g": encode_node(TokenDelta("r", [7], True, "length", None, 200, 0)
 def _serve(conn, secret_text: str) -> None:
     """Child: a CURVE and a plaintext ROUTER, each answering request frames with a reply."""
     import zmq
-
-    from core.curve import secure_server
+    from pdcluster.core.curve import secure_server
 
     keys = ClusterSecret.from_text(secret_text).curve_keys()
     ctx = zmq.Context.instance()
@@ -83,8 +82,7 @@ class _Peer:
 
     def socket(self, kind: str):
         import zmq
-
-        from core.curve import secure_client
+        from pdcluster.core.curve import secure_client
 
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

@@ -81,11 +81,11 @@ def run(args: argparse.Namespace) -> dict:
         result.update(_ttft(model_dir, sizes, device))
         result.update(_decode_step(model_dir, sizes, device))
         if getattr(args, "moe", False):
-            from benchmarks.moe_step import moe_vs_dense
+            from pdcluster.benchmarks.moe_step import moe_vs_dense
 
             result.update(moe_vs_dense(tmp, device, sizes.decode_steps))
         if getattr(args, "mla", False):
-            from benchmarks.mla_decode import mla_fields
+            from pdcluster.benchmarks.mla_decode import mla_fields
 
             result.update(mla_fields(sizes.repeats * 2 + 1))
     return result
@@ -94,16 +94,16 @@ def run(args: argparse.Namespace) -> dict:
 def _model_dir(model: str | None, tmp: str) -> str:
     """The model to measure: `model` (a folder, or a GGUF converted once), else a random one."""
     if model:
-        from engine.gguf import resolve_model
+        from pdcluster.engine.gguf import resolve_model
 
         return resolve_model(model)
-    from engine.tiny_model import make_tiny_model
+    from pdcluster.engine.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp, arch="llama", seed=0, preset="bench"))
 
 
 def _model_facts(model_dir: str) -> dict:
-    from engine.model_config import ModelConfig
+    from pdcluster.engine.model_config import ModelConfig
 
     mc = ModelConfig.from_pretrained(model_dir)
     per_layer = (
@@ -120,7 +120,7 @@ def _model_facts(model_dir: str) -> dict:
 
 
 def _llm(model_dir: str, device: str, sizes: BenchSizes):
-    from engine import LLM
+    from pdcluster.engine import LLM
 
     return LLM(
         model_dir,
@@ -149,8 +149,7 @@ def _sync(device: str) -> None:
 
 def _throughput(model_dir: str, sizes: BenchSizes, device: str) -> dict:
     import torch
-
-    from engine import SamplingParams
+    from pdcluster.engine import SamplingParams
 
     rng = random.Random(1)
     prompts = _prompts(sizes.num_requests, sizes.prompt_len, rng)
@@ -187,7 +186,7 @@ def _throughput(model_dir: str, sizes: BenchSizes, device: str) -> dict:
 
 
 def _time_first_token(llm, prompt: list[int]) -> float:
-    from engine import SamplingParams
+    from pdcluster.engine import SamplingParams
 
     start = time.perf_counter()
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
@@ -215,8 +214,7 @@ def _ttft(model_dir: str, sizes: BenchSizes, device: str) -> dict:
 
 def _decode_step(model_dir: str, sizes: BenchSizes, device: str) -> dict:
     import torch
-
-    from engine import SamplingParams
+    from pdcluster.engine import SamplingParams
 
     rng = random.Random(3)
     prompt = _prompts(1, 64, rng)[0]

@@ -32,10 +32,10 @@ import threading
 import time
 from pathlib import Path
 
-from core.block_index import BlockIndex
-from core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, node_principal
-from metadata_service.client import MetadataClient, make_node_info
-from proto import metadata_pb2 as pb
+from pdcluster.core.block_index import BlockIndex
+from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, node_principal
+from pdcluster.metadata_service.client import MetadataClient, make_node_info
+from pdcluster.proto import metadata_pb2 as pb
 
 HASH = 32
 BATCH_HASHES = 2048
@@ -112,7 +112,7 @@ class _Etcd:
 
 
 def start_service(port: int, etcd_port: int | None, secret: ClusterSecret) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "cluster.cli", "metadata", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "metadata", "serve", "--port", str(port),
            "--lease-ttl", "300"]
     if etcd_port is not None:
         cmd += ["--backend", "etcd", "--etcd", f"127.0.0.1:{etcd_port}"]

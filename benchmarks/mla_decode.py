@@ -23,8 +23,7 @@ BLOCK = 16
 
 def _layer():
     import torch
-
-    from engine.model_config import ModelConfig
+    from pdcluster.engine.model_config import ModelConfig
 
     hf = {"architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 32, "hidden_size": HIDDEN,
           "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": HEADS,
@@ -32,8 +31,8 @@ def _layer():
           "qk_rope_head_dim": ROPE, "v_head_dim": V, "n_routed_experts": 2,
           "num_experts_per_tok": 1, "moe_intermediate_size": 8, "max_position_embeddings": 4096}
     cfg = ModelConfig.from_hf(hf)
-    from engine.models.mla import MLAttention
-    from engine.models.rope import RotaryEmbedding
+    from pdcluster.engine.models.mla import MLAttention
+    from pdcluster.engine.models.rope import RotaryEmbedding
 
     torch.manual_seed(0)
     layer = MLAttention(cfg, 0, RotaryEmbedding(cfg.rope, ROPE, 4096))
@@ -44,8 +43,7 @@ def _layer():
 
 def _decode_meta(batch: int, context: int):
     import torch
-
-    from engine.attention import AttentionMetadata
+    from pdcluster.engine.attention import AttentionMetadata
 
     blocks = context // BLOCK
     table = torch.arange(batch * blocks).view(batch, blocks)
@@ -73,8 +71,7 @@ def _time(layer, cache, meta, batch: int, context: int, steps: int) -> dict[bool
 
 def absorbed_vs_expanded(steps: int = 5) -> dict:
     import torch
-
-    from engine.kv_cache import KVCacheSpec, PagedKVCache
+    from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
 
     layer = _layer()
     result = {}
@@ -92,7 +89,7 @@ def absorbed_vs_expanded(steps: int = 5) -> dict:
 
 
 def kv_bytes_per_token() -> dict:
-    from engine.kv_cache import KVCacheSpec
+    from pdcluster.engine.kv_cache import KVCacheSpec
 
     def per_token(layers: int, heads: int, dim: int, planes: int) -> int:
         return KVCacheSpec(1, layers, BLOCK, heads, dim, 2, planes).block_nbytes // BLOCK

@@ -23,9 +23,8 @@ ROUNDS = 3
 def write_mixtral(out: Path, seed: int = 0) -> Path:
     """The dense bench checkpoint with every MLP replaced by 8 routed experts."""
     import torch
+    from pdcluster.engine.tiny_model import make_tiny_model
     from safetensors.torch import load_file, save_file
-
-    from engine.tiny_model import make_tiny_model
 
     make_tiny_model(out, arch="mistral", seed=seed, preset="bench")
     cfg = json.loads((out / "config.json").read_text())
@@ -49,7 +48,7 @@ def write_mixtral(out: Path, seed: int = 0) -> Path:
 
 def _step_times(engine, prompts: list[list[int]], steps: int) -> tuple[float, float]:
     """(prefill seconds of the whole batch, median decode step seconds)."""
-    from engine import SamplingParams
+    from pdcluster.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 1)
     for n, prompt in enumerate(prompts):
@@ -68,7 +67,7 @@ def _step_times(engine, prompts: list[list[int]], steps: int) -> tuple[float, fl
 def _measure(model_dir: str, device: str, steps: int) -> dict[str, float]:
     import random
 
-    from engine import LLMEngine
+    from pdcluster.engine import LLMEngine
 
     rng = random.Random(5)
     engine = LLMEngine.from_model(model_dir, device=device, dtype="float32", max_num_seqs=32,
@@ -82,7 +81,7 @@ def _measure(model_dir: str, device: str, steps: int) -> dict[str, float]:
 
 
 def moe_vs_dense(tmp: str, device: str, steps: int) -> dict:
-    from engine.tiny_model import make_tiny_model
+    from pdcluster.engine.tiny_model import make_tiny_model
 
     dense_dir = make_tiny_model(Path(tmp) / "dense", arch="mistral", seed=0, preset="bench")
     moe_dir = write_mixtral(Path(tmp) / "moe")

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.peers_workloads import QUICK, PeerSizes, make_workloads, measure
+from pdcluster.benchmarks.peers_workloads import QUICK, PeerSizes, make_workloads, measure
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_CACHE = ROOT / ".cache" / "peers"
@@ -143,7 +143,7 @@ def _start_engines(model: str, sizes: PeerSizes, threads: int, peers: dict[str, 
 
 
 def _pdcluster_generate(model: str, sizes: PeerSizes):
-    from engine import LLM, SamplingParams
+    from pdcluster.engine import LLM, SamplingParams
 
     llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=sizes.num_requests,
               max_num_batched_tokens=2048, kv_cache_memory_gib=2.0)
@@ -381,7 +381,7 @@ def efficiency(model: str, ours: dict, machine: dict, sizes: PeerSizes) -> dict:
 def param_counts(model: str, dtype_nbytes: int = 4) -> dict:
     """Weights a token multiplies through (the decoder layers' linears) and the weight bytes a
     batch-1 decode step reads (those, the norms and the whole LM head)."""
-    from engine.model_config import ModelConfig
+    from pdcluster.engine.model_config import ModelConfig
 
     mc = ModelConfig.from_pretrained(model)
     attn = mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.peers_workloads import measure  # noqa: E402
+from pdcluster.benchmarks.peers_workloads import measure  # noqa: E402
 
 
 def _vllm(cfg: dict):

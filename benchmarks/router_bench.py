@@ -35,8 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import zmq
-
-from benchmarks.metadata_bench import (
+from pdcluster.benchmarks.metadata_bench import (
     HASH,
     Population,
     free_port,
@@ -45,9 +44,9 @@ from benchmarks.metadata_bench import (
     start_service,
     wait_ready,
 )
-from core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, CurveKeys
-from core.curve import secure_server
-from core.node_wire import (
+from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, CurveKeys
+from pdcluster.core.curve import secure_server
+from pdcluster.core.node_wire import (
     GenerateRequest,
     LoadQuery,
     LoadReport,
@@ -110,7 +109,7 @@ class InstantNode:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from engine.tiny_model import make_tiny_model
+    from pdcluster.engine.tiny_model import make_tiny_model
 
     sizes = QUICK if getattr(args, "quick", False) else Sizes()
     with tempfile.TemporaryDirectory(prefix="pdcluster-router-bench-") as tmp:
@@ -146,7 +145,7 @@ def _measure(sizes: Sizes, model: str, nodes: list[InstantNode], meta_port: int,
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
     procs.append(subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "router", "serve", "--model", model,
+        [sys.executable, "-m", "pdcluster.cluster.cli", "router", "serve", "--model", model,
          "--metadata", f"127.0.0.1:{meta_port}", "--port", str(port)],
         env={**env, SECRET_ENV: secret.to_text()},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -177,7 +176,7 @@ def _populate(address: str, pop: Population, nodes: list[InstantNode],
               secret: ClusterSecret) -> None:
     """Register the nodes (each with its own credential) and ingest the 1M-block
     population."""
-    from metadata_service.client import MetadataClient, make_node_info
+    from pdcluster.metadata_service.client import MetadataClient, make_node_info
 
     infos = {}
     with MetadataClient(address, cluster_secret=secret, timeout_s=30) as client:
@@ -196,10 +195,10 @@ def _decisions(pop: Population, nodes: list[InstantNode], model: str, samples: i
     """Microseconds per decision: the index walk over the request's chain, then the live
     router's `Dispatcher.decide` (views refreshed in place, the policy) over the 64 nodes,
     whose load it has polled from the instant nodes like the live router."""
-    from core.block_index import BlockIndex
-    from router.config import NodeSpec, RouterConfig
-    from router.dispatch import Dispatcher
-    from router.metrics import RouterMetrics
+    from pdcluster.core.block_index import BlockIndex
+    from pdcluster.router.config import NodeSpec, RouterConfig
+    from pdcluster.router.dispatch import Dispatcher
+    from pdcluster.router.metrics import RouterMetrics
 
     index = BlockIndex()
     for node_id, parts in pop.packed.items():
@@ -244,7 +243,7 @@ def _wait_healthy(port: int, num_nodes: int, timeout_s: float = 120.0) -> None:
 
 
 def _direct_ms(address: str, samples: int, curve: CurveKeys | None) -> list[float]:
-    from node.client import BlockingNodeClient
+    from pdcluster.node.client import BlockingNodeClient
 
     client, out = BlockingNodeClient(address, curve=curve), []
     ids = list(range(3, 203))  # a prompt of the same order of length, already tokenized

@@ -38,9 +38,9 @@ QUICK = Sizes(ttft_prompt_len=512, ttft_repeats=2, batch_requests=4, batch_promp
 
 
 def run(args: argparse.Namespace) -> dict:
-    from cluster.config import ClusterConfig
-    from cluster.ray_cluster import RayCluster
-    from engine.tiny_model import make_tiny_model
+    from pdcluster.cluster.config import ClusterConfig
+    from pdcluster.cluster.ray_cluster import RayCluster
+    from pdcluster.engine.tiny_model import make_tiny_model
 
     sizes = QUICK if getattr(args, "quick", False) else Sizes()
     with tempfile.TemporaryDirectory(prefix="pdcluster-serve-bench-") as tmp:
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> dict:
 
 class _Bench:
     def __init__(self, cluster, sizes: Sizes) -> None:
-        from node.client import BlockingNodeClient
+        from pdcluster.node.client import BlockingNodeClient
 
         self.cluster, self.sizes = cluster, sizes
         nodes = {info["role"]: info for info in cluster.nodes()}
@@ -70,7 +70,7 @@ class _Bench:
         return [self.rng.randrange(3, 32000) for _ in range(n)]
 
     def send(self, prompt: list[int], max_tokens: int, disaggregated: bool) -> str:
-        from core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
+        from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
 
         n = next(self.ids)
         rid, tid = f"b{n}", f"bt{n}"
@@ -86,7 +86,7 @@ class _Bench:
 
     def ttft(self, disaggregated: bool) -> float:
         """Seconds from sending a request to its first token on the decode node."""
-        from core.node_wire import TokenDelta
+        from pdcluster.core.node_wire import TokenDelta
 
         start = time.perf_counter()
         rid = self.send(self.prompt(self.sizes.ttft_prompt_len), 2, disaggregated)

@@ -37,7 +37,7 @@ QUICK = Sizes(tokens_per_request=1024, num_requests=4, repeats=2)
 
 
 def _spec(num_blocks: int):
-    from engine.kv_cache import KVCacheSpec
+    from pdcluster.engine.kv_cache import KVCacheSpec
 
     return KVCacheSpec(num_blocks, LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPE_BYTES)
 
@@ -45,8 +45,7 @@ def _spec(num_blocks: int):
 def _region(num_blocks: int, fill: int | None):
     """A KV-layout buffer (numpy: no torch needed to move bytes) and its KVRegion."""
     import numpy as np
-
-    from core.kv_connector import KVRegion
+    from pdcluster.core.kv_connector import KVRegion
 
     spec = _spec(num_blocks)
     buf = np.zeros(spec.total_nbytes, dtype=np.uint8)
@@ -58,11 +57,11 @@ def _region(num_blocks: int, fill: int | None):
 
 def _prefill_side(conn, num_blocks: int, secret_text: str) -> None:
     """Child: serve SendJobs, and time raw Mooncake writes on request."""
-    from core.credentials import ClusterSecret
-    from core.kv_connector import ConnectorPlan, SendJob
-    from core.kv_transfer import RemoteDecode
-    from transfer.connector_worker import ConnectorWorker
-    from transfer.transport import MooncakeTransport
+    from pdcluster.core.credentials import ClusterSecret
+    from pdcluster.core.kv_connector import ConnectorPlan, SendJob
+    from pdcluster.core.kv_transfer import RemoteDecode
+    from pdcluster.transfer.connector_worker import ConnectorWorker
+    from pdcluster.transfer.transport import MooncakeTransport
 
     buf, region = _region(num_blocks, fill=7)
     transport = MooncakeTransport(curve=ClusterSecret.from_text(secret_text).curve_keys())
@@ -89,9 +88,9 @@ def _prefill_side(conn, num_blocks: int, secret_text: str) -> None:
 
 class _Bench:
     def __init__(self, sizes: Sizes) -> None:
-        from core.credentials import ClusterSecret
-        from transfer.connector_worker import ConnectorWorker
-        from transfer.transport import MooncakeTransport
+        from pdcluster.core.credentials import ClusterSecret
+        from pdcluster.transfer.connector_worker import ConnectorWorker
+        from pdcluster.transfer.transport import MooncakeTransport
 
         self.sizes = sizes
         self.blocks_per_request = sizes.tokens_per_request // BLOCK_SIZE
@@ -111,8 +110,8 @@ class _Bench:
 
     def connector(self, num_requests: int, blocks: int | None = None) -> tuple[float, int]:
         """Seconds from plan to the last RecvResult, and descriptors used."""
-        from core.kv_connector import ConnectorPlan, RecvJob
-        from core.kv_transfer import RemotePrefill
+        from pdcluster.core.kv_connector import ConnectorPlan, RecvJob
+        from pdcluster.core.kv_transfer import RemotePrefill
 
         blocks = self.blocks_per_request if blocks is None else blocks
         sends, recvs = [], []

@@ -30,8 +30,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from cluster import cli_models, cli_services
-from cluster.cli_common import (
+from pdcluster.cluster import cli_models, cli_services
+from pdcluster.cluster.cli_common import (
     DEVICES,
     UsageError,
     add_command,
@@ -40,7 +40,7 @@ from cluster.cli_common import (
     require_device,
     resolve_model_arg,
 )
-from cluster.cli_models import parse_token_ids  # noqa: F401 (part of this module's API)
+from pdcluster.cluster.cli_models import parse_token_ids  # noqa: F401 (part of this module's API)
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ def _report_command(run: Callable[[argparse.Namespace], dict]
 def _cmd_replay(args: argparse.Namespace) -> int:
     if not Path(args.trace).is_file():
         raise UsageError(f"trace file not found: {args.trace}")
-    from router import replay
+    from pdcluster.router import replay
 
     with config_errors_as_usage():
         replay.ReplayConfig(num_nodes=args.nodes, cache_blocks=args.cache_blocks)

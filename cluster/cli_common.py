@@ -63,7 +63,7 @@ def resolve_model_arg(model: str) -> str:
             raise UsageError(f"GGUF file not found: {model}")
         check_model_dir(model)
         return os.path.abspath(model)
-    from engine.gguf import GGUFError, is_gguf, resolve_model
+    from pdcluster.engine.gguf import GGUFError, is_gguf, resolve_model
 
     if not is_gguf(model):
         raise UsageError(f"not a model folder or a GGUF file: {model}")
@@ -93,7 +93,12 @@ def config_errors_as_usage() -> Iterator[None]:
 
 def cluster_secret_from_env(command: str):
     """The cluster secret from $PDCLUSTER_CLUSTER_SECRET[_FILE]; a usage error without it."""
-    from core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, CredentialError
+    from pdcluster.core.credentials import (
+        SECRET_ENV,
+        SECRET_FILE_ENV,
+        ClusterSecret,
+        CredentialError,
+    )
 
     try:
         secret = ClusterSecret.from_env()

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.cli_common import (
+from pdcluster.cluster.cli_common import (
     DEVICES,
     DTYPES,
     UsageError,
@@ -101,7 +101,7 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.tiny_model import make_tiny_model
+    from pdcluster.engine.tiny_model import make_tiny_model
 
     path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, preset=args.preset)
     print(path)
@@ -111,7 +111,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     require_device(args.device)
     model = resolve_model_arg(args.model)
-    from engine import LLM, SamplingParams
+    from pdcluster.engine import LLM, SamplingParams
 
     extra = {} if args.num_blocks is None else {"num_kv_blocks": args.num_blocks}
     started = time.perf_counter()
@@ -162,7 +162,7 @@ def add_convert_gguf(subparsers: argparse._SubParsersAction) -> None:
 def _cmd_convert_gguf(args: argparse.Namespace) -> int:
     if Path(args.out_dir).exists():
         raise UsageError(f"{args.out_dir} already exists")
-    from engine.gguf import GGUFError, convert_gguf
+    from pdcluster.engine.gguf import GGUFError, convert_gguf
 
     try:
         out = convert_gguf(args.gguf_file, args.out_dir)

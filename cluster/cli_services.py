@@ -8,7 +8,7 @@ import argparse
 import asyncio
 import os
 
-from cluster.cli_common import (
+from pdcluster.cluster.cli_common import (
     DTYPES,
     add_command,
     check_model_dir,
@@ -55,8 +55,8 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     model = resolve_model_arg(args.model)
-    from cluster.config import ClusterConfig
-    from cluster.launch import serve
+    from pdcluster.cluster.config import ClusterConfig
+    from pdcluster.cluster.launch import serve
 
     engine = {"block_size": args.block_size}
     if args.dtype:
@@ -81,7 +81,12 @@ def _serve_secret():
     import atexit
     from pathlib import Path
 
-    from core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, write_secret_file
+    from pdcluster.core.credentials import (
+        SECRET_ENV,
+        SECRET_FILE_ENV,
+        ClusterSecret,
+        write_secret_file,
+    )
 
     if os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV):
         return cluster_secret_from_env("pdcluster serve")
@@ -150,10 +155,10 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
 def _cmd_router_serve(args: argparse.Namespace) -> int:
     check_model_dir(args.model)
     secret = cluster_secret_from_env("pdcluster router serve")
-    from cluster.launch import api_keys_from_env
-    from router.config import RouterConfig
-    from router.policy import PolicyConfig
-    from router.server import serve_forever
+    from pdcluster.cluster.launch import api_keys_from_env
+    from pdcluster.router.config import RouterConfig
+    from pdcluster.router.policy import PolicyConfig
+    from pdcluster.router.server import serve_forever
 
     with config_errors_as_usage():
         config = RouterConfig(
@@ -206,8 +211,8 @@ def add_metadata(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_metadata_serve(args: argparse.Namespace) -> int:
     secret = cluster_secret_from_env("pdcluster metadata serve")
-    from metadata_service.config import MetadataConfig
-    from metadata_service.server import serve
+    from pdcluster.metadata_service.config import MetadataConfig
+    from pdcluster.metadata_service.server import serve
 
     with config_errors_as_usage():
         config = MetadataConfig(

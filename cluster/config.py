@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.tls import ClientTLS
+from pdcluster.core.tls import ClientTLS
 
 # Uncached prompt tokens up to which the decode node prefills itself. Low, because on a CPU
 # prefill is dear and moving KV is cheap: SmolLM2-135M, the built-in model, prefills ~4.4

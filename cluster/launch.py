@@ -20,9 +20,9 @@ import os
 import sys
 from collections.abc import Callable
 
-from cluster.config import ClusterConfig
-from cluster.ray_cluster import RayCluster
-from core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, CredentialError
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.cluster.ray_cluster import RayCluster
+from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, CredentialError
 
 logger = logging.getLogger(__name__)
 API_KEYS_ENV = "PDCLUSTER_API_KEYS"
@@ -41,7 +41,7 @@ def serve(config: ClusterConfig, ray_address: str | None = None,
 
 async def _run(config: ClusterConfig, cluster: RayCluster,
                on_ready: Callable[[str], None] | None) -> None:
-    from router.server import serve_forever, wait_for_signal
+    from pdcluster.router.server import serve_forever, wait_for_signal
 
     if not config.router_enabled:  # e.g. the Helm chart runs the router as a Deployment
         print(f"pdcluster: {config.num_prefill} prefill + {config.num_decode} decode nodes up",
@@ -61,8 +61,8 @@ async def _run(config: ClusterConfig, cluster: RayCluster,
 
 
 def router_config(config: ClusterConfig, metadata_address: str, cluster_secret: ClusterSecret):
-    from router.config import RouterConfig
-    from router.policy import PolicyConfig
+    from pdcluster.router.config import RouterConfig
+    from pdcluster.router.policy import PolicyConfig
 
     policy = PolicyConfig(block_size=config.engine.get("block_size", 16),
                           local_prefill_threshold=config.local_prefill_threshold_tokens,
@@ -79,7 +79,7 @@ def api_keys_from_env() -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m cluster.launch",
+        prog="python -m pdcluster.cluster.launch",
         description="Launch pdcluster onto the Ray cluster this job runs in (ray job submit).")
     parser.add_argument("--config", required=True, help="cluster.yaml")
     parser.add_argument("--ray-address", default="auto",
@@ -89,15 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ClusterConfig.from_yaml(args.config)
     except (OSError, ValueError, KeyError) as exc:
-        print(f"cluster.launch: bad config {args.config}: {exc}", file=sys.stderr)
+        print(f"pdcluster.cluster.launch: bad config {args.config}: {exc}", file=sys.stderr)
         return 2
     try:
         secret = ClusterSecret.from_env()
     except CredentialError as exc:
-        print(f"cluster.launch: {exc}", file=sys.stderr)
+        print(f"pdcluster.cluster.launch: {exc}", file=sys.stderr)
         return 2
     if secret is None and (config.metadata_address or not config.router_enabled):
-        print(f"cluster.launch: the cluster secret is required when the metadata service or "
+        print(f"pdcluster.cluster.launch: the cluster secret is required when the metadata service or "
               f"the router runs elsewhere: set ${SECRET_FILE_ENV} (a mounted Secret) or "
               f"${SECRET_ENV}", file=sys.stderr)
         return 2

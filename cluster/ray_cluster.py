@@ -16,8 +16,8 @@ import logging
 import os
 import tempfile
 
-from cluster.config import ClusterConfig
-from core.credentials import ClusterSecret
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.core.credentials import ClusterSecret
 
 logger = logging.getLogger(__name__)
 
@@ -66,16 +66,16 @@ class RayCluster:
         return self.config.num_prefill + self.config.num_decode
 
     def _start_metadata(self) -> None:
-        from metadata_service.config import MetadataConfig
-        from metadata_service.server import ServerThread
+        from pdcluster.metadata_service.config import MetadataConfig
+        from pdcluster.metadata_service.server import ServerThread
 
         config = MetadataConfig(host="127.0.0.1", port=0, cluster_secret=self.cluster_secret)
         self.metadata_server = ServerThread(config).start()
         self.metadata_address = self.metadata_server.address
 
     def _start_nodes(self, ray) -> None:
-        from decode_node.actor import DecodeNodeActor
-        from prefill_node.actor import PrefillNodeActor
+        from pdcluster.decode_node.actor import DecodeNodeActor
+        from pdcluster.prefill_node.actor import PrefillNodeActor
 
         roles = [("p", PrefillNodeActor)] * self.config.num_prefill
         roles += [("d", DecodeNodeActor)] * self.config.num_decode

@@ -1,7 +1,7 @@
 """Torch-free shared kernel of pdcluster: ids, the block-hash function and KV cache events."""
 
-from core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from core.hashing import (
+from pdcluster.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdcluster.core.hashing import (
     DEFAULT_HASH_CONFIG,
     NO_EXTRA,
     BlockExtra,
@@ -11,7 +11,7 @@ from core.hashing import (
     hash_block_tokens,
     root_hash,
 )
-from core.types import BlockHash, BlockId, NodeId, ReqId, TokenId
+from pdcluster.core.types import BlockHash, BlockId, NodeId, ReqId, TokenId
 
 __all__ = [
     "DEFAULT_HASH_CONFIG",

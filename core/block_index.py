@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from core.types import BlockHash, NodeId
+from pdcluster.core.types import BlockHash, NodeId
 
 
 class BlockIndex:

@@ -21,9 +21,8 @@ import logging
 import threading
 
 import zmq
+from pdcluster.core.credentials import CurveKeys
 from zmq.auth.thread import ThreadAuthenticator
-
-from core.credentials import CurveKeys
 
 logger = logging.getLogger(__name__)
 ZAP_DOMAIN = "pdcluster"

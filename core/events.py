@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.types import BlockHash
+from pdcluster.core.types import BlockHash
 
 
 @dataclass(frozen=True, slots=True)

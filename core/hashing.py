@@ -22,7 +22,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from core.types import BlockHash
+from pdcluster.core.types import BlockHash
 
 # Bump the version whenever the encoding below changes: hashes live in the global index and
 # in every node's prefix cache, and a silent change would make old and new nodes disagree.

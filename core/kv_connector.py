@@ -20,14 +20,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from core.kv_transfer import (
+from pdcluster.core.kv_transfer import (
     KVTransferParams,
     PrefixPull,
     RemoteDecode,
     RemotePrefill,
     TransferId,
 )
-from core.types import ReqId
+from pdcluster.core.types import ReqId
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.types import ReqId
-from core.wire import Protocol, WireError
+from pdcluster.core.types import ReqId
+from pdcluster.core.wire import Protocol, WireError
 
 TransferId = str
 WIRE_VERSION = 2  # 2: PrefixPullRequest names blocks by tokens + salt

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.sampling import SamplingSpec
-from core.types import ReqId
-from core.wire import Protocol, WireError
+from pdcluster.core.sampling import SamplingSpec
+from pdcluster.core.types import ReqId
+from pdcluster.core.wire import Protocol, WireError
 
 NODE_WIRE_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20

@@ -43,7 +43,7 @@ COPY . .
 RUN pip install -c constraints.txt "grpcio-tools>=1.60" \
     && PYTHON=python bash scripts/gen_proto.sh \
     && pip install -c constraints.txt ".[gpu]" "ray[default]==${RAY_VERSION}" \
-    && python -c "import torch, ray, cluster.cli, metadata_service.client" \
+    && python -c "import torch, ray, pdcluster.cluster.cli, pdcluster.metadata_service.client" \
     && pdcluster --help >/dev/null
 
 WORKDIR /home/ray

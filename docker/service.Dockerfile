@@ -36,7 +36,7 @@ COPY . .
 RUN PYTHON=python bash scripts/gen_proto.sh \
     && pip install --no-deps . \
     && python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)" \
-    && python -c "import cluster.cli, metadata_service.server, router" \
+    && python -c "import pdcluster.cluster.cli, pdcluster.metadata_service.server, router" \
     && pdcluster metadata serve --help >/dev/null \
     && rm -rf /opt/pdcluster
 

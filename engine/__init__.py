@@ -13,20 +13,20 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "EngineConfig": "engine.config",
-    "LLM": "engine.llm",
-    "LLMEngine": "engine.llm_engine",
-    "RequestOutput": "engine.outputs",
-    "SamplingParams": "engine.sampling_params",
+    "EngineConfig": "pdcluster.engine.config",
+    "LLM": "pdcluster.engine.llm",
+    "LLMEngine": "pdcluster.engine.llm_engine",
+    "RequestOutput": "pdcluster.engine.outputs",
+    "SamplingParams": "pdcluster.engine.sampling_params",
 }
 __all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.llm import LLM
-    from engine.llm_engine import LLMEngine
-    from engine.outputs import RequestOutput
-    from engine.sampling_params import SamplingParams
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm import LLM
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.outputs import RequestOutput
+    from pdcluster.engine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):

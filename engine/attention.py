@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from engine.kv_cache import PagedKVCache
+from pdcluster.engine.kv_cache import PagedKVCache
 
 
 @dataclass(slots=True)

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from core.types import BlockHash
+from pdcluster.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdcluster.core.types import BlockHash
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.hashing import HashConfig
+from pdcluster.core.hashing import HashConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

@@ -13,9 +13,9 @@
 
 from __future__ import annotations
 
-from core.types import BlockHash, ReqId
-from engine.block_pool import BlockPool, KVCacheBlock
-from engine.request import Request
+from pdcluster.core.types import BlockHash, ReqId
+from pdcluster.engine.block_pool import BlockPool, KVCacheBlock
+from pdcluster.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

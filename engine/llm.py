@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from engine.config import EngineConfig
-from engine.gguf import resolve_model
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams, as_params_list
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.gguf import resolve_model
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.outputs import RequestOutput
+from pdcluster.engine.sampling_params import SamplingParams, as_params_list
 
 
 class LLM:

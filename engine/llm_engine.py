@@ -31,24 +31,23 @@ import time
 from pathlib import Path
 
 import torch
-
-from core.events import KVEvent
-from core.hashing import BlockExtra
-from core.kv_connector import KVConnector, KVRegion
-from core.kv_transfer import KVTransferParams, PrefixPull, RemotePrefill
-from core.types import BlockHash, ReqId
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig
-from engine.kv_cache import KVCacheSpec, PagedKVCache
-from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.models.loader import load_model
-from engine.outputs import EngineLoad, RequestOutput, StopStringChecker
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.validation import RequestLimits, validate_keys, validate_request
+from pdcluster.core.events import KVEvent
+from pdcluster.core.hashing import BlockExtra
+from pdcluster.core.kv_connector import KVConnector, KVRegion
+from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, RemotePrefill
+from pdcluster.core.types import BlockHash, ReqId
+from pdcluster.engine.block_pool import BlockPool
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
+from pdcluster.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.model_runner import ModelRunner
+from pdcluster.engine.models.loader import load_model
+from pdcluster.engine.outputs import EngineLoad, RequestOutput, StopStringChecker
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdcluster.engine.validation import RequestLimits, validate_keys, validate_request
 
 logger = logging.getLogger(__name__)
 _CPU_KV_GIB = 1.0

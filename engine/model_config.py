@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.model_families import MLAConfig, MoEConfig, parse_mla, parse_moe
+from pdcluster.engine.model_families import MLAConfig, MoEConfig, parse_mla, parse_moe
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",

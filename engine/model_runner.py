@@ -9,13 +9,12 @@ uncached token is its last), then prefill chunks; see `engine.attention`.
 from __future__ import annotations
 
 import torch
-
-from engine.attention import AttentionMetadata, PrefillChunk
-from engine.kv_cache import PagedKVCache
-from engine.models.llama import CausalLM
-from engine.outputs import RequestFailure, SampledToken
-from engine.sampler import Sampler
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pdcluster.engine.attention import AttentionMetadata, PrefillChunk
+from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.models.llama import CausalLM
+from pdcluster.engine.outputs import RequestFailure, SampledToken
+from pdcluster.engine.sampler import Sampler
+from pdcluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class ModelRunner:

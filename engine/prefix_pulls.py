@@ -24,13 +24,13 @@ so a flood of pulls cannot tie up the pool; the requester computes whatever is n
 
 from __future__ import annotations
 
-from core.hashing import BlockExtra, HashConfig, hash_block_tokens
-from core.kv_connector import KVConnectorScheduler, PrefixTokens, PullLookup, PullResult
-from core.kv_transfer import TransferId
-from engine.block_pool import KVCacheBlock
-from engine.kv_cache_manager import KVCacheManager
-from engine.pins import PinBudget
-from engine.request import Request
+from pdcluster.core.hashing import BlockExtra, HashConfig, hash_block_tokens
+from pdcluster.core.kv_connector import KVConnectorScheduler, PrefixTokens, PullLookup, PullResult
+from pdcluster.core.kv_transfer import TransferId
+from pdcluster.engine.block_pool import KVCacheBlock
+from pdcluster.engine.kv_cache_manager import KVCacheManager
+from pdcluster.engine.pins import PinBudget
+from pdcluster.engine.request import Request
 
 
 class PrefixPulls:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import enum
 import time
 
-from core.hashing import NO_EXTRA, BlockExtra, BlockHasher, HashConfig
-from core.kv_transfer import KVTransferParams, PrefixPull
-from core.types import ReqId
-from engine.sampling_params import SamplingParams
+from pdcluster.core.hashing import NO_EXTRA, BlockExtra, BlockHasher, HashConfig
+from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull
+from pdcluster.core.types import ReqId
+from pdcluster.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -18,9 +18,8 @@ from __future__ import annotations
 import logging
 
 import torch
-
-from engine.outputs import RequestFailure, SampledToken
-from engine.request import Request
+from pdcluster.engine.outputs import RequestFailure, SampledToken
+from pdcluster.engine.request import Request
 
 logger = logging.getLogger(__name__)
 _FAILED = "sampling failed on the node"

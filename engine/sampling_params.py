@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from core.sampling import SamplingSpec
+from pdcluster.core.sampling import SamplingSpec
 
 _GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0  # far past any useful value; keeps logits / temperature finite

@@ -35,16 +35,21 @@ import logging
 import time
 from collections import deque
 
-from core.hashing import DEFAULT_HASH_CONFIG, HashConfig
-from core.kv_connector import ConnectorResults, KVConnectorScheduler, PullResult, RecvResult
-from core.kv_transfer import RemoteDecode, RemotePrefill
-from core.types import ReqId
-from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.outputs import RequestFailure, SampledToken
-from engine.pins import OverloadedError, PinBudget
-from engine.prefix_pulls import PrefixPulls
-from engine.request import Request, RequestStatus
-from engine.scheduler_output import ScheduledRequest, SchedulerConfig, SchedulerOutput
+from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
+from pdcluster.core.kv_connector import (
+    ConnectorResults,
+    KVConnectorScheduler,
+    PullResult,
+    RecvResult,
+)
+from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill
+from pdcluster.core.types import ReqId
+from pdcluster.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdcluster.engine.outputs import RequestFailure, SampledToken
+from pdcluster.engine.pins import OverloadedError, PinBudget
+from pdcluster.engine.prefix_pulls import PrefixPulls
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.scheduler_output import ScheduledRequest, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

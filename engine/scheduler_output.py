@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.types import ReqId
-from engine.request import Request
+from pdcluster.core.types import ReqId
+from pdcluster.engine.request import Request
 
 
 @dataclass(frozen=True, slots=True)

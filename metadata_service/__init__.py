@@ -12,8 +12,8 @@ client library (``client``, ``publisher``, ``errors``) and nothing else; this pa
 the stores.
 """
 
-from metadata_service.config import MetadataConfig
-from metadata_service.errors import (
+from pdcluster.metadata_service.config import MetadataConfig
+from pdcluster.metadata_service.errors import (
     InvalidBatch,
     MetadataAuthError,
     MetadataError,

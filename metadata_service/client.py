@@ -24,23 +24,22 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequenc
 from typing import Any
 
 import grpc
-
-from core.credentials import SERVICE, ClusterSecret
-from core.events import KVEvent
-from core.roles import NODE_ROLES, Role, role_names
-from core.tls import ClientTLS
-from core.types import BlockHash, NodeId
-from metadata_service.codec import pack_hashes
-from metadata_service.errors import (
+from pdcluster.core.credentials import SERVICE, ClusterSecret
+from pdcluster.core.events import KVEvent
+from pdcluster.core.roles import NODE_ROLES, Role, role_names
+from pdcluster.core.tls import ClientTLS
+from pdcluster.core.types import BlockHash, NodeId
+from pdcluster.metadata_service.codec import pack_hashes
+from pdcluster.metadata_service.errors import (
     MetadataAuthError,
     MetadataError,
     MetadataRequestError,
     MetadataUnavailable,
 )
-from metadata_service.events import encode_events
-from metadata_service.wire import AUTH_HEADER, GRPC_OPTIONS
-from proto import metadata_pb2 as pb
-from proto import metadata_pb2_grpc as pb_grpc
+from pdcluster.metadata_service.events import encode_events
+from pdcluster.metadata_service.wire import AUTH_HEADER, GRPC_OPTIONS
+from pdcluster.proto import metadata_pb2 as pb
+from pdcluster.proto import metadata_pb2_grpc as pb_grpc
 
 ROLES = {Role.PREFILL: pb.PREFILL, Role.DECODE: pb.DECODE}
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,

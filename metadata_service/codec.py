@@ -13,9 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgpack
-
-from core.types import BlockHash
-from metadata_service.errors import InvalidBatch
+from pdcluster.core.types import BlockHash
+from pdcluster.metadata_service.errors import InvalidBatch
 
 _DELTA_VERSION = 1
 

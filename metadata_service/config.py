@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.credentials import ClusterSecret
+from pdcluster.core.credentials import ClusterSecret
 
 BACKENDS = ("memory", "etcd")
 HASH_SIZES = (16, 32)
@@ -85,7 +85,7 @@ class MetadataConfig:
             if self.cluster_secret is not None:
                 raise ValueError("give cluster_secret or allow_unauthenticated, not both")
         elif not isinstance(self.cluster_secret, ClusterSecret):
-            raise ValueError("the metadata service needs cluster_secret (a core.credentials."
+            raise ValueError("the metadata service needs cluster_secret (a pdcluster.core.credentials."
                              "ClusterSecret): it never answers a caller without credentials")
 
     @property

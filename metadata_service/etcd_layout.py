@@ -21,11 +21,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import etcd3aio
-
-from core.types import NodeId
-from metadata_service.codec import decode_delta, decode_record, unpack_hashes
-from metadata_service.store import NodeState
-from proto import metadata_pb2 as pb
+from pdcluster.core.types import NodeId
+from pdcluster.metadata_service.codec import decode_delta, decode_record, unpack_hashes
+from pdcluster.metadata_service.store import NodeState
+from pdcluster.proto import metadata_pb2 as pb
 
 CHUNK_HASHES = 16384  # 512 KiB of sha256 hashes: well under etcd's 1.5 MiB request limit
 PAGE_KEYS = 64

@@ -32,15 +32,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import etcd3aio
-
-from core.types import BlockHash, NodeId
-from metadata_service.codec import Delta, encode_delta, encode_record, pack_hashes
-from metadata_service.config import MetadataConfig
-from metadata_service.etcd_layout import CHUNK_HASHES, Keys, NodeRecord, load_states
-from metadata_service.etcd_watch import ETCD_ERRORS as _ETCD_ERRORS
-from metadata_service.etcd_watch import ReplicaWatch
-from metadata_service.store import IndexStore, NodeState, StoreSink
-from proto import metadata_pb2 as pb
+from pdcluster.core.types import BlockHash, NodeId
+from pdcluster.metadata_service.codec import Delta, encode_delta, encode_record, pack_hashes
+from pdcluster.metadata_service.config import MetadataConfig
+from pdcluster.metadata_service.etcd_layout import CHUNK_HASHES, Keys, NodeRecord, load_states
+from pdcluster.metadata_service.etcd_watch import ETCD_ERRORS as _ETCD_ERRORS
+from pdcluster.metadata_service.etcd_watch import ReplicaWatch
+from pdcluster.metadata_service.store import IndexStore, NodeState, StoreSink
+from pdcluster.proto import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

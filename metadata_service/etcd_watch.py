@@ -16,10 +16,9 @@ import logging
 
 import etcd3aio
 import grpc
-
-from core.types import NodeId
-from metadata_service.codec import Delta, decode_delta, decode_record, unpack_hashes
-from metadata_service.etcd_layout import NodeRecord
+from pdcluster.core.types import NodeId
+from pdcluster.metadata_service.codec import Delta, decode_delta, decode_record, unpack_hashes
+from pdcluster.metadata_service.etcd_layout import NodeRecord
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ import enum
 import re
 from collections.abc import Iterable, Sequence
 
-from core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from core.types import BlockHash
-from metadata_service.codec import pack_hashes, unpack_hashes
-from metadata_service.config import MetadataConfig
-from metadata_service.errors import InvalidBatch
-from proto import metadata_pb2 as pb
+from pdcluster.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdcluster.core.types import BlockHash
+from pdcluster.metadata_service.codec import pack_hashes, unpack_hashes
+from pdcluster.metadata_service.config import MetadataConfig
+from pdcluster.metadata_service.errors import InvalidBatch
+from pdcluster.proto import metadata_pb2 as pb
 
 _NODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from core.events import KVEvent
-from core.types import BlockHash
-from metadata_service.client import AsyncMetadataClient, MetadataClient
-from proto import metadata_pb2 as pb
+from pdcluster.core.events import KVEvent
+from pdcluster.core.types import BlockHash
+from pdcluster.metadata_service.client import AsyncMetadataClient, MetadataClient
+from pdcluster.proto import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

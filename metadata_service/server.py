@@ -32,16 +32,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-
-from core.credentials import ClusterSecret, node_principal, verify_metadata_token
-from metadata_service.config import MetadataConfig
-from metadata_service.errors import InvalidBatch
-from metadata_service.service import MetadataService
-from metadata_service.store import IndexStore, MemoryIndexStore
-from metadata_service.watch import SubscriberTooSlow
-from metadata_service.wire import AUTH_HEADER, GRPC_OPTIONS
-from proto import metadata_pb2 as pb
-from proto import metadata_pb2_grpc as pb_grpc
+from pdcluster.core.credentials import ClusterSecret, node_principal, verify_metadata_token
+from pdcluster.metadata_service.config import MetadataConfig
+from pdcluster.metadata_service.errors import InvalidBatch
+from pdcluster.metadata_service.service import MetadataService
+from pdcluster.metadata_service.store import IndexStore, MemoryIndexStore
+from pdcluster.metadata_service.watch import SubscriberTooSlow
+from pdcluster.metadata_service.wire import AUTH_HEADER, GRPC_OPTIONS
+from pdcluster.proto import metadata_pb2 as pb
+from pdcluster.proto import metadata_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ _SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.http2.min_recv_ping_interval_without_da
 
 def make_store(config: MetadataConfig) -> IndexStore:
     if config.backend == "etcd":
-        from metadata_service.etcd_store import EtcdIndexStore
+        from pdcluster.metadata_service.etcd_store import EtcdIndexStore
 
         return EtcdIndexStore(config)
     return MemoryIndexStore()

@@ -25,20 +25,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from core.types import BlockHash, NodeId
-from metadata_service.codec import Delta
-from metadata_service.config import MetadataConfig
-from metadata_service.errors import InvalidBatch
-from metadata_service.events import (
+from pdcluster.core.types import BlockHash, NodeId
+from pdcluster.metadata_service.codec import Delta
+from pdcluster.metadata_service.config import MetadataConfig
+from pdcluster.metadata_service.errors import InvalidBatch
+from pdcluster.metadata_service.events import (
     Op,
     check_node_info,
     decode_events,
     unpack_query,
     unpack_snapshot,
 )
-from metadata_service.store import IndexStore, NodeState
-from metadata_service.watch import NodeWatch, WatchedIndex
-from proto import metadata_pb2 as pb
+from pdcluster.metadata_service.store import IndexStore, NodeState
+from pdcluster.metadata_service.watch import NodeWatch, WatchedIndex
+from pdcluster.proto import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from core.types import BlockHash, NodeId
-from metadata_service.codec import Delta
-from proto import metadata_pb2 as pb
+from pdcluster.core.types import BlockHash, NodeId
+from pdcluster.metadata_service.codec import Delta
+from pdcluster.proto import metadata_pb2 as pb
 
 
 @dataclass(slots=True)

@@ -28,9 +28,9 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Iterator
 
-from core.block_index import BlockIndex
-from core.types import BlockHash, NodeId
-from proto import metadata_pb2 as pb
+from pdcluster.core.block_index import BlockIndex
+from pdcluster.core.types import BlockHash, NodeId
+from pdcluster.proto import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

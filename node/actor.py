@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
-from core.credentials import ClusterSecret
-from node.config import NodeConfig
-from node.runtime import NodeRuntime
+from pdcluster.core.credentials import ClusterSecret
+from pdcluster.node.config import NodeConfig
+from pdcluster.node.runtime import NodeRuntime
 
 POD_IP_ENV = "POD_IP"
 

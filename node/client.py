@@ -8,10 +8,9 @@ from __future__ import annotations
 import time
 
 import zmq
-
-from core.credentials import CurveKeys
-from core.curve import secure_client
-from core.node_wire import NodeMessage, RequestError, TokenDelta, decode, encode
+from pdcluster.core.credentials import CurveKeys
+from pdcluster.core.curve import secure_client
+from pdcluster.core.node_wire import NodeMessage, RequestError, TokenDelta, decode, encode
 
 
 class BlockingNodeClient:

@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.credentials import ClusterSecret
-from core.roles import NODE_ROLES, role_names
-from core.tls import ClientTLS
+from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.roles import NODE_ROLES, role_names
+from pdcluster.core.tls import ClientTLS
 
 _NODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -58,7 +58,7 @@ class NodeConfig:
         if "model" in self.engine_options:
             raise ValueError("give the model as NodeConfig.model, not in engine_options")
         if not isinstance(self.cluster_secret, ClusterSecret):
-            raise ValueError(f"node {self.node_id}: cluster_secret (a core.credentials."
+            raise ValueError(f"node {self.node_id}: cluster_secret (a pdcluster.core.credentials."
                              "ClusterSecret) is required: a node never serves without it")
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 

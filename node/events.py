@@ -17,10 +17,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from core.events import KVEvent
-from core.types import BlockHash
-from metadata_service.client import MetadataClient
-from metadata_service.publisher import NodePublisher
+from pdcluster.core.events import KVEvent
+from pdcluster.core.types import BlockHash
+from pdcluster.metadata_service.client import MetadataClient
+from pdcluster.metadata_service.publisher import NodePublisher
 
 logger = logging.getLogger(__name__)
 

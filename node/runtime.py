@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import logging
 
-from core.credentials import node_principal
-from core.kv_connector import KVConnector
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from metadata_service.client import MetadataClient, make_node_info
-from node.config import NodeConfig
-from node.events import EventPublisherThread
-from node.server import NodeServer
-from transfer.connector_scheduler import ConnectorScheduler
-from transfer.connector_worker import ConnectorWorker
-from transfer.mooncake_engine import MooncakeConfig
-from transfer.transport import MooncakeTransport
+from pdcluster.core.credentials import node_principal
+from pdcluster.core.kv_connector import KVConnector
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.metadata_service.client import MetadataClient, make_node_info
+from pdcluster.node.config import NodeConfig
+from pdcluster.node.events import EventPublisherThread
+from pdcluster.node.server import NodeServer
+from pdcluster.transfer.connector_scheduler import ConnectorScheduler
+from pdcluster.transfer.connector_worker import ConnectorWorker
+from pdcluster.transfer.mooncake_engine import MooncakeConfig
+from pdcluster.transfer.transport import MooncakeTransport
 
 logger = logging.getLogger(__name__)
 

@@ -30,11 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
-
-from core.credentials import CurveKeys
-from core.curve import secure_server
-from core.kv_transfer import PrefixPull, RemoteDecode, RemotePrefill
-from core.node_wire import (
+from pdcluster.core.credentials import CurveKeys
+from pdcluster.core.curve import secure_server
+from pdcluster.core.kv_transfer import PrefixPull, RemoteDecode, RemotePrefill
+from pdcluster.core.node_wire import (
     AbortRequest,
     GenerateRequest,
     LoadQuery,
@@ -47,11 +46,11 @@ from core.node_wire import (
     decode,
     encode,
 )
-from core.wire import WireError
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.pins import OverloadedError
-from engine.sampling_params import SamplingParams
+from pdcluster.core.wire import WireError
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.outputs import RequestOutput
+from pdcluster.engine.pins import OverloadedError
+from pdcluster.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 2

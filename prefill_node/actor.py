@@ -3,8 +3,8 @@ no behaviour of its own; the launcher applies `ray.remote`."""
 
 from __future__ import annotations
 
-from core.roles import Role
-from node.actor import NodeActor
+from pdcluster.core.roles import Role
+from pdcluster.node.actor import NodeActor
 
 
 class PrefillNodeActor(NodeActor):

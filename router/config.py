@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.credentials import ClusterSecret
-from core.roles import Role, role_names
-from core.tls import ClientTLS
-from router.policy import PolicyConfig
+from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.roles import Role, role_names
+from pdcluster.core.tls import ClientTLS
+from pdcluster.router.policy import PolicyConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +79,7 @@ class RouterConfig:
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
         if not isinstance(self.cluster_secret, ClusterSecret):
-            raise ValueError("cluster_secret (a core.credentials.ClusterSecret) is required: "
+            raise ValueError("cluster_secret (a pdcluster.core.credentials.ClusterSecret) is required: "
                              "the router reaches nodes and the metadata service with it")
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 

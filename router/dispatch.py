@@ -33,24 +33,23 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import zmq.asyncio
-
-from core.credentials import SERVICE
-from core.hashing import BlockExtra, hash_block_tokens
-from core.node_wire import (
+from pdcluster.core.credentials import SERVICE
+from pdcluster.core.hashing import BlockExtra, hash_block_tokens
+from pdcluster.core.node_wire import (
     GenerateRequest,
     PrefixSource,
     RequestError,
     TokenDelta,
     TransferSpec,
 )
-from router.config import NodeSpec, RouterConfig
-from router.errors import NodeFailure, NoHealthyNode
-from router.load_decay import DecayedWork
-from router.metadata_link import MetadataLink
-from router.metrics import RouterMetrics
-from router.node_link import NodeLink, NodeStream
-from router.node_views import NodeViews
-from router.policy import (
+from pdcluster.router.config import NodeSpec, RouterConfig
+from pdcluster.router.errors import NodeFailure, NoHealthyNode
+from pdcluster.router.load_decay import DecayedWork
+from pdcluster.router.metadata_link import MetadataLink
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.node_link import NodeLink, NodeStream
+from pdcluster.router.node_views import NodeViews
+from pdcluster.router.policy import (
     RouteDecision,
     request_work,
     route,

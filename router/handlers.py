@@ -22,16 +22,15 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from aiohttp import web
-
-from core.node_wire import TokenDelta
-from router.config import RouterConfig
-from router.dispatch import Dispatcher, Placement
-from router.errors import ApiError, NodeFailure, NoHealthyNode, api_error, error_body
-from router.metrics import RouterMetrics
-from router.migration import execute_migrating
-from router.protocol import CompletionRequest, parse_chat, parse_completion
-from router.request_prep import check_auth, make_generate, read_json, resolve_prompt
-from router.tokenizer import IncrementalDetokenizer, RouterTokenizer
+from pdcluster.core.node_wire import TokenDelta
+from pdcluster.router.config import RouterConfig
+from pdcluster.router.dispatch import Dispatcher, Placement
+from pdcluster.router.errors import ApiError, NodeFailure, NoHealthyNode, api_error, error_body
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.migration import execute_migrating
+from pdcluster.router.protocol import CompletionRequest, parse_chat, parse_completion
+from pdcluster.router.request_prep import check_auth, make_generate, read_json, resolve_prompt
+from pdcluster.router.tokenizer import IncrementalDetokenizer, RouterTokenizer
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from core.types import NodeId
+from pdcluster.core.types import NodeId
 
 
 class DecayedWork:

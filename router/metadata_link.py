@@ -39,14 +39,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from core.block_index import BlockIndex
-from core.roles import Role
-from core.tls import ClientTLS
-from core.types import BlockHash, NodeId
-from metadata_service.client import AsyncMetadataClient
-from metadata_service.errors import MetadataError
-from proto import metadata_pb2 as pb
-from router.config import NodeSpec
+from pdcluster.core.block_index import BlockIndex
+from pdcluster.core.roles import Role
+from pdcluster.core.tls import ClientTLS
+from pdcluster.core.types import BlockHash, NodeId
+from pdcluster.metadata_service.client import AsyncMetadataClient
+from pdcluster.metadata_service.errors import MetadataError
+from pdcluster.proto import metadata_pb2 as pb
+from pdcluster.router.config import NodeSpec
 
 logger = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
 
-from core.node_wire import GenerateRequest, TokenDelta
-from router.dispatch import Dispatcher, Placement
-from router.errors import NodeFailure, NoHealthyNode
+from pdcluster.core.node_wire import GenerateRequest, TokenDelta
+from pdcluster.router.dispatch import Dispatcher, Placement
+from pdcluster.router.errors import NodeFailure, NoHealthyNode
 
 logger = logging.getLogger(__name__)
 

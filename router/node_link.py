@@ -34,11 +34,9 @@ from collections.abc import AsyncIterator
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
-
-from core.credentials import CurveKeys
-from core.curve import secure_client
-from core.node_wire import (
+from pdcluster.core.credentials import CurveKeys
+from pdcluster.core.curve import secure_client
+from pdcluster.core.node_wire import (
     AbortRequest,
     GenerateRequest,
     LoadQuery,
@@ -49,8 +47,9 @@ from core.node_wire import (
     decode,
     encode,
 )
-from core.wire import WireError
-from router.config import NodeSpec
+from pdcluster.core.wire import WireError
+from pdcluster.router.config import NodeSpec
+from zmq.utils.monitor import recv_monitor_message
 
 logger = logging.getLogger(__name__)
 

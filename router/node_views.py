@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from router.load_decay import DecayedWork
-from router.node_link import NodeLink
-from router.policy import NodeView, PolicyConfig, load_cost
+from pdcluster.router.load_decay import DecayedWork
+from pdcluster.router.node_link import NodeLink
+from pdcluster.router.policy import NodeView, PolicyConfig, load_cost
 
 DECAY_STEPS = 128
 

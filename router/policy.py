@@ -67,9 +67,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from core.roles import Role
-from core.types import NodeId
-from router.errors import NoHealthyNode
+from pdcluster.core.roles import Role
+from pdcluster.core.types import NodeId
+from pdcluster.router.errors import NoHealthyNode
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.sampling import SamplingSpec
-from router.errors import ApiError
+from pdcluster.core.sampling import SamplingSpec
+from pdcluster.router.errors import ApiError
 
 _NUMBER = (int, float)
 

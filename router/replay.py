@@ -45,12 +45,12 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.block_index import BlockIndex
-from core.events import BlockRemoved, BlockStored, KVEvent
-from core.hashing import hash_block, root_hash
-from core.types import BlockHash
-from router.load_decay import DecayedWork
-from router.policy import NodeView, PolicyConfig, choose_prefill, request_work
+from pdcluster.core.block_index import BlockIndex
+from pdcluster.core.events import BlockRemoved, BlockStored, KVEvent
+from pdcluster.core.hashing import hash_block, root_hash
+from pdcluster.core.types import BlockHash
+from pdcluster.router.load_decay import DecayedWork
+from pdcluster.router.policy import NodeView, PolicyConfig, choose_prefill, request_work
 
 TRACE_BLOCK_TOKENS = 512
 POLICIES = ("kv", "round-robin", "least-loaded")

@@ -15,11 +15,10 @@ import uuid
 from dataclasses import dataclass
 
 from aiohttp import web
-
-from core.node_wire import GenerateRequest
-from router.errors import ApiError
-from router.protocol import CompletionRequest
-from router.tokenizer import RouterTokenizer
+from pdcluster.core.node_wire import GenerateRequest
+from pdcluster.router.errors import ApiError
+from pdcluster.router.protocol import CompletionRequest
+from pdcluster.router.tokenizer import RouterTokenizer
 
 _DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -19,12 +19,11 @@ import logging
 import signal
 
 from aiohttp import web
-
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
-from router.handlers import Handlers
-from router.metrics import RouterMetrics
-from router.tokenizer import RouterTokenizer
+from pdcluster.router.config import RouterConfig
+from pdcluster.router.dispatch import Dispatcher
+from pdcluster.router.handlers import Handlers
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
 

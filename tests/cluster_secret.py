@@ -3,7 +3,7 @@ serves without one), and the tokens derived from it."""
 
 from __future__ import annotations
 
-from core.credentials import SERVICE, ClusterSecret, node_principal
+from pdcluster.core.credentials import SERVICE, ClusterSecret, node_principal
 
 TEST_SECRET = ClusterSecret(bytes(range(32)))
 SERVICE_TOKEN = TEST_SECRET.metadata_token(SERVICE)

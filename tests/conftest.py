@@ -76,6 +76,6 @@ def real_reference(real_model_dir):
 @pytest.fixture(scope="session")
 def real_llm(real_model_dir):
     """pdcluster's engine on the real model, loaded once per session (256 KV blocks)."""
-    from engine import LLM
+    from pdcluster.engine import LLM
 
     return LLM(real_model_dir, dtype="float32", device="cpu", num_kv_blocks=256)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from engine.block_pool import BlockPool
+from pdcluster.engine.block_pool import BlockPool
 
 
 def assert_pool_clean(pool: BlockPool) -> None:

@@ -13,8 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
-
-from cluster import cli
+from pdcluster.cluster import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = [["make-tiny-model"], ["convert-gguf"], ["generate"], ["bench"], ["bench", "engine"],
@@ -25,7 +24,7 @@ SUBCOMMANDS = [["make-tiny-model"], ["convert-gguf"], ["generate"], ["bench"], [
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", *args],
+        [sys.executable, "-m", "pdcluster.cluster.cli", *args],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
 
@@ -49,7 +48,7 @@ def test_subcommand_help(words: list[str]) -> None:
 def test_help_never_imports_torch() -> None:
     code = (
         "import sys\n"
-        "from cluster.cli import main\n"
+        "from pdcluster.cluster.cli import main\n"
         f"for words in {[[], *SUBCOMMANDS]!r}:\n"
         "    try:\n"
         "        main([*words, '--help'])\n"
@@ -177,10 +176,10 @@ def test_make_tiny_model_wiring(monkeypatch: pytest.MonkeyPatch, capsys, tmp_pat
         seen.update(out_dir=out_dir, arch=arch, seed=seed, preset=preset)
         return Path(out_dir)
 
-    module = types.ModuleType("engine.tiny_model")
+    module = types.ModuleType("pdcluster.engine.tiny_model")
     module.make_tiny_model = make_tiny_model
     monkeypatch.setitem(sys.modules, "engine", types.ModuleType("engine"))
-    monkeypatch.setitem(sys.modules, "engine.tiny_model", module)
+    monkeypatch.setitem(sys.modules, "pdcluster.engine.tiny_model", module)
     out = str(tmp_path / "m")
     assert cli.main(["make-tiny-model", out, "--arch", "qwen2", "--seed", "3"]) == 0
     assert seen == {"out_dir": out, "arch": "qwen2", "seed": 3, "preset": "tiny"}
@@ -189,9 +188,9 @@ def test_make_tiny_model_wiring(monkeypatch: pytest.MonkeyPatch, capsys, tmp_pat
 
 @pytest.fixture
 def fake_bench(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = types.ModuleType("benchmarks.engine_bench")
+    module = types.ModuleType("pdcluster.benchmarks.engine_bench")
     module.run = lambda args: {"quick": args.quick, "engine": {"tok_s": 12.5}, "ratio": 1.25}
-    monkeypatch.setitem(sys.modules, "benchmarks.engine_bench", module)
+    monkeypatch.setitem(sys.modules, "pdcluster.benchmarks.engine_bench", module)
 
 
 @pytest.mark.parametrize("as_json", [True, False])
@@ -207,9 +206,9 @@ def test_bench_engine_prints_json_last(fake_bench, capsys, as_json: bool) -> Non
 
 
 def test_bench_engine_takes_moe_and_mla_flags(monkeypatch, capsys) -> None:
-    module = types.ModuleType("benchmarks.engine_bench")
+    module = types.ModuleType("pdcluster.benchmarks.engine_bench")
     module.run = lambda args: {"moe": args.moe, "mla": args.mla}
-    monkeypatch.setitem(sys.modules, "benchmarks.engine_bench", module)
+    monkeypatch.setitem(sys.modules, "pdcluster.benchmarks.engine_bench", module)
     assert cli.main(["bench", "engine", "--json", "--moe", "--mla"]) == 0
     assert json.loads(capsys.readouterr().out.strip()) == {"moe": True, "mla": True}
     assert cli.main(["bench", "engine", "--json"]) == 0
@@ -217,7 +216,7 @@ def test_bench_engine_takes_moe_and_mla_flags(monkeypatch, capsys) -> None:
 
 
 def test_model_arg_resolution(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from cluster.cli_common import UsageError, resolve_model_arg
+    from pdcluster.cluster.cli_common import UsageError, resolve_model_arg
 
     monkeypatch.chdir(model_dir.parent)
     assert resolve_model_arg(model_dir.name) == str(model_dir)  # absolute, for Ray workers

@@ -25,8 +25,8 @@ ROOMS = frozenset({
 # A service's published client library, importable where its room is not (docs/architecture.md):
 # the clients and the errors they raise. These modules import only core, proto, grpc and each
 # other (plus the codec and wire helpers), never the server.
-CLIENT_MODULES = ("metadata_service.client", "metadata_service.publisher",
-                  "metadata_service.errors")
+CLIENT_MODULES = ("pdcluster.metadata_service.client", "pdcluster.metadata_service.publisher",
+                  "pdcluster.metadata_service.errors")
 HEAVY = frozenset({"torch", "ray"})
 RUNTIME_FORBIDDEN = frozenset({"torch", "ray", "engine"})
 
@@ -107,14 +107,14 @@ def test_room_imports_follow_the_architecture(room: str) -> None:
 OFFENDING_SOURCE = textwrap.dedent("""
     import os
     import torch.nn as nn
-    from engine.model import Model
+    from pdcluster.engine.model import Model
     from . import sibling
     from .engine import local_thing
 
     def lazy():
         import ray
         import importlib
-        return importlib.import_module("engine.sampler"), __import__("torch")
+        return importlib.import_module("pdcluster.engine.sampler"), __import__("torch")
 """)
 
 
@@ -124,13 +124,13 @@ def test_checker_flags_synthetic_offender() -> None:
         "fake.py:3 imports torch.nn",
         "fake.py:4 imports engine.model",
         "fake.py:9 imports ray",
-        "fake.py:11 imports engine.sampler",
+        "fake.py:11 imports pdcluster.engine.sampler",
         "fake.py:11 imports torch",
     ]
 
 
 def test_checker_ignores_lookalikes_and_relative_imports() -> None:
-    source = "import torchvision\nimport core.types\nfrom .engine import x\nimport rayon\n"
+    source = "import torchvision\nimport pdcluster.core.types\nfrom .engine import x\nimport rayon\n"
     assert find_violations(source, "ok.py", FORBIDDEN["core"] - {"core"}) == []
 
 
@@ -183,7 +183,7 @@ def test_torch_free_room_imports_no_torch(room: str) -> None:
 
 
 def test_cli_module_imports_no_torch() -> None:
-    assert loaded_forbidden_modules(["cluster", "cluster.cli"]) == []
+    assert loaded_forbidden_modules(["cluster", "pdcluster.cluster.cli"]) == []
 
 
 def test_runtime_check_catches_an_offender(tmp_path: Path) -> None:
@@ -194,8 +194,8 @@ def test_runtime_check_catches_an_offender(tmp_path: Path) -> None:
 
 
 def test_only_the_metadata_client_library_crosses_rooms() -> None:
-    allowed = "from metadata_service.client import MetadataClient\n" \
-              "import metadata_service.publisher\n"
+    allowed = "from pdcluster.metadata_service.client import MetadataClient\n" \
+              "import pdcluster.metadata_service.publisher\n"
     assert find_violations(allowed, "r.py", FORBIDDEN["router"]) == []
     assert find_violations("from metadata_service.index import BlockIndex\n", "r.py",
                            FORBIDDEN["router"])
@@ -204,7 +204,7 @@ def test_only_the_metadata_client_library_crosses_rooms() -> None:
 
 def test_the_metadata_client_library_does_not_load_the_service() -> None:
     """What other rooms import must stay a client: no server, service logic, index or store."""
-    code = ("import sys, metadata_service.client, metadata_service.publisher\n"
+    code = ("import sys, pdcluster.metadata_service.client, pdcluster.metadata_service.publisher\n"
             "print(sorted(m for m in sys.modules if m.split('.')[-1] in "
             "{'server', 'service', 'index', 'store', 'etcd_store', 'etcd_watch'} "
             "and m.startswith('metadata_service')))")

@@ -12,9 +12,8 @@ import types
 from pathlib import Path
 
 import pytest
-
-from benchmarks import peers_bench
-from benchmarks.peers_workloads import PeerSizes
+from pdcluster.benchmarks import peers_bench
+from pdcluster.benchmarks.peers_workloads import PeerSizes
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = PeerSizes(num_requests=2, prompt_len=8, output_len=3, decode_prompt_len=8,
@@ -25,7 +24,7 @@ FAKE_DRIVER = """
 import sys
 import time
 sys.path.insert(0, {root!r})
-from benchmarks import peers_driver
+from pdcluster.benchmarks import peers_driver
 
 def fake(cfg):
     def generate(prompts, max_tokens):
@@ -97,12 +96,12 @@ def test_greedy_match_reports_first_divergence() -> None:
 
 
 def test_cli_bench_peers_flags(monkeypatch, capsys) -> None:
-    from cluster import cli
+    from pdcluster.cluster import cli
 
-    module = types.ModuleType("benchmarks.peers_bench")
+    module = types.ModuleType("pdcluster.benchmarks.peers_bench")
     module.run = lambda args: {"threads": args.threads, "llama_cpp": args.llama_cpp,
                                "install": args.install_llama_cpp}
-    monkeypatch.setitem(sys.modules, "benchmarks.peers_bench", module)
+    monkeypatch.setitem(sys.modules, "pdcluster.benchmarks.peers_bench", module)
     assert cli.main(["bench", "peers", "--json", "--llama-cpp"]) == 0
     assert json.loads(capsys.readouterr().out) == {"threads": 2, "llama_cpp": True,
                                                    "install": False}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import uuid
 
-from core.kv_connector import (
+from pdcluster.core.kv_connector import (
     ConnectorPlan,
     ConnectorResults,
     KVConnectorScheduler,
@@ -29,14 +29,14 @@ from core.kv_connector import (
     SendJob,
     ServeJob,
 )
-from core.kv_transfer import (
+from pdcluster.core.kv_transfer import (
     KVTransferParams,
     PrefixPull,
     RemoteDecode,
     RemotePrefill,
     TransferId,
 )
-from core.types import ReqId
+from pdcluster.core.types import ReqId
 
 DEFAULT_MIN_PULL_BLOCKS = 2
 

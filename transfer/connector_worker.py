@@ -20,7 +20,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from core.kv_connector import (
+from pdcluster.core.kv_connector import (
     ConnectorPlan,
     ConnectorResults,
     KVConnectorWorker,
@@ -29,7 +29,7 @@ from core.kv_connector import (
     RecvResult,
     SendJob,
 )
-from core.kv_transfer import (
+from pdcluster.core.kv_transfer import (
     PrefixPullRequest,
     SideChannelMessage,
     TransferId,
@@ -37,10 +37,10 @@ from core.kv_transfer import (
     XferDone,
     XferRequest,
 )
-from transfer.descriptors import coalesce
-from transfer.pull_worker import Outbox, PullWorker
-from transfer.transport import Transport
-from transfer.worker_state import Recv, Send, WorkerState, WorkerStats
+from pdcluster.transfer.descriptors import coalesce
+from pdcluster.transfer.pull_worker import Outbox, PullWorker
+from pdcluster.transfer.transport import Transport
+from pdcluster.transfer.worker_state import Recv, Send, WorkerState, WorkerStats
 
 logger = logging.getLogger(__name__)
 

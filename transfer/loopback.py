@@ -11,10 +11,10 @@ import itertools
 import queue
 import threading
 
-from core.kv_transfer import SideChannelMessage, decode, encode
-from transfer.errors import TransferError
-from transfer.side_channel import MessageHandler
-from transfer.transport import Transport
+from pdcluster.core.kv_transfer import SideChannelMessage, decode, encode
+from pdcluster.transfer.errors import TransferError
+from pdcluster.transfer.side_channel import MessageHandler
+from pdcluster.transfer.transport import Transport
 
 
 class LoopbackFabric:

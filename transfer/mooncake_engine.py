@@ -45,10 +45,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
-from transfer.descriptors import coalesce
-from transfer.errors import TransferError, TransferTimeout
-from transfer.mooncake_bind import pin_binds, wildcard_listeners
-from transfer.rdma import has_active_ib_port, rdma_available
+from pdcluster.transfer.descriptors import coalesce
+from pdcluster.transfer.errors import TransferError, TransferTimeout
+from pdcluster.transfer.mooncake_bind import pin_binds, wildcard_listeners
+from pdcluster.transfer.rdma import has_active_ib_port, rdma_available
 
 logger = logging.getLogger(__name__)
 

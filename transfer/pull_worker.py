@@ -25,9 +25,9 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from core.kv_connector import PrefixTokens, PullJob, PullLookup, PullResult, ServeJob
-from core.kv_transfer import PrefixPullRequest, SideChannelMessage, TransferId, XferDone
-from transfer.worker_state import Recv, ServeTable, WorkerState
+from pdcluster.core.kv_connector import PrefixTokens, PullJob, PullLookup, PullResult, ServeJob
+from pdcluster.core.kv_transfer import PrefixPullRequest, SideChannelMessage, TransferId, XferDone
+from pdcluster.transfer.worker_state import Recv, ServeTable, WorkerState
 
 logger = logging.getLogger(__name__)
 

@@ -30,12 +30,11 @@ import time
 from collections.abc import Callable
 
 import zmq
-
-from core.credentials import CurveKeys
-from core.curve import secure_client, secure_server
-from core.kv_transfer import MAX_MESSAGE_BYTES, SideChannelMessage, decode, encode
-from core.wire import WireError
-from transfer.errors import TransferError
+from pdcluster.core.credentials import CurveKeys
+from pdcluster.core.curve import secure_client, secure_server
+from pdcluster.core.kv_transfer import MAX_MESSAGE_BYTES, SideChannelMessage, decode, encode
+from pdcluster.core.wire import WireError
+from pdcluster.transfer.errors import TransferError
 
 logger = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from core.credentials import CurveKeys
-from core.kv_transfer import SideChannelMessage
-from transfer.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
-from transfer.side_channel import MessageHandler, SideChannelClient, SideChannelServer
+from pdcluster.core.credentials import CurveKeys
+from pdcluster.core.kv_transfer import SideChannelMessage
+from pdcluster.transfer.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
+from pdcluster.transfer.side_channel import MessageHandler, SideChannelClient, SideChannelServer
 
 
 class Transport(ABC):

@@ -9,10 +9,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from core.kv_connector import ConnectorResults, KVRegion, SendJob
-from core.kv_transfer import PrefixPullRequest, TransferId, XferRequest
-from core.types import ReqId
-from transfer.transport import Transport
+from pdcluster.core.kv_connector import ConnectorResults, KVRegion, SendJob
+from pdcluster.core.kv_transfer import PrefixPullRequest, TransferId, XferRequest
+from pdcluster.core.types import ReqId
+from pdcluster.transfer.transport import Transport
 
 _FORGET_AFTER = 4096  # finished transfer ids remembered to answer late messages
 

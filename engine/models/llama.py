@@ -12,13 +12,12 @@ each); RMSNorm follows the reference formula (float32 statistics) so outputs mat
 from __future__ import annotations
 
 import torch
+from pdcluster.engine.attention import AttentionMetadata, paged_attention
+from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.moe import MLP, FusedLinear, SparseMoE
+from pdcluster.engine.models.rope import RotaryEmbedding
 from torch import nn
-
-from engine.attention import AttentionMetadata, paged_attention
-from engine.kv_cache import PagedKVCache
-from engine.model_config import ModelConfig
-from engine.models.moe import MLP, FusedLinear, SparseMoE
-from engine.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import importlib
 
+from pdcluster.engine.model_config import SUPPORTED_ARCHITECTURES
 from torch import nn
-
-from engine.model_config import SUPPORTED_ARCHITECTURES
 
 _IMPLEMENTATIONS = {
     "LlamaForCausalLM": "engine.models.llama:CausalLM",

@@ -11,8 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from engine.model_config import RopeConfig
+from pdcluster.engine.model_config import RopeConfig
 
 
 def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:

@@ -100,7 +100,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
 {{/*
-The body of cluster.yaml, the launcher's config (python -m cluster.launch --config). Nodes bind
+The body of cluster.yaml, the launcher's config (python -m pdcluster.cluster.launch --config). Nodes bind
 and publish $POD_IP (host: auto). The launcher starts no router (router.enabled false: it is
 its own Deployment), so router.host here is never bound.
 */}}
@@ -169,7 +169,7 @@ with a stale config.
 {{- define "pdcluster.launchScript" -}}
 {{- $file := "/etc/pdcluster/cluster.yaml" -}}
 {{- $tries := div (int .Values.launcher.configWaitSeconds) 2 | int -}}
-i=0; until grep -qx "{{ include "pdcluster.launchStamp" . }}" {{ $file }}; do i=$((i+1)); if [ "$i" -gt {{ $tries }} ]; then echo "pdcluster: {{ $file }} on the head is not this launch config yet; retry" >&2; exit 1; fi; sleep 2; done; exec python -m cluster.launch --config {{ $file }}
+i=0; until grep -qx "{{ include "pdcluster.launchStamp" . }}" {{ $file }}; do i=$((i+1)); if [ "$i" -gt {{ $tries }} ]; then echo "pdcluster: {{ $file }} on the head is not this launch config yet; retry" >&2; exit 1; fi; sleep 2; done; exec python -m pdcluster.cluster.launch --config {{ $file }}
 {{- end -}}
 
 {{- define "pdcluster.launchEntrypoint" -}}

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.cluster.launch import router_config
+from pdcluster.node.config import NodeConfig
 
-from cluster.config import ClusterConfig
-from cluster.launch import router_config
-from node.config import NodeConfig
 from tests.cluster_secret import TEST_SECRET
 
 
@@ -65,8 +65,8 @@ def test_metadata_tls_reaches_the_router_and_the_node_options():
 
 
 def test_cli_metadata_tls_flags_reach_the_configs():
-    from cluster import cli
-    from cluster.cli_services import metadata_tls_fields
+    from pdcluster.cluster import cli
+    from pdcluster.cluster.cli_services import metadata_tls_fields
 
     tls = ["--metadata-tls-ca", "ca.crt", "--metadata-tls-cert", "c.crt",
            "--metadata-tls-key", "c.key", "--metadata-tls-server-name", "meta"]

@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from pdcluster.cluster import launch
+from pdcluster.cluster.cli_services import _serve_secret
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.cluster.ray_cluster import RayCluster
+from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, write_secret_file
+from pdcluster.node.actor import NodeActor
+from pdcluster.router.config import RouterConfig
 
-from cluster import launch
-from cluster.cli_services import _serve_secret
-from cluster.config import ClusterConfig
-from cluster.ray_cluster import RayCluster
-from core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, write_secret_file
-from node.actor import NodeActor
-from router.config import RouterConfig
 from tests.cluster_secret import TEST_SECRET
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def _env_without_secret(**extra: str) -> dict[str, str]:
 def test_router_serve_refuses_to_start_without_the_secret(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "router", "serve", "--model", str(tmp_path),
+        [sys.executable, "-m", "pdcluster.cluster.cli", "router", "serve", "--model", str(tmp_path),
          "--metadata", "127.0.0.1:1"],
         cwd=ROOT, env=_env_without_secret(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
@@ -48,7 +48,7 @@ def test_router_serve_refuses_to_start_without_the_secret(tmp_path) -> None:
 
 def test_a_malformed_secret_is_a_usage_error(tmp_path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "metadata", "serve", "--port", "0"],
+        [sys.executable, "-m", "pdcluster.cluster.cli", "metadata", "serve", "--port", "0"],
         cwd=ROOT, env=_env_without_secret(**{SECRET_ENV: "not hex"}), capture_output=True,
         text=True, timeout=60)
     assert proc.returncode == 2 and "must be hex" in proc.stderr
@@ -106,7 +106,7 @@ def test_configs_refuse_to_run_without_a_secret() -> None:
 def test_a_node_actor_takes_the_secret_as_hex_text_or_from_the_environment(
         no_secret_env, monkeypatch) -> None:
     seen = []
-    monkeypatch.setattr("node.actor.NodeRuntime", lambda config: seen.append(config) or _Started())
+    monkeypatch.setattr("pdcluster.node.actor.NodeRuntime", lambda config: seen.append(config) or _Started())
 
     class Prefill(NodeActor):
         role = "prefill"

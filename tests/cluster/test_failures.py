@@ -18,14 +18,14 @@ import time
 from dataclasses import replace
 
 import pytest
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.cluster.ray_cluster import RayCluster
+from pdcluster.core.hashing import hash_block_tokens
+from pdcluster.metadata_service.client import MetadataClient
+from pdcluster.router.config import RouterConfig
+from pdcluster.router.policy import PolicyConfig
+from pdcluster.router.server import RouterApp
 
-from cluster.config import ClusterConfig
-from cluster.ray_cluster import RayCluster
-from core.hashing import hash_block_tokens
-from metadata_service.client import MetadataClient
-from router.config import RouterConfig
-from router.policy import PolicyConfig
-from router.server import RouterApp
 from tests.models import random_prompts
 
 ray = pytest.importorskip("ray")

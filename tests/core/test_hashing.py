@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from core.hashing import (
+from pdcluster.core.hashing import (
     DEFAULT_HASH_CONFIG,
     NO_EXTRA,
     BlockExtra,
@@ -194,7 +193,7 @@ def test_invalid_block_size_and_parent() -> None:
 
 
 _CHILD = """
-from core.hashing import BlockExtra, HashConfig, hash_block_tokens
+from pdcluster.core.hashing import BlockExtra, HashConfig, hash_block_tokens
 extra = BlockExtra(cache_salt="tenant-7", lora_id=2)
 for algorithm in ("sha256", "xxh3_128"):
     config = HashConfig(algorithm=algorithm)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-
-from core import kv_transfer, node_wire
-from core.kv_transfer import XferAbort, XferDone, XferRequest
-from core.node_wire import (
+from pdcluster.core import kv_transfer, node_wire
+from pdcluster.core.kv_transfer import XferAbort, XferDone, XferRequest
+from pdcluster.core.node_wire import (
     AbortRequest,
     GenerateRequest,
     LoadQuery,
@@ -17,7 +16,7 @@ from core.node_wire import (
     TokenDelta,
     TransferSpec,
 )
-from core.wire import WireError
+from pdcluster.core.wire import WireError
 
 KV_MESSAGES = [XferRequest("t", "r", "tcp://a:1", "127.0.0.1:2", 4096, 3, 1, [8192, 16384]),
                XferAbort("t"), XferDone("t", True, 7, -0.25, None, 2, 1),

@@ -8,7 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from pdcluster.engine import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
 from tests.helpers import assert_pool_clean  # noqa: E402
 from tests.models import random_prompts  # noqa: E402
 

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from engine import LLM, SamplingParams
-from engine.gguf import (
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.gguf import (
     GGUFError,
     UnsupportedGGUFArchitecture,
     convert_gguf,
     is_gguf,
     resolve_model,
 )
+
 from tests.real_model import MAX_TOKENS, chats, smollm2_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def test_folders_and_other_files_pass_through(tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

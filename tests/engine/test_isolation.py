@@ -11,9 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine import LLMEngine, SamplingParams  # noqa: E402
-from engine import sampler as sampler_module  # noqa: E402
-from engine.outputs import RequestOutput  # noqa: E402
+from pdcluster.engine import LLMEngine, SamplingParams  # noqa: E402
+from pdcluster.engine import sampler as sampler_module  # noqa: E402
+from pdcluster.engine.outputs import RequestOutput  # noqa: E402
+
 from tests.helpers import assert_pool_clean  # noqa: E402
 from tests.models import random_prompts  # noqa: E402
 
@@ -126,7 +127,7 @@ def test_a_failing_detokenisation_fails_alone(engine, model_dir, hf_reference,
 def test_bad_parameters_past_validation_fail_alone(engine, model_dir, hf_reference,
                                                    monkeypatch, field, value) -> None:
     """What validation refuses must still not hurt others if it ever slipped through."""
-    monkeypatch.setattr("engine.llm_engine.validate_request", lambda *args: None)
+    monkeypatch.setattr("pdcluster.engine.llm_engine.validate_request", lambda *args: None)
     bad = SamplingParams(max_tokens=N_OUT, min_tokens=2, temperature=0.5, ignore_eos=True)
     object.__setattr__(bad, field, value)
     final = run(engine, bad)

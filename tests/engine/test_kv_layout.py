@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine import LLMEngine, SamplingParams  # noqa: E402
-from engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
+from pdcluster.engine import LLMEngine, SamplingParams  # noqa: E402
+from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 
 CPU = torch.device("cpu")
 

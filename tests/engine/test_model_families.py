@@ -7,11 +7,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
-from engine.model_families import MoEConfig  # noqa: E402
-from engine.models.moe import Experts, Router  # noqa: E402
-from engine.models.registry import model_class  # noqa: E402
-from engine.tiny_model import hf_config  # noqa: E402
+from pdcluster.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
+from pdcluster.engine.model_families import MoEConfig  # noqa: E402
+from pdcluster.engine.models.moe import Experts, Router  # noqa: E402
+from pdcluster.engine.models.registry import model_class  # noqa: E402
+from pdcluster.engine.tiny_model import hf_config  # noqa: E402
 
 
 def test_every_supported_architecture_has_an_implementation() -> None:
@@ -31,7 +31,7 @@ def test_unsupported_architecture_lists_what_is_supported(archs) -> None:
 def test_unsupported_model_folder_fails_before_loading(tmp_path) -> None:
     import json
 
-    from engine import LLMEngine
+    from pdcluster.engine import LLMEngine
 
     config = hf_config("llama", architectures=["FalconForCausalLM"])
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -115,7 +115,7 @@ def _stack_experts(weights: dict) -> dict:
 
 
 def _load(folder: str):
-    from engine.models.loader import load_model
+    from pdcluster.engine.models.loader import load_model
 
     cfg = ModelConfig.from_pretrained(folder)
     return load_model(folder, cfg, torch.float32, torch.device("cpu"), 64)
@@ -140,7 +140,7 @@ def test_checkpoint_missing_an_expert_weight_is_rejected(model_dirs, tmp_path) -
 
 
 def test_mla_latent_plane_is_one_contiguous_range_per_block() -> None:
-    from engine.kv_cache import KVCacheSpec, PagedKVCache
+    from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
 
     spec = KVCacheSpec(3, 2, 4, 1, 6, 4, num_planes=1)
     assert spec.block_nbytes == 2 * 4 * 6 * 4  # layers x slots x (latent + rope key), float32

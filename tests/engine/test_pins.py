@@ -10,20 +10,20 @@ from __future__ import annotations
 import time
 
 import pytest
+from pdcluster.core.kv_connector import ConnectorResults, PrefixTokens, PullLookup, PullResult
+from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill
+from pdcluster.engine.block_pool import BlockPool
+from pdcluster.engine.kv_cache_manager import KVCacheManager
+from pdcluster.engine.pins import OverloadedError, PinBudget
+from pdcluster.engine.request import RequestStatus
+from pdcluster.engine.scheduler import Scheduler, SchedulerConfig
+from pdcluster.transfer.connector_scheduler import ConnectorScheduler
 
-from core.kv_connector import ConnectorResults, PrefixTokens, PullLookup, PullResult
-from core.kv_transfer import RemoteDecode, RemotePrefill
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.pins import OverloadedError, PinBudget
-from engine.request import RequestStatus
-from engine.scheduler import Scheduler, SchedulerConfig
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request
 from tests.engine.test_prefix_pulls import pulling
 from tests.engine.test_scheduler import run_all, step
 from tests.helpers import assert_pool_clean
 from tests.transfer.disagg import FakeClock
-from transfer.connector_scheduler import ConnectorScheduler
 
 
 def make_scheduler(max_pinned_blocks: int, clock: FakeClock | None = None):
@@ -154,9 +154,10 @@ def test_an_aborted_pull_holds_its_budget_until_the_holder_answers():
 def test_an_unclaimed_send_is_released_after_the_pin_timeout(model_dirs, hf_reference):
     """Two real engines over the loopback connector: P's pin expires long before the
     connector's own 5 s timeout, and a decode node asking after that recomputes."""
-    from engine import SamplingParams
+    from pdcluster.engine import SamplingParams
+    from pdcluster.transfer.loopback import LoopbackFabric
+
     from tests.transfer.disagg import drive, idle, make_engine
-    from transfer.loopback import LoopbackFabric
 
     model = model_dirs["llama-gqa"]
     fabric = LoopbackFabric()

@@ -9,9 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine.request import Request  # noqa: E402
-from engine.sampler import Sampler  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from pdcluster.engine.request import Request  # noqa: E402
+from pdcluster.engine.sampler import Sampler  # noqa: E402
+from pdcluster.engine.sampling_params import SamplingParams  # noqa: E402
 
 VOCAB = 16
 EOS = 2

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import MISSING, Field, fields
 
-from core.sampling import SamplingSpec
-from engine.sampling_params import SamplingParams
-from router.protocol import CompletionRequest
+from pdcluster.core.sampling import SamplingSpec
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.router.protocol import CompletionRequest
 
 
 def _default(f: Field) -> object:

@@ -7,11 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import SampledToken
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler, SchedulerConfig
+from pdcluster.engine.block_pool import BlockPool
+from pdcluster.engine.kv_cache_manager import KVCacheManager
+from pdcluster.engine.outputs import SampledToken
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.scheduler import Scheduler, SchedulerConfig
+
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, EOS, make_request
 from tests.helpers import assert_pool_clean
 

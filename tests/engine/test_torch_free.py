@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCH_FREE = ["engine.block_pool", "engine.kv_cache_manager", "engine.scheduler",
-              "engine.request", "engine.sampling_params", "engine.outputs",
-              "engine.model_config", "engine.config", "engine.prefix_pulls",
-              "engine.scheduler_output", "engine.pins", "engine.validation"]
+TORCH_FREE = ["pdcluster.engine.block_pool", "pdcluster.engine.kv_cache_manager", "pdcluster.engine.scheduler",
+              "pdcluster.engine.request", "pdcluster.engine.sampling_params", "pdcluster.engine.outputs",
+              "pdcluster.engine.model_config", "pdcluster.engine.config", "pdcluster.engine.prefix_pulls",
+              "pdcluster.engine.scheduler_output", "pdcluster.engine.pins", "pdcluster.engine.validation"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
@@ -25,7 +25,7 @@ def test_module_does_not_import_torch(module):
 
 
 def test_the_check_detects_torch():
-    code = "import sys, engine.kv_cache; print('torch' in sys.modules)"
+    code = "import sys, pdcluster.engine.kv_cache; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.strip() == "True"

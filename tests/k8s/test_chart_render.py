@@ -232,7 +232,7 @@ def test_launcher(name: str) -> None:
     docs = render(VALUE_SETS[name])
     cluster_name = one(docs, "RayCluster")["metadata"]["name"]
     stamp = _launch_hash(docs)
-    launch = "exec python -m cluster.launch --config /etc/pdcluster/cluster.yaml'"
+    launch = "exec python -m pdcluster.cluster.launch --config /etc/pdcluster/cluster.yaml'"
     jobs = [d for d in docs if d["kind"] == "Job"]
     ray_jobs = [d for d in docs if d["kind"] == "RayJob"]
     if values["launcher"]["mode"] == "rayjob":

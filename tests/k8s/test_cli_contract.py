@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from pdcluster.cluster import cli
 
-from cluster import cli
 from tests.k8s.chart import (
     RELEASE,
     REPO_ROOT,
@@ -53,7 +53,7 @@ def subcommands(parser) -> dict:
 
 @pytest.mark.parametrize("name", ["default", "external-etcd", "memory-metadata"])
 def test_metadata_service_arguments_parse_and_validate(name: str, tmp_path) -> None:
-    from metadata_service.config import MetadataConfig
+    from pdcluster.metadata_service.config import MetadataConfig
 
     args = cli.build_parser().parse_args(command_of(VALUE_SETS[name], "metadata"))
     assert (args.command, args.metadata_command) == ("metadata", "serve")
@@ -70,7 +70,7 @@ def test_metadata_service_arguments_parse_and_validate(name: str, tmp_path) -> N
 def chart_cluster_secret(values: dict, folder: Path):
     """The generated cluster secret as a pod reads it: the Secret's key written to a file and
     read through $PDCLUSTER_CLUSTER_SECRET_FILE (core.credentials)."""
-    from core.credentials import SECRET_FILE_ENV, ClusterSecret
+    from pdcluster.core.credentials import SECRET_FILE_ENV, ClusterSecret
 
     secret = one(render(values), "Secret")
     path = folder / "cluster-secret"
@@ -81,10 +81,10 @@ def chart_cluster_secret(values: dict, folder: Path):
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
 def test_cluster_yaml_is_accepted_by_the_launcher(name: str) -> None:
     try:
-        from cluster.config import ClusterConfig
+        from pdcluster.cluster.config import ClusterConfig
     except ImportError:
-        pytest.skip("cluster.config is not built yet (issue 5)")
-    from engine.config import EngineConfig
+        pytest.skip("pdcluster.cluster.config is not built yet (issue 5)")
+    from pdcluster.engine.config import EngineConfig
 
     config = cluster_config(render(VALUE_SETS[name]))
     parsed = ClusterConfig.from_dict(config)
@@ -109,10 +109,10 @@ def test_router_arguments_parse() -> None:
 
 
 def test_launcher_module_takes_config() -> None:
-    if importlib.util.find_spec("cluster.launch") is None:
-        pytest.skip("cluster.launch is not built yet (issue 5): the chart runs "
-                    "`python -m cluster.launch --config /etc/pdcluster/cluster.yaml`")
-    proc = subprocess.run([sys.executable, "-m", "cluster.launch", "--help"], cwd=REPO_ROOT,
+    if importlib.util.find_spec("pdcluster.cluster.launch") is None:
+        pytest.skip("pdcluster.cluster.launch is not built yet (issue 5): the chart runs "
+                    "`python -m pdcluster.cluster.launch --config /etc/pdcluster/cluster.yaml`")
+    proc = subprocess.run([sys.executable, "-m", "pdcluster.cluster.launch", "--help"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--config" in proc.stdout

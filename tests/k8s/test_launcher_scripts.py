@@ -27,7 +27,7 @@ def local_entrypoint(values: dict, config: Path) -> tuple[str, str]:
     cluster; and the cluster.yaml it waits for."""
     docs = render(values)
     entrypoint = one(docs, "RayJob")["spec"]["entrypoint"]
-    launch = f"exec python -m cluster.launch --config {CONFIG_PATH}"
+    launch = f"exec python -m pdcluster.cluster.launch --config {CONFIG_PATH}"
     assert entrypoint.endswith(launch + "'")
     entrypoint = entrypoint.replace(launch, f"exec echo launched {config}")
     return entrypoint.replace(CONFIG_PATH, str(config)), cluster_config_text(docs)
@@ -112,7 +112,7 @@ def test_entrypoint_survives_kuberays_submitter_shell(tmp_path) -> None:
     assert submitted[:2] == ["sh", "-c"] and len(submitted) == 3
     assert submitted == shlex.split(entrypoint)
     assert "until grep -qx" in submitted[2]
-    assert submitted[2].endswith("exec python -m cluster.launch --config " + CONFIG_PATH)
+    assert submitted[2].endswith("exec python -m pdcluster.cluster.launch --config " + CONFIG_PATH)
 
 
 # --- launch_nodes.py against a fake Ray ---------------------------------------------------------
@@ -191,7 +191,7 @@ with open(os.environ["FAKE_RAY_STATE"], "w") as f:
 PREFIX = "pd-pdcluster-nodes-"
 SID = PREFIX + "aaaaaaaaaa"
 ADDRESS = "http://pd-pdcluster-head-svc.serving.svc.cluster.local:8265"
-SCRIPT = 'echo "a b"; exec python -m cluster.launch --config /etc/pdcluster/cluster.yaml'
+SCRIPT = 'echo "a b"; exec python -m pdcluster.cluster.launch --config /etc/pdcluster/cluster.yaml'
 ENTRYPOINT = f"sh -c '{SCRIPT}'"
 
 

@@ -9,11 +9,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from core.events import BlockRemoved, BlockStored
-from core.types import BlockHash
-from metadata_service.client import make_node_info
-from metadata_service.config import MetadataConfig
-from metadata_service.publisher import NodePublisher
+from pdcluster.core.events import BlockRemoved, BlockStored
+from pdcluster.core.types import BlockHash
+from pdcluster.metadata_service.client import make_node_info
+from pdcluster.metadata_service.config import MetadataConfig
+from pdcluster.metadata_service.publisher import NodePublisher
 
 
 def free_port() -> int:

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, write_secret_file
+from pdcluster.metadata_service.client import MetadataClient, make_node_info
+from pdcluster.metadata_service.errors import MetadataAuthError
 
-from core.credentials import SECRET_ENV, SECRET_FILE_ENV, write_secret_file
-from metadata_service.client import MetadataClient, make_node_info
-from metadata_service.errors import MetadataAuthError
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import free_port, wait_until
 
@@ -28,7 +28,7 @@ def test_serve_with_the_cluster_secret_from_a_file(tmp_path) -> None:
     port = free_port()
     secret_file = write_secret_file(TEST_SECRET, tmp_path / "secret")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "metadata", "serve", "--port", str(port)],
+        [sys.executable, "-m", "pdcluster.cluster.cli", "metadata", "serve", "--port", str(port)],
         cwd=REPO_ROOT, env=_env(**{SECRET_FILE_ENV: str(secret_file)}),
         stdout=subprocess.PIPE, text=True)
     try:
@@ -46,7 +46,7 @@ def test_serve_with_the_cluster_secret_from_a_file(tmp_path) -> None:
 
 def test_serve_refuses_to_start_without_the_cluster_secret() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "metadata", "serve", "--port", "0"],
+        [sys.executable, "-m", "pdcluster.cluster.cli", "metadata", "serve", "--port", "0"],
         cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "needs the cluster secret" in proc.stderr
@@ -55,7 +55,7 @@ def test_serve_refuses_to_start_without_the_cluster_secret() -> None:
 
 def test_serve_rejects_bad_config() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "metadata", "serve", "--hash-size", "20"],
+        [sys.executable, "-m", "pdcluster.cluster.cli", "metadata", "serve", "--hash-size", "20"],
         cwd=REPO_ROOT, env=_env(**{SECRET_ENV: TEST_SECRET.to_text()}), capture_output=True,
         text=True, timeout=60)
     assert proc.returncode == 2

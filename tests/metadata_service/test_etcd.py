@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 
-from core.events import AllBlocksCleared
-from metadata_service.client import MetadataClient
-from metadata_service.server import ServerThread
+from pdcluster.core.events import AllBlocksCleared
+from pdcluster.metadata_service.client import MetadataClient
+from pdcluster.metadata_service.server import ServerThread
+
 from tests.metadata_service.helpers import (
     EtcdProcess,
     FakeNode,

@@ -10,13 +10,13 @@ import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pdcluster.core.block_index import BlockIndex
+from pdcluster.metadata_service.client import MetadataClient
+from pdcluster.metadata_service.server import ServerThread
+from pdcluster.metadata_service.watch import CHUNK_HASHES, SubscriberTooSlow, WatchedIndex
+from pdcluster.proto import metadata_pb2 as pb
+from pdcluster.proto import metadata_pb2_grpc as pb_grpc
 
-from core.block_index import BlockIndex
-from metadata_service.client import MetadataClient
-from metadata_service.server import ServerThread
-from metadata_service.watch import CHUNK_HASHES, SubscriberTooSlow, WatchedIndex
-from proto import metadata_pb2 as pb
-from proto import metadata_pb2_grpc as pb_grpc
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET
 from tests.metadata_service.helpers import make_chain, make_config, make_publisher
 
@@ -245,7 +245,8 @@ def test_a_reader_that_stops_reading_is_cut_off_over_grpc() -> None:
 def test_a_replica_streams_what_it_learns_from_etcd(etcd) -> None:
     """The router follows replica b while the nodes publish to replica a: b's index changes
     through etcd's watch (remote deltas, bases), and b streams those changes too."""
-    from router.metadata_link import MetadataLink
+    from pdcluster.router.metadata_link import MetadataLink
+
     from tests.metadata_service.helpers import wait_until
 
     def config(replica: str):

@@ -7,14 +7,14 @@ from __future__ import annotations
 import time
 
 import pytest
+from pdcluster.core.hashing import hash_block_tokens
+from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
+from pdcluster.metadata_service.client import MetadataClient
+from pdcluster.metadata_service.server import ServerThread
+from pdcluster.node.client import BlockingNodeClient, tokens_of
+from pdcluster.node.config import NodeConfig
+from pdcluster.node.runtime import NodeRuntime
 
-from core.hashing import hash_block_tokens
-from core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
-from metadata_service.client import MetadataClient
-from metadata_service.server import ServerThread
-from node.client import BlockingNodeClient, tokens_of
-from node.config import NodeConfig
-from node.runtime import NodeRuntime
 from tests.cluster_secret import TEST_CURVE, TEST_SECRET
 from tests.helpers import assert_pool_clean
 from tests.metadata_service.helpers import make_config

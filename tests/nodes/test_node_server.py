@@ -6,8 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from core.node_wire import (
+from pdcluster.core.node_wire import (
     AbortRequest,
     GenerateRequest,
     LoadQuery,
@@ -17,9 +16,10 @@ from core.node_wire import (
     TokenDelta,
     TransferSpec,
 )
-from engine import LLMEngine
-from node.client import BlockingNodeClient, tokens_of
-from node.server import NodeServer
+from pdcluster.engine import LLMEngine
+from pdcluster.node.client import BlockingNodeClient, tokens_of
+from pdcluster.node.server import NodeServer
+
 from tests.cluster_secret import TEST_CURVE
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
@@ -112,7 +112,7 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(model_dirs):
 
 
 def test_prefill_and_decode_nodes_over_mooncake(model_dirs, hf_reference):
-    from transfer.transport import MooncakeTransport
+    from pdcluster.transfer.transport import MooncakeTransport
 
     model = model_dirs["llama-gqa"]
     prefill_engine = make_engine(model, MooncakeTransport(curve=TEST_CURVE))

@@ -19,9 +19,8 @@ import time
 from collections.abc import Callable
 
 import zmq
-
-from core.curve import secure_server, stop_authenticator
-from core.node_wire import (
+from pdcluster.core.curve import secure_server, stop_authenticator
+from pdcluster.core.node_wire import (
     AbortRequest,
     GenerateRequest,
     LoadQuery,
@@ -31,6 +30,7 @@ from core.node_wire import (
     decode,
     encode,
 )
+
 from tests.cluster_secret import TEST_CURVE
 
 

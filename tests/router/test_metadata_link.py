@@ -10,15 +10,15 @@ import threading
 import time
 
 import pytest
+from pdcluster.metadata_service.client import MetadataClient, make_node_info
+from pdcluster.metadata_service.publisher import NodePublisher
+from pdcluster.metadata_service.server import ServerThread
+from pdcluster.metadata_service.watch import BlockSubscriber
+from pdcluster.router.config import RouterConfig
+from pdcluster.router.dispatch import Dispatcher
+from pdcluster.router.metadata_link import MetadataLink
+from pdcluster.router.metrics import RouterMetrics
 
-from metadata_service.client import MetadataClient, make_node_info
-from metadata_service.publisher import NodePublisher
-from metadata_service.server import ServerThread
-from metadata_service.watch import BlockSubscriber
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
-from router.metadata_link import MetadataLink
-from router.metrics import RouterMetrics
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import (
     free_port,

@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from core.node_wire import LoadReport
-from router.config import NodeSpec
-from router.load_decay import DecayedWork
-from router.node_views import DECAY_STEPS, NodeViews
-from router.policy import NodeView, PolicyConfig, load_cost
+from pdcluster.core.node_wire import LoadReport
+from pdcluster.router.config import NodeSpec
+from pdcluster.router.load_decay import DecayedWork
+from pdcluster.router.node_views import DECAY_STEPS, NodeViews
+from pdcluster.router.policy import NodeView, PolicyConfig, load_cost
 
 CONFIG = PolicyConfig(work_half_life_s=64.0)
 

@@ -7,10 +7,9 @@ import random
 from collections import Counter
 
 import pytest
-
-from router.errors import NoHealthyNode
-from router.load_decay import DecayedWork
-from router.policy import (
+from pdcluster.router.errors import NoHealthyNode
+from pdcluster.router.load_decay import DecayedWork
+from pdcluster.router.policy import (
     NodeView,
     PolicyConfig,
     choose_prefill,

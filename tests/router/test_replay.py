@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from core.block_index import BlockIndex
-from router.replay import (
+from pdcluster.core.block_index import BlockIndex
+from pdcluster.router.replay import (
     ReplayConfig,
     SimNode,
     apply_events,
@@ -20,6 +19,7 @@ from router.replay import (
     replay,
     replay_all,
 )
+
 from tests.router.synth_trace import synthetic_trace
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ SHARED_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.
 
 
 def run_replay(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "replay", *args, "--json"],
+    proc = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "replay", *args, "--json"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -102,6 +102,6 @@ def test_ideal_hit_ratio_counts_leading_blocks_only(tmp_path: Path) -> None:
 
 
 def test_missing_trace_is_a_usage_error() -> None:
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "replay", "--trace", "/nope"],
+    proc = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "replay", "--trace", "/nope"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

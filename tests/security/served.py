@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import openai
+from pdcluster.core.credentials import SERVICE, ClusterSecret
+from pdcluster.core.curve import secure_client
 
-from core.credentials import SERVICE, ClusterSecret
-from core.curve import secure_client
 from tests.serve_process import start_serve, stop_serve, wait_until_answering
 
 API_KEY = "sk-security-test"
@@ -60,7 +60,7 @@ def start_served(model_dir: str, port: int) -> Served:
 
 
 def _nodes(served: Served) -> dict[str, dict[str, str]]:
-    from metadata_service.client import MetadataClient
+    from pdcluster.metadata_service.client import MetadataClient
 
     client = MetadataClient(served.metadata_address,
                             token=served.secret.metadata_token(SERVICE))
@@ -75,7 +75,7 @@ def _nodes(served: Served) -> dict[str, dict[str, str]]:
 
 
 def _role(role: int) -> str:
-    from proto import metadata_pb2 as pb
+    from pdcluster.proto import metadata_pb2 as pb
 
     return "prefill" if role == pb.PREFILL else "decode"
 
@@ -107,7 +107,7 @@ class Memory:
     """An attacker's (or a test member's) Mooncake-registered buffer, to be written into."""
 
     def __init__(self, nbytes: int) -> None:
-        from transfer.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
+        from pdcluster.transfer.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
 
         self.buf = np.zeros(nbytes, dtype=np.uint8)
         self.engine = MooncakeTransferEngine(MooncakeConfig())

@@ -33,9 +33,9 @@ NODE_ACTORS = ("ray::PrefillNod", "ray::DecodeNode")
 
 ENGINE_CHILD = """
 import sys
-from core.credentials import ClusterSecret
-from transfer.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
-from transfer.side_channel import SideChannelServer
+from pdcluster.core.credentials import ClusterSecret
+from pdcluster.transfer.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
+from pdcluster.transfer.side_channel import SideChannelServer
 
 host, with_side_channel = sys.argv[1], sys.argv[2] == "1"
 engine = MooncakeTransferEngine(MooncakeConfig(hostname=host))

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from core.credentials import (
+from pdcluster.core.credentials import (
     SECRET_ENV,
     SECRET_FILE_ENV,
     SERVICE,
@@ -33,8 +32,9 @@ from core.credentials import (
     node_principal,
     write_secret_file,
 )
-from proto import metadata_pb2 as pb
-from proto import metadata_pb2_grpc as pb_grpc
+from pdcluster.proto import metadata_pb2 as pb
+from pdcluster.proto import metadata_pb2_grpc as pb_grpc
+
 from tests.metadata_service.helpers import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ def standalone(tmp_path_factory) -> Iterator[Target]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "metadata", "serve", "--port", str(port)],
+        [sys.executable, "-m", "pdcluster.cluster.cli", "metadata", "serve", "--port", str(port)],
         cwd=ROOT, env={**env, SECRET_FILE_ENV: str(secret_file)}, stdout=subprocess.PIPE,
         text=True)
     try:
@@ -96,8 +96,8 @@ def embedded(model_dirs) -> Iterator[Target]:
     """The cluster code's own service (`RayCluster`, as `pdcluster serve` runs it), with the
     real node actors p0 and d0 registered in it."""
     pytest.importorskip("ray")
-    from cluster.config import ClusterConfig
-    from cluster.ray_cluster import RayCluster
+    from pdcluster.cluster.config import ClusterConfig
+    from pdcluster.cluster.ray_cluster import RayCluster
 
     secret = ClusterSecret.generate()
     config = ClusterConfig(model=model_dirs["llama-gqa"], num_prefill=1, num_decode=1,

@@ -29,17 +29,17 @@ from pathlib import Path
 
 import grpc
 import pytest
+from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, SERVICE, write_secret_file
+from pdcluster.core.tls import ClientTLS
+from pdcluster.metadata_service.client import MetadataClient, make_node_info
+from pdcluster.metadata_service.errors import MetadataAuthError, MetadataUnavailable
+from pdcluster.metadata_service.publisher import NodePublisher
+from pdcluster.node.config import NodeConfig
+from pdcluster.node.runtime import metadata_client
+from pdcluster.proto import metadata_pb2 as pb
+from pdcluster.proto import metadata_pb2_grpc as pb_grpc
+from pdcluster.router.metadata_link import MetadataLink
 
-from core.credentials import SECRET_ENV, SECRET_FILE_ENV, SERVICE, write_secret_file
-from core.tls import ClientTLS
-from metadata_service.client import MetadataClient, make_node_info
-from metadata_service.errors import MetadataAuthError, MetadataUnavailable
-from metadata_service.publisher import NodePublisher
-from node.config import NodeConfig
-from node.runtime import metadata_client
-from proto import metadata_pb2 as pb
-from proto import metadata_pb2_grpc as pb_grpc
-from router.metadata_link import MetadataLink
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import FakeNode, free_port, make_chain, wait_until
 from tests.tls_certs import Pki, make_pki
@@ -59,7 +59,7 @@ def _serve(tmp: Path, pki: Pki, *tls_args: str) -> Iterator[Service]:
     secret_file = write_secret_file(TEST_SECRET, tmp / "cluster-secret")
     env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "metadata", "serve", "--port", str(port),
+        [sys.executable, "-m", "pdcluster.cluster.cli", "metadata", "serve", "--port", str(port),
          "--lease-ttl", "30", "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
          *tls_args],
         cwd=ROOT, env={**env, SECRET_FILE_ENV: str(secret_file)}, stdout=subprocess.PIPE,
@@ -243,7 +243,7 @@ def test_node_without_a_client_certificate_cannot_register(mtls_service) -> None
 def test_node_runtime_registers_over_mtls(mtls_service, model_dirs) -> None:
     """A real node (engine, node server, event publisher) with its TLS settings from
     NodeConfig: registered under its own principal, deregistered at stop."""
-    from node.runtime import NodeRuntime
+    from pdcluster.node.runtime import NodeRuntime
 
     pki = mtls_service.pki
     config = NodeConfig(node_id="d-runtime", role="decode", model=model_dirs["llama-gqa"],
@@ -272,9 +272,9 @@ def test_cluster_config_tls_reaches_the_node_actors(mtls_service, model_dirs) ->
     actors on a real local Ray get the files and register over mTLS; the router's config
     built from the same ClusterConfig reads them back."""
     pytest.importorskip("ray")
-    from cluster.config import ClusterConfig
-    from cluster.launch import router_config
-    from cluster.ray_cluster import RayCluster
+    from pdcluster.cluster.config import ClusterConfig
+    from pdcluster.cluster.launch import router_config
+    from pdcluster.cluster.ray_cluster import RayCluster
 
     pki = mtls_service.pki
     config = ClusterConfig(model=model_dirs["llama-gqa"], num_prefill=1, num_decode=1,

@@ -16,16 +16,22 @@ import statistics
 import time
 
 import pytest
+from pdcluster.core.node_wire import (
+    GenerateRequest,
+    RequestError,
+    SamplingSpec,
+    TokenDelta,
+    TransferSpec,
+)
+from pdcluster.engine import LLMEngine
+from pdcluster.node.client import BlockingNodeClient, tokens_of
+from pdcluster.node.server import NodeServer
+from pdcluster.transfer.loopback import LoopbackFabric
 
-from core.node_wire import GenerateRequest, RequestError, SamplingSpec, TokenDelta, TransferSpec
-from engine import LLMEngine
-from node.client import BlockingNodeClient, tokens_of
-from node.server import NodeServer
 from tests.cluster_secret import TEST_CURVE
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import make_engine
-from transfer.loopback import LoopbackFabric
 
 STREAM = SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True)
 

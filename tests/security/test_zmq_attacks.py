@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.kv_transfer import PrefixPullRequest, XferDone, XferRequest
+from pdcluster.core.kv_transfer import encode as encode_kv
+from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TokenDelta, TransferSpec, decode
+from pdcluster.core.node_wire import encode as encode_node
 
-from core.credentials import ClusterSecret
-from core.kv_transfer import PrefixPullRequest, XferDone, XferRequest
-from core.kv_transfer import encode as encode_kv
-from core.node_wire import GenerateRequest, SamplingSpec, TokenDelta, TransferSpec, decode
-from core.node_wire import encode as encode_node
 from tests.security.served import API_KEY, BLOCK_SIZE, Memory, block_nbytes, dealer
 
 openai = pytest.importorskip("openai")
@@ -164,7 +164,7 @@ class _Inbox:
     """A side-channel server receiving the node's replies (CURVE when given keys)."""
 
     def __init__(self, keys) -> None:
-        from transfer.side_channel import SideChannelServer
+        from pdcluster.transfer.side_channel import SideChannelServer
 
         self.messages: list = []
         self._server = SideChannelServer(self.messages.append, curve=keys)

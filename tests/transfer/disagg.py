@@ -7,11 +7,11 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from core.kv_connector import KVConnector
-from core.kv_transfer import RemoteDecode, RemotePrefill
-from engine import LLMEngine, SamplingParams
-from transfer.connector_scheduler import ConnectorScheduler
-from transfer.connector_worker import ConnectorWorker
+from pdcluster.core.kv_connector import KVConnector
+from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill
+from pdcluster.engine import LLMEngine, SamplingParams
+from pdcluster.transfer.connector_scheduler import ConnectorScheduler
+from pdcluster.transfer.connector_worker import ConnectorWorker
 
 _ids = itertools.count()
 

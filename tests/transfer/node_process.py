@@ -11,7 +11,7 @@ _CTX = mp.get_context("spawn")
 
 
 def _transfer_params(kind: str | None, transfer_id: str, addr: str | None):
-    from core.kv_transfer import RemoteDecode, RemotePrefill
+    from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill
 
     if kind == "decode":
         return RemoteDecode(transfer_id)
@@ -21,7 +21,7 @@ def _transfer_params(kind: str | None, transfer_id: str, addr: str | None):
 
 
 def _block_bytes(engine, prompt: list[int]) -> list[bytes | None]:
-    from core.hashing import hash_block_tokens
+    from pdcluster.core.hashing import hash_block_tokens
 
     hashes = hash_block_tokens(prompt, engine.config.block_size)
     blocks = [engine.block_pool.get_cached_block(h) for h in hashes]
@@ -41,7 +41,8 @@ def _leaks(engine) -> str | None:
 
 def _handle(engine, conn, finished: dict, cmd: str, args: list) -> bool:
     """Run one command; False once the node should exit."""
-    from engine import SamplingParams
+    from pdcluster.engine import SamplingParams
+
     from tests.transfer.disagg import idle
 
     if cmd == "add":
@@ -64,9 +65,10 @@ def _handle(engine, conn, finished: dict, cmd: str, args: list) -> bool:
 
 
 def _serve(model_dir: str, conn, timeout_s: float) -> None:
+    from pdcluster.transfer.transport import MooncakeTransport
+
     from tests.cluster_secret import TEST_CURVE
     from tests.transfer.disagg import make_engine
-    from transfer.transport import MooncakeTransport
 
     engine = make_engine(model_dir, MooncakeTransport(curve=TEST_CURVE), timeout_s=timeout_s)
     conn.send(engine.connector.worker.transport.reply_address)

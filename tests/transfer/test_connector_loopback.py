@@ -6,13 +6,13 @@ check on both engines after every scenario."""
 from __future__ import annotations
 
 import pytest
+from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill, XferDone, XferRequest
+from pdcluster.engine import SamplingParams
+from pdcluster.transfer.loopback import LoopbackFabric
 
-from core.kv_transfer import RemoteDecode, RemotePrefill, XferDone, XferRequest
-from engine import SamplingParams
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import FakeClock, drive, idle, make_engine, submit
-from transfer.loopback import LoopbackFabric
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from pdcluster.core.hashing import hash_block_tokens
+from pdcluster.core.kv_transfer import RemotePrefill
+from pdcluster.engine import SamplingParams
+from pdcluster.transfer.transport import MooncakeTransport
 
-from core.hashing import hash_block_tokens
-from core.kv_transfer import RemotePrefill
-from engine import SamplingParams
 from tests.cluster_secret import TEST_CURVE
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import drive, idle, make_engine
 from tests.transfer.node_process import NodeProcess
-from transfer.transport import MooncakeTransport
 
 pytest.importorskip("mooncake.engine")
 N_OUT = 8

@@ -22,17 +22,16 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from transfer import mooncake_bind, mooncake_engine
-from transfer.errors import TransferError, TransferTimeout
-from transfer.mooncake_engine import (
+from pdcluster.transfer import mooncake_bind, mooncake_engine
+from pdcluster.transfer.errors import TransferError, TransferTimeout
+from pdcluster.transfer.mooncake_engine import (
     MooncakeConfig,
     MooncakeTransferEngine,
     coalesce,
     has_active_ib_port,
     rdma_available,
 )
-from transfer.rdma import IB_SYSFS
+from pdcluster.transfer.rdma import IB_SYSFS
 
 pytestmark = pytest.mark.timeout(60)
 needs_mooncake = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
@@ -136,7 +135,7 @@ def test_rdma_unavailable_without_infiniband_devices() -> None:
 
 def test_module_imports_without_mooncake() -> None:
     code = ("import sys; sys.modules['mooncake'] = None\n"
-            "import transfer.mooncake_engine as m\n"
+            "import pdcluster.transfer.mooncake_engine as m\n"
             "try:\n    m.MooncakeTransferEngine()\n"
             "except m.TransferError as exc:\n    print('hint:', exc)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
@@ -208,7 +207,7 @@ def test_a_wildcard_listener_after_initialize_is_refused(fake_binding, monkeypat
 def test_rdma_without_a_device_warns_that_tcp_is_used(fake_binding, monkeypatch,
                                                       caplog) -> None:
     monkeypatch.setattr(mooncake_engine, "rdma_available", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="transfer.mooncake_engine"):
+    with caplog.at_level(logging.WARNING, logger="pdcluster.transfer.mooncake_engine"):
         MooncakeTransferEngine(MooncakeConfig(protocol="rdma"))
     assert any("over TCP" in r.getMessage() for r in caplog.records)
     assert fake_binding.seen_env["MC_FORCE_TCP"] is None
@@ -365,7 +364,7 @@ def test_write_async_reports_done_once(engine, local, peer) -> None:
 
 @needs_mooncake
 def test_write_async_failure_is_reported_and_logged(engine, local, peer, caplog) -> None:
-    with caplog.at_level(logging.ERROR, logger="transfer.mooncake_engine"):
+    with caplog.at_level(logging.ERROR, logger="pdcluster.transfer.mooncake_engine"):
         batch_id = engine.write_async(peer.session, [addr_of(local)],
                                       [peer.addr + PEER_NBYTES], [BLOCK])
         deadline = time.monotonic() + 10

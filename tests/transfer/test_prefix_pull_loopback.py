@@ -7,13 +7,13 @@ send to a decode node; a leak check of every pool after each scenario."""
 from __future__ import annotations
 
 import pytest
+from pdcluster.core.kv_transfer import PrefixPull, RemoteDecode, RemotePrefill
+from pdcluster.engine import SamplingParams
+from pdcluster.transfer.loopback import LoopbackFabric
 
-from core.kv_transfer import PrefixPull, RemoteDecode, RemotePrefill
-from engine import SamplingParams
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import FakeClock, drive, idle, make_engine
-from transfer.loopback import LoopbackFabric
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BLOCK = 8

@@ -4,10 +4,9 @@ malformed requests rejected with `WireError` before any handler sees them."""
 from __future__ import annotations
 
 import pytest
-
-from core import kv_transfer
-from core.kv_transfer import PrefixPull, PrefixPullRequest
-from core.wire import WireError
+from pdcluster.core import kv_transfer
+from pdcluster.core.kv_transfer import PrefixPull, PrefixPullRequest
+from pdcluster.core.wire import WireError
 
 GOOD = PrefixPullRequest("pull-1", "r", "tcp://a:1", "127.0.0.1:2", 4096, block_size=4,
                          first_block=1, token_ids=list(range(12)),

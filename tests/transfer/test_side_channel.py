@@ -14,9 +14,8 @@ from collections.abc import Callable
 import msgpack
 import pytest
 import zmq
-
-from core.curve import secure_client
-from core.kv_transfer import (
+from pdcluster.core.curve import secure_client
+from pdcluster.core.kv_transfer import (
     MAX_MESSAGE_BYTES,
     WIRE_VERSION,
     SideChannelMessage,
@@ -26,10 +25,11 @@ from core.kv_transfer import (
     XferRequest,
     encode,
 )
+from pdcluster.transfer import side_channel
+from pdcluster.transfer.errors import TransferError
+from pdcluster.transfer.side_channel import SideChannelClient, SideChannelServer, _Throttle
+
 from tests.cluster_secret import TEST_CURVE
-from transfer import side_channel
-from transfer.errors import TransferError
-from transfer.side_channel import SideChannelClient, SideChannelServer, _Throttle
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -177,12 +177,12 @@ def test_malformed_frame_is_rejected_and_serving_goes_on(server, collector, raw_
 
 
 def test_rejection_warnings_are_rate_limited(server, collector, raw_sender, caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="transfer.side_channel"):
+    with caplog.at_level(logging.WARNING, logger="pdcluster.transfer.side_channel"):
         for _ in range(50):
             raw_sender.send(b"\xc1garbage")
         raw_sender.send(encode(XferAbort("after")))
         collector.wait_for(1)
-    warnings = [r for r in caplog.records if r.name == "transfer.side_channel"]
+    warnings = [r for r in caplog.records if r.name == "pdcluster.transfer.side_channel"]
     assert server.num_rejected == 50
     assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]
     assert "not msgpack" in warnings[0].getMessage()
@@ -196,7 +196,7 @@ def test_handler_exception_is_counted_and_loop_survives(caplog) -> None:
             raise RuntimeError("handler bug")
         got(msg)
 
-    with caplog.at_level(logging.ERROR, logger="transfer.side_channel"), \
+    with caplog.at_level(logging.ERROR, logger="pdcluster.transfer.side_channel"), \
             SideChannelServer(handler, curve=TEST_CURVE) as srv, \
             SideChannelClient(curve=TEST_CURVE) as cli:
         for i in range(3):
