@@ -31,9 +31,12 @@ run: setup-serve
 	$(PDCLUSTER) serve --model $(MODEL) --num-prefill 1 --num-decode 1 --port $(PORT) \
 		$(SERVE_ARGS)
 
+# ruff on every room, the tests and the build scripts; mypy as pyproject.toml's [tool.mypy] says
+# (strict on core/ and the wire types).
 lint: setup
 	$(VENV)/bin/ruff check core engine transfer metadata_service node prefill_node \
-		decode_node router cluster proto benchmarks tests
+		decode_node router cluster proto benchmarks tests scripts setup.py pdcluster/__init__.py
+	$(VENV)/bin/mypy
 
 test: lint
 	$(VENV)/bin/python -m pytest -q
@@ -51,7 +54,7 @@ bench-peers: setup-serve
 	$(PDCLUSTER) bench peers --json --model $(MODEL)
 
 clean:
-	rm -rf .cache build dist *.egg-info .pytest_cache .hypothesis .ruff_cache
+	rm -rf .cache build dist *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean

@@ -47,6 +47,7 @@ _REPLIES = {b"g": encode_node(TokenDelta("r", [7], True, "length", None, 200, 0)
 def _serve(conn, secret_text: str) -> None:
     """Child: a CURVE and a plaintext ROUTER, each answering request frames with a reply."""
     import zmq
+
     from pdcluster.core.curve import secure_server
 
     keys = ClusterSecret.from_text(secret_text).curve_keys()
@@ -82,6 +83,7 @@ class _Peer:
 
     def socket(self, kind: str):
         import zmq
+
         from pdcluster.core.curve import secure_client
 
         sock = zmq.Context.instance().socket(zmq.DEALER)

@@ -149,6 +149,7 @@ def _sync(device: str) -> None:
 
 def _throughput(model_dir: str, sizes: BenchSizes, device: str) -> dict:
     import torch
+
     from pdcluster.engine import SamplingParams
 
     rng = random.Random(1)
@@ -214,6 +215,7 @@ def _ttft(model_dir: str, sizes: BenchSizes, device: str) -> dict:
 
 def _decode_step(model_dir: str, sizes: BenchSizes, device: str) -> dict:
     import torch
+
     from pdcluster.engine import SamplingParams
 
     rng = random.Random(3)

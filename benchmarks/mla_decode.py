@@ -23,6 +23,7 @@ BLOCK = 16
 
 def _layer():
     import torch
+
     from pdcluster.engine.model_config import ModelConfig
 
     hf = {"architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 32, "hidden_size": HIDDEN,
@@ -43,6 +44,7 @@ def _layer():
 
 def _decode_meta(batch: int, context: int):
     import torch
+
     from pdcluster.engine.attention import AttentionMetadata
 
     blocks = context // BLOCK
@@ -71,6 +73,7 @@ def _time(layer, cache, meta, batch: int, context: int, steps: int) -> dict[bool
 
 def absorbed_vs_expanded(steps: int = 5) -> dict:
     import torch
+
     from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
 
     layer = _layer()

@@ -23,8 +23,9 @@ ROUNDS = 3
 def write_mixtral(out: Path, seed: int = 0) -> Path:
     """The dense bench checkpoint with every MLP replaced by 8 routed experts."""
     import torch
-    from pdcluster.engine.tiny_model import make_tiny_model
     from safetensors.torch import load_file, save_file
+
+    from pdcluster.engine.tiny_model import make_tiny_model
 
     make_tiny_model(out, arch="mistral", seed=seed, preset="bench")
     cfg = json.loads((out / "config.json").read_text())

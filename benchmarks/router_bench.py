@@ -35,6 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import zmq
+
 from pdcluster.benchmarks.metadata_bench import (
     HASH,
     Population,

@@ -45,6 +45,7 @@ def _spec(num_blocks: int):
 def _region(num_blocks: int, fill: int | None):
     """A KV-layout buffer (numpy: no torch needed to move bytes) and its KVRegion."""
     import numpy as np
+
     from pdcluster.core.kv_connector import KVRegion
 
     spec = _spec(num_blocks)

@@ -201,7 +201,8 @@ def format_table(result: dict) -> str:
 
 def _bench_command(module: str) -> Callable[[argparse.Namespace], int]:
     """A handler that runs `benchmarks.<module>.run(args)` and prints its JSON result last."""
-    return _report_command(lambda args: importlib.import_module(f"benchmarks.{module}").run(args))
+    return _report_command(
+        lambda args: importlib.import_module(f"pdcluster.benchmarks.{module}").run(args))
 
 
 def _report_command(run: Callable[[argparse.Namespace], dict]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcluster.core.tls import ClientTLS
+from pdcluster.engine.config import EngineConfig
 
 # Uncached prompt tokens up to which the decode node prefills itself. Low, because on a CPU
 # prefill is dear and moving KV is cheap: SmolLM2-135M, the built-in model, prefills ~4.4
@@ -75,6 +76,7 @@ class ClusterConfig:
                              "must be >= 0")
         if not 0 < self.router_port < 65536:
             raise ValueError(f"router port {self.router_port} out of range")
+        EngineConfig.from_options(self.model, self.engine)  # every node's, checked at load
         if self.kv_protocol not in ("tcp", "rdma"):
             raise ValueError(f"transfer protocol must be tcp or rdma, got {self.kv_protocol!r}")
         tls = ClientTLS.from_fields(self.metadata_tls_ca, self.metadata_tls_cert,

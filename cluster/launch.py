@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdcluster.cluster.launch: {exc}", file=sys.stderr)
         return 2
     if secret is None and (config.metadata_address or not config.router_enabled):
-        print(f"pdcluster.cluster.launch: the cluster secret is required when the metadata service or "
-              f"the router runs elsewhere: set ${SECRET_FILE_ENV} (a mounted Secret) or "
+        print(f"pdcluster.cluster.launch: the cluster secret is required when the metadata "
+              f"service or the router runs elsewhere: set ${SECRET_FILE_ENV} (a mounted Secret) or "
               f"${SECRET_ENV}", file=sys.stderr)
         return 2
     return serve(config, ray_address=args.ray_address, cluster_secret=secret)

@@ -174,9 +174,9 @@ class BlockIndex:
         mask = 0
         slot_of = self._slot_of
         for node_id in candidates:
-            slot = slot_of.get(node_id)
-            if slot is not None:
-                mask |= 1 << slot
+            found = slot_of.get(node_id)
+            if found is not None:
+                mask |= 1 << found
         return mask
 
     def _collect(

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import zmq
-from pdcluster.core.credentials import CurveKeys
 from zmq.auth.thread import ThreadAuthenticator
+
+from pdcluster.core.credentials import CurveKeys
 
 logger = logging.getLogger(__name__)
 ZAP_DOMAIN = "pdcluster"
@@ -57,10 +59,10 @@ class Admission:
 
 
 _lock = threading.Lock()
-_handlers: dict[int, tuple[zmq.Context, ThreadAuthenticator, Admission]] = {}
+_handlers: dict[int, tuple[zmq.Context[Any], ThreadAuthenticator, Admission]] = {}
 
 
-def authenticator_for(context: zmq.Context) -> Admission:
+def authenticator_for(context: zmq.Context[Any]) -> Admission:
     """The ZAP handler of `context`, started on first use (libzmq allows one per context)."""
     with _lock:
         entry = _handlers.get(id(context))
@@ -74,7 +76,7 @@ def authenticator_for(context: zmq.Context) -> Admission:
         return entry[2]
 
 
-def stop_authenticator(context: zmq.Context) -> None:
+def stop_authenticator(context: zmq.Context[Any]) -> None:
     """Stop `context`'s ZAP handler (before `context.term()`, which would wait for it)."""
     with _lock:
         entry = _handlers.pop(id(context), None)
@@ -82,7 +84,7 @@ def stop_authenticator(context: zmq.Context) -> None:
         entry[1].stop()
 
 
-def secure_server(sock: zmq.Socket, keys: CurveKeys) -> None:
+def secure_server(sock: zmq.Socket[Any], keys: CurveKeys) -> None:
     """Make `sock` (not yet bound) a CURVE server admitting only holders of `keys`."""
     authenticator_for(sock.context).trust(keys.public)
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
@@ -93,7 +95,7 @@ def secure_server(sock: zmq.Socket, keys: CurveKeys) -> None:
     sock.curve_server = True
 
 
-def secure_client(sock: zmq.Socket, keys: CurveKeys) -> None:
+def secure_client(sock: zmq.Socket[Any], keys: CurveKeys) -> None:
     """Make `sock` (not yet connected) a CURVE client presenting `keys` to a cluster server."""
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
     sock.curve_secretkey = keys.secret

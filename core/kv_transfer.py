@@ -120,7 +120,7 @@ def encode(msg: SideChannelMessage) -> bytes:
 
 
 def decode(data: bytes) -> SideChannelMessage:
-    msg = _PROTOCOL.decode(data)
+    msg: SideChannelMessage = _PROTOCOL.decode(data)
     if isinstance(msg, XferRequest):
         _check_request(msg)
     elif isinstance(msg, PrefixPullRequest):

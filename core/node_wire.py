@@ -112,7 +112,7 @@ def encode(msg: NodeMessage) -> bytes:
 
 
 def decode(data: bytes) -> NodeMessage:
-    msg = _PROTOCOL.decode(data)
+    msg: NodeMessage = _PROTOCOL.decode(data)
     _check(msg)
     return msg
 

@@ -13,6 +13,7 @@ import functools
 import types
 import typing
 from dataclasses import MISSING, dataclass, fields
+from typing import Any
 
 import msgpack
 
@@ -27,7 +28,7 @@ class Protocol:
     classes: tuple[type, ...]
     max_bytes: int
 
-    def encode(self, msg) -> bytes:
+    def encode(self, msg: object) -> bytes:
         try:
             data = msgpack.packb({"v": self.version, "type": type(msg).__name__,
                                   "body": _fields(msg)}, default=_fields)
@@ -37,7 +38,7 @@ class Protocol:
             raise WireError(f"{type(msg).__name__} of {len(data)} bytes exceeds {self.max_bytes}")
         return data
 
-    def decode(self, data: bytes):
+    def decode(self, data: bytes) -> Any:
         if len(data) > self.max_bytes:
             raise WireError(f"message of {len(data)} bytes exceeds {self.max_bytes}")
         try:
@@ -55,7 +56,7 @@ class Protocol:
         return build(cls, envelope["body"], cls.__name__)
 
 
-def _fields(obj) -> dict:
+def _fields(obj: object) -> dict[str, Any]:
     """A dataclass as the map of its fields, shallow: msgpack calls this again (`default`)
     for nested dataclasses. (`dataclasses.asdict` deep-copies every list element: 100x
     slower on a prompt of token ids.)"""
@@ -66,14 +67,14 @@ def _fields(obj) -> dict:
 
 
 @functools.cache
-def _schema(cls: type) -> tuple[dict, frozenset[str], frozenset[str]]:
+def _schema(cls: type) -> tuple[dict[str, Any], frozenset[str], frozenset[str]]:
     """(type hints, field names, required names) of a message class, resolved once."""
     return (typing.get_type_hints(cls), frozenset(f.name for f in fields(cls)),
             frozenset(f.name for f in fields(cls)
                       if f.default is MISSING and f.default_factory is MISSING))
 
 
-def build(cls: type, body: object, where: str):
+def build(cls: type, body: object, where: str) -> Any:
     """A dataclass instance from a decoded map, every field checked against its type hint."""
     if not isinstance(body, dict):
         raise WireError(f"{where} must be a map")
@@ -83,7 +84,7 @@ def build(cls: type, body: object, where: str):
     return cls(**{k: _value(hints[k], v, f"{where}.{k}") for k, v in body.items()})
 
 
-def _value(hint, value, where: str):
+def _value(hint: Any, value: Any, where: str) -> Any:
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType):
         if value is None and type(None) in args:

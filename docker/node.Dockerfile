@@ -39,11 +39,10 @@ RUN pip install "torch==${TORCH_VERSION}"
 
 WORKDIR /opt/pdcluster
 COPY . .
-# The gRPC stubs are generated from proto/*.proto with the grpcio-tools the install pins.
-RUN pip install -c constraints.txt "grpcio-tools>=1.60" \
-    && PYTHON=python bash scripts/gen_proto.sh \
-    && pip install -c constraints.txt ".[gpu]" "ray[default]==${RAY_VERSION}" \
-    && python -c "import torch, ray, pdcluster.cluster.cli, pdcluster.metadata_service.client" \
+# The package build generates the gRPC stubs from proto/*.proto (setup.py). The import check runs
+# from / so that it sees the installed package, not the checkout's pdcluster/ links.
+RUN pip install -c constraints.txt ".[gpu]" "ray[default]==${RAY_VERSION}" \
+    && cd / && python -c "import torch, ray, pdcluster.cluster.cli, pdcluster.metadata_service.client" \
     && pdcluster --help >/dev/null
 
 WORKDIR /home/ray

@@ -33,10 +33,11 @@ PY
 RUN pip install -r /tmp/requirements.txt
 
 COPY . .
-RUN PYTHON=python bash scripts/gen_proto.sh \
-    && pip install --no-deps . \
+# The package build generates the gRPC stubs (setup.py); checks run from / (the installed package).
+RUN pip install --no-deps . \
+    && cd / \
     && python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)" \
-    && python -c "import pdcluster.cluster.cli, pdcluster.metadata_service.server, router" \
+    && python -c "import pdcluster.cluster.cli, pdcluster.metadata_service.server, pdcluster.router" \
     && pdcluster metadata serve --help >/dev/null \
     && rm -rf /opt/pdcluster
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from pdcluster.engine.kv_cache import PagedKVCache
 
 

@@ -4,7 +4,9 @@ written back here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from pdcluster.core.hashing import HashConfig
 
@@ -59,6 +61,16 @@ class EngineConfig:
                              f"{self.max_pinned_fraction}")
         if not self.pin_timeout_s > 0:
             raise ValueError(f"pin_timeout_s must be > 0, got {self.pin_timeout_s}")
+
+    @classmethod
+    def from_options(cls, model: str, options: Mapping[str, Any]) -> EngineConfig:
+        """From plain options (a config file's `engine:` section, or what crosses Ray as a
+        dict): an unknown or misspelt option is a ValueError naming it, not a TypeError."""
+        known = {f.name for f in fields(cls)} - {"model"}  # the model is given on its own
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine options: {unknown}")
+        return cls(model=model, **options)
 
     @property
     def hash_config(self) -> HashConfig:

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from pdcluster.core.events import KVEvent
 from pdcluster.core.hashing import BlockExtra
 from pdcluster.core.kv_connector import KVConnector, KVRegion

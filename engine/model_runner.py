@@ -9,6 +9,7 @@ uncached token is its last), then prefill chunks; see `engine.attention`.
 from __future__ import annotations
 
 import torch
+
 from pdcluster.engine.attention import AttentionMetadata, PrefillChunk
 from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.models.llama import CausalLM

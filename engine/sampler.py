@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 
 import torch
+
 from pdcluster.engine.outputs import RequestFailure, SampledToken
 from pdcluster.engine.request import Request
 

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequenc
 from typing import Any
 
 import grpc
+
 from pdcluster.core.credentials import SERVICE, ClusterSecret
 from pdcluster.core.events import KVEvent
 from pdcluster.core.roles import NODE_ROLES, Role, role_names

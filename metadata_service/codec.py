@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
+
 from pdcluster.core.types import BlockHash
 from pdcluster.metadata_service.errors import InvalidBatch
 
@@ -87,12 +89,15 @@ def decode_delta(data: bytes, hash_size: int) -> tuple[Delta, str]:
     return delta, raw["w"]
 
 
-def encode_record(fields: dict) -> bytes:
-    return msgpack.packb({"v": _DELTA_VERSION, **fields})
+def encode_record(fields: dict[str, Any]) -> bytes:
+    data: bytes = msgpack.packb({"v": _DELTA_VERSION, **fields})
+    return data
 
 
-def decode_record(data: bytes) -> dict:
+def decode_record(data: bytes) -> dict[str, Any]:
     raw = msgpack.unpackb(data)
+    if not isinstance(raw, dict):
+        raise ValueError(f"a record must be a map, got {type(raw).__name__}")
     if raw.get("v") != _DELTA_VERSION:
         raise ValueError(f"unsupported record version {raw.get('v')!r}")
     return raw

@@ -85,7 +85,7 @@ class MetadataConfig:
             if self.cluster_secret is not None:
                 raise ValueError("give cluster_secret or allow_unauthenticated, not both")
         elif not isinstance(self.cluster_secret, ClusterSecret):
-            raise ValueError("the metadata service needs cluster_secret (a pdcluster.core.credentials."
+            raise ValueError("the metadata service needs cluster_secret (a core.credentials."
                              "ClusterSecret): it never answers a caller without credentials")
 
     @property

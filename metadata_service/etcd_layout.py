@@ -21,6 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import etcd3aio
+
 from pdcluster.core.types import NodeId
 from pdcluster.metadata_service.codec import decode_delta, decode_record, unpack_hashes
 from pdcluster.metadata_service.store import NodeState

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import etcd3aio
+
 from pdcluster.core.types import BlockHash, NodeId
 from pdcluster.metadata_service.codec import Delta, encode_delta, encode_record, pack_hashes
 from pdcluster.metadata_service.config import MetadataConfig

@@ -16,6 +16,7 @@ import logging
 
 import etcd3aio
 import grpc
+
 from pdcluster.core.types import NodeId
 from pdcluster.metadata_service.codec import Delta, decode_delta, decode_record, unpack_hashes
 from pdcluster.metadata_service.etcd_layout import NodeRecord

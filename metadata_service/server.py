@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+
 from pdcluster.core.credentials import ClusterSecret, node_principal, verify_metadata_token
 from pdcluster.metadata_service.config import MetadataConfig
 from pdcluster.metadata_service.errors import InvalidBatch

@@ -7,6 +7,7 @@ import os
 from typing import Any, ClassVar
 
 from pdcluster.core.credentials import ClusterSecret
+from pdcluster.engine.config import EngineConfig
 from pdcluster.node.config import NodeConfig
 from pdcluster.node.runtime import NodeRuntime
 
@@ -27,7 +28,8 @@ class NodeActor:
             options["cluster_secret"] = ClusterSecret.from_env()
         if options.get("host") == "auto":  # this pod's address on a cluster, loopback here
             options["host"] = os.environ.get(POD_IP_ENV) or "127.0.0.1"
-        self.runtime = NodeRuntime(NodeConfig(node_id=node_id, role=self.role, model=model,
+        engine = EngineConfig.from_options(model, options.pop("engine_options", None) or {})
+        self.runtime = NodeRuntime(NodeConfig(node_id=node_id, role=self.role, engine=engine,
                                               **options)).start()
 
     def info(self) -> dict[str, str]:
@@ -58,3 +60,4 @@ class NodeActor:
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Stop admitting, finish running requests and transfers, deregister."""
         return self.runtime.stop(drain=True, timeout_s=timeout_s)
+

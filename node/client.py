@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import zmq
+
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.curve import secure_client
 from pdcluster.core.node_wire import NodeMessage, RequestError, TokenDelta, decode, encode

@@ -4,12 +4,12 @@ validated here."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from pdcluster.core.credentials import ClusterSecret
 from pdcluster.core.roles import NODE_ROLES, role_names
 from pdcluster.core.tls import ClientTLS
+from pdcluster.engine.config import EngineConfig
 
 _NODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -18,10 +18,11 @@ _NODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 class NodeConfig:
     node_id: str
     role: str  # a core.roles.NODE_ROLES value: "prefill" | "decode"
-    model: str
+    # The engine this node runs, model included, validated when built. The runtime sets
+    # `enable_kv_events` itself (on exactly when there is a metadata service to publish to).
+    engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0  # request endpoint; 0 picks a free port
-    engine_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig keywords
     metadata_address: str | None = None  # None: run without the global index
     # TLS to the metadata service (core.tls.ClientTLS): its CA; a client certificate and
     # key when it requires mTLS; the name in its certificate. All None: plaintext.
@@ -55,12 +56,16 @@ class NodeConfig:
             raise ValueError("publish_interval_s and kv_timeout_s must be > 0")
         if self.min_pull_blocks < 1:
             raise ValueError(f"min_pull_blocks must be >= 1, got {self.min_pull_blocks}")
-        if "model" in self.engine_options:
-            raise ValueError("give the model as NodeConfig.model, not in engine_options")
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
         if not isinstance(self.cluster_secret, ClusterSecret):
             raise ValueError(f"node {self.node_id}: cluster_secret (a pdcluster.core.credentials."
                              "ClusterSecret) is required: a node never serves without it")
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
+
+    @property
+    def model(self) -> str:
+        return self.engine.model
 
     @property
     def metadata_tls(self) -> ClientTLS | None:

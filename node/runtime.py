@@ -1,7 +1,7 @@
 """`NodeRuntime`: assembles one node — engine, KV connector over Mooncake, node server, and
 (when a metadata service is configured) registration under a lease plus KV event publishing.
 
-    runtime = NodeRuntime(NodeConfig(node_id="p0", role="prefill", model=path,
+    runtime = NodeRuntime(NodeConfig(node_id="p0", role="prefill", engine=EngineConfig(path),
                                      cluster_secret=secret)).start()
     runtime.info()        # addresses for the router: requests and KV side channel
     runtime.stop()        # drain, deregister, release
@@ -10,10 +10,10 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from pdcluster.core.credentials import node_principal
 from pdcluster.core.kv_connector import KVConnector
-from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.node.config import NodeConfig
@@ -50,9 +50,8 @@ class NodeRuntime:
         worker = ConnectorWorker(transport, timeout_s=config.kv_timeout_s)
         connector = KVConnector(ConnectorScheduler(config.recompute_on_failure,
                                                    config.min_pull_blocks), worker)
-        engine_config = EngineConfig(model=config.model,
-                                     enable_kv_events=config.metadata_address is not None,
-                                     **config.engine_options)
+        engine_config = replace(config.engine,
+                                enable_kv_events=config.metadata_address is not None)
         self.engine = LLMEngine(engine_config, connector)
         self.kv_address = transport.reply_address
         self.server = NodeServer(self.engine, config.node_id, config.role, config.host,

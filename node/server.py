@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.curve import secure_server
 from pdcluster.core.kv_transfer import PrefixPull, RemoteDecode, RemotePrefill

@@ -79,7 +79,7 @@ class RouterConfig:
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
         if not isinstance(self.cluster_secret, ClusterSecret):
-            raise ValueError("cluster_secret (a pdcluster.core.credentials.ClusterSecret) is required: "
+            raise ValueError("cluster_secret (a core.credentials.ClusterSecret) is required: "
                              "the router reaches nodes and the metadata service with it")
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import zmq.asyncio
+
 from pdcluster.core.credentials import SERVICE
 from pdcluster.core.hashing import BlockExtra, hash_block_tokens
 from pdcluster.core.node_wire import (

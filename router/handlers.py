@@ -22,6 +22,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from aiohttp import web
+
 from pdcluster.core.node_wire import TokenDelta
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.dispatch import Dispatcher, Placement

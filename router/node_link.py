@@ -34,6 +34,8 @@ from collections.abc import AsyncIterator
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.curve import secure_client
 from pdcluster.core.node_wire import (
@@ -49,7 +51,6 @@ from pdcluster.core.node_wire import (
 )
 from pdcluster.core.wire import WireError
 from pdcluster.router.config import NodeSpec
-from zmq.utils.monitor import recv_monitor_message
 
 logger = logging.getLogger(__name__)
 

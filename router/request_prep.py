@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 from aiohttp import web
+
 from pdcluster.core.node_wire import GenerateRequest
 from pdcluster.router.errors import ApiError
 from pdcluster.router.protocol import CompletionRequest

@@ -19,6 +19,7 @@ import logging
 import signal
 
 from aiohttp import web
+
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.dispatch import Dispatcher
 from pdcluster.router.handlers import Handlers

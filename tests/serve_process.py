@@ -18,8 +18,8 @@ def start_serve(args: list[str], env: dict[str, str] | None = None,
     """`pdcluster serve ARGS` from the repository root, once it prints "serving": the process
     and that line. Fails the test with the process's last output if it never does."""
     env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pdcluster.cluster.cli", "serve", *args], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([sys.executable, "-m", "pdcluster.cluster.cli", "serve", *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     deadline = time.monotonic() + timeout_s
     lines = []

@@ -13,6 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
+
 from pdcluster.cluster import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -121,10 +122,10 @@ class FakeSamplingParams:
 
 @pytest.fixture
 def fake_engine(monkeypatch: pytest.MonkeyPatch) -> type[FakeLLM]:
-    module = types.ModuleType("engine")
+    module = types.ModuleType("pdcluster.engine")
     module.LLM = FakeLLM
     module.SamplingParams = FakeSamplingParams
-    monkeypatch.setitem(sys.modules, "engine", module)
+    monkeypatch.setitem(sys.modules, "pdcluster.engine", module)
     FakeLLM.calls = []
     return FakeLLM
 
@@ -163,7 +164,7 @@ def test_generate_config_error_is_one_line(
     def reject(**kwargs: object) -> None:
         raise ValueError("max_tokens must be >= 1")
 
-    monkeypatch.setattr(sys.modules["engine"], "SamplingParams", reject)
+    monkeypatch.setattr(sys.modules["pdcluster.engine"], "SamplingParams", reject)
     rc = cli.main(["generate", "--model", str(model_dir), "--prompt", "x", "--max-tokens", "0"])
     assert rc == 2
     assert capsys.readouterr().err.strip() == "pdcluster generate: error: max_tokens must be >= 1"
@@ -178,7 +179,7 @@ def test_make_tiny_model_wiring(monkeypatch: pytest.MonkeyPatch, capsys, tmp_pat
 
     module = types.ModuleType("pdcluster.engine.tiny_model")
     module.make_tiny_model = make_tiny_model
-    monkeypatch.setitem(sys.modules, "engine", types.ModuleType("engine"))
+    monkeypatch.setitem(sys.modules, "pdcluster.engine", types.ModuleType("pdcluster.engine"))
     monkeypatch.setitem(sys.modules, "pdcluster.engine.tiny_model", module)
     out = str(tmp_path / "m")
     assert cli.main(["make-tiny-model", out, "--arch", "qwen2", "--seed", "3"]) == 0

@@ -2,8 +2,13 @@
 
 Statically: every .py file of a room is parsed with `ast`, and each import (module level or
 lazy, including `importlib.import_module("x")` / `__import__("x")` with a literal name) is
-checked against the room's forbidden top-level names. At run time: a fresh interpreter imports
-the torch-free rooms and reports whether torch, ray or engine got loaded along the way.
+checked against the room's forbidden names: other rooms (`pdcluster.<room>`) and third-party
+top-level packages. At run time: a fresh interpreter imports the torch-free rooms and reports
+whether torch, ray or the engine got loaded along the way.
+
+Rooms are imported only through the `pdcluster` namespace: the folders sit at the repository's
+top level, so `import core` would also work from a checkout and load every module a second time
+under another name.
 """
 
 from __future__ import annotations
@@ -28,16 +33,27 @@ ROOMS = frozenset({
 CLIENT_MODULES = ("pdcluster.metadata_service.client", "pdcluster.metadata_service.publisher",
                   "pdcluster.metadata_service.errors")
 HEAVY = frozenset({"torch", "ray"})
-RUNTIME_FORBIDDEN = frozenset({"torch", "ray", "engine"})
+RUNTIME_FORBIDDEN = frozenset({"torch", "ray", "engine"})  # engine: pdcluster.engine
+
+
+def room_of(module: str) -> str | None:
+    """The room a dotted module name belongs to (`pdcluster.core.x` -> `core`), else None."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "pdcluster" and len(parts) > 1 else None
+
+
+def _forbidden_name(module: str) -> str:
+    """What a rule names: the room of a project module, the top-level name of any other."""
+    return room_of(module) or module.split(".")[0]
 
 
 def _all_rooms_but(*allowed: str) -> frozenset[str]:
     return ROOMS - set(allowed)
 
 
-# room -> top-level names it must never import (from the arrows in ARCHITECTURE.md). A room
-# importing itself is always fine. `cluster` and `benchmarks` are launchers: `benchmarks` is not
-# restricted here, `cluster` only kept from importing `benchmarks`.
+# room -> rooms and top-level packages it must never import (the arrows in ARCHITECTURE.md).
+# A room importing itself is always fine. `cluster` and `benchmarks` are launchers:
+# `benchmarks` is not restricted here, `cluster` only kept from importing `benchmarks`.
 FORBIDDEN: dict[str, frozenset[str]] = {
     "core": HEAVY | _all_rooms_but("core"),
     # The engine knows nothing of the node wire protocol or its sockets (node/ serves it).
@@ -78,12 +94,12 @@ def _is_dynamic_import(func: ast.expr) -> bool:
 
 
 def find_violations(source: str, filename: str, forbidden: frozenset[str]) -> list[str]:
-    """'file:line imports name' for each import of a forbidden top-level name."""
+    """'file:line imports name' for each import of a forbidden room or package."""
     tree = ast.parse(source, filename=filename)
     return [
         f"{filename}:{line} imports {name}"
         for line, name in _imported_names(tree)
-        if name.split(".")[0] in forbidden and not _is_client_module(name)
+        if _forbidden_name(name) in forbidden and not _is_client_module(name)
     ]
 
 
@@ -104,6 +120,30 @@ def test_room_imports_follow_the_architecture(room: str) -> None:
     assert not violations, "forbidden imports:\n" + "\n".join(violations)
 
 
+def bare_room_imports(source: str, filename: str) -> list[str]:
+    """'file:line imports name' for each import of a room outside the pdcluster namespace."""
+    return [f"{filename}:{line} imports {name}"
+            for line, name in _imported_names(ast.parse(source, filename=filename))
+            if name.split(".")[0] in ROOMS]
+
+
+def test_rooms_are_imported_through_the_namespace() -> None:
+    files = [p for room in sorted(ROOMS) for p in _room_files(room)]
+    files += sorted((REPO_ROOT / "tests").rglob("*.py"))
+    files += sorted((REPO_ROOT / "scripts").rglob("*.py"))
+    found = []
+    for path in files:
+        rel = str(path.relative_to(REPO_ROOT))
+        found += bare_room_imports(path.read_text(encoding="utf-8"), rel)
+    assert not found, "import these as pdcluster.<room>:\n" + "\n".join(found)
+
+
+def test_bare_room_check_catches_an_offender() -> None:
+    source = "import core.types\nfrom engine import LLM\nimport pdcluster.core\nimport corey\n"
+    assert bare_room_imports(source, "x.py") == ["x.py:1 imports core.types",
+                                                 "x.py:2 imports engine"]
+
+
 OFFENDING_SOURCE = textwrap.dedent("""
     import os
     import torch.nn as nn
@@ -122,7 +162,7 @@ def test_checker_flags_synthetic_offender() -> None:
     violations = find_violations(OFFENDING_SOURCE, "fake.py", FORBIDDEN["router"])
     assert violations == [
         "fake.py:3 imports torch.nn",
-        "fake.py:4 imports engine.model",
+        "fake.py:4 imports pdcluster.engine.model",
         "fake.py:9 imports ray",
         "fake.py:11 imports pdcluster.engine.sampler",
         "fake.py:11 imports torch",
@@ -130,20 +170,23 @@ def test_checker_flags_synthetic_offender() -> None:
 
 
 def test_checker_ignores_lookalikes_and_relative_imports() -> None:
-    source = "import torchvision\nimport pdcluster.core.types\nfrom .engine import x\nimport rayon\n"
-    assert find_violations(source, "ok.py", FORBIDDEN["core"] - {"core"}) == []
+    source = ("import torchvision\nimport pdcluster.core.types\nfrom .engine import x\n"
+              "import rayon\nimport engine_tools\n")
+    assert find_violations(source, "ok.py", FORBIDDEN["core"]) == []
 
 
 def test_core_may_not_import_other_rooms() -> None:
-    assert find_violations("from transfer import x\n", "c.py", FORBIDDEN["core"])
-    assert find_violations("import proto.foo_pb2\n", "c.py", FORBIDDEN["core"])
+    assert find_violations("from pdcluster.transfer import x\n", "c.py", FORBIDDEN["core"])
+    assert find_violations("import pdcluster.proto.foo_pb2\n", "c.py", FORBIDDEN["core"])
 
 
 def test_engine_may_not_import_ray_or_services() -> None:
     for name in ("ray", "router", "metadata_service", "transfer", "prefill_node",
                  "decode_node", "cluster"):
-        assert find_violations(f"import {name}\n", "e.py", FORBIDDEN["engine"]), name
-    assert find_violations("import torch\nimport core\n", "e.py", FORBIDDEN["engine"]) == []
+        module = name if name == "ray" else f"pdcluster.{name}"
+        assert find_violations(f"import {module}\n", "e.py", FORBIDDEN["engine"]), name
+    assert find_violations("import torch\nimport pdcluster.core\n", "e.py",
+                           FORBIDDEN["engine"]) == []
 
 
 def test_engine_may_not_import_zmq() -> None:
@@ -152,14 +195,7 @@ def test_engine_may_not_import_zmq() -> None:
 
 def _room_modules(room: str) -> list[str]:
     """The room's package plus every module in it, except `__main__` entry points."""
-    modules = [room]
-    for path in _room_files(room):
-        parts = path.relative_to(REPO_ROOT).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        if parts[-1] != "__main__" and len(parts) > 1:
-            modules.append(".".join(parts))
-    return modules
+    return [name for name in _module_files(room) if not name.endswith(".__main__")]
 
 
 def loaded_forbidden_modules(modules: list[str], cwd: Path = REPO_ROOT) -> list[str]:
@@ -168,7 +204,10 @@ def loaded_forbidden_modules(modules: list[str], cwd: Path = REPO_ROOT) -> list[
         "import importlib, sys\n"
         f"for name in {modules!r}:\n"
         "    importlib.import_module(name)\n"
-        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {set(RUNTIME_FORBIDDEN)!r}))\n"
+        "def name(m):\n"
+        "    parts = m.split('.')\n"
+        "    return parts[1] if parts[0] == 'pdcluster' and len(parts) > 1 else parts[0]\n"
+        f"print(sorted(m for m in sys.modules if name(m) in {set(RUNTIME_FORBIDDEN)!r}))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120
@@ -183,23 +222,24 @@ def test_torch_free_room_imports_no_torch(room: str) -> None:
 
 
 def test_cli_module_imports_no_torch() -> None:
-    assert loaded_forbidden_modules(["cluster", "pdcluster.cluster.cli"]) == []
+    assert loaded_forbidden_modules(["pdcluster.cluster", "pdcluster.cluster.cli"]) == []
 
 
 def test_runtime_check_catches_an_offender(tmp_path: Path) -> None:
-    (tmp_path / "engine").mkdir()
-    (tmp_path / "engine" / "__init__.py").write_text("")
-    (tmp_path / "offender.py").write_text("import engine\n")
-    assert loaded_forbidden_modules(["offender"], cwd=tmp_path) == ["engine"]
+    (tmp_path / "pdcluster" / "engine").mkdir(parents=True)
+    (tmp_path / "pdcluster" / "__init__.py").write_text("")
+    (tmp_path / "pdcluster" / "engine" / "__init__.py").write_text("")
+    (tmp_path / "offender.py").write_text("import pdcluster.engine\n")
+    assert loaded_forbidden_modules(["offender"], cwd=tmp_path) == ["pdcluster.engine"]
 
 
 def test_only_the_metadata_client_library_crosses_rooms() -> None:
     allowed = "from pdcluster.metadata_service.client import MetadataClient\n" \
               "import pdcluster.metadata_service.publisher\n"
     assert find_violations(allowed, "r.py", FORBIDDEN["router"]) == []
-    assert find_violations("from metadata_service.index import BlockIndex\n", "r.py",
+    assert find_violations("from pdcluster.metadata_service.index import BlockIndex\n", "r.py",
                            FORBIDDEN["router"])
-    assert find_violations("import metadata_service\n", "n.py", FORBIDDEN["node"])
+    assert find_violations("import pdcluster.metadata_service\n", "n.py", FORBIDDEN["node"])
 
 
 def test_the_metadata_client_library_does_not_load_the_service() -> None:
@@ -207,7 +247,7 @@ def test_the_metadata_client_library_does_not_load_the_service() -> None:
     code = ("import sys, pdcluster.metadata_service.client, pdcluster.metadata_service.publisher\n"
             "print(sorted(m for m in sys.modules if m.split('.')[-1] in "
             "{'server', 'service', 'index', 'store', 'etcd_store', 'etcd_watch'} "
-            "and m.startswith('metadata_service')))")
+            "and m.startswith('pdcluster.metadata_service')))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=120, check=True)
     assert proc.stdout.strip() == "[]", proc.stdout
@@ -215,15 +255,16 @@ def test_the_metadata_client_library_does_not_load_the_service() -> None:
 
 # ---- no import cycles ------------------------------------------------------------------------
 
-def _module_files() -> dict[str, Path]:
-    """Dotted module name -> file, for every module of every room."""
+def _module_files(*rooms: str) -> dict[str, Path]:
+    """Installed dotted module name (`pdcluster.core.x`) -> file, for every module of the rooms
+    (all of them when none is named)."""
     modules: dict[str, Path] = {}
-    for room in sorted(ROOMS):
+    for room in sorted(rooms or ROOMS):
         for path in _room_files(room):
             parts = path.relative_to(REPO_ROOT).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
-            modules[".".join(parts)] = path
+            modules[".".join(("pdcluster", *parts))] = path
     return modules
 
 

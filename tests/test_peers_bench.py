@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 
 import pytest
+
 from pdcluster.benchmarks import peers_bench
 from pdcluster.benchmarks.peers_workloads import PeerSizes
 

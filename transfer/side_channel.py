@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 
 import zmq
+
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.curve import secure_client, secure_server
 from pdcluster.core.kv_transfer import MAX_MESSAGE_BYTES, SideChannelMessage, decode, encode

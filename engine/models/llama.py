@@ -12,12 +12,13 @@ each); RMSNorm follows the reference formula (float32 statistics) so outputs mat
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from pdcluster.engine.attention import AttentionMetadata, paged_attention
 from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.model_config import ModelConfig
 from pdcluster.engine.models.moe import MLP, FusedLinear, SparseMoE
 from pdcluster.engine.models.rope import RotaryEmbedding
-from torch import nn
 
 
 class RMSNorm(nn.Module):

@@ -14,10 +14,11 @@ import re
 from pathlib import Path
 
 import torch
-from pdcluster.engine.model_config import ModelConfig
-from pdcluster.engine.models.registry import model_class
 from safetensors import safe_open
 from torch import nn
+
+from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 

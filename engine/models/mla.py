@@ -22,12 +22,13 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pdcluster.engine.attention import AttentionMetadata, PrefillChunk, _gather
 from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.model_config import ModelConfig
 from pdcluster.engine.models.llama import RMSNorm
 from pdcluster.engine.models.rope import RotaryEmbedding
-from torch import nn
 
 _LORA_NORM_EPS = 1e-6  # transformers builds q_a/kv_a_layernorm with the default eps
 

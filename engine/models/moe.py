@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pdcluster.engine.model_families import MoEConfig
 from torch import nn
+
+from pdcluster.engine.model_families import MoEConfig
 
 
 class FusedLinear(nn.Linear):

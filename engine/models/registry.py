@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib
 
-from pdcluster.engine.model_config import SUPPORTED_ARCHITECTURES
 from torch import nn
+
+from pdcluster.engine.model_config import SUPPORTED_ARCHITECTURES
 
 _IMPLEMENTATIONS = {
     "LlamaForCausalLM": "engine.models.llama:CausalLM",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from pdcluster.engine.model_config import RopeConfig
 
 

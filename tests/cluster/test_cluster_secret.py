@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pdcluster.cluster import launch
 from pdcluster.cluster.cli_services import _serve_secret
 from pdcluster.cluster.config import ClusterConfig
@@ -18,7 +19,6 @@ from pdcluster.cluster.ray_cluster import RayCluster
 from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, write_secret_file
 from pdcluster.node.actor import NodeActor
 from pdcluster.router.config import RouterConfig
-
 from tests.cluster_secret import TEST_SECRET
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,7 +106,8 @@ def test_configs_refuse_to_run_without_a_secret() -> None:
 def test_a_node_actor_takes_the_secret_as_hex_text_or_from_the_environment(
         no_secret_env, monkeypatch) -> None:
     seen = []
-    monkeypatch.setattr("pdcluster.node.actor.NodeRuntime", lambda config: seen.append(config) or _Started())
+    monkeypatch.setattr("pdcluster.node.actor.NodeRuntime",
+                        lambda config: seen.append(config) or _Started())
 
     class Prefill(NodeActor):
         role = "prefill"

@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 
 import pytest
+
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.ray_cluster import RayCluster
 from pdcluster.core.hashing import hash_block_tokens
@@ -25,7 +26,6 @@ from pdcluster.metadata_service.client import MetadataClient
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.policy import PolicyConfig
 from pdcluster.router.server import RouterApp
-
 from tests.models import random_prompts
 
 ray = pytest.importorskip("ray")

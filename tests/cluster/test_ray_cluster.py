@@ -8,13 +8,13 @@ import itertools
 import time
 
 import pytest
+
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.ray_cluster import RayCluster
 from pdcluster.core.hashing import hash_block_tokens
 from pdcluster.core.node_wire import GenerateRequest, PrefixSource, SamplingSpec, TransferSpec
 from pdcluster.metadata_service.client import MetadataClient
 from pdcluster.node.client import BlockingNodeClient, tokens_of
-
 from tests.cluster_secret import TEST_CURVE, TEST_SECRET
 from tests.models import random_prompts
 

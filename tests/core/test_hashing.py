@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pdcluster.core.hashing import (
     DEFAULT_HASH_CONFIG,
     NO_EXTRA,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+
 from pdcluster.core import kv_transfer, node_wire
 from pdcluster.core.kv_transfer import XferAbort, XferDone, XferRequest
 from pdcluster.core.node_wire import (

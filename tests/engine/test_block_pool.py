@@ -12,10 +12,10 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
 from pdcluster.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pdcluster.core.hashing import hash_block_tokens
 from pdcluster.engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-
 from tests.helpers import assert_pool_clean
 
 BLOCK_SIZE = 4

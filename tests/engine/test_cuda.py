@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from pdcluster.engine import LLM, SamplingParams
 
+from pdcluster.engine import LLM, SamplingParams
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 

@@ -9,7 +9,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pdcluster.engine import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-
 from tests.helpers import assert_pool_clean  # noqa: E402
 from tests.models import random_prompts  # noqa: E402
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from pdcluster.engine import LLM, SamplingParams
 from pdcluster.engine.gguf import (
     GGUFError,
@@ -19,7 +20,6 @@ from pdcluster.engine.gguf import (
     is_gguf,
     resolve_model,
 )
-
 from tests.real_model import MAX_TOKENS, chats, smollm2_gguf
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,8 +5,8 @@ chunked prefill (chunks ending mid-block), and preemption under a tiny KV pool."
 from __future__ import annotations
 
 import pytest
-from pdcluster.engine import LLM, SamplingParams
 
+from pdcluster.engine import LLM, SamplingParams
 from tests.helpers import assert_pool_clean
 from tests.models import MODEL_VARIANTS, random_prompts
 

@@ -14,7 +14,6 @@ torch = pytest.importorskip("torch")
 from pdcluster.engine import LLMEngine, SamplingParams  # noqa: E402
 from pdcluster.engine import sampler as sampler_module  # noqa: E402
 from pdcluster.engine.outputs import RequestOutput  # noqa: E402
-
 from tests.helpers import assert_pool_clean  # noqa: E402
 from tests.models import random_prompts  # noqa: E402
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from pdcluster.core.events import BlockRemoved, BlockStored
 from pdcluster.core.hashing import BlockExtra, hash_block_tokens
 from pdcluster.engine.block_pool import BlockPool
 from pdcluster.engine.kv_cache_manager import KVCacheManager
 from pdcluster.engine.request import Request
 from pdcluster.engine.sampling_params import SamplingParams
-
 from tests.helpers import assert_pool_clean
 
 BLOCK_SIZE = 4

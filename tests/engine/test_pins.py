@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from pdcluster.core.kv_connector import ConnectorResults, PrefixTokens, PullLookup, PullResult
 from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill
 from pdcluster.engine.block_pool import BlockPool
@@ -18,7 +19,6 @@ from pdcluster.engine.pins import OverloadedError, PinBudget
 from pdcluster.engine.request import RequestStatus
 from pdcluster.engine.scheduler import Scheduler, SchedulerConfig
 from pdcluster.transfer.connector_scheduler import ConnectorScheduler
-
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request
 from tests.engine.test_prefix_pulls import pulling
 from tests.engine.test_scheduler import run_all, step
@@ -156,7 +156,6 @@ def test_an_unclaimed_send_is_released_after_the_pin_timeout(model_dirs, hf_refe
     connector's own 5 s timeout, and a decode node asking after that recomputes."""
     from pdcluster.engine import SamplingParams
     from pdcluster.transfer.loopback import LoopbackFabric
-
     from tests.transfer.disagg import drive, idle, make_engine
 
     model = model_dirs["llama-gqa"]

@@ -5,6 +5,7 @@ scenario ends with a leak check of the pool."""
 from __future__ import annotations
 
 import pytest
+
 from pdcluster.core.kv_connector import ConnectorResults, PrefixTokens, PullLookup, PullResult
 from pdcluster.core.kv_transfer import PrefixPull, RemoteDecode
 from pdcluster.engine.block_pool import BlockPool
@@ -12,7 +13,6 @@ from pdcluster.engine.kv_cache_manager import KVCacheManager
 from pdcluster.engine.request import RequestStatus
 from pdcluster.engine.scheduler import Scheduler, SchedulerConfig
 from pdcluster.transfer.connector_scheduler import ConnectorScheduler
-
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request
 from tests.engine.test_scheduler import run_all, step
 from tests.helpers import assert_pool_clean

@@ -5,8 +5,8 @@ as one batch; and it answers a factual question. Skips when setup has not conver
 from __future__ import annotations
 
 import pytest
-from pdcluster.engine import SamplingParams
 
+from pdcluster.engine import SamplingParams
 from tests.helpers import assert_pool_clean
 from tests.real_model import MAX_TOKENS, QUESTIONS, chats
 

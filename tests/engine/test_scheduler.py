@@ -12,7 +12,6 @@ from pdcluster.engine.kv_cache_manager import KVCacheManager
 from pdcluster.engine.outputs import SampledToken
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler import Scheduler, SchedulerConfig
-
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, EOS, make_request
 from tests.helpers import assert_pool_clean
 

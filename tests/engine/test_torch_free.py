@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCH_FREE = ["pdcluster.engine.block_pool", "pdcluster.engine.kv_cache_manager", "pdcluster.engine.scheduler",
-              "pdcluster.engine.request", "pdcluster.engine.sampling_params", "pdcluster.engine.outputs",
-              "pdcluster.engine.model_config", "pdcluster.engine.config", "pdcluster.engine.prefix_pulls",
-              "pdcluster.engine.scheduler_output", "pdcluster.engine.pins", "pdcluster.engine.validation"]
+TORCH_FREE = [f"pdcluster.engine.{name}" for name in (
+    "block_pool", "kv_cache_manager", "scheduler", "request", "sampling_params", "outputs",
+    "model_config", "config", "prefix_pulls", "scheduler_output", "pins", "validation")]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

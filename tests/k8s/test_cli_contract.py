@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from pdcluster.cluster import cli
 
+from pdcluster.cluster import cli
 from tests.k8s.chart import (
     RELEASE,
     REPO_ROOT,
@@ -112,7 +112,7 @@ def test_launcher_module_takes_config() -> None:
     if importlib.util.find_spec("pdcluster.cluster.launch") is None:
         pytest.skip("pdcluster.cluster.launch is not built yet (issue 5): the chart runs "
                     "`python -m pdcluster.cluster.launch --config /etc/pdcluster/cluster.yaml`")
-    proc = subprocess.run([sys.executable, "-m", "pdcluster.cluster.launch", "--help"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pdcluster.cluster.launch", "--help"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--config" in proc.stdout

@@ -10,13 +10,13 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from pdcluster.cluster import cli
 from pdcluster.cluster.cli_services import metadata_tls_fields
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.launch import router_config
 from pdcluster.metadata_service.config import MetadataConfig
 from pdcluster.router.config import RouterConfig
-
 from tests.cluster_secret import TEST_SECRET
 from tests.k8s.chart import (
     CHART,

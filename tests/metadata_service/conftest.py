@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
 from pdcluster.metadata_service.client import MetadataClient
 from pdcluster.metadata_service.server import ServerThread
-
 from tests.metadata_service.helpers import EtcdProcess, make_config
 
 

@@ -8,9 +8,9 @@ import random
 import threading
 
 import pytest
+
 from pdcluster.metadata_service.client import MetadataClient
 from pdcluster.metadata_service.server import ServerThread
-
 from tests.metadata_service.helpers import make_chain, make_config, make_publisher
 
 POOL = make_chain("conc", 64)

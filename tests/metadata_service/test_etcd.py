@@ -7,7 +7,6 @@ import time
 from pdcluster.core.events import AllBlocksCleared
 from pdcluster.metadata_service.client import MetadataClient
 from pdcluster.metadata_service.server import ServerThread
-
 from tests.metadata_service.helpers import (
     EtcdProcess,
     FakeNode,

@@ -6,12 +6,12 @@ import asyncio
 import threading
 
 import pytest
+
 from pdcluster.metadata_service.client import AsyncMetadataClient, MetadataClient, make_node_info
 from pdcluster.metadata_service.errors import MetadataRequestError, MetadataUnavailable
 from pdcluster.metadata_service.publisher import AsyncNodePublisher, NodePublisher
 from pdcluster.metadata_service.server import ServerThread
 from pdcluster.proto import metadata_pb2 as pb
-
 from tests.metadata_service.helpers import (
     FakeNode,
     free_port,

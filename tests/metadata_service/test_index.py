@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pdcluster.core.block_index import BlockIndex
 
+from pdcluster.core.block_index import BlockIndex
 from tests.metadata_service.helpers import make_chain
 
 

@@ -14,12 +14,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
 from pdcluster.core.credentials import SERVICE, ClusterSecret, node_principal
 from pdcluster.core.tls import ClientTLS, TLSFileError
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.metadata_service.errors import MetadataAuthError, MetadataUnavailable
 from pdcluster.metadata_service.server import ServerThread
-
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import make_chain, make_config
 from tests.tls_certs import make_pki

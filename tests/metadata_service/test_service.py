@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from pdcluster.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pdcluster.metadata_service.client import make_node_info
 from pdcluster.metadata_service.errors import InvalidBatch
@@ -13,7 +14,6 @@ from pdcluster.metadata_service.events import encode_events
 from pdcluster.metadata_service.service import MetadataService, PublishStatus
 from pdcluster.metadata_service.store import IndexStore
 from pdcluster.proto import metadata_pb2 as pb
-
 from tests.metadata_service.helpers import make_chain, make_config
 
 CHAIN = make_chain("svc", 6)

@@ -10,13 +10,13 @@ import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pdcluster.core.block_index import BlockIndex
 from pdcluster.metadata_service.client import MetadataClient
 from pdcluster.metadata_service.server import ServerThread
 from pdcluster.metadata_service.watch import CHUNK_HASHES, SubscriberTooSlow, WatchedIndex
 from pdcluster.proto import metadata_pb2 as pb
 from pdcluster.proto import metadata_pb2_grpc as pb_grpc
-
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET
 from tests.metadata_service.helpers import make_chain, make_config, make_publisher
 
@@ -246,7 +246,6 @@ def test_a_replica_streams_what_it_learns_from_etcd(etcd) -> None:
     """The router follows replica b while the nodes publish to replica a: b's index changes
     through etcd's watch (remote deltas, bases), and b streams those changes too."""
     from pdcluster.router.metadata_link import MetadataLink
-
     from tests.metadata_service.helpers import wait_until
 
     def config(replica: str):

@@ -7,14 +7,15 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from pdcluster.core.hashing import hash_block_tokens
 from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
+from pdcluster.engine.config import EngineConfig
 from pdcluster.metadata_service.client import MetadataClient
 from pdcluster.metadata_service.server import ServerThread
 from pdcluster.node.client import BlockingNodeClient, tokens_of
 from pdcluster.node.config import NodeConfig
 from pdcluster.node.runtime import NodeRuntime
-
 from tests.cluster_secret import TEST_CURVE, TEST_SECRET
 from tests.helpers import assert_pool_clean
 from tests.metadata_service.helpers import make_config
@@ -32,8 +33,8 @@ def metadata():
 
 
 def start_node(model: str, node_id: str, role: str, metadata_address: str | None):
-    return NodeRuntime(NodeConfig(node_id=node_id, role=role, model=model,
-                                  engine_options=OPTIONS, metadata_address=metadata_address,
+    return NodeRuntime(NodeConfig(node_id=node_id, role=role, engine=EngineConfig(model, **OPTIONS),
+                                  metadata_address=metadata_address,
                                   lease_ttl_s=2, publish_interval_s=0.02,
                                   cluster_secret=TEST_SECRET)).start()
 
@@ -77,8 +78,9 @@ def test_nodes_register_serve_and_publish_their_blocks(model_dirs, hf_reference,
 
 
 def test_node_serves_without_a_reachable_metadata_service(model_dirs):
-    node = NodeRuntime(NodeConfig(node_id="lonely", role="decode", model=model_dirs["llama-gqa"],
-                                  engine_options=OPTIONS, metadata_address="127.0.0.1:1",
+    engine = EngineConfig(model_dirs["llama-gqa"], **OPTIONS)
+    node = NodeRuntime(NodeConfig(node_id="lonely", role="decode", engine=engine,
+                                  metadata_address="127.0.0.1:1",
                                   publish_interval_s=0.02, cluster_secret=TEST_SECRET))
     node.start(registration_timeout_s=0.5)
     wire = BlockingNodeClient(node.server.address, curve=TEST_CURVE)
@@ -92,17 +94,32 @@ def test_node_serves_without_a_reachable_metadata_service(model_dirs):
 
 
 def test_config_is_validated():
+    engine = EngineConfig("m")
     with pytest.raises(ValueError, match="role"):
-        NodeConfig(node_id="x", role="both", model="m", cluster_secret=TEST_SECRET)
+        NodeConfig(node_id="x", role="both", engine=engine, cluster_secret=TEST_SECRET)
     with pytest.raises(ValueError, match="node id"):
-        NodeConfig(node_id="bad id", role="prefill", model="m", cluster_secret=TEST_SECRET)
-    with pytest.raises(ValueError, match="engine_options"):
-        NodeConfig(node_id="x", role="prefill", model="m", engine_options={"model": "m"},
-                   cluster_secret=TEST_SECRET)
+        NodeConfig(node_id="bad id", role="prefill", engine=engine, cluster_secret=TEST_SECRET)
+    with pytest.raises(ValueError, match="EngineConfig"):
+        NodeConfig(node_id="x", role="prefill", engine={"model": "m"}, cluster_secret=TEST_SECRET)
+    assert NodeConfig(node_id="x", role="prefill", engine=engine,
+                      cluster_secret=TEST_SECRET).model == "m"
+
+
+def test_engine_options_from_the_launcher_are_checked_by_name():
+    """What crosses Ray as a dict becomes an EngineConfig at once; a misspelt option (or the
+    model given twice) is a ValueError naming it, not a TypeError deep in the node."""
+    assert EngineConfig.from_options("m", OPTIONS) == EngineConfig("m", **OPTIONS)
+    for bad in ({"num_kv_blockz": 4}, {"model": "other"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig.from_options("m", bad)
+    with pytest.raises(ValueError, match="block_size"):  # and the values are validated too
+        EngineConfig.from_options("m", {"block_size": 0})
 
 
 def test_a_node_without_the_cluster_secret_is_refused():
+    engine = EngineConfig("m")
     with pytest.raises(ValueError, match="cluster_secret"):
-        NodeConfig(node_id="x", role="prefill", model="m")
+        NodeConfig(node_id="x", role="prefill", engine=engine)
     with pytest.raises(ValueError, match="cluster_secret"):
-        NodeConfig(node_id="x", role="prefill", model="m", cluster_secret=TEST_SECRET.to_text())
+        NodeConfig(node_id="x", role="prefill", engine=engine,
+                   cluster_secret=TEST_SECRET.to_text())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from pdcluster.core.node_wire import (
     AbortRequest,
     GenerateRequest,
@@ -19,7 +20,6 @@ from pdcluster.core.node_wire import (
 from pdcluster.engine import LLMEngine
 from pdcluster.node.client import BlockingNodeClient, tokens_of
 from pdcluster.node.server import NodeServer
-
 from tests.cluster_secret import TEST_CURVE
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts

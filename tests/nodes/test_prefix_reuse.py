@@ -10,11 +10,11 @@ import socket
 import time
 
 import pytest
+
 from pdcluster.core.node_wire import GenerateRequest, PrefixSource, SamplingSpec, TransferSpec
 from pdcluster.decode_node.actor import DecodeNodeActor
 from pdcluster.node.client import BlockingNodeClient, tokens_of
 from pdcluster.prefill_node.actor import PrefillNodeActor
-
 from tests.cluster_secret import TEST_CURVE, TEST_SECRET
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from pdcluster.router.config import NodeSpec, RouterConfig
 from pdcluster.router.server import RouterApp
-
 from tests.cluster_secret import TEST_SECRET
 from tests.router.fake_node import FakeNode
 

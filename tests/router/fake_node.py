@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 import zmq
+
 from pdcluster.core.curve import secure_server, stop_authenticator
 from pdcluster.core.node_wire import (
     AbortRequest,
@@ -30,7 +31,6 @@ from pdcluster.core.node_wire import (
     decode,
     encode,
 )
-
 from tests.cluster_secret import TEST_CURVE
 
 

@@ -10,10 +10,10 @@ import time
 
 import openai
 import pytest
+
 from pdcluster.core.node_wire import GenerateRequest, RequestError, SamplingSpec
 from pdcluster.router.migration import continuation
 from pdcluster.router.policy import PolicyConfig
-
 from tests.router.conftest import SCRIPT
 from tests.router.fake_node import FakeNode
 

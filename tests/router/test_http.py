@@ -9,6 +9,7 @@ import time
 
 import openai
 import pytest
+
 from pdcluster.core.node_wire import GenerateRequest
 from pdcluster.router.policy import PolicyConfig
 

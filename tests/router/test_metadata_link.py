@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.metadata_service.publisher import NodePublisher
 from pdcluster.metadata_service.server import ServerThread
@@ -18,7 +19,6 @@ from pdcluster.router.config import RouterConfig
 from pdcluster.router.dispatch import Dispatcher
 from pdcluster.router.metadata_link import MetadataLink
 from pdcluster.router.metrics import RouterMetrics
-
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import (
     free_port,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from pdcluster.core.node_wire import LoadReport
 from pdcluster.router.config import NodeSpec
 from pdcluster.router.load_decay import DecayedWork

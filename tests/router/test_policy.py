@@ -7,6 +7,7 @@ import random
 from collections import Counter
 
 import pytest
+
 from pdcluster.router.errors import NoHealthyNode
 from pdcluster.router.load_decay import DecayedWork
 from pdcluster.router.policy import (

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pdcluster.core.block_index import BlockIndex
 from pdcluster.router.replay import (
     ReplayConfig,
@@ -19,7 +20,6 @@ from pdcluster.router.replay import (
     replay,
     replay_all,
 )
-
 from tests.router.synth_trace import synthetic_trace
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -27,8 +27,8 @@ SHARED_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.
 
 
 def run_replay(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "replay", *args, "--json"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "replay", *args,
+                           "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -102,6 +102,6 @@ def test_ideal_hit_ratio_counts_leading_blocks_only(tmp_path: Path) -> None:
 
 
 def test_missing_trace_is_a_usage_error() -> None:
-    proc = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "replay", "--trace", "/nope"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "replay", "--trace",
+                           "/nope"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

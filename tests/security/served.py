@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import openai
+
 from pdcluster.core.credentials import SERVICE, ClusterSecret
 from pdcluster.core.curve import secure_client
-
 from tests.serve_process import start_serve, stop_serve, wait_until_answering
 
 API_KEY = "sk-security-test"

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from pdcluster.core.credentials import (
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -34,7 +35,6 @@ from pdcluster.core.credentials import (
 )
 from pdcluster.proto import metadata_pb2 as pb
 from pdcluster.proto import metadata_pb2_grpc as pb_grpc
-
 from tests.metadata_service.helpers import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -29,8 +29,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, SERVICE, write_secret_file
 from pdcluster.core.tls import ClientTLS
+from pdcluster.engine.config import EngineConfig
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.metadata_service.errors import MetadataAuthError, MetadataUnavailable
 from pdcluster.metadata_service.publisher import NodePublisher
@@ -39,7 +41,6 @@ from pdcluster.node.runtime import metadata_client
 from pdcluster.proto import metadata_pb2 as pb
 from pdcluster.proto import metadata_pb2_grpc as pb_grpc
 from pdcluster.router.metadata_link import MetadataLink
-
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import FakeNode, free_port, make_chain, wait_until
 from tests.tls_certs import Pki, make_pki
@@ -90,7 +91,7 @@ def mtls_service(tmp_path_factory, pki) -> Iterator[Service]:
 def node_config(service: Service, node_id: str, *, client_cert: bool) -> NodeConfig:
     pki = service.pki
     cert = {"metadata_tls_cert": pki.client_cert, "metadata_tls_key": pki.client_key}
-    return NodeConfig(node_id=node_id, role="prefill", model="unused",
+    return NodeConfig(node_id=node_id, role="prefill", engine=EngineConfig("unused"),
                       metadata_address=service.address, cluster_secret=TEST_SECRET,
                       metadata_tls_ca=pki.ca, **(cert if client_cert else {}))
 
@@ -246,8 +247,8 @@ def test_node_runtime_registers_over_mtls(mtls_service, model_dirs) -> None:
     from pdcluster.node.runtime import NodeRuntime
 
     pki = mtls_service.pki
-    config = NodeConfig(node_id="d-runtime", role="decode", model=model_dirs["llama-gqa"],
-                        engine_options={"num_kv_blocks": 32, "block_size": 8},
+    engine = EngineConfig(model_dirs["llama-gqa"], num_kv_blocks=32, block_size=8)
+    config = NodeConfig(node_id="d-runtime", role="decode", engine=engine,
                         metadata_address=mtls_service.address, cluster_secret=TEST_SECRET,
                         lease_ttl_s=5, metadata_tls_ca=pki.ca, metadata_tls_cert=pki.client_cert,
                         metadata_tls_key=pki.client_key, metadata_tls_server_name="localhost")

@@ -16,6 +16,7 @@ import statistics
 import time
 
 import pytest
+
 from pdcluster.core.node_wire import (
     GenerateRequest,
     RequestError,
@@ -27,7 +28,6 @@ from pdcluster.engine import LLMEngine
 from pdcluster.node.client import BlockingNodeClient, tokens_of
 from pdcluster.node.server import NodeServer
 from pdcluster.transfer.loopback import LoopbackFabric
-
 from tests.cluster_secret import TEST_CURVE
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts

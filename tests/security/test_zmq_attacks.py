@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from pdcluster.core.credentials import ClusterSecret
 from pdcluster.core.kv_transfer import PrefixPullRequest, XferDone, XferRequest
 from pdcluster.core.kv_transfer import encode as encode_kv
 from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TokenDelta, TransferSpec, decode
 from pdcluster.core.node_wire import encode as encode_node
-
 from tests.security.served import API_KEY, BLOCK_SIZE, Memory, block_nbytes, dealer
 
 openai = pytest.importorskip("openai")

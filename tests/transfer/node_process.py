@@ -42,7 +42,6 @@ def _leaks(engine) -> str | None:
 def _handle(engine, conn, finished: dict, cmd: str, args: list) -> bool:
     """Run one command; False once the node should exit."""
     from pdcluster.engine import SamplingParams
-
     from tests.transfer.disagg import idle
 
     if cmd == "add":
@@ -66,7 +65,6 @@ def _handle(engine, conn, finished: dict, cmd: str, args: list) -> bool:
 
 def _serve(model_dir: str, conn, timeout_s: float) -> None:
     from pdcluster.transfer.transport import MooncakeTransport
-
     from tests.cluster_secret import TEST_CURVE
     from tests.transfer.disagg import make_engine
 

@@ -6,10 +6,10 @@ check on both engines after every scenario."""
 from __future__ import annotations
 
 import pytest
+
 from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill, XferDone, XferRequest
 from pdcluster.engine import SamplingParams
 from pdcluster.transfer.loopback import LoopbackFabric
-
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import FakeClock, drive, idle, make_engine, submit

@@ -9,11 +9,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from pdcluster.core.hashing import hash_block_tokens
 from pdcluster.core.kv_transfer import RemotePrefill
 from pdcluster.engine import SamplingParams
 from pdcluster.transfer.transport import MooncakeTransport
-
 from tests.cluster_secret import TEST_CURVE
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts

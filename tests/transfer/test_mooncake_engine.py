@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pdcluster.transfer import mooncake_bind, mooncake_engine
 from pdcluster.transfer.errors import TransferError, TransferTimeout
 from pdcluster.transfer.mooncake_engine import (

@@ -7,10 +7,10 @@ send to a decode node; a leak check of every pool after each scenario."""
 from __future__ import annotations
 
 import pytest
+
 from pdcluster.core.kv_transfer import PrefixPull, RemoteDecode, RemotePrefill
 from pdcluster.engine import SamplingParams
 from pdcluster.transfer.loopback import LoopbackFabric
-
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import FakeClock, drive, idle, make_engine

@@ -4,6 +4,7 @@ malformed requests rejected with `WireError` before any handler sees them."""
 from __future__ import annotations
 
 import pytest
+
 from pdcluster.core import kv_transfer
 from pdcluster.core.kv_transfer import PrefixPull, PrefixPullRequest
 from pdcluster.core.wire import WireError

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import msgpack
 import pytest
 import zmq
+
 from pdcluster.core.curve import secure_client
 from pdcluster.core.kv_transfer import (
     MAX_MESSAGE_BYTES,
@@ -28,7 +29,6 @@ from pdcluster.core.kv_transfer import (
 from pdcluster.transfer import side_channel
 from pdcluster.transfer.errors import TransferError
 from pdcluster.transfer.side_channel import SideChannelClient, SideChannelServer, _Throttle
-
 from tests.cluster_secret import TEST_CURVE
 
 pytestmark = pytest.mark.timeout(30)
