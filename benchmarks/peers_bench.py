@@ -39,6 +39,7 @@ from pdcluster.benchmarks.peers_workloads import QUICK, PeerSizes, make_workload
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_CACHE = ROOT / ".cache" / "peers"
 DEFAULT_MODEL = ROOT / ".cache" / "smollm2-135m-instruct"
+REAL_MODEL_ENV = "PDCLUSTER_REAL_MODEL"  # the same override as the real-model tests
 TORCH_PIN = "torch==2.13.0"
 _TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
@@ -68,7 +69,11 @@ def run(args: argparse.Namespace) -> dict:
     sizes = QUICK if args.quick else PeerSizes()
     if getattr(args, "repeats", None):
         sizes = dataclasses.replace(sizes, repeats=args.repeats)
-    model = str(getattr(args, "model", None) or DEFAULT_MODEL)
+    model = str(getattr(args, "model", None) or os.environ.get(REAL_MODEL_ENV) or DEFAULT_MODEL)
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(f"no model folder at {model}: pass --model, set "
+                                f"{REAL_MODEL_ENV}, or run scripts/setup.sh (it converts the real "
+                                "model into .cache)")
     peers = {"vllm": VLLM}
     if getattr(args, "llama_cpp", False) or getattr(args, "install_llama_cpp", False):
         peers["llamacpp"] = LLAMA_CPP
