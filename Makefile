@@ -16,7 +16,7 @@ MODEL ?= .cache/smollm2-135m-instruct
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup setup-serve run test lint bench peers bench-client clean distclean
+.PHONY: setup setup-serve run test lint bench peers bench-client bench-peers clean distclean
 
 setup:
 	bash scripts/setup.sh test
@@ -62,6 +62,11 @@ peers: .cache/peers/aiperf/bin/aiperf
 bench-client: setup-serve peers
 	$(PDCLUSTER) bench client --url http://127.0.0.1:$(PORT) --json \
 		--model $(notdir $(MODEL)) --tokenizer $(MODEL)
+
+# The engine against vLLM's CPU build (first run installs it into .cache/peers/vllm: ~3.4 GB)
+# and transformers, on $(MODEL). Not part of `bench` or `test`: it installs and takes minutes.
+bench-peers: setup-serve
+	$(PDCLUSTER) bench peers --json --model $(MODEL)
 
 clean:
 	rm -rf .cache build dist *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache

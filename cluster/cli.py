@@ -14,6 +14,7 @@ Subcommands:
   bench router              run the router-overhead benchmark (JSON last)
   bench curve               run the CURVE-cost benchmark (JSON last)
   bench client --url URL    load a served cluster with aiperf (JSON last)
+  bench peers               run the engine against vLLM (CPU), transformers, llama.cpp (JSON last)
   replay --trace FILE       replay a request trace through the routing policy (JSON last)
   replay --synthetic NAME   the same on a generated trace (router/trace_gen.py)
   trace-gen NAME --out FILE write a synthetic trace
@@ -75,6 +76,10 @@ BENCHMARKS = {
                "in its own environment) against a served cluster at --url: TTFT, inter-token "
                "latency, request latency and throughput, against the router's own figures "
                "for the same requests."),
+    "peers": ("peers_bench", "The engine against vLLM's CPU build (installed into its own venv "
+              "under .cache/peers on first use), transformers generate (one at a time and "
+              "batched) and optionally llama.cpp, on the real model and the same token ids, "
+              "with the machine's matmul and copy limits, in the same run."),
 }
 
 
@@ -160,8 +165,23 @@ def _client_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds the whole aiperf run may take")
 
 
+def _peers_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=2,
+                        help="CPU threads of every engine measured (and of the machine limits)")
+    parser.add_argument("--model", default=None,
+                        help="model folder (default: the real model, .cache/smollm2-135m-instruct)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="repeats per workload, medians reported (default 3; --quick 1)")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also run llama.cpp if its venv (.cache/peers/llamacpp) is installed")
+    parser.add_argument("--install-llama-cpp", action="store_true",
+                        help="build llama-cpp-python into its venv first if missing (a source "
+                        "build: tens of minutes on 2 cores)")
+
+
 _BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "metadata": _metadata_bench_args,
-                     "client": _client_bench_args, "trace": _trace_bench_args}
+                     "client": _client_bench_args, "trace": _trace_bench_args,
+                     "peers": _peers_bench_args}
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:

@@ -72,6 +72,9 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """4-D SDPA (torch's CPU flash kernel, GQA and the key mask included). Measured here against
+    two explicit matmuls per KV head group with an additive mask: those were 3-6x slower
+    (32 x 320 keys: 286 vs 49 ms per call on a loaded machine)."""
     keys = _gather(k_cache, meta.decode_block_table)
     values = _gather(v_cache, meta.decode_block_table)
     out = F.scaled_dot_product_attention(
@@ -81,7 +84,9 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
 
 
 def _prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float):
-    queries = q[chunk.start : chunk.end].transpose(0, 1)
+    """4-D `[1, heads, T, D]` inputs: torch's CPU flash kernel takes only 4-D ones (3-D falls
+    back to the math path, which builds the whole score matrix: ~8x slower at 2,048 tokens)."""
+    queries = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
     if chunk.mask is None:
         keys = k[chunk.start : chunk.end].transpose(0, 1)
         values = v[chunk.start : chunk.end].transpose(0, 1)
@@ -90,11 +95,11 @@ def _prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: fl
         values = _gather(v_cache, chunk.block_ids)[:, : chunk.context_len]
     out = F.scaled_dot_product_attention(
         queries,
-        keys,
-        values,
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
         attn_mask=chunk.mask,
         is_causal=chunk.mask is None,
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

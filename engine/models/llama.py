@@ -56,13 +56,19 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, positions, kv_cache: PagedKVCache, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k heads side by side: one RoPE pass (the same arithmetic per element).
+            qk = self.rope.rotate(positions, qkv[:, :qk_size].view(
+                -1, self.num_heads + self.num_kv_heads, self.head_dim))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].view(-1, self.num_kv_heads,
+                                                                 self.head_dim))
+            q, k = self.rope(positions, q, k)
         out = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 

@@ -91,14 +91,28 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        self._memo: tuple | None = None  # (positions, dtype, cos, sin) of the latest step
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D], positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, N, D] (any N heads: q and k side by side rotate in one call)."""
+        cos, sin = self._cos_sin(positions, x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """The step's `[T, 1, D]` tables, gathered once per positions tensor: every layer of a
+        step shares one positions tensor, so 29 of 30 layers skip the gather."""
+        memo = self._memo
+        if memo is None or memo[0] is not positions or memo[1] != dtype:
+            cos = self.cos[positions].unsqueeze(1).to(dtype)
+            sin = self.sin[positions].unsqueeze(1).to(dtype)
+            memo = self._memo = (positions, dtype, cos, sin)
+        return memo[2], memo[3]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
