@@ -13,6 +13,7 @@ Subcommands:
   bench serve               run the serving benchmark on a local Ray cluster (JSON last)
   bench router              run the router-overhead benchmark (JSON last)
   bench curve               run the CURVE-cost benchmark (JSON last)
+  bench trace --trace FILE  replay a trace live against a local cluster, per policy (JSON last)
   bench client --url URL    load a served cluster with aiperf (JSON last)
   bench peers               run the engine against vLLM (CPU), transformers, llama.cpp (JSON last)
   replay --trace FILE       replay a request trace through the routing policy (JSON last)
