@@ -84,6 +84,11 @@ def test_the_wheel_installs_one_namespace_with_generated_stubs(wheel: Path) -> N
     for stub in ("metadata_pb2.py", "metadata_pb2_grpc.py", "metadata.proto"):
         assert f"pdcluster/proto/{stub}" in names, stub
     assert not any(name.startswith("tests/") for name in names)
+    sources = {f"pdcluster/{path.relative_to(REPO_ROOT)}" for room in ROOMS
+               for path in (REPO_ROOT / room).rglob("*.py") if "__pycache__" not in path.parts
+               and not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))}
+    assert not sources - set(names), "modules missing from the wheel (pyproject.toml's " \
+        f"packages list): {sorted(sources - set(names))}"
 
 
 def test_every_module_imports_from_the_installed_wheel(installed: Path, wheel: Path,
