@@ -45,13 +45,13 @@ def _layer():
 def _decode_meta(batch: int, context: int):
     import torch
 
-    from pdcluster.engine.attention import AttentionMetadata
+    from pdcluster.engine.attention import AttentionMetadata, GatherWorkspace
 
     blocks = context // BLOCK
     table = torch.arange(batch * blocks).view(batch, blocks)
     mask = torch.ones(batch, 1, 1, blocks * BLOCK, dtype=torch.bool)
     slot_rows = table[:, -1] * BLOCK + BLOCK - 1  # one layer, one plane: row = block*bs + off
-    return AttentionMetadata(slot_rows, batch, table, mask, [])
+    return AttentionMetadata(slot_rows, batch, table, mask, [], GatherWorkspace())
 
 
 def _time(layer, cache, meta, batch: int, context: int, steps: int) -> dict[bool, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pdcluster.engine.attention import AttentionMetadata, PrefillChunk
+from pdcluster.engine.attention import AttentionMetadata, GatherWorkspace, PrefillChunk
 from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.models.llama import CausalLM
 from pdcluster.engine.outputs import StepResult
@@ -27,6 +27,7 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.device = device
         self.sampler = Sampler(device, seed)
+        self.workspace = GatherWorkspace()  # attention's gather buffers, reused every step
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[StepResult]:
@@ -83,6 +84,7 @@ class ModelRunner:
             decode_block_table=None,
             decode_mask=None,
             prefills=prefills,
+            workspace=self.workspace,
         )
         if decodes:
             meta.decode_block_table, meta.decode_mask = self._decode_tables(decodes)

@@ -17,6 +17,7 @@ from torch import nn
 from pdcluster.engine.attention import AttentionMetadata, paged_attention
 from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.linear import Linear
 from pdcluster.engine.models.moe import MLP, FusedLinear, SparseMoE
 from pdcluster.engine.models.rope import RotaryEmbedding
 
@@ -47,7 +48,7 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = FusedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
                                     bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
         self.rope = rope
         self.q_norm = self.k_norm = None
@@ -113,7 +114,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, self.attention_cls)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.engine.attention import AttentionMetadata, PrefillChunk, _gather
+from pdcluster.engine.attention import AttentionMetadata, GatherWorkspace, PrefillChunk
 from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.linear import Linear
 from pdcluster.engine.models.llama import RMSNorm
 from pdcluster.engine.models.rope import RotaryEmbedding
 
@@ -53,17 +54,17 @@ class MLAttention(nn.Module):
         self.interleaved = m.rope_interleave
         qk_dim = self.nope + self.rope_dim
         if m.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, self.num_heads * qk_dim, bias=False)
+            self.q_proj = Linear(hidden, self.num_heads * qk_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, m.q_lora_rank, bias=m.attention_bias)
+            self.q_a_proj = Linear(hidden, m.q_lora_rank, bias=m.attention_bias)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, _LORA_NORM_EPS)
-            self.q_b_proj = nn.Linear(m.q_lora_rank, self.num_heads * qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope_dim,
+            self.q_b_proj = Linear(m.q_lora_rank, self.num_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope_dim,
                                             bias=m.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.rank, _LORA_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.rank, self.num_heads * (self.nope + self.v_dim),
+        self.kv_b_proj = Linear(self.rank, self.num_heads * (self.nope + self.v_dim),
                                    bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=m.attention_bias)
+        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=m.attention_bias)
         self.scale = softmax_scale(cfg)
         self.absorb_decode = True
 
@@ -77,7 +78,8 @@ class MLAttention(nn.Module):
             decode = self._decode_absorbed if self.absorb_decode else self._decode_expanded
             out[:n] = decode(q_nope[:n], q_pe[:n], cache, meta)
         for chunk in meta.prefills:
-            out[chunk.start : chunk.end] = self._prefill(q_nope, q_pe, entry, cache, chunk)
+            out[chunk.start : chunk.end] = self._prefill(q_nope, q_pe, entry, cache, chunk,
+                                                         meta.workspace)
         return self.o_proj(out.flatten(1))
 
     def _project(self, x, positions):
@@ -107,20 +109,23 @@ class MLAttention(nn.Module):
         keys = torch.cat([k_nope, k_pe], dim=-1)
         return keys.transpose(-3, -2), values.transpose(-3, -2)
 
-    def _prefill(self, q_nope, q_pe, entry, cache, chunk: PrefillChunk) -> torch.Tensor:
+    def _prefill(self, q_nope, q_pe, entry, cache, chunk: PrefillChunk,
+                 workspace: GatherWorkspace) -> torch.Tensor:
         s, e = chunk.start, chunk.end
         queries = torch.cat([q_nope[s:e], q_pe[s:e]], dim=-1).transpose(0, 1)
         if chunk.mask is None:
             entries = entry[s:e]
         else:
-            entries = _gather(cache, chunk.block_ids)[0, : chunk.context_len]
+            entries = workspace.gather(cache, chunk.block_ids, GatherWorkspace.KEYS)
+            entries = entries[0, : chunk.context_len]
         keys, values = self._expand(entries)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask,
                                              is_causal=chunk.mask is None, scale=self.scale)
         return out.transpose(0, 1)
 
     def _decode_expanded(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
-        keys, values = self._expand(_gather(cache, meta.decode_block_table).squeeze(1))
+        entries = meta.workspace.gather(cache, meta.decode_block_table, GatherWorkspace.KEYS)
+        keys, values = self._expand(entries.squeeze(1))
         queries = torch.cat([q_nope, q_pe], dim=-1).unsqueeze(2)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask,
                                              scale=self.scale)
@@ -133,7 +138,8 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
         queries = torch.cat([q_latent, q_pe], dim=-1)  # [B, H, rank+rope]
-        entries = _gather(cache, meta.decode_block_table).squeeze(1)  # [B, L, rank+rope]
+        entries = meta.workspace.gather(cache, meta.decode_block_table, GatherWorkspace.KEYS)
+        entries = entries.squeeze(1)  # [B, L, rank+rope]
         scores = torch.matmul(queries, entries.transpose(1, 2)) * self.scale  # [B, H, L]
         scores = scores.masked_fill(~meta.decode_mask[:, 0], float("-inf"))
         out = torch.matmul(scores.softmax(-1), entries[..., : self.rank])  # [B, H, rank]

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdcluster.engine.model_families import MoEConfig
+from pdcluster.engine.models.linear import Linear, linear
 
 
-class FusedLinear(nn.Linear):
+class FusedLinear(Linear):
     """A Linear whose output rows are several checkpoint weights side by side; the loader
     fills shard i at rows `sum(shard_sizes[:i])` onward."""
 
@@ -37,7 +38,7 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = FusedLinear(hidden, [intermediate] * 2, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -104,8 +105,8 @@ class Experts(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 rows = grouped[start : start + count]
-                gate, up = F.linear(rows, self.w13[expert]).split(self.intermediate, dim=-1)
-                outputs.append(F.linear(F.silu(gate) * up, self.w2[expert]))
+                gate, up = linear(rows, self.w13[expert]).split(self.intermediate, dim=-1)
+                outputs.append(linear(F.silu(gate) * up, self.w2[expert]))
                 start += count
         routed = torch.cat(outputs) * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token_of, routed)
