@@ -39,6 +39,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 intermediate: int) -> torch.Tensor:
+    """SwiGLU's `silu(x @ gate.T) * (x @ up.T)`, gate and up stacked in `weight` `[2I, H]`.
+    With oneDNN both elementwise ops ride the GEMMs' epilogues (swish after the gate GEMM,
+    a multiply by it after the up GEMM), so no `[T, I]` tensor is read back to apply them."""
+    if _ONEDNN and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES:
+        gate_bias, up_bias = (None, None) if bias is None else bias.split(intermediate)
+        gate = torch.ops.mkldnn._linear_pointwise(x, weight[:intermediate], gate_bias, "swish",
+                                                  [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, weight[intermediate:],
+                                                         up_bias, "mul")
+    gate, up = F.linear(x, weight, bias).split(intermediate, dim=-1)
+    return F.silu(gate) * up
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same checkpoint names) computed by `linear`."""
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdcluster.engine.model_families import MoEConfig
-from pdcluster.engine.models.linear import Linear, linear
+from pdcluster.engine.models.linear import Linear, linear, silu_and_mul
 
 
 class FusedLinear(Linear):
@@ -41,8 +41,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        proj = self.gate_up_proj
+        return self.down_proj(silu_and_mul(x, proj.weight, proj.bias, self.intermediate))
 
 
 class Router(nn.Module):
@@ -105,8 +105,8 @@ class Experts(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 rows = grouped[start : start + count]
-                gate, up = linear(rows, self.w13[expert]).split(self.intermediate, dim=-1)
-                outputs.append(linear(F.silu(gate) * up, self.w2[expert]))
+                hidden = silu_and_mul(rows, self.w13[expert], None, self.intermediate)
+                outputs.append(linear(hidden, self.w2[expert]))
                 start += count
         routed = torch.cat(outputs) * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token_of, routed)
