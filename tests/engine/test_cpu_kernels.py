@@ -1,0 +1,127 @@
+"""The engine's CPU fast paths against their plain-torch definitions: oneDNN linears and the
+SwiGLU epilogues (engine/models/linear.py), and attention's reused gather buffers
+(engine/attention.py). The exact-greedy tests (test_hf_parity.py, test_real_model.py) check
+the same paths end to end against transformers."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+from pdcluster.engine.attention import GatherWorkspace  # noqa: E402
+from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
+from pdcluster.engine.models import linear as linear_mod  # noqa: E402
+from pdcluster.engine.models.linear import Linear, linear, silu_and_mul  # noqa: E402
+
+onednn = pytest.mark.skipif(not linear_mod._ONEDNN, reason="torch built without oneDNN")
+
+
+@pytest.fixture(params=[True, False], ids=["onednn", "f_linear"])
+def backend(request, monkeypatch):
+    """Run a test on the oneDNN path and on the F.linear fallback (CUDA, or no oneDNN)."""
+    if request.param and not linear_mod._ONEDNN:
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr(linear_mod, "_ONEDNN", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("shape", [(5, 48), (2, 3, 48), (0, 48), (1, 48)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_f_linear(backend, shape, bias) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen)
+    w = torch.randn(40, 48, generator=gen)
+    b = torch.randn(40, generator=gen) if bias else None
+    got = linear(x, w, b)
+    assert got.shape == (*shape[:-1], 40)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_takes_strided_inputs(backend) -> None:
+    """Attention hands o_proj a reshaped view and MLA slices fused projections."""
+    x = torch.randn(6, 96)[:, ::2]
+    w = torch.randn(48, 40).t()  # a transposed view, not contiguous
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_module_keeps_nn_linear_parameters() -> None:
+    layer = Linear(8, 4, bias=True)
+    assert isinstance(layer, torch.nn.Linear)
+    assert set(dict(layer.named_parameters())) == {"weight", "bias"}
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_silu_and_mul_is_swiglu(backend, rows, bias) -> None:
+    gen = torch.Generator().manual_seed(1)
+    hidden, inter = 32, 24
+    x = torch.randn(rows, hidden, generator=gen)
+    w = torch.randn(2 * inter, hidden, generator=gen) / hidden**0.5
+    b = torch.randn(2 * inter, generator=gen) if bias else None
+    gate, up = F.linear(x, w, b).split(inter, dim=-1)
+    torch.testing.assert_close(silu_and_mul(x, w, b, inter), F.silu(gate) * up,
+                               rtol=1e-5, atol=1e-6)
+
+
+@onednn
+def test_onednn_path_is_taken(monkeypatch) -> None:
+    """The fast path really runs on CPU float32 (a silent fallback would pass the tests
+    above and lose the speed)."""
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:
+        def __call__(self, *args):
+            calls.append(args[3])
+            return real(*args)
+
+        binary = real.binary
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Spy())
+    linear(torch.randn(2, 8), torch.randn(4, 8))
+    silu_and_mul(torch.randn(2, 8), torch.randn(6, 8), None, 3)
+    assert calls == ["none", "swish"]
+
+
+def _cache() -> PagedKVCache:
+    spec = KVCacheSpec(num_blocks=6, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
+                       dtype_nbytes=4)
+    cache = PagedKVCache(spec, torch.float32, torch.device("cpu"))
+    cache.tensor.copy_(torch.randn(cache.tensor.shape))
+    return cache
+
+
+def _reference(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[..., n] -> [..., Hkv, n * bs, D] by plain indexing."""
+    blocks = cache[block_ids]  # [..., n, bs, Hkv, D]
+    return blocks.flatten(-4, -3).transpose(-3, -2)
+
+
+def test_gather_matches_indexing_and_reuses_its_buffer() -> None:
+    cache = _cache()
+    keys, values = cache.layer_kv(1)
+    workspace = GatherWorkspace()
+    table = torch.tensor([[3, 1, 5], [0, 2, 2]])
+    got_k = workspace.gather(keys, table, GatherWorkspace.KEYS)
+    got_v = workspace.gather(values, table, GatherWorkspace.VALUES)
+    assert torch.equal(got_k, _reference(keys, table))
+    assert torch.equal(got_v, _reference(values, table))  # keys were not overwritten by values
+    assert torch.equal(got_k, _reference(keys, table))
+    first = got_k.data_ptr()
+    smaller = workspace.gather(keys, torch.tensor([4, 0]), GatherWorkspace.KEYS)
+    assert smaller.data_ptr() == first  # the same memory: no fresh allocation per gather
+    assert torch.equal(smaller, _reference(keys, torch.tensor([4, 0])))
+
+
+def test_gather_grows_for_a_larger_batch() -> None:
+    cache = _cache()
+    keys, _ = cache.layer_kv(0)
+    workspace = GatherWorkspace()
+    workspace.gather(keys, torch.tensor([1]), GatherWorkspace.KEYS)
+    table = torch.tensor([[0, 1, 2, 3, 4, 5]] * 3)
+    assert torch.equal(workspace.gather(keys, table, GatherWorkspace.KEYS),
+                       _reference(keys, table))
