@@ -4,7 +4,11 @@ A step's tokens are laid out decode-first: the first `num_decodes` tokens are on
 from sequences in decode, then each prefill chunk's tokens in turn. Per layer, new keys and
 values are written into their cache slots first (`PagedKVCache.write`), then:
 - all decode queries run as one batched SDPA call over their gathered block tables, padded to
-  the longest context with a key mask;
+  the longest context with a key mask. When every decode sequence starts with the same cached
+  blocks (a shared system prompt, W4 of `bench peers`), attention is split in two ("cascade"):
+  all queries attend to the shared blocks at once, gathered and read once instead of once per
+  sequence, each sequence attends to its own remaining blocks, and the two partial results
+  are merged through their log-sum-exps (the same softmax, summed in another order);
 - each prefill chunk attends to its context through its block table. A chunk that starts at
   position 0 uses its own keys with a plain causal mask; a chunk after a cached prefix or an
   earlier chunk gets an explicit mask `key_pos <= query_pos` so chunk boundaries (even
@@ -42,7 +46,7 @@ class GatherWorkspace:
     are alive together; the next layer's gathers overwrite them). A buffer grows to the
     largest gather seen and is never shrunk: its size is bounded by the largest batch."""
 
-    KEYS, VALUES = 0, 1
+    KEYS, VALUES, SHARED_KEYS, SHARED_VALUES = 0, 1, 2, 3
 
     def __init__(self) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
@@ -65,6 +69,15 @@ class GatherWorkspace:
 
 
 @dataclass(slots=True)
+class CascadeTables:
+    """Decode attention split at the blocks every decode sequence shares (see the module doc)."""
+
+    shared_block_ids: torch.Tensor  # [n_shared] the leading blocks of every decode's table
+    block_table: torch.Tensor  # [num_decodes, max_blocks - n_shared] the rest of each table
+    bias: torch.Tensor  # [num_decodes, 1, 1, keys] additive key mask (0 or -inf), query dtype
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_rows: torch.Tensor  # [T] each new token's cache slot, see PagedKVCache.slot_rows
     num_decodes: int
@@ -72,6 +85,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
     workspace: GatherWorkspace
+    cascade: CascadeTables | None = None  # set when decodes share leading blocks
 
 
 def paged_attention(
@@ -98,6 +112,13 @@ def paged_attention(
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if meta.cascade is not None:
+        return _cascade_decode_attention(q, k_cache, v_cache, meta, scale)
+    return _batched_decode_attention(q, k_cache, v_cache, meta, scale)
+
+
+def _batched_decode_attention(q, k_cache, v_cache, meta: AttentionMetadata,
+                              scale: float) -> torch.Tensor:
     """4-D SDPA (torch's CPU flash kernel, GQA and the key mask included). Measured here against
     two explicit matmuls per KV head group with an additive mask: those were 3-6x slower
     (32 x 320 keys: 286 vs 49 ms per call on a loaded machine)."""
@@ -108,6 +129,48 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
         q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
     )
     return out.squeeze(2)
+
+
+def _cascade_decode_attention(q, k_cache, v_cache, meta: AttentionMetadata,
+                              scale: float) -> torch.Tensor:
+    """q [n, H, D]. The query heads of one KV head are rows of one matrix (no GQA expansion):
+    against the shared blocks all n sequences' rows form one `[1, Hkv, n * G, D]` query, so
+    those keys are read once for the batch; against each sequence's own blocks, `[n, Hkv, G,
+    D]`. Measured on W4's decode (32 sequences, 1,024 shared + ~300 own tokens): see
+    docs/engine.md."""
+    cascade, gather = meta.cascade, meta.workspace.gather
+    n, heads, dim = q.shape
+    kv_heads = k_cache.shape[-2]
+    rows = q.view(n, kv_heads, heads // kv_heads, dim)  # [n, Hkv, G, D]
+    shared_k = gather(k_cache, cascade.shared_block_ids, GatherWorkspace.SHARED_KEYS)
+    shared_v = gather(v_cache, cascade.shared_block_ids, GatherWorkspace.SHARED_VALUES)
+    batch_rows = rows.permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim)  # [1, Hkv, n*G, D]
+    out_shared, lse_shared = _attend(batch_rows, shared_k.unsqueeze(0), shared_v.unsqueeze(0),
+                                     None, scale)
+    out_shared = out_shared.view(kv_heads, n, -1, dim).transpose(0, 1)  # [n, Hkv, G, D]
+    lse_shared = lse_shared.view(kv_heads, n, -1).transpose(0, 1)  # [n, Hkv, G]
+    own_k = gather(k_cache, cascade.block_table, GatherWorkspace.KEYS)
+    own_v = gather(v_cache, cascade.block_table, GatherWorkspace.VALUES)
+    out_own, lse_own = _attend(rows, own_k, own_v, cascade.bias, scale)
+    total = torch.logaddexp(lse_shared, lse_own)
+    out = (out_shared * torch.exp(lse_shared - total).unsqueeze(-1)
+           + out_own * torch.exp(lse_own - total).unsqueeze(-1))
+    return out.reshape(n, heads, dim).to(q.dtype)
+
+
+def _attend(q, k, v, bias: torch.Tensor | None, scale: float):
+    """Attention `[B, h, R, D]` over `[B, h, S, D]` keys, and each row's log-sum-exp of its
+    scores `[B, h, R]` (what merging two partial attentions needs). CPU: torch's flash
+    kernel, which returns it; elsewhere the same math in two matmuls."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if bias is not None:
+        scores = scores + bias
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
+    return torch.matmul(probs, v), lse
 
 
 def _prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float,

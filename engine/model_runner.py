@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import torch
 
-from pdcluster.engine.attention import AttentionMetadata, GatherWorkspace, PrefillChunk
+from pdcluster.engine.attention import (
+    AttentionMetadata,
+    CascadeTables,
+    GatherWorkspace,
+    PrefillChunk,
+)
 from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.models.llama import CausalLM
 from pdcluster.engine.outputs import StepResult
 from pdcluster.engine.sampler import Sampler
 from pdcluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pdcluster.engine.spec_decode.rejection import verify_chunks
+
+# Decode attention splits at the blocks all decodes share (engine/attention.py) from this many
+# on: below it the second attention call and the merge cost about what the shared read saves.
+MIN_SHARED_BLOCKS = 4
 
 
 class ModelRunner:
@@ -87,7 +96,7 @@ class ModelRunner:
             workspace=self.workspace,
         )
         if decodes:
-            meta.decode_block_table, meta.decode_mask = self._decode_tables(decodes)
+            meta.decode_block_table, meta.decode_mask, meta.cascade = self._decode_tables(decodes)
         input_ids = torch.tensor(ids, device=self.device)
         return input_ids, positions.to(self.device), meta, last_rows
 
@@ -108,4 +117,22 @@ class ModelRunner:
             table[row, :n] = torch.tensor(it.block_ids[:n])
         lens = torch.tensor(context_lens)
         mask = torch.arange(max_blocks * bs)[None, :] < lens[:, None]
-        return table.to(self.device), mask[:, None, None, :].to(self.device)
+        return (table.to(self.device), mask[:, None, None, :].to(self.device),
+                self._cascade(table, lens))
+
+    def _cascade(self, table: torch.Tensor, lens: torch.Tensor) -> CascadeTables | None:
+        """The decode batch split at its leading blocks common to every sequence (only blocks
+        that every context covers whole), or None when fewer than MIN_SHARED_BLOCKS."""
+        bs = self.block_size
+        if table.shape[0] < 2:
+            return None
+        same = (table == table[0]).all(dim=0).long()
+        shared = min(int(same.cumprod(0).sum()), int(lens.min()) // bs)
+        if shared < MIN_SHARED_BLOCKS:
+            return None
+        rest = table[:, shared:]
+        own = torch.arange(rest.shape[1] * bs)[None, :] < (lens - shared * bs)[:, None]
+        bias = torch.zeros(own.shape, dtype=self.kv_cache.tensor.dtype)
+        bias.masked_fill_(~own, float("-inf"))
+        return CascadeTables(table[0, :shared].to(self.device), rest.to(self.device),
+                             bias[:, None, None, :].to(self.device))

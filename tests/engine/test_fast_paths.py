@@ -15,6 +15,7 @@ from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from pdcluster.engine.models import linear as linear_mod  # noqa: E402
 from pdcluster.engine.models.linear import Linear, linear, silu_and_mul  # noqa: E402
 
+CPU = torch.device("cpu")
 onednn = pytest.mark.skipif(not linear_mod._ONEDNN, reason="torch built without oneDNN")
 
 
@@ -125,3 +126,100 @@ def test_gather_grows_for_a_larger_batch() -> None:
     table = torch.tensor([[0, 1, 2, 3, 4, 5]] * 3)
     assert torch.equal(workspace.gather(keys, table, GatherWorkspace.KEYS),
                        _reference(keys, table))
+
+
+# ---- cascade decode attention (shared leading blocks read once for the batch) ---------------
+
+
+def _decode_meta(cache: PagedKVCache, tables: list[list[int]], lens: list[int],
+                 runner_cascade: bool):
+    """Attention metadata for one decode token per table, built by the model runner's own
+    table code (with or without the cascade split)."""
+    from pdcluster.engine.attention import AttentionMetadata
+    from pdcluster.engine.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)  # only the table helpers: no model needed
+    runner.block_size, runner.kv_cache, runner.device = cache.spec.block_size, cache, CPU
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    lens_t = torch.tensor(lens)
+    mask = torch.arange(width * cache.spec.block_size)[None, :] < lens_t[:, None]
+    cascade = runner._cascade(table, lens_t) if runner_cascade else None
+    return AttentionMetadata(torch.zeros(len(tables), dtype=torch.long), len(tables), table,
+                             mask[:, None, None, :], [], GatherWorkspace(), cascade)
+
+
+
+def _big_cache(num_blocks=24, block_size=4, kv_heads=2, head_dim=16) -> PagedKVCache:
+    spec = KVCacheSpec(num_blocks, 1, block_size, kv_heads, head_dim, 4)
+    cache = PagedKVCache(spec, torch.float32, CPU)
+    cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=torch.Generator().manual_seed(2)))
+    return cache
+
+
+def test_cascade_equals_one_batched_softmax() -> None:
+    from pdcluster.engine import attention
+
+    cache = _big_cache()
+    shared = [3, 7, 1, 9, 4]
+    tables = [shared + [10, 11], shared + [12], shared + [13, 14, 15]]
+    lens = [26, 21, 31]  # every context covers the 5 shared blocks (20 tokens) whole
+    plain = _decode_meta(cache, tables, lens, runner_cascade=False)
+    split = _decode_meta(cache, tables, lens, runner_cascade=True)
+    assert split.cascade is not None
+    assert split.cascade.shared_block_ids.tolist() == shared
+    q = torch.randn(3, 6, 16)  # 6 query heads over 2 KV heads
+    k_cache, v_cache = cache.layer_kv(0)
+    want = attention._batched_decode_attention(q, k_cache, v_cache, plain, 0.25)
+    got = attention._cascade_decode_attention(q, k_cache, v_cache, split, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the non-CPU path (two matmuls and an explicit log-sum-exp) computes the same thing
+    rows, own_k = q.view(3, 2, 3, 16), split.workspace.gather(k_cache, split.cascade.block_table, 0)
+    own_v = split.workspace.gather(v_cache, split.cascade.block_table, 1)
+    cpu_out, cpu_lse = attention._attend(rows, own_k, own_v, split.cascade.bias, 0.25)
+    scores = torch.matmul(rows, own_k.transpose(-1, -2)) * 0.25 + split.cascade.bias
+    torch.testing.assert_close(cpu_lse, torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_out, torch.matmul(scores.softmax(-1), own_v),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tables, lens, shared", [
+    ([[1, 2, 3, 4, 5]], [20], None),  # one sequence: nothing to share
+    ([[1, 2, 3, 5], [1, 2, 3, 6]], [16, 16], None),  # 3 shared blocks: below the minimum
+    ([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]], [18, 19], [1, 2, 3, 4]),
+    # block 5 is in both tables but the first context ends inside it: not shared
+    ([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 7]], [17, 23], [1, 2, 3, 4]),
+    ([[1, 2, 3, 4, 5], [1, 9, 3, 4, 5]], [20, 20], None),  # differs at block 2
+])
+def test_cascade_takes_only_blocks_every_context_covers(tables, lens, shared) -> None:
+    from pdcluster.engine.model_runner import MIN_SHARED_BLOCKS
+
+    assert MIN_SHARED_BLOCKS == 4  # the cases above are written for it
+    meta = _decode_meta(_big_cache(), tables, lens, runner_cascade=True)
+    got = None if meta.cascade is None else meta.cascade.shared_block_ids.tolist()
+    assert got == shared
+    if shared:
+        own = meta.cascade.bias[:, 0, 0] == 0
+        assert own.sum(1).tolist() == [n - 4 * len(shared) for n in lens]
+
+
+def test_decodes_sharing_a_prompt_prefix_match_transformers(model_dirs, hf_reference,
+                                                            monkeypatch) -> None:
+    """End to end: decodes behind a shared cached prefix take the cascade path, and their
+    greedy tokens still equal transformers'."""
+    from pdcluster.engine import LLM, SamplingParams, attention
+    from tests.models import random_prompts
+
+    calls = []
+    real = attention._cascade_decode_attention
+    monkeypatch.setattr(attention, "_cascade_decode_attention",
+                        lambda *a: calls.append(1) or real(*a))
+    model = model_dirs["llama-gqa"]
+    llm = LLM(model, num_kv_blocks=128, block_size=4)
+    prefix = random_prompts(1, 40, 40, seed=7)[0]
+    prompts = [prefix + tail for tail in random_prompts(4, 1, 9, seed=8)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert calls, "the shared prefix did not take the cascade path"
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_reference(model, prompt, 10)
