@@ -165,6 +165,11 @@ def _attend(q, k, v, bias: torch.Tensor | None, scale: float):
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    return _attend_matmul(q, k, v, bias, scale)
+
+
+def _attend_matmul(q, k, v, bias: torch.Tensor | None, scale: float):
+    """`_attend` off the CPU: scores in float32, then the normalised probabilities."""
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if bias is not None:
         scores = scores + bias

@@ -30,3 +30,21 @@ def test_cuda_bfloat16_generates(model_dirs):
                                        ignore_eos=True))
     assert all(len(o.token_ids) == 8 for o in outs)
     assert_pool_clean(llm.engine.block_pool)
+
+
+def test_cuda_shared_prefix_decodes_take_the_cascade_and_match(model_dirs, hf_reference,
+                                                                monkeypatch):
+    """The cascade split (engine/attention.py) off the CPU runs `_attend_matmul`."""
+    from pdcluster.engine import attention
+
+    calls = []
+    real = attention._attend_matmul
+    monkeypatch.setattr(attention, "_attend_matmul", lambda *a: calls.append(1) or real(*a))
+    llm = LLM(model_dirs["llama-gqa"], device="cuda", dtype="float32", num_kv_blocks=128,
+              block_size=4)
+    prefix = random_prompts(1, 40, 40, seed=7)[0]
+    prompts = [prefix + tail for tail in random_prompts(4, 1, 9, seed=8)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+        assert out.token_ids == hf_reference(model_dirs["llama-gqa"], prompt, 10)
+    assert calls

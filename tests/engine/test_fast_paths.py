@@ -173,14 +173,16 @@ def test_cascade_equals_one_batched_softmax() -> None:
     want = attention._batched_decode_attention(q, k_cache, v_cache, plain, 0.25)
     got = attention._cascade_decode_attention(q, k_cache, v_cache, split, 0.25)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    # the non-CPU path (two matmuls and an explicit log-sum-exp) computes the same thing
-    rows, own_k = q.view(3, 2, 3, 16), split.workspace.gather(k_cache, split.cascade.block_table, 0)
-    own_v = split.workspace.gather(v_cache, split.cascade.block_table, 1)
+    # the CPU kernel and the path other devices take agree on outputs and log-sum-exps
+    rows = q.view(3, 2, 3, 16)
+    own_k = split.workspace.gather(k_cache, split.cascade.block_table, GatherWorkspace.KEYS)
+    own_v = split.workspace.gather(v_cache, split.cascade.block_table, GatherWorkspace.VALUES)
     cpu_out, cpu_lse = attention._attend(rows, own_k, own_v, split.cascade.bias, 0.25)
+    mm_out, mm_lse = attention._attend_matmul(rows, own_k, own_v, split.cascade.bias, 0.25)
+    torch.testing.assert_close(cpu_lse, mm_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_out, mm_out, rtol=1e-5, atol=1e-6)
     scores = torch.matmul(rows, own_k.transpose(-1, -2)) * 0.25 + split.cascade.bias
-    torch.testing.assert_close(cpu_lse, torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(cpu_out, torch.matmul(scores.softmax(-1), own_v),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mm_lse, torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tables, lens, shared", [
