@@ -12,7 +12,9 @@ values are written into their cache slots first (`PagedKVCache.write`), then:
 - each prefill chunk attends to its context through its block table. A chunk that starts at
   position 0 uses its own keys with a plain causal mask; a chunk after a cached prefix or an
   earlier chunk gets an explicit mask `key_pos <= query_pos` so chunk boundaries (even
-  mid-block) change nothing.
+  mid-block) change nothing; on CPU, a chunk of `MIN_SPLIT_CHUNK` tokens or more instead
+  attends to the earlier tokens and to its own (causally) in two calls merged the same way,
+  which torch's kernel runs up to 1.7x faster than one masked call.
 `AttentionMetadata` is built once per step by the model runner and shared by every layer.
 
 Gathers write into a `GatherWorkspace` the runner keeps for its lifetime: the gathered keys of 32
@@ -152,9 +154,7 @@ def _cascade_decode_attention(q, k_cache, v_cache, meta: AttentionMetadata,
     own_k = gather(k_cache, cascade.block_table, GatherWorkspace.KEYS)
     own_v = gather(v_cache, cascade.block_table, GatherWorkspace.VALUES)
     out_own, lse_own = _attend(rows, own_k, own_v, cascade.bias, scale)
-    total = torch.logaddexp(lse_shared, lse_own)
-    out = (out_shared * torch.exp(lse_shared - total).unsqueeze(-1)
-           + out_own * torch.exp(lse_own - total).unsqueeze(-1))
+    out = _merge(out_shared, lse_shared, out_own, lse_own)
     return out.reshape(n, heads, dim).to(q.dtype)
 
 
@@ -183,20 +183,54 @@ def _prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: fl
     """4-D `[1, heads, T, D]` inputs: torch's CPU flash kernel takes only 4-D ones (3-D falls
     back to the math path, which builds the whole score matrix: ~8x slower at 2,048 tokens)."""
     queries = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+    own_k = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+    own_v = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
     if chunk.mask is None:
-        keys = k[chunk.start : chunk.end].transpose(0, 1)
-        values = v[chunk.start : chunk.end].transpose(0, 1)
-    else:
-        keys = workspace.gather(k_cache, chunk.block_ids, GatherWorkspace.KEYS)
-        values = workspace.gather(v_cache, chunk.block_ids, GatherWorkspace.VALUES)
-        keys, values = keys[:, : chunk.context_len], values[:, : chunk.context_len]
-    out = F.scaled_dot_product_attention(
-        queries,
-        keys.unsqueeze(0),
-        values.unsqueeze(0),
-        attn_mask=chunk.mask,
-        is_causal=chunk.mask is None,
-        scale=scale,
-        enable_gqa=True,
-    )
+        return _sdpa(queries, own_k, own_v, None, scale)
+    if q.device.type == "cpu" and chunk.end - chunk.start >= MIN_SPLIT_CHUNK:
+        return _split_prefill_attention(queries, own_k, own_v, k_cache, v_cache, chunk, scale,
+                                        workspace)
+    keys = workspace.gather(k_cache, chunk.block_ids, GatherWorkspace.KEYS)
+    values = workspace.gather(v_cache, chunk.block_ids, GatherWorkspace.VALUES)
+    keys, values = keys[:, : chunk.context_len], values[:, : chunk.context_len]
+    return _sdpa(queries, keys.unsqueeze(0), values.unsqueeze(0), chunk.mask, scale)
+
+
+def _sdpa(queries, keys, values, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One chunk's attention, `[1, H, T, D]` in, `[T, H, D]` out; causal without a mask."""
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                         is_causal=mask is None, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+# A chunk after cached or earlier tokens at least this long attends in two calls on CPU (see
+# `_split_prefill_attention`); below it the masked call is as fast.
+MIN_SPLIT_CHUNK = 512
+
+
+def _split_prefill_attention(queries, own_k, own_v, k_cache, v_cache, chunk: PrefillChunk,
+                             scale: float, workspace: GatherWorkspace) -> torch.Tensor:
+    """A chunk after `p` earlier tokens as two flash calls merged by log-sum-exp: all queries
+    against the earlier tokens (no mask) and against the chunk's own keys (causal), instead of
+    one call with an explicit `key_pos <= query_pos` mask, which torch's CPU kernel runs
+    without skipping masked blocks. Measured per layer call (SmolLM2 heads, 2 threads):
+    64 earlier + 2,048 own 71.6 -> 42.6 ms, 1,024 + 1,024 35.8 -> 27.3 ms, 4,096 + 512
+    42.5 -> 36.9 ms, 1,024 + 256 6.2 -> 5.9 ms, 256 + 256 2.6 -> 2.8 ms."""
+    earlier = chunk.context_len - queries.shape[2]
+    blocks = chunk.block_ids[: -(-earlier // k_cache.shape[1])]
+    keys = workspace.gather(k_cache, blocks, GatherWorkspace.KEYS)[:, :earlier]
+    values = workspace.gather(v_cache, blocks, GatherWorkspace.VALUES)[:, :earlier]
+    out_earlier, lse_earlier = _attend(queries, keys.unsqueeze(0), values.unsqueeze(0), None,
+                                       scale)
+    out_own, lse_own = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        queries, own_k, own_v, 0.0, True, scale=scale)
+    out = _merge(out_earlier, lse_earlier, out_own, lse_own).to(queries.dtype)
+    return out[0].transpose(0, 1)
+
+
+def _merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
+    """Two attentions of the same queries over disjoint keys -> attention over all the keys:
+    each weighted by its share of the total softmax mass (`[..., R, D]` outs, `[..., R]` lses)."""
+    total = torch.logaddexp(lse_a, lse_b)
+    return (out_a * torch.exp(lse_a - total).unsqueeze(-1)
+            + out_b * torch.exp(lse_b - total).unsqueeze(-1))

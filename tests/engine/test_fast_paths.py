@@ -225,3 +225,57 @@ def test_decodes_sharing_a_prompt_prefix_match_transformers(model_dirs, hf_refer
     assert calls, "the shared prefix did not take the cascade path"
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == hf_reference(model, prompt, 10)
+
+
+# ---- a long chunk after earlier tokens: two flash calls merged (CPU) --------------------------
+
+
+@pytest.mark.parametrize("earlier, own", [(1, 512), (37, 600), (512, 520)])
+def test_split_prefill_equals_one_masked_call(earlier, own) -> None:
+    """block_size 4; `earlier` need not end on a block boundary (a mid-block chunk start)."""
+    from pdcluster.engine import attention
+    from pdcluster.engine.attention import PrefillChunk
+
+    bs, kv_heads, dim = 4, 2, 16
+    total = earlier + own
+    cache = _big_cache(num_blocks=-(-total // bs) + 3, block_size=bs, kv_heads=kv_heads,
+                       head_dim=dim)
+    k_cache, v_cache = cache.layer_kv(0)
+    block_ids = torch.randperm(k_cache.shape[0])[: -(-total // bs)]
+    # the chunk's own keys/values as the cache holds them after this step's write
+    flat_k = k_cache[block_ids].flatten(0, 1)[:total]
+    flat_v = v_cache[block_ids].flatten(0, 1)[:total]
+    k, v = flat_k[earlier:], flat_v[earlier:]
+    q = torch.randn(own, 3 * kv_heads, dim)
+    positions = torch.arange(earlier, total)
+    mask = torch.arange(total)[None, :] <= positions[:, None]
+    chunk = PrefillChunk(0, own, total, block_ids, mask)
+    assert own >= attention.MIN_SPLIT_CHUNK
+    got = attention._prefill_attention(q, k, v, k_cache, v_cache, chunk, 0.25,
+                                       GatherWorkspace())
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None],
+                                          flat_k.transpose(0, 1)[None],
+                                          flat_v.transpose(0, 1)[None], attn_mask=mask,
+                                          scale=0.25, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_long_chunk_after_a_cached_prefix_matches_transformers(model_dirs, hf_reference,
+                                                               monkeypatch) -> None:
+    from pdcluster.engine import LLM, SamplingParams, attention
+    from tests.models import random_prompts
+
+    calls = []
+    real = attention._split_prefill_attention
+    monkeypatch.setattr(attention, "_split_prefill_attention",
+                        lambda *a: calls.append(1) or real(*a))
+    model = model_dirs["llama-gqa"]
+    llm = LLM(model, num_kv_blocks=256, block_size=8)
+    prefix = random_prompts(1, 50, 50, seed=9)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.generate([prefix], params)  # caches the prefix's 6 full blocks
+    prompt = prefix + random_prompts(1, 600, 600, seed=10)[0]
+    out = llm.generate([prompt], params)[0]
+    assert out.num_cached_tokens == 48
+    assert calls, "the 602-token chunk after the cached prefix did not take the split path"
+    assert out.token_ids == hf_reference(model, prompt, 6)
