@@ -30,3 +30,17 @@ def _assert_links_consistent(free: list) -> None:
     # get_all_free_blocks walks next pointers only; check the prev pointers agree.
     for prev_block, block in itertools.pairwise(free):
         assert block.prev_free is prev_block, f"broken prev link at {block}"
+
+
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Wrap `module.name` so every call still runs it and appends its arguments to the
+    returned list: proof that a code path was taken (e.g. an optimised one)."""
+    calls: list = []
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.engine import LLM, SamplingParams
-from tests.helpers import assert_pool_clean
+from tests.helpers import assert_pool_clean, count_calls
 from tests.models import random_prompts
 
 pytestmark = pytest.mark.gpu
@@ -37,9 +37,7 @@ def test_cuda_shared_prefix_decodes_take_the_cascade_and_match(model_dirs, hf_re
     """The cascade split (engine/attention.py) off the CPU runs `_attend_matmul`."""
     from pdcluster.engine import attention
 
-    calls = []
-    real = attention._attend_matmul
-    monkeypatch.setattr(attention, "_attend_matmul", lambda *a: calls.append(1) or real(*a))
+    calls = count_calls(monkeypatch, attention, "_attend_matmul")
     llm = LLM(model_dirs["llama-gqa"], device="cuda", dtype="float32", num_kv_blocks=128,
               block_size=4)
     prefix = random_prompts(1, 40, 40, seed=7)[0]

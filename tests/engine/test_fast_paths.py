@@ -14,6 +14,7 @@ from pdcluster.engine.attention import GatherWorkspace  # noqa: E402
 from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from pdcluster.engine.models import linear as linear_mod  # noqa: E402
 from pdcluster.engine.models.linear import Linear, linear, silu_and_mul  # noqa: E402
+from tests.helpers import count_calls  # noqa: E402
 
 CPU = torch.device("cpu")
 onednn = pytest.mark.skipif(not linear_mod._ONEDNN, reason="torch built without oneDNN")
@@ -212,10 +213,7 @@ def test_decodes_sharing_a_prompt_prefix_match_transformers(model_dirs, hf_refer
     from pdcluster.engine import LLM, SamplingParams, attention
     from tests.models import random_prompts
 
-    calls = []
-    real = attention._cascade_decode_attention
-    monkeypatch.setattr(attention, "_cascade_decode_attention",
-                        lambda *a: calls.append(1) or real(*a))
+    calls = count_calls(monkeypatch, attention, "_cascade_decode_attention")
     model = model_dirs["llama-gqa"]
     llm = LLM(model, num_kv_blocks=128, block_size=4)
     prefix = random_prompts(1, 40, 40, seed=7)[0]
@@ -265,10 +263,7 @@ def test_long_chunk_after_a_cached_prefix_matches_transformers(model_dirs, hf_re
     from pdcluster.engine import LLM, SamplingParams, attention
     from tests.models import random_prompts
 
-    calls = []
-    real = attention._split_prefill_attention
-    monkeypatch.setattr(attention, "_split_prefill_attention",
-                        lambda *a: calls.append(1) or real(*a))
+    calls = count_calls(monkeypatch, attention, "_split_prefill_attention")
     model = model_dirs["llama-gqa"]
     llm = LLM(model, num_kv_blocks=256, block_size=8)
     prefix = random_prompts(1, 50, 50, seed=9)[0]
