@@ -7,12 +7,15 @@ SHELL := /bin/bash
 # No model hub is reachable: nothing may try to download at run time.
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
+# Everything pdcluster caches (the built-in model, converted GGUFs, the peer benchmarks' venvs)
+# stays in the checkout's .cache/ (core/paths.py; installed elsewhere it is ~/.cache/pdcluster).
+export PDCLUSTER_CACHE_DIR ?= $(CURDIR)/.cache
 
 VENV := .venv
 PDCLUSTER := $(VENV)/bin/pdcluster
 # The built-in model: SmolLM2-135M-Instruct, converted from GGUF by scripts/setup.sh. Its API
 # name is the folder's: smollm2-135m-instruct.
-MODEL ?= .cache/smollm2-135m-instruct
+MODEL ?= $(PDCLUSTER_CACHE_DIR)/smollm2-135m-instruct
 PORT ?= 8000
 SERVE_ARGS ?=
 
@@ -31,11 +34,9 @@ run: setup-serve
 	$(PDCLUSTER) serve --model $(MODEL) --num-prefill 1 --num-decode 1 --port $(PORT) \
 		$(SERVE_ARGS)
 
-# ruff on every room, the tests and the build scripts; mypy as pyproject.toml's [tool.mypy] says
-# (strict on core/ and the wire types).
+# ruff on the package, the tests and the build scripts; mypy as pyproject.toml's [tool.mypy] says.
 lint: setup
-	$(VENV)/bin/ruff check core engine transfer metadata_service node prefill_node \
-		decode_node router cluster proto benchmarks tests scripts setup.py pdcluster/__init__.py
+	$(VENV)/bin/ruff check pdcluster tests scripts setup.py
 	$(VENV)/bin/mypy
 
 test: lint
@@ -52,11 +53,11 @@ bench: setup-serve
 # project's .venv, never part of `make test`). aiperf loads the local tokenizer folder only with
 # HF_HUB_OFFLINE unset: `pdcluster bench client` unsets it for aiperf alone.
 AIPERF_VERSION := 0.13.0
-peers: .cache/peers/aiperf/bin/aiperf
+peers: $(PDCLUSTER_CACHE_DIR)/peers/aiperf/bin/aiperf
 
-.cache/peers/aiperf/bin/aiperf:
-	python3 -m venv .cache/peers/aiperf
-	.cache/peers/aiperf/bin/pip install aiperf==$(AIPERF_VERSION)
+$(PDCLUSTER_CACHE_DIR)/peers/aiperf/bin/aiperf:
+	python3 -m venv $(PDCLUSTER_CACHE_DIR)/peers/aiperf
+	$(PDCLUSTER_CACHE_DIR)/peers/aiperf/bin/pip install aiperf==$(AIPERF_VERSION)
 
 # aiperf against a cluster already serving $(MODEL) on $(PORT) (`make run` in another shell).
 bench-client: setup-serve peers

@@ -1,4 +1,4 @@
-"""The package build's one hook: generate the gRPC stubs before build_py copies proto/.
+"""The package build's one hook: generate the gRPC stubs before build_py copies pdcluster/proto/.
 
 Everything else is in pyproject.toml. The stubs are git-ignored and must match the grpcio-tools
 the build runs with (a build requirement), so every wheel, sdist-built wheel and editable install

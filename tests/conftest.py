@@ -29,6 +29,23 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory):
+    """A wheel of the checkout (tests/installed.py), built once per session."""
+    from tests.installed import build_wheel
+
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="session")
+def wheel_install(built_wheel, tmp_path_factory):
+    """That wheel installed into a fresh venv: an `Installed` to run commands of."""
+    from tests.installed import Installed, fresh_venv, site_package_dir
+
+    python = fresh_venv(built_wheel, tmp_path_factory.mktemp("venv") / "env")
+    return Installed("wheel", python, site_package_dir(python))
+
+
+@pytest.fixture(scope="session")
 def cluster_secret():
     """The session's cluster secret (tests/cluster_secret.py): every node, router and metadata
     service a test builds needs one."""
@@ -96,3 +113,25 @@ def node(model_dirs):
     yield server, client
     client.close()
     server.stop(drain=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No module of ours may have been loaded under a second name in this process — a bare
+    `engine.llm` beside `pdcluster.engine.llm` is two class objects for one file — and each
+    of ours must come from the package folder that `pdcluster` itself was loaded from."""
+    import sys
+    from pathlib import Path
+
+    from tests.installed import PACKAGE_ROOMS
+
+    bare = sorted(name for name in sys.modules if name.split(".")[0] in PACKAGE_ROOMS)
+    package = sys.modules.get("pdcluster")
+    root = Path(package.__file__).resolve().parent if package else None
+    stray = sorted(name for name, module in list(sys.modules.items())
+                   if name.startswith("pdcluster.") and root is not None
+                   and getattr(module, "__file__", None)
+                   and not Path(module.__file__).resolve().is_relative_to(root))
+    if bare or stray:
+        session.config.get_terminal_writer().line(
+            f"modules loaded under a second name: {bare}; outside {root}: {stray}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

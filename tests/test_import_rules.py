@@ -6,14 +6,19 @@ checked against the room's forbidden names: other rooms (`pdcluster.<room>`) and
 top-level packages. At run time: a fresh interpreter imports the torch-free rooms and reports
 whether torch, ray or the engine got loaded along the way.
 
-Rooms are imported only through the `pdcluster` namespace: the folders sit at the repository's
-top level, so `import core` would also work from a checkout and load every module a second time
-under another name.
+Rooms are imported only through the `pdcluster` namespace (`pdcluster/<room>/`), and so are the
+module-path strings that code resolves at run time (registries, `-m` targets): a bare
+`"engine.models.llama"` resolves nowhere.
+
+`router/` has three sub-rooms with rules of their own: `api` (the HTTP edge and the OpenAI
+protocol), `routing` (the decision, the node and metadata links; no HTTP framework) and `sim`
+(offline replay and trace generators, which the serving path never imports).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -22,6 +27,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = REPO_ROOT / "pdcluster"
 
 ROOMS = frozenset({
     "core", "engine", "transfer", "metadata_service", "node", "prefill_node", "decode_node",
@@ -108,7 +114,8 @@ def _is_client_module(name: str) -> bool:
 
 
 def _room_files(room: str) -> list[Path]:
-    return sorted(p for p in (REPO_ROOT / room).rglob("*.py") if "__pycache__" not in p.parts)
+    return sorted(p for p in (PACKAGE / room).rglob("*.py")
+                  if "__pycache__" not in p.parts and not p.name.endswith("_pb2.py"))
 
 
 @pytest.mark.parametrize("room", sorted(FORBIDDEN))
@@ -261,7 +268,7 @@ def _module_files(*rooms: str) -> dict[str, Path]:
     modules: dict[str, Path] = {}
     for room in sorted(rooms or ROOMS):
         for path in _room_files(room):
-            parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+            parts = path.relative_to(PACKAGE).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             modules[".".join(("pdcluster", *parts))] = path
@@ -350,10 +357,96 @@ def test_cycle_finder_finds_a_loop_through_a_lazy_import() -> None:
 
 
 def test_the_room_table_matches_the_tree() -> None:
-    """docs/architecture.md's "Rooms as built" names every room, and only folders that exist."""
+    """docs/architecture.md's "Rooms as built" names every room and every router sub-room, and
+    only folders that exist: rooms under pdcluster/, the rest (k8s/, tests/, …) at the root."""
     text = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     section = text.split("## Rooms as built", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
     named = {name.strip("`/ ") for row in rows for name in row.split(",")}
+    subrooms = {p.parent.relative_to(PACKAGE).as_posix()
+                for p in PACKAGE.glob("*/*/__init__.py")}
     assert not ROOMS - named, f"rooms missing from the table: {sorted(ROOMS - named)}"
-    assert all((REPO_ROOT / name).is_dir() for name in named), sorted(named)
+    assert not subrooms - named, f"sub-rooms missing from the table: {sorted(subrooms - named)}"
+    missing = [name for name in named
+               if not (PACKAGE / name).is_dir() and not (REPO_ROOT / name).is_dir()]
+    assert not missing, f"the table names folders that do not exist: {missing}"
+
+
+# ---- router's sub-rooms ----------------------------------------------------------------------
+
+# The serving path never imports the simulator; the routing decision never imports the HTTP
+# framework or the API side; the simulator runs the real policy but serves nothing.
+SUBROOM_FORBIDDEN: dict[str, frozenset[str]] = {
+    "router/api": frozenset({"pdcluster.router.sim"}),
+    "router/routing": frozenset({"aiohttp", "pdcluster.router.api", "pdcluster.router.sim"}),
+    "router/sim": frozenset({"aiohttp", "pdcluster.router.api"}),
+}
+
+
+def subroom_violations(source: str, filename: str, forbidden: frozenset[str]) -> list[str]:
+    return [f"{filename}:{line} imports {name}"
+            for line, name in _imported_names(ast.parse(source, filename=filename))
+            if any(name == f or name.startswith(f + ".") for f in forbidden)]
+
+
+@pytest.mark.parametrize("subroom", sorted(SUBROOM_FORBIDDEN))
+def test_router_subrooms_keep_to_their_job(subroom: str) -> None:
+    files = sorted(p for p in (PACKAGE / subroom).rglob("*.py") if "__pycache__" not in p.parts)
+    assert files, subroom
+    violations = []
+    for path in files:
+        violations += subroom_violations(path.read_text(encoding="utf-8"),
+                                         str(path.relative_to(REPO_ROOT)),
+                                         SUBROOM_FORBIDDEN[subroom])
+    assert not violations, "forbidden imports:\n" + "\n".join(violations)
+
+
+def test_router_top_level_modules_import_no_subroom_but_routing() -> None:
+    """config, errors and metrics are shared by api and routing: they may use routing's pure
+    types (config names the policy), never the HTTP side or the simulator."""
+    forbidden = frozenset({"aiohttp", "pdcluster.router.api", "pdcluster.router.sim"})
+    violations = []
+    for path in sorted((PACKAGE / "router").glob("*.py")):
+        violations += subroom_violations(path.read_text(encoding="utf-8"), path.name, forbidden)
+    assert not violations, violations
+
+
+def test_subroom_check_catches_an_offender() -> None:
+    source = "from aiohttp import web\nfrom pdcluster.router.sim.replay import run\n" \
+             "import pdcluster.router.simple\n"
+    assert subroom_violations(source, "x.py", SUBROOM_FORBIDDEN["router/routing"]) == [
+        "x.py:1 imports aiohttp", "x.py:2 imports pdcluster.router.sim.replay"]
+
+
+# ---- module paths named in strings ---------------------------------------------------------
+
+_BARE_MODULE_PATH = re.compile(
+    rf"^({'|'.join(sorted(ROOMS))})\.[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
+
+
+def bare_module_path_strings(source: str, filename: str) -> list[str]:
+    """'file:line: "x"' for each string literal that looks like a module path of a room without
+    the package (`"engine.models.llama:CausalLM"`): importlib, Ray, `-m` and monkeypatch
+    targets resolve such a name only where the repository root happens to be on sys.path."""
+    return [f"{filename}:{node.lineno}: {node.value!r}"
+            for node in ast.walk(ast.parse(source, filename=filename))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and _BARE_MODULE_PATH.match(node.value)]
+
+
+def test_no_module_path_string_names_a_bare_room() -> None:
+    files = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts
+                   and not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
+    files += sorted((REPO_ROOT / "tests").rglob("*.py"))
+    found = []
+    for path in files:
+        found += bare_module_path_strings(path.read_text(encoding="utf-8"),
+                                          str(path.relative_to(REPO_ROOT)))
+    assert not found, "name these pdcluster.<room>…:\n" + "\n".join(found)
+
+
+def test_module_path_string_check_catches_an_offender() -> None:
+    source = 'A = "engine.models.llama:CausalLM"\nB = "pdcluster.engine.llm"\nC = "node.x"\n' \
+             'D = "router_bench"\nE = "engine.tok_s is a metric name"\n'
+    assert bare_module_path_strings(source, "x.py") == [
+        "x.py:1: 'engine.models.llama:CausalLM'", "x.py:3: 'node.x'"]

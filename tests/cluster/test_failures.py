@@ -23,9 +23,9 @@ from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.ray_cluster import RayCluster
 from pdcluster.core.hashing import hash_block_tokens
 from pdcluster.metadata_service.client import MetadataClient
+from pdcluster.router.api.server import RouterApp
 from pdcluster.router.config import RouterConfig
-from pdcluster.router.policy import PolicyConfig
-from pdcluster.router.server import RouterApp
+from pdcluster.router.routing.policy import PolicyConfig
 from tests.models import random_prompts
 
 ray = pytest.importorskip("ray")

@@ -1,8 +1,8 @@
-"""The OpenAI parameters through the real `openai` client against one real `pdcluster serve`
-(tiny random llama, one prefill and one decode node): each test would fail if its parameter
-were ignored. The router side (router.params, router.protocol, router.generation) is what
-these check; tests marked ENGINE also need the node's sampler to apply the field (penalties,
-logit_bias, the guided-decoding mask) and fail until it does."""
+"""The OpenAI parameters through the real `openai` client against one real `pdcluster serve` (tiny
+random llama, one prefill and one decode node): each test would fail if its parameter were ignored.
+The router side (router.api.params, router.api.protocol, router.api.generation) is what these check;
+tests marked ENGINE also need the node's sampler to apply the field (penalties, logit_bias, the
+guided-decoding mask) and fail until it does."""
 
 from __future__ import annotations
 

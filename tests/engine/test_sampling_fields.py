@@ -8,7 +8,7 @@ from dataclasses import MISSING, Field, fields
 
 from pdcluster.core.sampling import SamplingSpec
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.router.protocol import CompletionRequest
+from pdcluster.router.api.protocol import CompletionRequest
 
 
 def _default(f: Field) -> object:

@@ -5,7 +5,12 @@ pointed at a tiny model on CPU, with the cluster secret as a 0400 file named by
 $PDCLUSTER_CLUSTER_SECRET_FILE in the Ray processes' environment, as the chart mounts it. The
 launched router must answer a completion; then the job is
 stopped and the Ray head's processes are ended by their process group (never `ray stop`, which
-would end every Ray on the machine)."""
+would end every Ray on the machine).
+
+As on a cluster, nothing runs from the checkout: the head, the launcher and so the job start in a
+temporary folder with `PYTHONSAFEPATH` set, once with the project's editable venv and once with
+the wheel installed into a fresh venv (tests/installed.py), whose `python` is then the one on
+the job's PATH and the one Ray starts the node actors' workers with."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.installed import Installed, editable_install
 from tests.k8s.chart import CHART, REPO_ROOT, cluster_config_text, needs_helm, one, render
 
 pytest.importorskip("ray.job_submission")
@@ -43,51 +49,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ray_env(token: str, secret_file: Path) -> dict[str, str]:
-    return {**os.environ,
-            "PATH": f"{RAY.parent}{os.pathsep}{os.environ['PATH']}",
-            # Keeps every Ray listener on 127.0.0.1 (../shared/ENVIRONMENT.md).
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "PDCLUSTER_CLUSTER_SECRET_FILE": str(secret_file)}
+def ray_env(install: Installed, token: str, secret_file: Path) -> dict[str, str]:
+    return install.env(
+        # Keeps every Ray listener on 127.0.0.1 (../shared/ENVIRONMENT.md).
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
+        PDCLUSTER_CLUSTER_SECRET_FILE=str(secret_file))
 
 
-def wait_for_dashboard(address: str, env: dict[str, str], head: subprocess.Popen) -> None:
+def wait_for_dashboard(address: str, env: dict[str, str], head: subprocess.Popen,
+                       cwd: str) -> None:
     probe = ("from ray.job_submission import JobSubmissionClient as C; "
              f"C({address!r}).list_jobs()")
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         assert head.poll() is None, "ray start --head exited"
         if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
-                          timeout=60).returncode == 0:
+                          cwd=cwd, timeout=60).returncode == 0:
             return
         time.sleep(1)
     raise AssertionError(f"Ray dashboard at {address} did not come up")
 
 
+@pytest.fixture(params=["editable", "wheel"])
+def install(request) -> Installed:
+    if request.param == "editable":
+        return editable_install()
+    return request.getfixturevalue("wheel_install")
+
+
 @pytest.fixture
-def ray_head():
+def ray_head(install: Installed):
     token = secrets.token_hex(16)
     temp_dir = tempfile.mkdtemp(prefix="pdk8s-ray-")  # short: Ray's socket paths have a limit
+    assert not Path(temp_dir).resolve().is_relative_to(REPO_ROOT)
     secret_file = Path(temp_dir) / "cluster-secret"
     secret_file.write_text(secrets.token_hex(32))  # what the chart's Secret holds
     secret_file.chmod(0o400)
-    env = ray_env(token, secret_file)
+    env = ray_env(install, token, secret_file)
     dashboard = free_port()
     workers = free_port()
-    command = [str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+    # `python -m` the Ray CLI of this install's interpreter: Ray starts the workers with it.
+    command = [str(install.python), "-m", "ray.scripts.scripts", "start", "--head", "--block",
+               "--node-ip-address", "127.0.0.1",
                "--port", str(free_port()), "--dashboard-host", "127.0.0.1",
                "--dashboard-port", str(dashboard), "--ray-client-server-port", str(free_port()),
                "--dashboard-agent-listen-port", str(free_port()),
                "--min-worker-port", str(workers), "--max-worker-port", str(workers + 200),
                "--num-cpus", "4", "--temp-dir", temp_dir, "--disable-usage-stats"]
-    head = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    head = subprocess.Popen(command, env=env, cwd=temp_dir, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"http://127.0.0.1:{dashboard}"
     try:
-        wait_for_dashboard(address, env, head)
-        yield address, env
+        wait_for_dashboard(address, env, head, temp_dir)
+        yield address, env, temp_dir
     finally:
         stop_group(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -157,7 +172,7 @@ def wait_for_router(base: str, deadline_s: float = 180) -> None:
 
 
 def test_ray_job_submit_launches_the_cluster(ray_head, model_dirs, tmp_path) -> None:
-    address, env = ray_head
+    address, env, cwd = ray_head
     router_port = free_port()
     entrypoint, model_name = local_cluster_yaml(model_dirs["llama-gqa"], router_port,
                                                 tmp_path / "cluster.yaml")
@@ -168,7 +183,7 @@ def test_ray_job_submit_launches_the_cluster(ray_head, model_dirs, tmp_path) -> 
                     "PDCLUSTER_POLL_S": "0.5",
                     "PDCLUSTER_HEARTBEAT_FILE": str(tmp_path / "alive")}
     proc = subprocess.run([sys.executable, str(CHART / "files" / "launch_nodes.py")],
-                          env=launcher_env, capture_output=True, text=True, timeout=180)
+                          env=launcher_env, cwd=cwd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"job {sid} is RUNNING" in proc.stdout
 

@@ -245,7 +245,7 @@ def test_a_reader_that_stops_reading_is_cut_off_over_grpc() -> None:
 def test_a_replica_streams_what_it_learns_from_etcd(etcd) -> None:
     """The router follows replica b while the nodes publish to replica a: b's index changes
     through etcd's watch (remote deltas, bases), and b streams those changes too."""
-    from pdcluster.router.metadata_link import MetadataLink
+    from pdcluster.router.routing.metadata_link import MetadataLink
     from tests.metadata_service.helpers import wait_until
 
     def config(replica: str):

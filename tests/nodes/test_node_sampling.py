@@ -98,7 +98,7 @@ def test_the_routers_node_link_reads_the_top_logprobs(node):
     import zmq.asyncio
 
     from pdcluster.router.config import NodeSpec
-    from pdcluster.router.node_link import NodeLink
+    from pdcluster.router.routing.node_link import NodeLink
 
     server, _ = node
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pdcluster.router.api.server import RouterApp
 from pdcluster.router.config import NodeSpec, RouterConfig
-from pdcluster.router.server import RouterApp
 from tests.cluster_secret import TEST_SECRET
 from tests.router.fake_node import FakeNode
 

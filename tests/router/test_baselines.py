@@ -1,5 +1,5 @@
-"""The cache-blind routing baselines (router/baselines.py) and the router's `routing` switch:
-round-robin takes nodes in turn whatever they hold; least-loaded is the policy's cost
+"""The cache-blind routing baselines (router/routing/baselines.py) and the router's `routing`
+switch: round-robin takes nodes in turn whatever they hold; least-loaded is the policy's cost
 function without prefix credit, work memory or pulls."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from pdcluster.router.baselines import RoundRobin, least_loaded_config
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.errors import NoHealthyNode
-from pdcluster.router.policy import NodeView, PolicyConfig, route
+from pdcluster.router.routing.baselines import RoundRobin, least_loaded_config
+from pdcluster.router.routing.policy import NodeView, PolicyConfig, route
 from tests.cluster_secret import TEST_SECRET
 
 CONFIG = PolicyConfig(block_size=16, local_prefill_threshold=32)

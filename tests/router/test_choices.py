@@ -8,9 +8,9 @@ import time
 import openai
 import pytest
 
-from pdcluster.router.policy import PolicyConfig
-from pdcluster.router.request_prep import sample_seed
-from pdcluster.router.tokenizer import RouterTokenizer
+from pdcluster.router.api.request_prep import sample_seed
+from pdcluster.router.api.tokenizer import RouterTokenizer
+from pdcluster.router.routing.policy import PolicyConfig
 from tests.router.conftest import SCRIPT
 
 LONG = "tell me a story about a dog " * 30  # above the local-prefill threshold below

@@ -9,9 +9,9 @@ import pytest
 
 from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TokenDelta
 from pdcluster.router.config import NodeSpec, RouterConfig
-from pdcluster.router.dispatch import Dispatcher
 from pdcluster.router.metrics import RouterMetrics
-from pdcluster.router.policy import PolicyConfig
+from pdcluster.router.routing.dispatch import Dispatcher
+from pdcluster.router.routing.policy import PolicyConfig
 from tests.cluster_secret import TEST_SECRET
 
 HALF_LIFE_S = 30.0

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from pdcluster.core.node_wire import GenerateRequest, RequestError, SamplingSpec
-from pdcluster.router.migration import continuation
-from pdcluster.router.policy import PolicyConfig
+from pdcluster.router.routing.migration import continuation
+from pdcluster.router.routing.policy import PolicyConfig
 from tests.router.conftest import SCRIPT
 from tests.router.fake_node import FakeNode
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pdcluster.core.node_wire import GenerateRequest
-from pdcluster.router.policy import PolicyConfig
+from pdcluster.router.routing.policy import PolicyConfig
 
 TEXT = "Hello world, this is a test."
 
@@ -221,7 +221,7 @@ def test_router_imports_no_torch() -> None:
     # The metadata service's client library is the router's link (docs/architecture.md,
     # decision 3); nothing else of that room, and no heavy package, may load.
     client_library = "{'metadata_service', 'config', 'client', 'errors', 'codec', 'events', 'wire'}"
-    code = ("import sys, pdcluster.router.server, pdcluster.router.handlers\n"
+    code = ("import sys, pdcluster.router.api.server, pdcluster.router.api.handlers\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "{'torch', 'ray', 'engine', 'transformers'} or m.startswith('metadata_service') "
             f"and m.split('.')[-1] not in {client_library}))")

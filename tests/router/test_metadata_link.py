@@ -16,9 +16,9 @@ from pdcluster.metadata_service.publisher import NodePublisher
 from pdcluster.metadata_service.server import ServerThread
 from pdcluster.metadata_service.watch import BlockSubscriber
 from pdcluster.router.config import RouterConfig
-from pdcluster.router.dispatch import Dispatcher
-from pdcluster.router.metadata_link import MetadataLink
 from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.routing.dispatch import Dispatcher
+from pdcluster.router.routing.metadata_link import MetadataLink
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import (
     free_port,

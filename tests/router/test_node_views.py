@@ -9,15 +9,15 @@ import pytest
 
 from pdcluster.core.node_wire import LoadReport
 from pdcluster.router.config import NodeSpec
-from pdcluster.router.load_decay import DecayedWork
-from pdcluster.router.node_views import DECAY_STEPS, NodeViews
-from pdcluster.router.policy import NodeView, PolicyConfig, load_cost
+from pdcluster.router.routing.load_decay import DecayedWork
+from pdcluster.router.routing.node_views import DECAY_STEPS, NodeViews
+from pdcluster.router.routing.policy import NodeView, PolicyConfig, load_cost
 
 CONFIG = PolicyConfig(work_half_life_s=64.0)
 
 
 class StubClient:
-    """What NodeViews reads of a router.node_link.NodeLink (no socket needed)."""
+    """What NodeViews reads of a router.routing.node_link.NodeLink (no socket needed)."""
 
     def __init__(self, node_id: str, role: str = "both") -> None:
         self.spec = NodeSpec(node_id, role, "tcp://127.0.0.1:9")

@@ -1,4 +1,4 @@
-"""The parameter policy (router.params) and what router.protocol makes of each parameter:
+"""The parameter policy (router.api.params) and what router.api.protocol makes of each parameter:
 every vLLM parameter of the two endpoints is in the table, unknown ones and unsupported
 values are 400s naming them, and the applied ones reach the node's `SamplingSpec`."""
 
@@ -9,10 +9,10 @@ import json
 import pytest
 
 from pdcluster.core.sampling import GuidedDecoding
+from pdcluster.router.api.params import APPLIED, BOTH, CHAT, COMPLETIONS, DEFAULT_ONLY, PARAMS
+from pdcluster.router.api.protocol import parse_chat, parse_completion
+from pdcluster.router.api.request_prep import sample_seed
 from pdcluster.router.errors import ApiError
-from pdcluster.router.params import APPLIED, BOTH, CHAT, COMPLETIONS, DEFAULT_ONLY, PARAMS
-from pdcluster.router.protocol import parse_chat, parse_completion
-from pdcluster.router.request_prep import sample_seed
 
 # vLLM's CompletionRequest / ChatCompletionRequest fields (entrypoints/openai/protocol.py)
 VLLM_COMMON = """model frequency_penalty logit_bias logprobs max_tokens n presence_penalty seed

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from pdcluster.router.errors import NoHealthyNode
-from pdcluster.router.load_decay import DecayedWork
-from pdcluster.router.policy import (
+from pdcluster.router.routing.load_decay import DecayedWork
+from pdcluster.router.routing.policy import (
     NodeView,
     PolicyConfig,
     choose_prefill,

@@ -10,9 +10,9 @@ import pytest
 
 from pdcluster.core.node_wire import PrefixSource
 from pdcluster.router.config import NodeSpec, RouterConfig
-from pdcluster.router.dispatch import Dispatcher, Placement
 from pdcluster.router.metrics import RouterMetrics
-from pdcluster.router.policy import PolicyConfig
+from pdcluster.router.routing.dispatch import Dispatcher, Placement
+from pdcluster.router.routing.policy import PolicyConfig
 from tests.cluster_secret import TEST_SECRET
 from tests.router.test_dispatch import make_request
 

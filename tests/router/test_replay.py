@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdcluster.core.block_index import BlockIndex
-from pdcluster.router.replay import (
+from pdcluster.router.sim.replay import (
     ReplayConfig,
     ideal_hit_ratio,
     load_trace,
@@ -19,7 +19,7 @@ from pdcluster.router.replay import (
     replay,
     replay_all,
 )
-from pdcluster.router.replay_sim import SimNode, apply_events, node_pull_blocks
+from pdcluster.router.sim.sim_nodes import SimNode, apply_events, node_pull_blocks
 from tests.router.synth_trace import synthetic_trace
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -9,8 +9,8 @@ import shutil
 
 import openai
 
-from pdcluster.router.tokenizer import RouterTokenizer
-from pdcluster.router.tools import (
+from pdcluster.router.api.tokenizer import RouterTokenizer
+from pdcluster.router.api.tools import (
     HERMES,
     LLAMA3_JSON,
     ToolChoice,
@@ -121,7 +121,7 @@ def test_a_scripted_tool_call_comes_back_as_tool_calls(start_router, make_node,
 
 
 def test_a_conversation_with_earlier_calls_reaches_the_template() -> None:
-    from pdcluster.router.protocol import parse_chat
+    from pdcluster.router.api.protocol import parse_chat
 
     req = parse_chat({"model": "m", "tools": [TOOL], "messages": [
         {"role": "user", "content": "Weather?"},
@@ -136,7 +136,7 @@ def test_a_conversation_with_earlier_calls_reaches_the_template() -> None:
 
 
 def test_streamable_prefix_holds_only_what_could_be_a_call() -> None:
-    from pdcluster.router.tools import streamable_prefix
+    from pdcluster.router.api.tools import streamable_prefix
 
     assert streamable_prefix("Hello there", AUTO, HERMES) == 11
     assert streamable_prefix("Hello <tool", AUTO, HERMES) == 6

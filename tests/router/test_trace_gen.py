@@ -1,4 +1,4 @@
-"""The synthetic trace generators (router/trace_gen.py): deterministic, in the Mooncake format,
+"""The synthetic trace generators (router/sim/trace_gen.py): deterministic, in the Mooncake format,
 with the prefix structure each one claims; and the policy's target on every one of them
 (hit ratio >= 0.97 x ideal, work imbalance <= 1.10, on 8 and 16 simulated nodes), on copies
 scaled down so that each test runs in seconds."""
@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from pdcluster.router import trace_gen
-from pdcluster.router.replay import ReplayConfig, ideal_hit_ratio, parse_trace, replay
+from pdcluster.router.sim import trace_gen
+from pdcluster.router.sim.replay import ReplayConfig, ideal_hit_ratio, parse_trace, replay
 
 NAMES = sorted(trace_gen.GENERATORS)
 

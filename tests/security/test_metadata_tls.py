@@ -40,7 +40,7 @@ from pdcluster.node.config import NodeConfig
 from pdcluster.node.runtime import metadata_client
 from pdcluster.proto import metadata_pb2 as pb
 from pdcluster.proto import metadata_pb2_grpc as pb_grpc
-from pdcluster.router.metadata_link import MetadataLink
+from pdcluster.router.routing.metadata_link import MetadataLink
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import FakeNode, free_port, make_chain, wait_until
 from tests.tls_certs import Pki, make_pki

@@ -1,0 +1,86 @@
+"""`pdcluster replay` (a trace through the routing policy over simulated nodes) and
+`pdcluster trace-gen` (write one of the synthetic traces of `router.sim.trace_gen`).
+
+API: `add_replay(subparsers, report)`, `add_trace_gen(subparsers)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from pdcluster.cluster.cli_common import UsageError, add_command, config_errors_as_usage
+from pdcluster.router.sim import trace_gen
+
+REPLAY_POLICIES = ("kv", "round-robin", "least-loaded")
+Report = Callable[[Callable[[argparse.Namespace], dict]], Callable[[argparse.Namespace], int]]
+
+
+def add_replay(subparsers: argparse._SubParsersAction, report: Report) -> None:
+    parser = add_command(
+        subparsers, "replay",
+        "Replay a request trace (JSONL: timestamp, input_length, output_length, hash_ids), or "
+        "one of the synthetic traces, through the router's policy over simulated LRU-cache "
+        "nodes feeding the real block index, with global prefix reuse (pulls) priced as on "
+        "the live cluster. Reports hit_ratio, pulled_ratio, work_imbalance, TTFT and "
+        "ideal_hit_ratio for the chosen policy and for round-robin and least-loaded, "
+        "measured in the same run.",
+        lambda args: _cmd_replay(args, report))
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", help="trace file (JSON lines)")
+    source.add_argument("--synthetic", choices=sorted(trace_gen.GENERATORS),
+                        help="generate this synthetic trace instead (router/sim/trace_gen.py)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the synthetic trace and of the tie-breaking RNG")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="sessions of the synthetic trace x this, at the same load")
+    parser.add_argument("--nodes", type=int, default=8, help="simulated nodes")
+    parser.add_argument("--cache-blocks", type=int, default=100_000,
+                        help="blocks of cache over all nodes (each node holds C/N)")
+    parser.add_argument("--policy", choices=REPLAY_POLICIES, default="kv", help="routing policy")
+    parser.add_argument("--no-global-reuse", action="store_true",
+                        help="nodes never pull a prefix from each other")
+    parser.add_argument("--pull-gbps", type=float, default=25.0,
+                        help="bandwidth of a prefix pull, GB/s")
+    parser.add_argument("--pull-latency-ms", type=float, default=2.0,
+                        help="fixed cost of one prefix pull, ms")
+    parser.add_argument("--kv-bytes-per-token", type=int, default=131_072,
+                        help="KV cache bytes of one token (all layers)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+
+
+def _cmd_replay(args: argparse.Namespace, report: Report) -> int:
+    if args.trace and not Path(args.trace).is_file():
+        raise UsageError(f"trace file not found: {args.trace}")
+    from pdcluster.router.sim import replay
+
+    with config_errors_as_usage():
+        replay.replay_config(args)
+        if args.synthetic and not args.scale > 0:
+            raise ValueError(f"--scale must be > 0, got {args.scale}")
+    return report(replay.run)(args)
+
+
+def add_trace_gen(subparsers: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        subparsers, "trace-gen",
+        "Write a synthetic trace in the Mooncake format (router/sim/trace_gen.py: "
+        + ", ".join(sorted(trace_gen.GENERATORS)) + "), deterministic in --seed; prints its "
+        "size and prefix reuse as JSON.",
+        _cmd_trace_gen)
+    parser.add_argument("name", choices=sorted(trace_gen.GENERATORS), help="which trace")
+    parser.add_argument("--out", required=True, help="file to write (JSON lines)")
+    parser.add_argument("--seed", type=int, default=0, help="generator seed")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="sessions x this, at the same arrival rate")
+
+
+def _cmd_trace_gen(args: argparse.Namespace) -> int:
+    with config_errors_as_usage():
+        rows = trace_gen.generate(args.name, args.seed, args.scale)
+    trace_gen.write_trace(rows, args.out)
+    print(json.dumps({"trace": args.name, "seed": args.seed, "out": args.out,
+                      **trace_gen.trace_stats(rows)}, sort_keys=True))
+    return 0

@@ -1,0 +1,261 @@
+"""`pdcluster serve`, `pdcluster router serve` and `pdcluster metadata serve`: the commands
+that run services until SIGINT/SIGTERM. Heavy imports happen inside the handlers, so
+`pdcluster --help` stays fast and torch-free."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from pdcluster.cluster.cli_common import (
+    DTYPES,
+    add_command,
+    check_model_dir,
+    cluster_secret_from_env,
+    config_errors_as_usage,
+    formatter,
+    resolve_model_arg,
+)
+
+
+def add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        subparsers,
+        "serve",
+        "Serve the cluster on a local Ray: prefill and decode node actors, the metadata "
+        "service and the OpenAI-compatible router. Runs until Ctrl-C. The cluster secret "
+        "comes from $PDCLUSTER_CLUSTER_SECRET or $PDCLUSTER_CLUSTER_SECRET_FILE; without "
+        "either a new one is generated and written to a 0600 file whose path is printed.",
+        _cmd_serve,
+    )
+    parser.add_argument("--model", required=True,
+                        help="HF-format model folder, or a GGUF file (converted once into a "
+                        "cache); the API's model name is the folder's (or file's) name")
+    parser.add_argument("--num-prefill", type=int, default=1, help="prefill node actors")
+    parser.add_argument("--num-decode", type=int, default=1, help="decode node actors")
+    parser.add_argument("--host", default="127.0.0.1", help="router listen address")
+    parser.add_argument("--port", type=int, default=8000, help="router port")
+    parser.add_argument("--metadata", default=None,
+                        help="address of a running metadata service (default: an embedded "
+                        "in-memory one)")
+    add_metadata_tls_args(parser)
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="weights and KV dtype (default: float32 on CPU, half on CUDA)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="KV cache memory per node (default: the engine's own)")
+    parser.add_argument("--gpus-per-node", type=float, default=0.0,
+                        help="Ray GPUs per node actor (1 on a GPU machine)")
+    parser.add_argument("--speculative", default=None, metavar="SPEC",
+                        help="speculative decoding on decode nodes: ngram:k=4 (prompt "
+                        "lookup) or draft:PATH,k=4 (a smaller model, same tokenizer); "
+                        "default: off")
+    parser.add_argument("--local-prefill-threshold", type=int, default=None,
+                        help="uncached prompt tokens up to which the decode node prefills "
+                        "itself; longer prompts go through a prefill node (0: every new "
+                        "prompt does; default: 32)")
+    add_routing_arg(parser)
+    parser.add_argument("--node-metrics-port", type=int, default=None,
+                        help="serve each node's Prometheus metrics on this port of its host "
+                        "(0: a free port each, listed in the metadata service; default: none)")
+
+
+def add_routing_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--routing", choices=("kv", "round_robin", "least_loaded"),
+                        default="kv", help="kv: by cached prefix and load; round_robin / "
+                        "least_loaded: cache-blind baselines, for comparisons")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    model = resolve_model_arg(args.model)
+    from pdcluster.cluster.config import ClusterConfig
+    from pdcluster.cluster.launch import serve
+
+    engine = {"block_size": args.block_size}
+    if args.dtype:
+        engine["dtype"] = args.dtype
+    if args.kv_cache_gib:
+        engine["kv_cache_memory_gib"] = args.kv_cache_gib
+    if args.speculative:
+        engine["speculative"] = _speculative_arg(args.speculative)
+    thresholds = {} if args.local_prefill_threshold is None else {
+        "local_prefill_threshold_tokens": args.local_prefill_threshold}
+    with config_errors_as_usage():
+        config = ClusterConfig(model=model, num_prefill=args.num_prefill,
+                               num_decode=args.num_decode, engine=engine,
+                               metadata_address=args.metadata, router_host=args.host,
+                               router_port=args.port, node_gpus=args.gpus_per_node,
+                               routing=args.routing, node_metrics_port=args.node_metrics_port,
+                               **thresholds, **metadata_tls_fields(args))
+    return serve(config, cluster_secret=_serve_secret())
+
+
+def _speculative_arg(text: str) -> str:
+    """`--speculative`, checked here so a typo is a usage error before anything starts."""
+    from pdcluster.engine.spec_decode.config import SpeculativeConfig
+
+    with config_errors_as_usage():
+        SpeculativeConfig.parse(text)
+    return text
+
+
+def _serve_secret():
+    """The secret from the environment, or a new one written (0600) under the user's cache,
+    for operators' tools (`PDCLUSTER_CLUSTER_SECRET_FILE=<path> pdcluster router serve`).
+    The file is named per process and removed at exit: it is good for this cluster only."""
+    import atexit
+    from pathlib import Path
+
+    from pdcluster.core.credentials import (
+        SECRET_ENV,
+        SECRET_FILE_ENV,
+        ClusterSecret,
+        write_secret_file,
+    )
+
+    if os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV):
+        return cluster_secret_from_env("pdcluster serve")
+    secret = ClusterSecret.generate()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdcluster"
+    path = write_secret_file(secret, cache / f"cluster-secret-{os.getpid()}")
+    atexit.register(path.unlink, missing_ok=True)
+    print(f"pdcluster: generated a cluster secret, saved to {path} (mode 0600; "
+          f"{SECRET_FILE_ENV}={path} lets other tools join this cluster)", flush=True)
+    return secret
+
+
+def add_metadata_tls_args(parser: argparse.ArgumentParser) -> None:
+    """TLS to an external metadata service (`pdcluster serve` hands them to every node)."""
+    parser.add_argument("--metadata-tls-ca", default=None,
+                        help="PEM CA that signed the metadata service's certificate: connect "
+                        "with TLS (default: plaintext)")
+    parser.add_argument("--metadata-tls-cert", default=None,
+                        help="PEM client certificate to present (mTLS; with --metadata-tls-key)")
+    parser.add_argument("--metadata-tls-key", default=None,
+                        help="PEM private key of --metadata-tls-cert")
+    parser.add_argument("--metadata-tls-server-name", default=None,
+                        help="name to check in the service's certificate (default: the host "
+                        "of the metadata address)")
+
+
+def metadata_tls_fields(args: argparse.Namespace) -> dict[str, str | None]:
+    return {"metadata_tls_ca": args.metadata_tls_ca, "metadata_tls_cert": args.metadata_tls_cert,
+            "metadata_tls_key": args.metadata_tls_key,
+            "metadata_tls_server_name": args.metadata_tls_server_name}
+
+
+def add_router(subparsers: argparse._SubParsersAction) -> None:
+    router = subparsers.add_parser(
+        "router", help="The OpenAI-compatible router on its own (nodes found through the "
+        "metadata service).", formatter_class=formatter)
+    commands = router.add_subparsers(dest="router_command", metavar="COMMAND", required=True)
+    serve = add_command(
+        commands, "serve",
+        "Serve the HTTP API until SIGINT/SIGTERM. API keys, if any, are read from "
+        "$PDCLUSTER_API_KEYS (comma-separated); the cluster secret (required) from "
+        "$PDCLUSTER_CLUSTER_SECRET or the file $PDCLUSTER_CLUSTER_SECRET_FILE names.",
+        _cmd_router_serve,
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port")
+    serve.add_argument("--model", required=True,
+                       help="model folder (tokenizer and chat template come from it)")
+    serve.add_argument("--model-name", default="", help="served model name (default: folder)")
+    serve.add_argument("--metadata", required=True, help="metadata service address host:port")
+    add_metadata_tls_args(serve)
+    serve.add_argument("--block-size", type=int, default=16, help="the nodes' KV block size")
+    serve.add_argument("--local-prefill-threshold", type=int, default=256,
+                       help="uncached prompt tokens below which the decode node prefills")
+    serve.add_argument("--max-migrations", type=int, default=1,
+                       help="times a request may move to another node when its decode node "
+                       "is lost mid-stream (0: end it with an error)")
+    serve.add_argument("--no-index-mirror", dest="index_mirror", action="store_false",
+                       help="ask the metadata service per request instead of following its "
+                       "index in memory (saves ~225 bytes per indexed block)")
+    serve.add_argument("--global-reuse-min-tokens", type=int, default=512,
+                       help="cached prefix tokens worth pulling from the node holding them "
+                       "instead of recomputing (0: never)")
+    add_routing_arg(serve)
+
+
+def _cmd_router_serve(args: argparse.Namespace) -> int:
+    check_model_dir(args.model)
+    secret = cluster_secret_from_env("pdcluster router serve")
+    from pdcluster.cluster.launch import api_keys_from_env
+    from pdcluster.router.api.server import serve_forever
+    from pdcluster.router.config import RouterConfig
+    from pdcluster.router.routing.policy import PolicyConfig
+
+    with config_errors_as_usage():
+        config = RouterConfig(
+            model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
+            metadata_address=args.metadata, api_keys=api_keys_from_env(),
+            cluster_secret=secret, **metadata_tls_fields(args),
+            max_migrations=args.max_migrations, index_mirror=args.index_mirror,
+            routing=args.routing,
+            policy=PolicyConfig(block_size=args.block_size,
+                                local_prefill_threshold=args.local_prefill_threshold,
+                                global_reuse_min_tokens=args.global_reuse_min_tokens))
+    asyncio.run(serve_forever(config))
+    return 0
+
+
+def add_metadata(subparsers: argparse._SubParsersAction) -> None:
+    metadata = subparsers.add_parser(
+        "metadata",
+        help="The metadata service (global block index, node registry).",
+        description="The metadata service: node registry with leases, the global block "
+        "index and prefix queries over gRPC.",
+        formatter_class=formatter,
+    )
+    commands = metadata.add_subparsers(dest="metadata_command", metavar="COMMAND", required=True)
+    serve = add_command(
+        commands, "serve",
+        "Serve until SIGINT/SIGTERM. Every call must carry a token derived from the cluster "
+        "secret (required), read from $PDCLUSTER_CLUSTER_SECRET or the file "
+        "$PDCLUSTER_CLUSTER_SECRET_FILE names.",
+        _cmd_metadata_serve,
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=50061, help="port (0: any free port)")
+    serve.add_argument("--backend", choices=("memory", "etcd"), default="memory",
+                       help="memory: embedded, nothing persists; etcd: durable, replicas")
+    serve.add_argument("--etcd", default="127.0.0.1:2379",
+                       help="comma-separated etcd endpoints host:port")
+    serve.add_argument("--etcd-prefix", default="/pdcluster/metadata", help="etcd key prefix")
+    serve.add_argument("--hash-size", type=int, default=32,
+                       help="block hash bytes: 32 (sha256) or 16 (xxh3_128)")
+    serve.add_argument("--lease-ttl", type=int, default=10, help="default node lease TTL, s")
+    serve.add_argument("--flush-interval", type=float, default=0.25,
+                       help="etcd: at most one write per node per this many seconds")
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
+    serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    serve.add_argument("--tls-client-ca", default=None,
+                       help="PEM CA: require every client to present a certificate it signed "
+                       "(mTLS; needs --tls-cert). Tokens are still checked on every call")
+    serve.add_argument("--replica-id", default="", help="name in etcd (default: random)")
+
+
+def _cmd_metadata_serve(args: argparse.Namespace) -> int:
+    secret = cluster_secret_from_env("pdcluster metadata serve")
+    from pdcluster.metadata_service.config import MetadataConfig
+    from pdcluster.metadata_service.server import serve
+
+    with config_errors_as_usage():
+        config = MetadataConfig(
+            host=args.host, port=args.port, backend=args.backend,
+            etcd_endpoints=tuple(e.strip() for e in args.etcd.split(",") if e.strip()),
+            etcd_prefix=args.etcd_prefix, hash_size=args.hash_size,
+            default_lease_ttl_s=args.lease_ttl, flush_interval_s=args.flush_interval,
+            cluster_secret=secret,
+            tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
+            tls_client_ca_file=args.tls_client_ca, replica_id=args.replica_id,
+        )
+
+    def ready(port: int) -> None:
+        print(f"metadata service ({config.backend}) listening on {config.host}:{port}",
+              flush=True)
+
+    asyncio.run(serve(config, ready))
+    return 0

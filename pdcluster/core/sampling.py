@@ -1,0 +1,48 @@
+"""`SamplingSpec`: the one definition of the sampling fields that cross the wire — what the
+router asks for and a node accepts (a field of `core.node_wire.GenerateRequest`).
+
+`engine.SamplingParams` carries these same fields (plus text options only the engine uses)
+and is built from a spec by `SamplingParams.from_spec`; the router builds a spec from an HTTP
+request with `router.api.protocol.CompletionRequest.sampling_spec`. A test keeps the engine's
+fields a superset of these, with the same defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedDecoding:
+    """Structured output: the tokens the sampler may pick are masked so the text matches
+    `spec`. `kind` is one of `GUIDED_KINDS`; `spec` is the schema's JSON text
+    ("json_schema"), the pattern ("regex"), a JSON list of strings ("choice"), the grammar
+    ("grammar"), or empty ("json_object": any JSON object)."""
+
+    kind: str
+    spec: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """`temperature == 0` means greedy; `top_k == 0` and `top_p == 1` disable those filters;
+    `logprobs`: None for none, 0 for the chosen token's, k for the top k too. Ranges are
+    checked by the engine (`SamplingParams`), which refuses the request otherwise."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    guided: GuidedDecoding | None = None

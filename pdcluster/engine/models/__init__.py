@@ -1,0 +1,2 @@
+"""The model implementations (Llama family, MoE, MLA) and their loading; `registry` picks one by
+the checkpoint's `architectures` name."""

@@ -1,0 +1,180 @@
+"""The router's endpoints besides generation, in vLLM's shapes:
+
+- `POST /tokenize`: `{"prompt": str, "add_special_tokens": true}` or `{"messages": [...],
+  "add_generation_prompt": true, "add_special_tokens": false}` (the chat template, as
+  /v1/chat/completions renders it), optional `model` and `return_token_strs` ->
+  `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` null unless asked);
+- `POST /detokenize`: `{"tokens": [int]}` -> `{"prompt": str}` (special tokens kept);
+- `GET /version`: `{"version": ...}` from the installed package's metadata;
+- `GET /health`: 200 when the router can serve, else 503 with the `reason` (no node known, no
+  healthy decode node); always the nodes' and the metadata link's state. A metadata service
+  that is down does not stop serving (routing falls back to load only), so on its own it is
+  not a reason.
+
+The first three take the API key like /v1/*; /health does not (probes carry none).
+
+API: `ExtraRoutes`, `serving_problem`.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import metadata
+from typing import Any
+
+from aiohttp import web
+
+from pdcluster.core.roles import Role
+from pdcluster.router.api.edge import RETRY_AFTER_S, json_error
+from pdcluster.router.api.protocol import parse_chat
+from pdcluster.router.api.request_prep import check_auth, read_json
+from pdcluster.router.api.tokenizer import RouterTokenizer
+from pdcluster.router.config import RouterConfig
+from pdcluster.router.errors import ApiError
+from pdcluster.router.routing.dispatch import Dispatcher
+
+# vLLM's chat-tokenize fields that change the rendering and that this router does not do:
+# refused when set rather than ignored.
+_UNSUPPORTED_CHAT_FIELDS = ("continue_final_message", "chat_template", "chat_template_kwargs",
+                            "tools", "mm_processor_kwargs", "media_io_kwargs")
+
+
+def _api_errors(handler):
+    """An endpoint whose `ApiError`s become OpenAI error responses."""
+
+    @functools.wraps(handler)
+    async def wrapper(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(self, request)
+        except ApiError as exc:
+            return json_error(exc)
+
+    return wrapper
+
+
+class ExtraRoutes:
+    def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer, model_name: str,
+                 dispatcher: Dispatcher) -> None:
+        self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
+        self.dispatcher = dispatcher
+        self._keys = [k.encode() for k in config.api_keys]
+
+    async def _body(self, request: web.Request) -> dict:
+        check_auth(request, self._keys)
+        body = await read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", None, "invalid_body")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model '{model}' does not exist", "model",
+                           "model_not_found")
+        return body
+
+    @_api_errors
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        ids = self._chat_ids(body) if "messages" in body else self._prompt_ids(body)
+        strings = (self.tokenizer.token_strings(ids)
+                   if _flag(body, "return_token_strs", False) else None)
+        return web.json_response({"count": len(ids),
+                                  "max_model_len": self.tokenizer.max_model_len,
+                                  "tokens": ids, "token_strs": strings})
+
+    def _prompt_ids(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ApiError(400, "'prompt' (a string) or 'messages' is required", "prompt",
+                           "invalid_value")
+        return self.tokenizer.encode(prompt, _flag(body, "add_special_tokens", True))
+
+    def _chat_ids(self, body: dict) -> list[int]:
+        if "prompt" in body:
+            raise ApiError(400, "give either 'prompt' or 'messages', not both", "prompt",
+                           "invalid_value")
+        for name in _UNSUPPORTED_CHAT_FIELDS:
+            if body.get(name):
+                raise ApiError(400, f"'{name}' is not supported", name, "unsupported_parameter")
+        # the messages are checked exactly as /v1/chat/completions checks them
+        messages = parse_chat({"model": self.model_name, "messages": body.get("messages")})
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages.messages, _flag(body, "add_generation_prompt", True),
+                _flag(body, "add_special_tokens", False))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+
+    @_api_errors
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens = body.get("tokens")
+        vocab = self.tokenizer.vocab_size
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                for t in tokens):
+            raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})",
+                           "tokens", "invalid_value")
+        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        return web.json_response({"prompt": text})
+
+    @_api_errors
+    async def version(self, request: web.Request) -> web.Response:
+        check_auth(request, self._keys)
+        return web.json_response({"version": package_version()})
+
+    async def health(self, request: web.Request) -> web.Response:
+        dispatcher = self.dispatcher
+        nodes = {n.node_id: {"role": n.spec.role, "healthy": n.healthy,
+                             "connected": not n.disconnected, "inflight": n.num_inflight}
+                 for n in dispatcher.nodes.values()}
+        problem = serving_problem(dispatcher)
+        link = dispatcher.metadata
+        body = {"status": "ok" if problem is None else "unavailable", "reason": problem,
+                "nodes": nodes,
+                "routing": _routing(self.config.routing, dispatcher.prefix_aware),
+                "metadata": None if link is None else {
+                    "address": link.address, "available": link.available,
+                    "last_error": link.last_error, "mirror_in_sync": link.mirror_in_sync,
+                    "mirror_blocks": link.mirror_blocks, "watch_error": link.watch_error}}
+        if problem is None:
+            return web.json_response(body)
+        return web.json_response(body, status=503, headers={"Retry-After": RETRY_AFTER_S})
+
+
+def _routing(routing: str, prefix_aware: bool) -> str:
+    """What /health reports: a baseline by name, else whether prefix hits are used."""
+    if routing != "kv":
+        return routing
+    return "prefix_aware" if prefix_aware else "load_only"
+
+
+def serving_problem(dispatcher: Dispatcher) -> str | None:
+    """Why the router cannot serve a request now, or None: it needs a healthy node that can
+    decode (a decode node, or one of either role); prefill nodes alone cannot answer."""
+    nodes = list(dispatcher.nodes.values())
+    link = dispatcher.metadata
+    if not nodes:
+        if link is not None and not link.available:
+            return f"no node known: the metadata service is unavailable ({link.last_error})"
+        return "no node known"
+    if any(n.healthy and n.spec.role != Role.PREFILL for n in nodes):
+        return None
+    num_healthy = sum(n.healthy for n in nodes)
+    return (f"no healthy decode node ({len(nodes)} nodes known, {num_healthy} healthy, "
+            f"none of them able to decode)")
+
+
+@functools.cache
+def package_version() -> str:
+    try:
+        return metadata.version("pdcluster")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "0+unknown"
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value: Any = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be a boolean", name, "invalid_type")
+    return value

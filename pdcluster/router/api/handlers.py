@@ -1,0 +1,109 @@
+"""The HTTP handlers of the router (see router.api.server for the contract).
+
+One generation path for both endpoints: validate (router.api.protocol, with the parameter
+policy of router.api.params) -> tokenize -> place -> run the samples and answer
+(router.api.generation: one body or SSE chunks). A request asking for top logprobs is prefilled
+or seeded sampling is prefilled on its decode node, where its first token is sampled
+(`_needs_local_prefill`). Leaving the run (stop, disconnect, error) aborts the
+request on its nodes. Deltas come through `router.routing.migration.execute_migrating`, so a request
+whose decode node is lost mid-stream continues on another node within the same response. An
+error after the stream has started (no move left, no healthy node) is sent as an SSE event
+`{"error": {...}}` followed by `[DONE]`: the `openai` client raises it as an `APIError`.
+
+API: `Handlers`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from pdcluster.router.api.edge import json_error
+from pdcluster.router.api.fanout import local_placement
+from pdcluster.router.api.generation import EndedWithError, Generation
+from pdcluster.router.api.protocol import CompletionRequest, parse_chat, parse_completion
+from pdcluster.router.api.request_prep import check_auth, read_json, resolve_prompt
+from pdcluster.router.api.tokenizer import RouterTokenizer
+from pdcluster.router.config import RouterConfig
+from pdcluster.router.errors import ApiError, NodeFailure, NoHealthyNode, api_error
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.routing.dispatch import Dispatcher, Placement
+
+logger = logging.getLogger(__name__)
+
+
+class Handlers:
+    def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer, model_name: str,
+                 metrics: RouterMetrics, dispatcher: Dispatcher) -> None:
+        self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
+        self._metrics, self.dispatcher = metrics, dispatcher
+        self._keys = [k.encode() for k in config.api_keys]
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            check_auth(request, self._keys)
+        except ApiError as exc:
+            return json_error(exc)
+        card = {"id": self.model_name, "object": "model", "created": 0,
+                "owned_by": "pdcluster", "max_model_len": self.tokenizer.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._metrics.render(),
+                            content_type="text/plain", charset="utf-8")
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        endpoint = "chat" if chat else "completions"
+        counter = self._metrics.requests
+        try:
+            response = await self._checked(request, chat)
+        except ApiError as exc:
+            counter.labels(endpoint, str(exc.status)).inc()
+            return json_error(exc)
+        except (NoHealthyNode, NodeFailure) as exc:
+            error = api_error(exc)
+            counter.labels(endpoint, str(error.status)).inc()
+            return json_error(error)
+        except EndedWithError as exc:
+            counter.labels(endpoint, str(exc.status)).inc()
+            return exc.response
+        counter.labels(endpoint, str(response.status)).inc()
+        return response
+
+    async def _checked(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        check_auth(request, self._keys)
+        body = await read_json(request, self.config.max_body_bytes,
+                               self.config.body_timeout_s)
+        req = parse_chat(body) if chat else parse_completion(body)
+        prompt = resolve_prompt(req, self.tokenizer, self.model_name,
+                                self.config.max_tokens_limit)
+        placement = await self.dispatcher.place(prompt.token_ids, req.cache_salt)
+        if _needs_local_prefill(req):
+            placement = local_placement(placement)
+        self._count(placement, len(prompt.token_ids))
+        generation = Generation(req, prompt, self.model_name, self.tokenizer, self._metrics)
+        return await generation.respond(request, self.dispatcher, placement)
+
+    def _count(self, placement: Placement, num_prompt: int) -> None:
+        m, d = self._metrics, placement.decision
+        reason = "load_only" if placement.load_only else d.reason
+        m.decisions.labels(d.decode_node, "decode", reason).inc()
+        if d.prefill_node is not None:
+            m.decisions.labels(d.prefill_node, "prefill", reason).inc()
+        m.prompt_tokens.inc(num_prompt)
+        m.prefix_hit_tokens.inc(d.cached_tokens)
+
+
+def _needs_local_prefill(req: CompletionRequest) -> bool:
+    """Requests whose first token must be sampled where the rest is: top logprobs (a remote
+    prefill sends the first token's logprob but not its alternatives) and seeded sampling
+    (the decode node would start the seed's generator afresh after the prefill node's draw,
+    repeating it: not what the same request prefilled locally gives)."""
+    return bool(req.logprobs) or (req.seed is not None and req.temperature > 0)

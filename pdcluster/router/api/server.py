@@ -1,0 +1,99 @@
+"""The OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions (SSE
+streaming with an optional final usage chunk, or one JSON body), /v1/models, vLLM's
+/tokenize, /detokenize and /version, /health (503 with a reason when the router cannot serve)
+and /metrics (Prometheus).
+
+Every client mistake is a 4xx in OpenAI's error shape (never a traceback), and so is every
+other error status: unknown routes, wrong methods, oversized or slow requests, unexpected
+exceptions (router.api.edge, which also bounds request heads and bodies in size and time); no
+healthy node is 503 with Retry-After; a client that disconnects has its request aborted on the
+nodes (the handler is cancelled, and `Dispatcher.execute`'s cleanup sends AbortRequest). API
+keys, if configured, are checked in constant time. This module sets the app up and shuts it
+down; the generation handlers are in router.api.handlers, the other endpoints in
+router.api.extra_routes, the request checks in router.api.request_prep and the errors and their HTTP
+statuses in router.errors.
+
+API: `RouterApp` (`start()` / `stop()`, `port`), `build_app`, `serve_forever(config)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from pdcluster.router.api.edge import EdgeRunner, error_middleware
+from pdcluster.router.api.extra_routes import ExtraRoutes
+from pdcluster.router.api.handlers import Handlers
+from pdcluster.router.api.tokenizer import RouterTokenizer
+from pdcluster.router.config import RouterConfig
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.routing.dispatch import Dispatcher
+
+logger = logging.getLogger(__name__)
+
+
+class RouterApp:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.tokenizer = RouterTokenizer(config.model_dir)
+        self.model_name = config.model_name or config.model_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.metrics = RouterMetrics()
+        self.dispatcher = Dispatcher(config, self.metrics)
+        self._runner: web.AppRunner | None = None
+        self.port = config.port
+
+    async def start(self) -> None:
+        await self.dispatcher.start()
+        self._runner = EdgeRunner(build_app(self), self.config)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.dispatcher.close()
+
+
+def build_app(router: RouterApp) -> web.Application:
+    handlers = Handlers(router.config, router.tokenizer, router.model_name, router.metrics,
+                        router.dispatcher)
+    extra = ExtraRoutes(router.config, router.tokenizer, router.model_name, router.dispatcher)
+    app = web.Application(client_max_size=router.config.max_body_bytes + 1,
+                          middlewares=[error_middleware])
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/chat/completions", handlers.chat)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_post("/tokenize", extra.tokenize)
+    app.router.add_post("/detokenize", extra.detokenize)
+    app.router.add_get("/version", extra.version)
+    app.router.add_get("/health", extra.health)
+    app.router.add_get("/metrics", handlers.metrics)
+    return app
+
+
+async def wait_for_signal() -> None:
+    """Until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def serve_forever(config: RouterConfig, on_ready=None) -> None:
+    """Run the router until SIGINT/SIGTERM; `on_ready(base_url)` once it listens."""
+    app = RouterApp(config)
+    await app.start()
+    base_url = f"http://{config.host}:{app.port}/v1"
+    logger.info("router listening at %s", base_url)
+    if on_ready is not None:
+        on_ready(base_url)
+    try:
+        await wait_for_signal()
+    finally:
+        await app.stop()

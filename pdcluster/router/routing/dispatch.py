@@ -1,0 +1,269 @@
+"""Deciding and sending, kept apart: `Dispatcher` owns the node clients, the metadata link and
+the load loop; `place` asks the policy where a request goes (pure decision), `execute` sends
+it there and yields the decode node's token deltas.
+
+Work accounting: the dispatcher keeps `work` (`router.routing.load_decay.DecayedWork`, advanced by
+the injected `clock`) and charges each node what it computes for it: the prompt tokens the
+prefilling node neither holds nor pulls, once the request is sent, and `output_token_weight` per
+token as D streams them. The policy sees each node's decayed total as `NodeView.recent_work`,
+through `views` (`router.routing.node_views.NodeViews`: one view per node, kept current by events
+rather than rebuilt per request). A node that appears later starts at the others' mean.
+
+Disaggregated requests: D gets the request with transfer kind "remote_prefill" and P's KV
+side-channel address; P gets it with kind "remote_decode" and max_tokens=1; both carry the
+same fresh transfer id and are sent together. Tokens stream from D; P's own reply is drained
+in the background: a refusal by P fails the request, while a P that is lost (disconnected,
+stopped answering) is ignored — D times out waiting for the KV and recomputes the prompt.
+Whatever ends the stream early (client gone, stop string, error), `execute`'s cleanup aborts
+the request on both nodes. `execute` is one attempt; router.routing.migration moves a request whose
+D is lost to another node.
+
+API: `Dispatcher`, `Placement` (failures: `router.errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+import zmq.asyncio
+
+from pdcluster.core.credentials import SERVICE
+from pdcluster.core.hashing import BlockExtra, hash_block_tokens
+from pdcluster.core.node_wire import (
+    GenerateRequest,
+    PrefixSource,
+    RequestError,
+    TokenDelta,
+    TransferSpec,
+)
+from pdcluster.router.config import NodeSpec, RouterConfig
+from pdcluster.router.errors import NodeFailure, NoHealthyNode
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.routing.baselines import RoundRobin, least_loaded_config
+from pdcluster.router.routing.load_decay import DecayedWork
+from pdcluster.router.routing.metadata_link import MetadataLink
+from pdcluster.router.routing.node_link import NodeLink, NodeStream
+from pdcluster.router.routing.node_views import NodeViews
+from pdcluster.router.routing.policy import (
+    RouteDecision,
+    request_work,
+    route,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    decision: RouteDecision
+    load_only: bool
+
+
+class Dispatcher:
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self.rng = random.Random(config.seed)
+        self.work = DecayedWork(config.policy.work_half_life_s)
+        self.nodes: dict[str, NodeLink] = {}
+        self._round_robin = RoundRobin() if config.routing == "round_robin" else None
+        self._policy = (least_loaded_config(config.policy) if config.routing == "least_loaded"
+                        else config.policy)
+        self.views = NodeViews(self.work, self._policy, clock)  # the policy's view of each node
+        self.metadata: MetadataLink | None = None
+        self._context = zmq.asyncio.Context()
+        self._curve = config.cluster_secret.curve_keys()  # nodes admit only cluster members
+        self._loop_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        if self.config.metadata_address:
+            self.metadata = MetadataLink(
+                self.config.metadata_address,
+                token=self.config.cluster_secret.metadata_token(SERVICE),
+                timeout_s=self.config.metadata_timeout_s, retry_s=self.config.metadata_retry_s,
+                mirror=self.config.index_mirror, tls=self.config.metadata_tls)
+        self._sync_nodes(list(self.config.nodes))
+        await self.refresh()
+        self._loop_task = asyncio.create_task(self._refresh_forever(), name="router-load")
+
+    def _sync_nodes(self, specs: list[NodeSpec]) -> None:
+        for spec in specs:
+            known = self.nodes.get(spec.node_id)
+            if known is not None and known.spec == spec:
+                continue
+            if known is not None:
+                self._spawn(known.close())
+            self.work.join(spec.node_id, self.clock())
+            self.nodes[spec.node_id] = NodeLink(spec, self._context, curve=self._curve)
+            self.views.add(self.nodes[spec.node_id])
+
+    async def refresh(self) -> None:
+        """Discover nodes (metadata service) and poll every node's load once."""
+        if self.metadata is not None:
+            discovered = await self.metadata.list_nodes()
+            if discovered is not None:
+                self._sync_nodes(discovered)
+        await asyncio.gather(*(n.poll_load(self.config.node_timeout_s)
+                               for n in self.nodes.values()))
+        self.metrics.healthy_nodes.set(sum(n.healthy for n in self.nodes.values()))
+        for node_id, work in self.work.values(self.clock()).items():
+            self.metrics.recent_work.labels(node_id).set(work)
+        if self.metadata is not None:
+            self.metrics.metadata_available.set(int(self.metadata.available))
+            self.metrics.mirror_in_sync.set(int(self.metadata.mirror_in_sync))
+            self.metrics.mirror_blocks.set(self.metadata.mirror_blocks)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.load_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # the loop must survive a bad round
+                logger.exception("router load refresh failed")
+
+    @property
+    def prefix_aware(self) -> bool:
+        return self.metadata is not None and self.metadata.available
+
+    async def place(self, prompt_ids: list[int], cache_salt: str | None) -> Placement:
+        if self.config.routing != "kv":  # a cache-blind baseline (router.routing.baselines)
+            return Placement(self.decide({}, len(prompt_ids)), load_only=False)
+        hits = await self._prefix_hits(prompt_ids, cache_salt)
+        return Placement(self.decide(hits or {}, len(prompt_ids)), load_only=hits is None)
+
+    def decide(self, hits: dict[str, int], num_prompt_tokens: int) -> RouteDecision:
+        """The decision proper, no I/O: `hits` (leading blocks per node) and the nodes'
+        state through the policy."""
+        views = self.views.current(hits)
+        if not views:
+            raise NoHealthyNode("no healthy node")
+        if self._round_robin is not None:
+            return self._round_robin.route(views, num_prompt_tokens, self.config.policy)
+        return route(views, num_prompt_tokens, self._policy, self.rng)
+
+    async def _prefix_hits(self, prompt_ids: list[int], salt: str | None) -> dict | None:
+        if self.metadata is None:
+            return None
+        chain = hash_block_tokens(prompt_ids, self.config.policy.block_size,
+                                  BlockExtra(cache_salt=salt))
+        started = time.perf_counter()
+        hits = await self.metadata.prefix_hits(chain)
+        self.metrics.metadata_latency.observe(time.perf_counter() - started)
+        self.metrics.metadata_available.set(int(self.metadata.available))
+        return hits
+
+    async def execute(self, placement: Placement, request: GenerateRequest
+                      ) -> AsyncIterator[TokenDelta]:
+        decision = placement.decision
+        decode = self.nodes[decision.decode_node]
+        prefill = self.nodes[decision.prefill_node] if decision.prefill_node else None
+        d_request, p_request = request, None
+        if prefill is not None:
+            transfer_id = uuid.uuid4().hex
+            d_request = replace(request, transfer=TransferSpec(
+                "remote_prefill", transfer_id, prefill.spec.kv_address or None))
+            p_request = replace(request, transfer=TransferSpec("remote_decode", transfer_id),
+                                sampling=replace(request.sampling, max_tokens=1))
+        source = self._prefix_source(decision)
+        if source is not None:  # global prefix reuse: the prefilling node pulls the prefix
+            self.metrics.prefix_pulls.inc()
+            if p_request is not None:
+                p_request = replace(p_request, prefix_source=source)
+            else:
+                d_request = replace(d_request, prefix_source=source)
+        streams: list[tuple[NodeLink, NodeStream]] = []
+        failure: asyncio.Future[NodeFailure] = asyncio.get_running_loop().create_future()
+        try:
+            if prefill is not None:
+                p_stream = await prefill.generate(p_request)
+                streams.append((prefill, p_stream))
+                self._spawn(_drain_prefill(p_stream, failure))
+            d_stream = await decode.generate(d_request)
+            streams.append((decode, d_stream))
+            self._charge(prefill or decode, self._tokens_to_compute(decision, request, source))
+            async for msg in _race(d_stream, failure):
+                self._charge(decode, 0, len(msg.token_ids))
+                yield msg
+        finally:
+            for node, stream in streams:
+                # a lost node may come back (it hung, its connection dropped): the abort
+                # waits in the socket's queue and stops the request there
+                if stream.lost or not stream.finished:
+                    self.metrics.aborts.inc()
+                    await node.abort(stream.request_id)
+
+    def _tokens_to_compute(self, decision: RouteDecision, request: GenerateRequest,
+                           source: PrefixSource | None) -> int:
+        """Prompt tokens the prefilling node computes: not those it holds, nor those it pulls."""
+        held = decision.cached_tokens
+        if source is not None:
+            held = max(held, source.num_blocks * self.config.policy.block_size)
+        return len(request.prompt_token_ids) - held
+
+    def _prefix_source(self, decision: RouteDecision) -> PrefixSource | None:
+        holder = self.nodes.get(decision.prefix_source or "")
+        if holder is None or not holder.spec.kv_address:
+            return None
+        return PrefixSource(holder.spec.kv_address, decision.prefix_source_blocks)
+
+    def _charge(self, node: NodeLink, uncached: int, output_tokens: int = 0) -> None:
+        work = request_work(uncached, output_tokens, self.config.policy)
+        if work > 0:
+            self.work.add(node.node_id, work, self.clock())
+            self.views.charged(node.node_id)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
+        if self.metadata is not None:
+            await self.metadata.close()
+        self._context.term()
+
+
+async def _drain_prefill(stream: NodeStream, failure: asyncio.Future) -> None:
+    async for msg in stream:
+        if isinstance(msg, RequestError) and not stream.lost and not failure.done():
+            failure.set_result(NodeFailure(msg.code, f"prefill node: {msg.message}"))
+
+
+async def _race(stream: NodeStream, failure: asyncio.Future) -> AsyncIterator[TokenDelta]:
+    """D's deltas, until D finishes or either node fails."""
+    iterator = stream.__aiter__()
+    while True:
+        next_msg = asyncio.ensure_future(iterator.__anext__())
+        try:
+            done, _ = await asyncio.wait({next_msg, failure},
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # e.g. one of n samples closed early (router.api.fanout)
+            next_msg.cancel()
+            raise
+        if failure in done:
+            next_msg.cancel()
+            raise failure.result()
+        try:
+            msg = next_msg.result()
+        except StopAsyncIteration:
+            return
+        if isinstance(msg, RequestError):
+            raise NodeFailure(msg.code, msg.message, lost=stream.lost)
+        yield msg
+
+
+__all__ = ["Dispatcher", "Placement"]
