@@ -12,6 +12,11 @@ Snapshot of its whole block set as of its latest seq, which replaces what the in
 A batch is validated whole before any of it is applied: a malformed or oversize one is
 rejected (``InvalidBatch``), counted by reason, and leaves a gap that forces a resync.
 
+Leases (memory backend): a sweeper drops nodes whose deadline passed. A sweep that runs late
+by ``STALL_S`` or more means the process itself stalled (SIGSTOP, a frozen VM): every
+deadline moves by the stall first (``forgive_stall``), so a live node is never dropped for
+heartbeats the service could not read.
+
 API: ``MetadataService``, ``PublishStatus``.
 """
 
@@ -44,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 PublishStatus = pb.PublishReply.Status
 T = TypeVar("T")
+# The sweeper running this much late means the process stalled; shorter delays are ordinary
+# scheduling noise on a busy machine, far below any lease TTL (>= 1 s).
+STALL_S = 0.5
 
 
 @dataclass(slots=True)
@@ -314,8 +322,25 @@ class MetadataService:
             self.store.node_down(node_id)
         return expired
 
+    def forgive_stall(self, stalled_s: float) -> None:
+        """This process did not run for `stalled_s` (stopped, starved, suspended): no node
+        could renew its lease meanwhile, so every deadline moves that much later. Without
+        it, a service stalled past the TTL would drop every live node's blocks at once the
+        moment it resumed, before it read the heartbeats queued for it."""
+        logger.warning("the service stalled for %.1f s: extending %d leases by as much",
+                       stalled_s, len(self._nodes))
+        for node in self._nodes.values():
+            if node.deadline is not None:
+                node.deadline += stalled_s
+
     async def _sweep_forever(self) -> None:
+        interval = self.config.sweep_interval_s
+        last = self._clock()
         while True:
-            await asyncio.sleep(self.config.sweep_interval_s)
+            await asyncio.sleep(interval)
+            now = self._clock()
+            if now - last - interval >= STALL_S:  # the loop did not run on time
+                self.forgive_stall(now - last - interval)
+            last = now
             self.expire_leases()
 

@@ -45,6 +45,7 @@ from pdcluster.core.node_wire import (
     LoadQuery,
     LoadReport,
     NodeMessage,
+    PrefillLost,
     PrefixSource,
     RequestError,
     TokenDelta,
@@ -205,6 +206,8 @@ class NodeServer:
             self._forget(msg.request_id)
         elif isinstance(msg, LoadQuery):
             self._send(identity, self.load_report())
+        elif isinstance(msg, PrefillLost):
+            self._on_prefill_lost(identity, msg)
         else:
             self.stats.num_malformed += 1  # a reply type sent to a node
 
@@ -234,6 +237,13 @@ class NodeServer:
         self.stats.num_requests += 1
         self._owners[msg.request_id] = identity
         self._prompt_lens[msg.request_id] = len(msg.prompt_token_ids)
+
+    def _on_prefill_lost(self, identity: bytes, msg: PrefillLost) -> None:
+        """Stop waiting for the KV of a request whose prefill node died (only its submitter
+        may say so); the engine recomputes it, or fails it, at its next step."""
+        connector = self.engine.connector
+        if connector is not None and self._owners.get(msg.request_id) == identity:
+            connector.worker.fail_receive(msg.transfer_id, f"prefill node lost: {msg.reason}")
 
     def _prefix_pull(self, source: PrefixSource | None) -> PrefixPull | None:
         if source is None or self.engine.connector is None:

@@ -109,6 +109,20 @@ class ConnectorWorker(KVConnectorWorker):
             self.stats.latencies.clear()
         return taken
 
+    def fail_receive(self, transfer_id: TransferId, reason: str) -> bool:
+        outbox: list[tuple[str, SideChannelMessage]] = []
+        with self._lock:
+            recv = self._state.recvs.get(transfer_id)
+            if recv is None or recv.is_pull:
+                return False
+            del self._state.recvs[transfer_id]
+            self.stats.sources_lost += 1
+            self._finish_recv(recv, False, error=reason)
+            # should the source still be alive after all, it forgets the transfer
+            outbox.append((recv.source_addr, XferAbort(transfer_id)))
+        self._flush(outbox)
+        return True
+
     @property
     def num_pending_receives(self) -> int:
         with self._lock:

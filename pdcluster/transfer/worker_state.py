@@ -33,6 +33,7 @@ class WorkerStats:
     recvs_ok: int = 0
     recvs_failed: int = 0
     timeouts: int = 0
+    sources_lost: int = 0  # receives given up because their source died (`fail_receive`)
     late_messages: int = 0
     blocks_sent: int = 0
     descriptors_sent: int = 0

@@ -12,8 +12,10 @@ rather than rebuilt per request). A node that appears later starts at the others
 Disaggregated requests: D gets the request with transfer kind "remote_prefill" and P's KV
 side-channel address; P gets it with kind "remote_decode" and max_tokens=1; both carry the
 same fresh transfer id and are sent together. Tokens stream from D; P's own reply is drained
-in the background: a refusal by P fails the request, while a P that is lost (disconnected,
-stopped answering) is ignored — D times out waiting for the KV and recomputes the prompt.
+in the background: a refusal by P fails the request. A P whose connection closed (its process
+died) is reported to D at once (`PrefillLost`), and D recomputes the prompt instead of waiting
+out its KV timeout; a P that only stopped answering (it may be hung, and could still write
+the KV) is left to D's timeout.
 Whatever ends the stream early (client gone, stop string, error), `execute`'s cleanup aborts
 the request on both nodes. `execute` is one attempt; router.routing.migration moves a request whose
 D is lost to another node.
@@ -186,9 +188,10 @@ class Dispatcher:
             if prefill is not None:
                 p_stream = await prefill.generate(p_request)
                 streams.append((prefill, p_stream))
-                self._spawn(_drain_prefill(p_stream, failure))
             d_stream = await decode.generate(d_request)
             streams.append((decode, d_stream))
+            if prefill is not None:  # drained once D has the request: it may be told P died
+                self._spawn(self._drain_prefill(prefill, p_stream, decode, d_request, failure))
             self._charge(prefill or decode, self._tokens_to_compute(decision, request, source))
             async for msg in _race(d_stream, failure):
                 self._charge(decode, 0, len(msg.token_ids))
@@ -200,6 +203,19 @@ class Dispatcher:
                 if stream.lost or not stream.finished:
                     self.metrics.aborts.inc()
                     await node.abort(stream.request_id)
+
+    async def _drain_prefill(self, prefill: NodeLink, stream: NodeStream, decode: NodeLink,
+                             d_request: GenerateRequest, failure: asyncio.Future) -> None:
+        async for msg in stream:
+            if not isinstance(msg, RequestError):
+                continue
+            if not stream.lost:
+                if not failure.done():
+                    failure.set_result(NodeFailure(msg.code, f"prefill node: {msg.message}"))
+            elif prefill.disconnected and d_request.transfer is not None:
+                self.metrics.prefill_lost.inc()
+                await decode.prefill_lost(d_request.request_id,
+                                          d_request.transfer.transfer_id, msg.message)
 
     def _tokens_to_compute(self, decision: RouteDecision, request: GenerateRequest,
                            source: PrefixSource | None) -> int:
@@ -235,12 +251,6 @@ class Dispatcher:
         if self.metadata is not None:
             await self.metadata.close()
         self._context.term()
-
-
-async def _drain_prefill(stream: NodeStream, failure: asyncio.Future) -> None:
-    async for msg in stream:
-        if isinstance(msg, RequestError) and not stream.lost and not failure.done():
-            failure.set_result(NodeFailure(msg.code, f"prefill node: {msg.message}"))
 
 
 async def _race(stream: NodeStream, failure: asyncio.Future) -> AsyncIterator[TokenDelta]:

@@ -1,0 +1,175 @@
+"""The faults of the chaos benchmark: real actions on the real processes of a `ChaosCluster`,
+each an async function run beside the load (`chaos_load.run_load`'s `on_start`).
+
+A fault waits until `FaultRun.at_s` on the load's clock, acts, and records on its `FaultRun`
+when it began and ended (`start`, `end`: seconds on that clock) and what else it measured
+(`extra`). Blocking calls (Ray, signals, waiting for a port) run in threads so the load's
+event loop keeps sending.
+
+- `prefill_kill`: a prefill node with requests in flight is frozen (SIGSTOP) until the router
+  shows it holds some — so their KV is surely in flight to a decode node that is waiting —
+  then SIGKILLed; Ray restarts it under the same id.
+- `decode_kill`: the decode node with the most open streams is SIGKILLed.
+- `metadata_stall`: the metadata service SIGSTOPped for twice the lease TTL, then SIGCONTed.
+- `metadata_restart`: the metadata service SIGKILLed and started again on the same port.
+- `etcd_restart`: etcd SIGKILLed, started again on the same data after 2 s (etcd backend).
+- `node_restart`: a prefill node holding cached blocks SIGKILLed; when Ray has restarted it
+  (its cache empty), how long its old blocks stayed in the router's index.
+
+API: `FaultRun`, `FAULTS` (name -> fault function).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from pdcluster.benchmarks.chaos_cluster import ChaosCluster
+
+
+@dataclass(slots=True)
+class FaultRun:
+    cluster: ChaosCluster
+    at_s: float
+    start: float = math.nan
+    end: float = math.nan
+    extra: dict = field(default_factory=dict)
+
+
+async def _until(t0: float, at_s: float) -> None:
+    await asyncio.sleep(max(0.0, t0 + at_s - time.monotonic()))
+
+
+async def router_health(cluster: ChaosCluster) -> dict:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, \
+            session.get(f"{cluster.router_url}/health") as reply:
+        return await reply.json()
+
+
+async def _busiest(cluster: ChaosCluster, role: str, timeout_s: float = 5.0) -> str:
+    """The node of `role` with the most requests in flight per the router (waits for one)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        nodes = (await router_health(cluster))["nodes"]
+        ranked = sorted((info["inflight"], node_id) for node_id, info in nodes.items()
+                        if info["role"] == role and info["healthy"])
+        if ranked and (ranked[-1][0] > 0 or time.monotonic() > deadline):
+            return ranked[-1][1]
+        await asyncio.sleep(0.02)
+
+
+async def prefill_kill(run: FaultRun, t0: float) -> None:
+    pids = await asyncio.to_thread(run.cluster.node_pids)
+    await _until(t0, run.at_s)
+    victim = await _busiest(run.cluster, "prefill")
+    os.kill(pids[victim], signal.SIGSTOP)  # holds its requests' KV until the kill
+    frozen = time.monotonic()
+    inflight = 0
+    while time.monotonic() - frozen < 2.0 and not inflight:
+        inflight = (await router_health(run.cluster))["nodes"][victim]["inflight"]
+        await asyncio.sleep(0.05)
+    os.kill(pids[victim], signal.SIGKILL)
+    run.start = run.end = time.monotonic() - t0
+    run.extra.update(victim=victim, inflight_at_kill=inflight,
+                     frozen_before_kill_s=round(time.monotonic() - frozen, 3))
+
+
+async def decode_kill(run: FaultRun, t0: float) -> None:
+    pids = await asyncio.to_thread(run.cluster.node_pids)
+    await _until(t0, run.at_s)
+    victim = await _busiest(run.cluster, "decode")
+    inflight = (await router_health(run.cluster))["nodes"][victim]["inflight"]
+    os.kill(pids[victim], signal.SIGKILL)
+    run.start = run.end = time.monotonic() - t0
+    run.extra.update(victim=victim, inflight_at_kill=inflight)
+
+
+async def metadata_stall(run: FaultRun, t0: float) -> None:
+    proc = run.cluster.metadata
+    assert proc is not None, "no metadata service to stall"
+    await _until(t0, run.at_s)
+    stall_s = 2 * run.cluster.settings.lease_ttl_s
+    proc.send_signal(signal.SIGSTOP)
+    run.start = time.monotonic() - t0
+    samples = []
+    while time.monotonic() - t0 - run.start < stall_s:
+        samples.append((await router_health(run.cluster))["routing"])
+        await asyncio.sleep(0.25)
+    proc.send_signal(signal.SIGCONT)
+    run.end = time.monotonic() - t0
+    run.extra.update(stall_s=stall_s,
+                     prefix_aware_share_during=round(
+                         samples.count("prefix_aware") / max(1, len(samples)), 3))
+
+
+async def metadata_restart(run: FaultRun, t0: float) -> None:
+    await _until(t0, run.at_s)
+    run.cluster.kill_metadata()
+    run.start = time.monotonic() - t0
+    await asyncio.to_thread(run.cluster.start_metadata)
+    run.end = time.monotonic() - t0
+
+
+async def etcd_restart(run: FaultRun, t0: float) -> None:
+    if run.cluster.etcd is None:
+        raise RuntimeError("the etcd fault needs the etcd backend (--backend etcd)")
+    await _until(t0, run.at_s)
+    run.cluster.kill_etcd()
+    run.start = time.monotonic() - t0
+    await asyncio.sleep(2.0)
+    await asyncio.to_thread(run.cluster.start_etcd)
+    run.end = time.monotonic() - t0
+
+
+async def node_restart(run: FaultRun, t0: float) -> None:
+    pids = await asyncio.to_thread(run.cluster.node_pids)
+    await _until(t0, run.at_s)
+    counts = (await router_health(run.cluster))["metadata"]["mirror_node_blocks"]
+    victim = max((n for n in pids if n.startswith("p")), key=lambda n: counts.get(n, 0))
+    epoch = await _epoch(run.cluster, victim)
+    os.kill(pids[victim], signal.SIGKILL)
+    run.start = time.monotonic() - t0
+    left_at_reregister = None
+    while time.monotonic() - t0 - run.start < 120:
+        if await _epoch(run.cluster, victim) not in (None, epoch):  # the new incarnation
+            reregistered = time.monotonic() - t0
+            health = await router_health(run.cluster)
+            left_at_reregister = health["metadata"]["mirror_node_blocks"].get(victim, 0)
+            break
+        await asyncio.sleep(0.02)
+    else:
+        reregistered = math.nan
+    run.end = reregistered
+    run.extra.update(victim=victim, blocks_before_kill=counts.get(victim, 0),
+                     reregistered_after_s=round(reregistered - run.start, 3),
+                     old_blocks_in_router_index_after_reregister=left_at_reregister)
+
+
+async def _epoch(cluster: ChaosCluster, node_id: str) -> int | None:
+    from pdcluster.core.credentials import SERVICE
+    from pdcluster.metadata_service.client import AsyncMetadataClient
+
+    client = AsyncMetadataClient(cluster.metadata_address,
+                                 token=cluster.secret.metadata_token(SERVICE), timeout_s=2.0)
+    try:
+        nodes = await client.list_nodes()
+    except Exception:  # the service is down: not known now
+        return None
+    finally:
+        await client.close()
+    return next((n.epoch for n in nodes if n.node_id == node_id), None)
+
+
+FaultFn = Callable[[FaultRun, float], Awaitable[None]]
+FAULTS: dict[str, FaultFn] = {
+    "prefill_kill": prefill_kill, "decode_kill": decode_kill,
+    "metadata_stall": metadata_stall, "metadata_restart": metadata_restart,
+    "etcd_restart": etcd_restart, "node_restart": node_restart,
+}
