@@ -29,28 +29,34 @@ def _ray_get(refs, timeout_s: float):
 
 def drain_and_count_leaks(cluster: ChaosCluster, timeout_s: float = 60.0) -> dict:
     """{node: {"held_blocks", "missing_free_blocks", "idle_after_s"}}; `idle_after_s` None
-    if the node never became idle."""
+    if the node never became idle. Every node is asked at once, every 50 ms, so one that
+    restarts (and answers late) does not delay the others' figures."""
+    import ray
+
     started = time.monotonic()
     results: dict[str, dict] = {}
-    pending = dict(cluster.actors)
-    while pending and time.monotonic() - started < timeout_s:
-        for node_id, actor in list(pending.items()):
+    asked: dict = {}  # node id -> the pool_state call in flight
+    while len(results) < len(cluster.actors) and time.monotonic() - started < timeout_s:
+        for node_id, actor in cluster.actors.items():
+            if node_id not in results and node_id not in asked:
+                asked[node_id] = actor.pool_state.remote()
+        ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=0.05)
+        now = time.monotonic()
+        for node_id, ref in [(n, r) for n, r in asked.items() if r in ready]:
+            del asked[node_id]
             try:
-                state = _ray_get(actor.pool_state.remote(), 10)
-            except Exception:  # restarting after a kill: ask again
+                state = ray.get(ref)
+            except Exception:  # the actor died or is restarting: ask again
                 continue
-            if state["num_unfinished"] or state["num_pinned_requests"]:
-                continue
-            results[node_id] = {
-                "held_blocks": state["num_held_blocks"],
-                "missing_free_blocks": state["num_blocks"] - state["num_free_blocks"],
-                "idle_after_s": round(time.monotonic() - started, 3)}
-            del pending[node_id]
-        if pending:
-            time.sleep(0.05)
-    for node_id in pending:
-        results[node_id] = {"held_blocks": None, "missing_free_blocks": None,
-                            "idle_after_s": None}
+            if not state["num_unfinished"] and not state["num_pinned_requests"]:
+                results[node_id] = {
+                    "held_blocks": state["num_held_blocks"],
+                    "missing_free_blocks": state["num_blocks"] - state["num_free_blocks"],
+                    "idle_after_s": round(now - started, 3)}
+        time.sleep(0.05)
+    for node_id in cluster.actors:
+        results.setdefault(node_id, {"held_blocks": None, "missing_free_blocks": None,
+                                     "idle_after_s": None})
     return results
 
 

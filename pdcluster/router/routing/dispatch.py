@@ -134,7 +134,7 @@ class Dispatcher:
 
     @property
     def prefix_aware(self) -> bool:
-        return self.metadata is not None and self.metadata.available
+        return self.metadata is not None and self.metadata.answers_prefixes
 
     async def place(self, prompt_ids: list[int], cache_salt: str | None) -> Placement:
         if self.config.routing != "kv":  # a cache-blind baseline (router.routing.baselines)
@@ -197,10 +197,15 @@ class Dispatcher:
                 self._charge(decode, 0, len(msg.token_ids))
                 yield msg
         finally:
+            # D ended early (client gone, error): P's part may be finished, its blocks pinned
+            # for a transfer that D, still queued, never asked for; the abort frees them now
+            # rather than at P's pin timeout (a no-op once P has sent them)
+            d_ended_early = any(node is decode and (stream.lost or not stream.finished)
+                                for node, stream in streams)
             for node, stream in streams:
                 # a lost node may come back (it hung, its connection dropped): the abort
                 # waits in the socket's queue and stops the request there
-                if stream.lost or not stream.finished:
+                if stream.lost or not stream.finished or (node is prefill and d_ended_early):
                     self.metrics.aborts.inc()
                     await node.abort(stream.request_id)
 

@@ -101,6 +101,12 @@ class MetadataLink:
         mirror = self._mirror
         return mirror.num_blocks if self.mirror_in_sync and mirror is not None else 0
 
+    @property
+    def answers_prefixes(self) -> bool:
+        """Whether `prefix_hits` answers now (from the mirror, the service or the last mirror
+        kept while resyncing) rather than returning None."""
+        return self.mirror_in_sync or self.available or self._stale is not None
+
     async def prefix_hits(self, chain: Sequence[BlockHash]) -> PrefixHits | None:
         """Leading blocks held per node; None when degraded (route on load alone)."""
         if not chain:
