@@ -23,11 +23,12 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from pdcluster.benchmarks.chaos_checks import IndexCheck, drain_and_count_leaks, total_leaked
 from pdcluster.benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
-from pdcluster.benchmarks.chaos_faults import FAULTS, FaultRun, router_health
+from pdcluster.benchmarks.chaos_faults import FAULTS, FaultRun, fault_seconds, router_health
 from pdcluster.benchmarks.chaos_load import LoadSpec, run_load
 from pdcluster.benchmarks.chaos_soak import run_soak
 from pdcluster.benchmarks.chaos_stats import summarize
@@ -118,11 +119,20 @@ async def _measured(cluster: ChaosCluster, spec: LoadSpec, model: str, vocab_siz
     return outcomes, after
 
 
+def fault_load(base: LoadSpec, name: str, lease_ttl_s: int) -> tuple[LoadSpec, float]:
+    """The load for fault `name` and when the fault begins on its clock: a quarter of `base`
+    before it (the baseline), then long enough for the fault itself and as long again after."""
+    at_s = base.duration_s / 4
+    need_s = at_s + fault_seconds(name, lease_ttl_s) + base.duration_s / 2
+    count = max(base.count, int(need_s * base.rate))
+    return replace(base, count=count), at_s
+
+
 async def run_fault(cluster: ChaosCluster, name: str, spec: LoadSpec, model: str,
-                    vocab_size: int) -> dict:
-    """One fault a third of the way into the load; its figures."""
+                    vocab_size: int, at_s: float) -> dict:
+    """One fault `at_s` seconds into the load; its figures."""
     await wait_ready(cluster)
-    run = FaultRun(cluster, at_s=spec.duration_s / 3)
+    run = FaultRun(cluster, at_s=at_s)
     outcomes, after = await _measured(cluster, spec, model, vocab_size, run, FAULTS[name])
     result = {"fault_start_s": round(run.start, 3), "fault_end_s": round(run.end, 3),
               **summarize(outcomes, run.start, run.end), **after, **run.extra}
@@ -140,11 +150,12 @@ async def run_abort_storm(cluster: ChaosCluster, spec: LoadSpec, model: str,
     await wait_ready(cluster)
     outcomes, after = await _measured(cluster, spec, model, vocab_size, None, None)
     aborted = [o.done for o in outcomes if o.aborted]
-    last_abort = max(aborted) if aborted else 0.0
     idle = [f["idle_after_s"] for f in after["leaks_per_node"].values()]
     result = {**summarize(outcomes, 0.0, spec.duration_s), **after}
-    result["idle_after_last_abort_s"] = (
-        None if None in idle else round(after["drained_at_s"] - last_abort + max(idle), 3))
+    # from the moment the last client left or was answered to every node idle, all blocks free
+    result["idle_after_drain_s"] = None if None in idle else max(idle)
+    result["last_abort_before_drain_s"] = (round(after["drained_at_s"] - max(aborted), 3)
+                                           if aborted else None)
     return result
 
 
@@ -178,8 +189,8 @@ async def _run_all(cluster: ChaosCluster, args: argparse.Namespace, model_name: 
         if name == "abort_storm":
             faults[name] = await run_abort_storm(cluster, specs["storm"], model_name, vocab_size)
         elif name != "soak":
-            faults[name] = await run_fault(cluster, name, specs["fault"], model_name,
-                                           vocab_size)
+            spec, at_s = fault_load(specs["fault"], name, args.lease_ttl)
+            faults[name] = await run_fault(cluster, name, spec, model_name, vocab_size, at_s)
     soak = None
     if args.soak_s > 0:
         await wait_ready(cluster)
@@ -211,12 +222,22 @@ def run(args: argparse.Namespace) -> dict:
 
 def goals(measured: dict, lease_ttl_s: int) -> dict[str, bool]:
     """Each fault's goals (issue 28), as booleans: nothing lost (decode_kill: only the
-    streams its dead node had sent), nothing leaked, the index exact within a TTL."""
+    streams its dead node had sent), nothing leaked, the index exact within a TTL, and per
+    fault: no decode waited out its KV timeout (prefill_kill), every node idle within 1 s
+    (abort_storm), no live node's blocks erased and routing prefix-aware (metadata_stall)."""
     out = {}
     for name, f in measured["faults"].items():
         lost_ok = f["failed"] == 0 or (name == "decode_kill"
                                        and f["failed"] <= f.get("inflight_at_kill", 0))
-        out[name] = bool(lost_ok and f["leaked_blocks"] == 0 and f["index_exact_within_ttl"])
+        met = lost_ok and f["leaked_blocks"] == 0 and f["index_exact_within_ttl"]
+        if name == "prefill_kill":
+            met = met and f["decode_transfers"]["timeouts"] == 0
+        elif name == "abort_storm":
+            met = met and f["idle_after_drain_s"] is not None and f["idle_after_drain_s"] <= 1
+        elif name == "metadata_stall":
+            met = (met and not f["nodes_erased_from_router_index"]
+                   and f["prefix_aware_share_during"] == 1.0)
+        out[name] = bool(met)
     if measured.get("soak"):
         out["soak"] = bool(measured["soak"]["memory_flat"] and not measured["soak"]["failed"])
     return out

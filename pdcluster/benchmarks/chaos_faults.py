@@ -10,13 +10,16 @@ event loop keeps sending.
   shows it holds some — so their KV is surely in flight to a decode node that is waiting —
   then SIGKILLed; Ray restarts it under the same id.
 - `decode_kill`: the decode node with the most open streams is SIGKILLed.
-- `metadata_stall`: the metadata service SIGSTOPped for twice the lease TTL, then SIGCONTed.
+- `metadata_stall`: the metadata service SIGSTOPped for twice the lease TTL, then SIGCONTed;
+  the router's index is watched through the stall and one TTL after it: no node holding
+  blocks may lose them all (`nodes_erased_from_router_index`), and routing stays prefix-aware.
 - `metadata_restart`: the metadata service SIGKILLed and started again on the same port.
 - `etcd_restart`: etcd SIGKILLed, started again on the same data after 2 s (etcd backend).
-- `node_restart`: a prefill node holding cached blocks SIGKILLed; when Ray has restarted it
-  (its cache empty), how long its old blocks stayed in the router's index.
+- `node_restart`: a prefill node holding cached blocks SIGKILLed; Ray restarts it under the
+  same id with an empty cache: when its old blocks left the router's index, and whether its
+  re-registration (a new epoch) removed them or its lease had already expired.
 
-API: `FaultRun`, `FAULTS` (name -> fault function).
+API: `FaultRun`, `FAULTS` (name -> fault function), `fault_seconds`.
 """
 
 from __future__ import annotations
@@ -95,18 +98,25 @@ async def metadata_stall(run: FaultRun, t0: float) -> None:
     proc = run.cluster.metadata
     assert proc is not None, "no metadata service to stall"
     await _until(t0, run.at_s)
-    stall_s = 2 * run.cluster.settings.lease_ttl_s
+    ttl = run.cluster.settings.lease_ttl_s
+    health = await router_health(run.cluster)
+    held = {n for n, c in health["metadata"]["mirror_node_blocks"].items() if c}
     proc.send_signal(signal.SIGSTOP)
     run.start = time.monotonic() - t0
-    samples = []
-    while time.monotonic() - t0 - run.start < stall_s:
-        samples.append((await router_health(run.cluster))["routing"])
+    routing, erased = [], set()
+    while time.monotonic() - t0 - run.start < 3 * ttl:  # the stall, then one TTL after it
+        if math.isnan(run.end) and time.monotonic() - t0 - run.start >= 2 * ttl:
+            proc.send_signal(signal.SIGCONT)
+            run.end = time.monotonic() - t0
+        health = await router_health(run.cluster)
+        if math.isnan(run.end):
+            routing.append(health["routing"])
+        counts = health["metadata"]["mirror_node_blocks"]
+        erased |= {n for n in held if counts and not counts.get(n, 0)}
         await asyncio.sleep(0.25)
-    proc.send_signal(signal.SIGCONT)
-    run.end = time.monotonic() - t0
-    run.extra.update(stall_s=stall_s,
+    run.extra.update(stall_s=2 * ttl, nodes_erased_from_router_index=sorted(erased),
                      prefix_aware_share_during=round(
-                         samples.count("prefix_aware") / max(1, len(samples)), 3))
+                         routing.count("prefix_aware") / max(1, len(routing)), 3))
 
 
 async def metadata_restart(run: FaultRun, t0: float) -> None:
@@ -136,20 +146,24 @@ async def node_restart(run: FaultRun, t0: float) -> None:
     epoch = await _epoch(run.cluster, victim)
     os.kill(pids[victim], signal.SIGKILL)
     run.start = time.monotonic() - t0
-    left_at_reregister = None
-    while time.monotonic() - t0 - run.start < 120:
+    gone = reregistered = math.nan
+    while time.monotonic() - t0 - run.start < 120 and math.isnan(reregistered):
+        now = time.monotonic() - t0
+        health = await router_health(run.cluster)
+        if math.isnan(gone) and not health["metadata"]["mirror_node_blocks"].get(victim, 0):
+            gone = now
         if await _epoch(run.cluster, victim) not in (None, epoch):  # the new incarnation
-            reregistered = time.monotonic() - t0
-            health = await router_health(run.cluster)
-            left_at_reregister = health["metadata"]["mirror_node_blocks"].get(victim, 0)
-            break
+            reregistered = now
         await asyncio.sleep(0.02)
-    else:
-        reregistered = math.nan
     run.end = reregistered
-    run.extra.update(victim=victim, blocks_before_kill=counts.get(victim, 0),
-                     reregistered_after_s=round(reregistered - run.start, 3),
-                     old_blocks_in_router_index_after_reregister=left_at_reregister)
+    run.extra.update(
+        victim=victim, blocks_before_kill=counts.get(victim, 0),
+        old_blocks_gone_after_s=round(gone - run.start, 3),
+        reregistered_after_s=round(reregistered - run.start, 3),
+        # re-registration under a new epoch clears them at once; a restart slower than the
+        # lease TTL finds them already gone with the lease
+        old_blocks_cleared_by="re-registration" if gone >= reregistered - 0.1
+        else "lease expiry")
 
 
 async def _epoch(cluster: ChaosCluster, node_id: str) -> int | None:
@@ -165,6 +179,12 @@ async def _epoch(cluster: ChaosCluster, node_id: str) -> int | None:
     finally:
         await client.close()
     return next((n.epoch for n in nodes if n.node_id == node_id), None)
+
+
+def fault_seconds(name: str, lease_ttl_s: int) -> float:
+    """How long fault `name` lasts, about: the load runs on that long after it begins."""
+    return {"metadata_stall": 3 * lease_ttl_s, "metadata_restart": 2.0, "etcd_restart": 3.0,
+            "node_restart": 10.0, "prefill_kill": 1.0}.get(name, 0.0)
 
 
 FaultFn = Callable[[FaultRun, float], Awaitable[None]]

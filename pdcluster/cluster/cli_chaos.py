@@ -17,7 +17,7 @@ def add_chaos_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-decode", type=int, default=2, help="decode node actors")
     parser.add_argument("--backend", choices=("memory", "etcd"), default="memory",
                         help="the metadata service's store (etcd: a real etcd is started)")
-    parser.add_argument("--lease-ttl", type=int, default=4, help="node lease TTL, s")
+    parser.add_argument("--lease-ttl", type=int, default=10, help="node lease TTL, s")
     parser.add_argument("--kv-blocks", type=int, default=512,
                         help="KV blocks of 16 tokens per node")
     parser.add_argument("--rate", type=float, default=8.0, help="requests per second")
