@@ -28,13 +28,18 @@ from pathlib import Path
 
 from pdcluster.benchmarks.chaos_checks import IndexCheck, drain_and_count_leaks, total_leaked
 from pdcluster.benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
-from pdcluster.benchmarks.chaos_faults import FAULTS, FaultRun, fault_seconds, router_health
+from pdcluster.benchmarks.chaos_faults import (
+    FAULTS,
+    LINK_FAULTS,
+    FaultRun,
+    fault_seconds,
+    router_health,
+)
 from pdcluster.benchmarks.chaos_load import LoadSpec, run_load
+from pdcluster.benchmarks.chaos_netns import in_private_netns, run_in_private_netns
 from pdcluster.benchmarks.chaos_soak import run_soak
 from pdcluster.benchmarks.chaos_stats import summarize
 
-DEFAULT_FAULTS = ("prefill_kill", "decode_kill", "abort_storm", "metadata_stall",
-                  "metadata_restart", "node_restart")
 _ROUTER_COUNTERS = ("router_prefill_lost_total", "router_migrations_total",
                     "router_aborts_total")
 
@@ -199,10 +204,15 @@ async def _run_all(cluster: ChaosCluster, args: argparse.Namespace, model_name: 
 
 
 def run(args: argparse.Namespace) -> dict:
-    unknown = set(args.faults.split(",")) - set(FAULTS) - {"abort_storm", "soak"}
+    names = args.faults.split(",")
+    unknown = set(names) - set(FAULTS) - {"abort_storm"}
     if unknown:
         raise ValueError(f"unknown faults {sorted(unknown)}: pick from "
                          f"{sorted(FAULTS) + ['abort_storm']}")
+    if set(names) & set(LINK_FAULTS) and not in_private_netns():
+        # the whole run moves into a network namespace of its own, where it may drop packets
+        return run_in_private_netns(["bench", "chaos", "--json", *_cli_args(args)],
+                                    timeout_s=6 * 3600)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pdcluster-chaos-bench-") as tmp:
         model = args.model or _tiny_model(tmp)
@@ -218,6 +228,18 @@ def run(args: argparse.Namespace) -> dict:
             **measured, "goals": goals(measured, args.lease_ttl),
             "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)},
             "wall_s": round(time.perf_counter() - started, 1)}
+
+
+def _cli_args(args: argparse.Namespace) -> list[str]:
+    """`args` as `pdcluster bench chaos` options again (for the run in a network namespace)."""
+    out = ["--faults", args.faults, "--num-prefill", str(args.num_prefill),
+           "--num-decode", str(args.num_decode), "--backend", args.backend,
+           "--lease-ttl", str(args.lease_ttl), "--kv-blocks", str(args.kv_blocks),
+           "--rate", str(args.rate), "--requests", str(args.requests),
+           "--storm-requests", str(args.storm_requests), "--max-tokens", str(args.max_tokens),
+           "--soak-s", str(args.soak_s)]
+    return out + (["--model", args.model] if args.model else []) + (
+        ["--quick"] if args.quick else [])
 
 
 def goals(measured: dict, lease_ttl_s: int) -> dict[str, bool]:

@@ -15,11 +15,14 @@ event loop keeps sending.
   blocks may lose them all (`nodes_erased_from_router_index`), and routing stays prefix-aware.
 - `metadata_restart`: the metadata service SIGKILLed and started again on the same port.
 - `etcd_restart`: etcd SIGKILLed, started again on the same data after 2 s (etcd backend).
+- `slow_link`: 1% of the packets between nodes dropped, and 50 ms of delay where the kernel
+  has netem, for `LINK_FAULT_S`; `partition`: all of them, healed after `LINK_FAULT_S`
+  (benchmarks/chaos_netns.py: in the benchmark's own network namespace only).
 - `node_restart`: a prefill node holding cached blocks SIGKILLed; Ray restarts it under the
   same id with an empty cache: when its old blocks left the router's index, and whether its
   re-registration (a new epoch) removed them or its lease had already expired.
 
-API: `FaultRun`, `FAULTS` (name -> fault function), `fault_seconds`.
+API: `FaultRun`, `FAULTS` (name -> fault function), `LINK_FAULTS`, `fault_seconds`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pdcluster.benchmarks.chaos_cluster import ChaosCluster
+
+LINK_FAULT_S = 10.0  # how long a slow link or a partition lasts before it heals
 
 
 @dataclass(slots=True)
@@ -166,6 +171,35 @@ async def node_restart(run: FaultRun, t0: float) -> None:
         else "lease expiry")
 
 
+async def _link_fault(run: FaultRun, t0: float, loss: float, delay_ms: int) -> None:
+    from pdcluster.benchmarks.chaos_netns import LinkFault, kv_ports
+
+    cluster = run.cluster
+    nodes = await asyncio.to_thread(cluster.ray.nodes)
+    fault = LinkFault(kv_ports(nodes, await asyncio.to_thread(cluster.node_pids)))
+    await _until(t0, run.at_s)
+    try:
+        fault.drop(loss)
+        delayed = fault.delay(delay_ms) if delay_ms else False
+        run.start = time.monotonic() - t0
+        await asyncio.sleep(LINK_FAULT_S)
+    finally:
+        fault.clear()
+    run.end = time.monotonic() - t0
+    run.extra.update(link_ports=len(fault.ports), loss=loss, link_fault_s=LINK_FAULT_S,
+                     delay_ms=delay_ms if delayed else 0)
+    if delay_ms and not delayed:
+        run.extra["delay_missing"] = "tc netem is not in this kernel: loss only"
+
+
+async def slow_link(run: FaultRun, t0: float) -> None:
+    await _link_fault(run, t0, loss=0.01, delay_ms=50)
+
+
+async def partition(run: FaultRun, t0: float) -> None:
+    await _link_fault(run, t0, loss=1.0, delay_ms=0)
+
+
 async def _epoch(cluster: ChaosCluster, node_id: str) -> int | None:
     from pdcluster.core.credentials import SERVICE
     from pdcluster.metadata_service.client import AsyncMetadataClient
@@ -184,7 +218,8 @@ async def _epoch(cluster: ChaosCluster, node_id: str) -> int | None:
 def fault_seconds(name: str, lease_ttl_s: int) -> float:
     """How long fault `name` lasts, about: the load runs on that long after it begins."""
     return {"metadata_stall": 3 * lease_ttl_s, "metadata_restart": 2.0, "etcd_restart": 3.0,
-            "node_restart": 10.0, "prefill_kill": 1.0}.get(name, 0.0)
+            "node_restart": 10.0, "prefill_kill": 1.0, "slow_link": LINK_FAULT_S,
+            "partition": 2 * LINK_FAULT_S}.get(name, 0.0)
 
 
 FaultFn = Callable[[FaultRun, float], Awaitable[None]]
@@ -192,4 +227,6 @@ FAULTS: dict[str, FaultFn] = {
     "prefill_kill": prefill_kill, "decode_kill": decode_kill,
     "metadata_stall": metadata_stall, "metadata_restart": metadata_restart,
     "etcd_restart": etcd_restart, "node_restart": node_restart,
+    "slow_link": slow_link, "partition": partition,
 }
+LINK_FAULTS = ("slow_link", "partition")  # they run in the benchmark's own network namespace

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.benchmarks.chaos_bench import fault_load, run_abort_storm, run_fault
+from pdcluster.benchmarks.chaos_bench import fault_load, run_abort_storm, run_fault, wait_ready
 from pdcluster.benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
 from pdcluster.benchmarks.chaos_load import LoadSpec
+from pdcluster.benchmarks.chaos_soak import run_soak
 
 pytest.importorskip("ray")
 MODEL = "llama-gqa"
@@ -36,6 +37,13 @@ class Chaos:
     def abort_storm(self, spec: LoadSpec) -> dict:
         return asyncio.run(run_abort_storm(self.cluster, spec, self.model_name,
                                            self.vocab_size))
+
+    def soak(self, spec: LoadSpec) -> dict:
+        async def soak() -> dict:
+            await wait_ready(self.cluster)
+            return await run_soak(self.cluster, spec, self.model_name, self.vocab_size)
+
+        return asyncio.run(soak())
 
 
 def start_chaos(model_dirs, **settings) -> Chaos:

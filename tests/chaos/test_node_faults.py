@@ -49,7 +49,7 @@ def test_an_abort_storm_leaves_every_node_idle_within_a_second(chaos):
     storm = LoadSpec(rate=40.0, count=120, max_tokens=8, abort_after_s=(0.005, 0.25),
                      abort_share=0.75, seed=3)
     result = chaos.abort_storm(storm)
-    assert result["aborted_by_client"] > 60 and result["completed"] > 0
+    assert result["aborted_by_client"] > 30 and result["completed"] > 0
     assert_nothing_lost_or_leaked(result)
     assert result["idle_after_drain_s"] <= 1.0, result["leaks_per_node"]
     assert result["router"]["router_aborts_total"] >= result["aborted_by_client"]
@@ -62,3 +62,13 @@ def test_a_node_restarted_under_its_id_leaves_no_old_block_in_the_index(chaos):
     # gone with the re-registration, or with the lease if the restart took longer
     assert result["old_blocks_gone_after_s"] <= max(result["reregistered_after_s"],
                                                     LEASE_TTL_S + 1)
+
+
+def test_a_churn_soak_keeps_every_process_flat(chaos):
+    # unique prompts of 88 tokens (6 blocks): each node's 256-block cache fills within the
+    # first quarter and evicts from then on
+    result = chaos.soak(LoadSpec(rate=12.0, count=360, max_tokens=4, unique=True, seed=11))
+    assert result["failed"] == 0 and result["completed"] == 360
+    assert result["block_events_per_s"] > 50
+    assert set(result["rss"]) == {"router", "metadata", "p0", "p1", "d0", "d1"}
+    assert result["memory_flat"], result["rss"]
