@@ -12,10 +12,12 @@ Snapshot of its whole block set as of its latest seq, which replaces what the in
 A batch is validated whole before any of it is applied: a malformed or oversize one is
 rejected (``InvalidBatch``), counted by reason, and leaves a gap that forces a resync.
 
-Leases (memory backend): a sweeper drops nodes whose deadline passed. A sweep that runs late
-by ``STALL_S`` or more means the process itself stalled (SIGSTOP, a frozen VM): every
-deadline moves by the stall first (``forgive_stall``), so a live node is never dropped for
-heartbeats the service could not read.
+Leases: with the memory backend a sweeper drops nodes whose deadline passed; with etcd, etcd
+expires them and its watch reports the deletes. A sweep that runs late by ``STALL_S`` or more
+means the process itself stalled (SIGSTOP, a frozen VM): every deadline moves by the stall
+first (``forgive_stall``), so a live node is never dropped for heartbeats the service could
+not read; and an etcd delete of a node whose (forgiven) deadline is still well ahead — etcd
+expired its lease while this replica stood still — writes the node back instead.
 
 API: ``MetadataService``, ``PublishStatus``.
 """
@@ -77,6 +79,7 @@ class MetadataService:
         self._clock = clock
         self._nodes: dict[NodeId, _Node] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._ticked_at = clock()  # when the sweeper last ran (stall detection)
         self.counters: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
 
@@ -89,8 +92,8 @@ class MetadataService:
         if states:
             logger.info("rebuilt the index from %s: %d nodes, %d blocks", self.store.name,
                         len(states), self.index.num_blocks)
-        if self.store.expires_leases_locally:
-            self._sweeper = asyncio.create_task(self._sweep_forever(), name="lease-sweeper")
+        self._ticked_at = self._clock()
+        self._sweeper = asyncio.create_task(self._sweep_forever(), name="lease-sweeper")
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -258,6 +261,15 @@ class MetadataService:
         self.node_watch.notify(pb.NodeChange.UP, node.info)
 
     def remote_node_down(self, node_id: NodeId) -> None:
+        self._catch_up()
+        node = self._nodes.get(node_id)
+        if node is not None and self._is_served_here(node_id, margin_s=node.lease_ttl_s / 4):
+            # etcd let the lease of a node this replica keeps alive expire: this process
+            # stood still past the TTL (the node's own lease was renewed well within it)
+            logger.warning("node %s: its etcd lease expired while the service stalled; "
+                           "writing it back", node_id)
+            self.store.node_up(node.info, node.lease_ttl_s, False)
+            return
         self._drop(node_id)
 
     def remote_delta(self, node_id: NodeId, delta: Delta) -> None:
@@ -289,9 +301,10 @@ class MetadataService:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _is_served_here(self, node_id: NodeId) -> bool:
+    def _is_served_here(self, node_id: NodeId, margin_s: float = 0.0) -> bool:
         node = self._nodes.get(node_id)
-        return node is not None and node.deadline is not None and node.deadline > self._clock()
+        return (node is not None and node.deadline is not None
+                and node.deadline > self._clock() + margin_s)
 
     def _install(self, state: NodeState) -> None:
         node_id = state.info.node_id
@@ -333,14 +346,19 @@ class MetadataService:
             if node.deadline is not None:
                 node.deadline += stalled_s
 
+    def _catch_up(self) -> None:
+        """Forgive a stall if the sweeper ran late, from here or from whichever handler runs
+        first after one (an etcd delete may come before the sweeper's overdue tick)."""
+        now = self._clock()
+        lag = now - self._ticked_at - self.config.sweep_interval_s
+        if lag >= STALL_S:
+            self.forgive_stall(lag)
+        self._ticked_at = now
+
     async def _sweep_forever(self) -> None:
-        interval = self.config.sweep_interval_s
-        last = self._clock()
         while True:
-            await asyncio.sleep(interval)
-            now = self._clock()
-            if now - last - interval >= STALL_S:  # the loop did not run on time
-                self.forgive_stall(now - last - interval)
-            last = now
-            self.expire_leases()
+            await asyncio.sleep(self.config.sweep_interval_s)
+            self._catch_up()
+            if self.store.expires_leases_locally:
+                self.expire_leases()
 
