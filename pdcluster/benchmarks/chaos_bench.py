@@ -79,7 +79,7 @@ async def _router_counters(cluster: ChaosCluster) -> dict[str, float]:
 def _decode_transfer_counters(cluster: ChaosCluster) -> dict[str, int]:
     import ray
 
-    totals = {"timeouts": 0, "sources_lost": 0, "recvs_failed": 0}
+    totals = {"recvs_ok": 0, "recvs_failed": 0, "timeouts": 0, "sources_lost": 0}
     for node_id, actor in cluster.actors.items():
         try:
             stats = ray.get(actor.transfer_stats.remote(), timeout=30)

@@ -235,7 +235,8 @@ class KVConnectorWorker(ABC):
         """Give up on receive `transfer_id` now: its source is known to be dead (its
         connection closed), so no byte of it will land. It is reported failed with `reason`
         at the next `get_results`, as a timeout would be, only sooner. False when no such
-        receive is waiting (already done, or not started yet); none by default."""
+        receive is waiting: one not started yet fails as soon as it starts, one already
+        done is left alone. None of this by default."""
         return False
 
     @abstractmethod

@@ -53,3 +53,20 @@ def test_an_unknown_or_finished_transfer_is_not_failed(model_dirs):
     for engine in (prefill, decode):
         assert_pool_clean(engine.block_pool)
         engine.close()
+
+
+def test_a_source_lost_before_the_receive_starts_fails_it_as_it_starts(model_dirs,
+                                                                       hf_reference):
+    fabric, clock = LoopbackFabric(), FakeClock()
+    p_transport, d_transport = fabric.transport(), fabric.transport()
+    decode = make_engine(model_dirs["llama-gqa"], d_transport, clock=clock, timeout_s=30)
+    prompt = random_prompts(1, 30, 30, seed=92)[0]
+    run = submit(None, decode, prompt, GREEDY, p_transport.reply_address)
+    worker = decode.connector.worker
+    # told before its first step: the request is still queued, no receive has started
+    assert not worker.fail_receive(run.transfer_id, "prefill node lost: p0: overloaded")
+    final = drive([decode], lambda: idle(decode))
+    assert final[run.decode_id].token_ids == hf_reference(model_dirs["llama-gqa"], prompt, 8)
+    assert worker.stats.sources_lost == 1 and worker.stats.timeouts == 0
+    assert_pool_clean(decode.block_pool)
+    decode.close()

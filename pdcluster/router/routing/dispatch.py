@@ -12,10 +12,11 @@ rather than rebuilt per request). A node that appears later starts at the others
 Disaggregated requests: D gets the request with transfer kind "remote_prefill" and P's KV
 side-channel address; P gets it with kind "remote_decode" and max_tokens=1; both carry the
 same fresh transfer id and are sent together. Tokens stream from D; P's own reply is drained
-in the background: a refusal by P fails the request. A P whose connection closed (its process
-died) is reported to D at once (`PrefillLost`), and D recomputes the prompt instead of waiting
-out its KV timeout; a P that only stopped answering (it may be hung, and could still write
-the KV) is left to D's timeout.
+in the background. A P whose connection closed (its process died), or that refused the
+request for a reason of its own (overloaded, draining, an internal error), is reported to D at
+once (`PrefillLost`), and D computes the prompt itself instead of waiting out its KV timeout;
+a P that only stopped answering (it may be hung, and could still write the KV) is left to D's
+timeout. P refusing the request as invalid fails it (D would refuse it too).
 Whatever ends the stream early (client gone, stop string, error), `execute`'s cleanup aborts
 the request on both nodes. `execute` is one attempt; router.routing.migration moves a request whose
 D is lost to another node.
@@ -214,13 +215,16 @@ class Dispatcher:
         async for msg in stream:
             if not isinstance(msg, RequestError):
                 continue
-            if not stream.lost:
+            if not stream.lost and msg.code == "invalid_request":  # D would refuse it too
                 if not failure.done():
                     failure.set_result(NodeFailure(msg.code, f"prefill node: {msg.message}"))
-            elif prefill.disconnected and d_request.transfer is not None:
-                self.metrics.prefill_lost.inc()
+            elif (not stream.lost or prefill.disconnected) and d_request.transfer is not None:
+                # P died, or cannot take the request now (overloaded, draining): its KV is
+                # not coming, so D computes the prompt itself
+                self.metrics.prefill_lost.labels("refused" if not stream.lost else "lost").inc()
                 await decode.prefill_lost(d_request.request_id,
-                                          d_request.transfer.transfer_id, msg.message)
+                                          d_request.transfer.transfer_id,
+                                          f"{prefill.node_id}: {msg.code}: {msg.message}")
 
     def _tokens_to_compute(self, decision: RouteDecision, request: GenerateRequest,
                            source: PrefixSource | None) -> int:
