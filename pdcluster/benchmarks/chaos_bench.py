@@ -23,6 +23,7 @@ import json
 import os
 import tempfile
 import time
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -73,6 +74,10 @@ async def _router_counters(cluster: ChaosCluster) -> dict[str, float]:
         for sample in family.samples:
             if sample.name in out:
                 out[sample.name] += sample.value
+            elif (sample.name == "router_routing_decisions_total"
+                  and sample.labels.get("role") == "decode"):  # one per request placed
+                name = f"decisions_{sample.labels['reason']}"
+                out[name] = out.get(name, 0.0) + sample.value
     return out
 
 
@@ -92,7 +97,8 @@ def _decode_transfer_counters(cluster: ChaosCluster) -> dict[str, int]:
 
 def _moved(before: dict, after: dict) -> dict:
     # a restarted node counts from 0 again: never report a negative change
-    return {k: (after[k] - before[k]) if after[k] >= before[k] else after[k] for k in after}
+    return {k: (after[k] - before.get(k, 0)) if after[k] >= before.get(k, 0) else after[k]
+            for k in after}
 
 
 async def _measured(cluster: ChaosCluster, spec: LoadSpec, model: str, vocab_size: int,
@@ -126,11 +132,14 @@ async def _measured(cluster: ChaosCluster, spec: LoadSpec, model: str, vocab_siz
 
 def fault_load(base: LoadSpec, name: str, lease_ttl_s: int) -> tuple[LoadSpec, float]:
     """The load for fault `name` and when the fault begins on its clock: a quarter of `base`
-    before it (the baseline), then long enough for the fault itself and as long again after."""
+    before it (the baseline), then long enough for the fault itself and as long again after.
+    Its prompts are its own (seeded by the fault): a load repeating an earlier fault's
+    prompts would find them cached on the decode nodes and move no KV at all."""
     at_s = base.duration_s / 4
     need_s = at_s + fault_seconds(name, lease_ttl_s) + base.duration_s / 2
     count = max(base.count, int(need_s * base.rate))
-    return replace(base, count=count), at_s
+    seed = base.seed + zlib.crc32(name.encode())
+    return replace(base, count=count, seed=seed), at_s
 
 
 async def run_fault(cluster: ChaosCluster, name: str, spec: LoadSpec, model: str,

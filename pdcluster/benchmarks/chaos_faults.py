@@ -182,12 +182,18 @@ async def _link_fault(run: FaultRun, t0: float, loss: float, delay_ms: int) -> N
         fault.drop(loss)
         delayed = fault.delay(delay_ms) if delay_ms else False
         run.start = time.monotonic() - t0
-        await asyncio.sleep(LINK_FAULT_S)
+        healthy = []
+        while time.monotonic() - t0 - run.start < LINK_FAULT_S:
+            nodes_now = (await router_health(cluster))["nodes"]
+            healthy.append(all(n["healthy"] for n in nodes_now.values()))
+            await asyncio.sleep(0.25)
+        dropped = fault.packets_dropped()
     finally:
         fault.clear()
     run.end = time.monotonic() - t0
     run.extra.update(link_ports=len(fault.ports), loss=loss, link_fault_s=LINK_FAULT_S,
-                     delay_ms=delay_ms if delayed else 0)
+                     delay_ms=delay_ms if delayed else 0, packets_dropped=dropped,
+                     all_nodes_healthy_share=round(sum(healthy) / max(1, len(healthy)), 3))
     if delay_ms and not delayed:
         run.extra["delay_missing"] = "tc netem is not in this kernel: loss only"
 

@@ -121,6 +121,13 @@ class LinkFault:
         self._netem = True
         return True
 
+    def packets_dropped(self) -> int:
+        """Packets this fault's rules dropped so far (iptables' own counters)."""
+        listing = subprocess.run(["iptables", "-L", "INPUT", "-v", "-x", "-n"], check=True,
+                                 capture_output=True, text=True).stdout
+        return sum(int(line.split()[0]) for line in listing.splitlines()
+                   if line.split()[2:3] == ["DROP"])
+
     def clear(self) -> None:
         for rule in self._rules:
             subprocess.run(["iptables", "-D", *rule], check=False)

@@ -38,5 +38,6 @@ def test_a_lossy_link_and_a_partition_lose_nothing(capsys):
         assert fault["index_exact_within_ttl"], (name, fault.get("index_problems"))
         assert result["goals"][name], name
     assert result["faults"]["partition"]["loss"] == 1.0
-    # the partition held KV requests back: they waited for the heal, then completed
-    assert result["faults"]["partition"]["latency"]["during"]["p99_ms"] > 1000
+    for name in ("slow_link", "partition"):  # the faults were real: KV packets were dropped
+        assert result["faults"][name]["packets_dropped"] > 0, name
+        assert result["faults"][name]["decode_transfers"]["recvs_ok"] > 0, name

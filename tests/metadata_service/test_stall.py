@@ -7,7 +7,14 @@ stops heartbeating."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
+import time
 
+from pdcluster.metadata_service.client import MetadataClient
+from pdcluster.metadata_service.server import ServerThread
+from pdcluster.proto import metadata_pb2 as pb
+from tests.metadata_service.helpers import make_config, make_publisher, wait_until
 from tests.metadata_service.test_service import CHAIN, make_service, register, stored
 
 
@@ -56,15 +63,6 @@ def test_forgive_stall_moves_every_deadline() -> None:
 
 
 def test_an_etcd_backed_service_stalled_past_the_ttl_keeps_every_live_node(etcd) -> None:
-    import contextlib
-    import threading
-    import time
-
-    from pdcluster.metadata_service.client import MetadataClient
-    from pdcluster.metadata_service.server import ServerThread
-    from pdcluster.proto import metadata_pb2 as pb
-    from tests.metadata_service.helpers import make_config, make_publisher, wait_until
-
     config = make_config(backend="etcd", etcd_endpoints=(etcd.endpoint,))
     with ServerThread(config) as server, MetadataClient(server.address) as client:
         p0, node = make_publisher(client, "p0", ttl=2)
