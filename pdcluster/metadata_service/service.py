@@ -13,7 +13,7 @@ A batch is validated whole before any of it is applied: a malformed or oversize 
 rejected (``InvalidBatch``), counted by reason, and leaves a gap that forces a resync.
 
 Leases: with the memory backend a sweeper drops nodes whose deadline passed; with etcd, etcd
-expires them and its watch reports the deletes. A sweep that runs late by ``STALL_S`` or more
+expires them and its watch reports the deletes. A sweep that runs late (``stall.StallClock``)
 means the process itself stalled (SIGSTOP, a frozen VM): every deadline moves by the stall
 first (``forgive_stall``), so a live node is never dropped for heartbeats the service could
 not read; and an etcd delete of a node whose (forgiven) deadline is still well ahead — etcd
@@ -43,6 +43,7 @@ from pdcluster.metadata_service.events import (
     unpack_query,
     unpack_snapshot,
 )
+from pdcluster.metadata_service.stall import StallClock
 from pdcluster.metadata_service.store import IndexStore, NodeState
 from pdcluster.metadata_service.watch import NodeWatch, WatchedIndex
 from pdcluster.proto import metadata_pb2 as pb
@@ -51,9 +52,6 @@ logger = logging.getLogger(__name__)
 
 PublishStatus = pb.PublishReply.Status
 T = TypeVar("T")
-# The sweeper running this much late means the process stalled; shorter delays are ordinary
-# scheduling noise on a busy machine, far below any lease TTL (>= 1 s).
-STALL_S = 0.5
 
 
 @dataclass(slots=True)
@@ -79,7 +77,7 @@ class MetadataService:
         self._clock = clock
         self._nodes: dict[NodeId, _Node] = {}
         self._sweeper: asyncio.Task[None] | None = None
-        self._ticked_at = clock()  # when the sweeper last ran (stall detection)
+        self._stall = StallClock(config.sweep_interval_s, clock, self.forgive_stall)
         self.counters: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
 
@@ -92,7 +90,7 @@ class MetadataService:
         if states:
             logger.info("rebuilt the index from %s: %d nodes, %d blocks", self.store.name,
                         len(states), self.index.num_blocks)
-        self._ticked_at = self._clock()
+        self._stall.restart()
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="lease-sweeper")
 
     async def close(self) -> None:
@@ -261,7 +259,7 @@ class MetadataService:
         self.node_watch.notify(pb.NodeChange.UP, node.info)
 
     def remote_node_down(self, node_id: NodeId) -> None:
-        self._catch_up()
+        self._stall.tick()  # an etcd delete may come before the sweeper's overdue tick
         node = self._nodes.get(node_id)
         if node is not None and self._is_served_here(node_id, margin_s=node.lease_ttl_s / 4):
             # etcd let the lease of a node this replica keeps alive expire: this process
@@ -346,19 +344,10 @@ class MetadataService:
             if node.deadline is not None:
                 node.deadline += stalled_s
 
-    def _catch_up(self) -> None:
-        """Forgive a stall if the sweeper ran late, from here or from whichever handler runs
-        first after one (an etcd delete may come before the sweeper's overdue tick)."""
-        now = self._clock()
-        lag = now - self._ticked_at - self.config.sweep_interval_s
-        if lag >= STALL_S:
-            self.forgive_stall(lag)
-        self._ticked_at = now
-
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
-            self._catch_up()
+            self._stall.tick()
             if self.store.expires_leases_locally:
                 self.expire_leases()
 
