@@ -72,7 +72,7 @@ class ConnectorWorker(KVConnectorWorker):
         outbox: list[tuple[str, SideChannelMessage]] = []
         with self._lock:
             for recv in plan.recvs:
-                outbox.append(self._start_recv(recv))
+                self._start_recv(recv, outbox)
             for send in plan.sends:
                 self._add_send(send, outbox)
             for pull in plan.pulls:
@@ -116,6 +116,22 @@ class ConnectorWorker(KVConnectorWorker):
             self.stats.latencies.clear()
         return taken
 
+    def fail_receive(self, transfer_id: TransferId, reason: str) -> bool:
+        outbox: list[tuple[str, SideChannelMessage]] = []
+        with self._lock:
+            recv = self._state.recvs.get(transfer_id)
+            if recv is None or recv.is_pull:
+                # not started yet (the request still queued here): it fails when it starts
+                self._state.give_up(transfer_id, reason)
+                return False
+            del self._state.recvs[transfer_id]
+            self.stats.sources_lost += 1
+            self._finish_recv(recv, False, error=reason)
+            # should the source still be alive after all, it forgets the transfer
+            outbox.append((recv.source_addr, XferAbort(transfer_id)))
+        self._flush(outbox)
+        return True
+
     @property
     def num_pending_receives(self) -> int:
         with self._lock:
@@ -133,11 +149,17 @@ class ConnectorWorker(KVConnectorWorker):
 
     # ---- decode side ------------------------------------------------------------------
 
-    def _start_recv(self, job: RecvJob) -> tuple[str, XferRequest]:
+    def _start_recv(self, job: RecvJob, outbox: Outbox) -> None:
         region = self._state.require_region()
         tid = job.transfer.transfer_id
-        self._state.recvs[tid] = Recv(job.request_id, job.transfer.source_addr,
-                                      self._state.deadline(), started=self._state.clock())
+        recv = Recv(job.request_id, job.transfer.source_addr, self._state.deadline(),
+                    started=self._state.clock())
+        reason = self._state.given_up.pop(tid, None)
+        if reason is not None:  # its source was reported lost before it started
+            self.stats.sources_lost += 1
+            self._finish_recv(recv, False, error=reason)
+            return
+        self._state.recvs[tid] = recv
         request = XferRequest(
             transfer_id=tid, request_id=job.request_id,
             reply_addr=self.transport.reply_address, dest_session=self.transport.session_id,
@@ -145,7 +167,7 @@ class ConnectorWorker(KVConnectorWorker):
             skip_blocks=job.skip_blocks,
             dest_block_addrs=[region.block_addr(b) for b in job.block_ids[job.skip_blocks:]],
             dest_segment_offsets=list(region.segment_offsets))
-        return job.transfer.source_addr, request
+        outbox.append((job.transfer.source_addr, request))
 
     def _on_done(self, msg: XferDone) -> None:
         with self._lock:
