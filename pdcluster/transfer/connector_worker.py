@@ -174,6 +174,8 @@ class ConnectorWorker(KVConnectorWorker):
             recv = self._state.recvs.pop(msg.transfer_id, None)
             if recv is None:
                 self.stats.late_messages += 1
+                if not msg.ok:  # a receive not started yet fails as it starts
+                    self._state.give_up(msg.transfer_id, msg.error or "transfer failed")
                 return
             if recv.is_pull:
                 self._pulls.finish(recv, msg.ok, msg.num_blocks_sent, msg.error)

@@ -29,12 +29,20 @@ from typing import Any
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.events import KVEvent
 from pdcluster.core.hashing import HashConfig
-from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, RemoteDecode, RemotePrefill
+from pdcluster.core.kv_transfer import (
+    KVTransferParams,
+    PrefixPull,
+    RemoteDecode,
+    RemotePrefill,
+    TransferId,
+    XferDone,
+)
 from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash, ReqId
 from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput
+from pdcluster.transfer.side_channel import SideChannelClient
 from pdcluster.vllm_backend.connector_scheduler import PD_KEY
 from pdcluster.vllm_backend.events import EventSubscriber
 from pdcluster.vllm_backend.handshake import Handshake
@@ -95,6 +103,8 @@ class VllmEngine(NodeEngine):
         self._requests: dict[ReqId, _Tracked] = {}
         self._step_times: list[float] = []
         self._has_connector = connector is not None
+        self._curve = curve
+        self._notices: SideChannelClient | None = None
 
     async def _start(self, args: dict[str, Any]) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -159,6 +169,21 @@ class VllmEngine(NodeEngine):
             logger.warning("vLLM failed request %s: %s", request_id, exc)
             self._outputs.put(RequestOutput(request_id, [], [], [], True, "error",
                                             error=f"{type(exc).__name__}: {exc}"))
+
+    def kv_source_lost(self, transfer_id: TransferId, reason: str) -> bool:
+        """The connector's receive lives in vLLM's worker process: it is told through its own
+        side channel, as the prefill node's failure would be (a receive not started yet
+        fails as it starts)."""
+        if not self._has_connector:
+            return False
+        if self._notices is None:
+            self._notices = SideChannelClient(curve=self._curve)
+        try:
+            self._notices.send(self.kv_address, XferDone(transfer_id, False, error=reason))
+        except Exception as exc:  # the worker is gone: its receive times out
+            logger.warning("could not tell the connector that %s is lost: %s", transfer_id, exc)
+            return False
+        return True
 
     def abort_request(self, request_id: ReqId) -> bool:
         if self._requests.pop(request_id, None) is None:
@@ -264,6 +289,8 @@ class VllmEngine(NodeEngine):
             llm.shutdown()
             del llm  # its __del__ shuts down again: now, not at interpreter exit
         finally:
+            if self._notices is not None:
+                self._notices.close()
             self._events.close()
             self._shutdown_loop()
             self._handshake.close()

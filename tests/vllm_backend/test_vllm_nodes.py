@@ -18,6 +18,7 @@ from pdcluster.core.hashing import hash_block_tokens  # noqa: E402
 from pdcluster.core.node_wire import (  # noqa: E402
     AbortRequest,
     GenerateRequest,
+    PrefillLost,
     SamplingSpec,
     TokenDelta,
     TransferSpec,
@@ -154,6 +155,27 @@ def test_an_unreachable_prefill_node_means_recompute(pair) -> None:
     assert time.monotonic() - started < KV_TIMEOUT_S + 10
     pair.d.server.call(lambda e: e.reset_prefix_cache())
     assert tokens_of(got) == pair.local("dead-local", prompt)
+    pair.assert_idle()
+
+
+@pytest.mark.parametrize("before_it_starts", [False, True])
+def test_a_lost_prefill_node_means_recompute_at_once(pair, before_it_starts) -> None:
+    """The router's PrefillLost reaches the receive inside vLLM's worker process: the decode
+    node recomputes within a second, not at its KV timeout — also when the notice comes
+    right behind the request, before vLLM has started the receive."""
+    prompt = random_prompts(1, 100, 100, seed=51 + before_it_starts)[0]
+    rid, tid = f"lost{before_it_starts}", f"lost-t{before_it_starts}"
+    spec = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
+    started = time.monotonic()
+    pair.to_d.send(GenerateRequest(rid, prompt, spec,
+                                   TransferSpec("remote_prefill", tid, pair.p.kv_address)))
+    if not before_it_starts:
+        time.sleep(0.5)  # its receive is waiting for a prefill that never comes
+    pair.to_d.send(PrefillLost(rid, tid, "test: gone"))
+    got = pair.to_d.collect({rid})[rid]
+    assert time.monotonic() - started < KV_TIMEOUT_S - 1
+    pair.d.server.call(lambda e: e.reset_prefix_cache())
+    assert tokens_of(got) == pair.local(f"{rid}-local", prompt)
     pair.assert_idle()
 
 
