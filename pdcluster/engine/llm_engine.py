@@ -34,10 +34,12 @@ from collections import deque
 from pathlib import Path
 
 from pdcluster.core.events import KVEvent
-from pdcluster.core.hashing import BlockExtra
+from pdcluster.core.hashing import BlockExtra, HashConfig
 from pdcluster.core.kv_connector import KVConnector, KVRegion
 from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, RemotePrefill
+from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash, ReqId
+from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.block_pool import BlockPool
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.engine_setup import (
@@ -66,8 +68,11 @@ logger = logging.getLogger(__name__)
 _STEP_TIMES_KEPT = 4096  # step durations kept for `take_step_times` (oldest dropped)
 
 
-class LLMEngine:
+class LLMEngine(NodeEngine):
     def __init__(self, config: EngineConfig, kv_connector: KVConnector | None = None) -> None:
+        if config.backend != "pdcluster":
+            raise ValueError(f"backend {config.backend!r} is not this engine: nodes build it "
+                             "through pdcluster.node.engines")
         self.config = config
         self.connector = kv_connector
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -139,6 +144,49 @@ class LLMEngine:
         spec = self.kv_spec
         return KVRegion(self.kv_cache.data_ptr(), spec.total_nbytes, spec.block_nbytes,
                         spec.num_blocks)
+
+    # ---- NodeEngine: what a node asks (engine/api.py) ----------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_spec.num_blocks
+
+    @property
+    def hash_config(self) -> HashConfig:
+        return self.config.hash_config
+
+    @property
+    def accepts_prefix_pulls(self) -> bool:
+        return self.connector is not None
+
+    def submit(self, request_id: ReqId, prompt_token_ids: list[int], sampling: SamplingSpec,
+               *, cache_salt: str | None = None, kv_transfer: KVTransferParams | None = None,
+               prefix_pull: PrefixPull | None = None) -> None:
+        self.add_request(request_id, prompt_token_ids, SamplingParams.from_spec(sampling),
+                         cache_salt=cache_salt, kv_transfer=kv_transfer,
+                         prefix_pull=prefix_pull)
+
+    def transfer_counters(self) -> dict[str, int]:
+        return self.connector.worker.counters() if self.connector is not None else {}
+
+    def take_transfer_latencies(self) -> list[tuple[str, float]]:
+        return self.connector.worker.take_latencies() if self.connector is not None else []
+
+    def recent_write_times(self) -> list[float]:
+        worker = self.connector.worker if self.connector is not None else None
+        stats = getattr(worker, "stats", None)  # the Mooncake worker keeps them
+        return list(stats.recent_write_s) if stats is not None else []
+
+    def pool_state(self) -> dict[str, int]:
+        pool = self.block_pool
+        return {"num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
+                "num_held_blocks": sum(1 for b in pool.blocks if b.ref_cnt),
+                "num_pinned_requests": len(self.scheduler.pinned),
+                "num_unfinished": int(self.has_unfinished_requests())}
 
 
     # ---- requests -------------------------------------------------------------------------
