@@ -117,11 +117,6 @@ class ConnectorWorker(KVConnectorWorker):
         return taken
 
     @property
-    def num_pending_receives(self) -> int:
-        with self._lock:
-            return len(self._state.recvs)
-
-    @property
     def num_pending_sends(self) -> int:
         """Sends known on this node: awaiting their prefill, their request, or the write."""
         with self._lock:

@@ -172,7 +172,8 @@ def test_tool_choice_required_sets_the_guided_schema() -> None:
     assert schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["f"]
     named = chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}})
     assert json.loads(named.sampling.guided.spec) == tool["function"]["parameters"]
-    assert chat(tools=[tool]).tool_choice.mode == "auto" and chat(tools=[tool]).sampling.guided is None
+    auto = chat(tools=[tool])
+    assert auto.tool_choice.mode == "auto" and auto.sampling.guided is None
     assert chat(tools=[tool], tool_choice="none").sampling.guided is None
     assert refused(chat, tools=[tool], tool_choice={"type": "function",
                                                     "function": {"name": "g"}}).param \
