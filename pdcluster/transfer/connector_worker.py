@@ -133,6 +133,12 @@ class ConnectorWorker(KVConnectorWorker):
         return True
 
     @property
+    def num_pending_receives(self) -> int:
+        """Receives under way: asked of their source, not yet done, failed or expired."""
+        with self._lock:
+            return len(self._state.recvs)
+
+    @property
     def num_pending_sends(self) -> int:
         """Sends known on this node: awaiting their prefill, their request, or the write."""
         with self._lock:
