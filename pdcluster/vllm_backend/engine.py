@@ -72,6 +72,10 @@ class VllmEngine(NodeEngine):
         check_supported(config)
         # vLLM's events must carry the digests the router computes, not a 64-bit fold.
         os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"
+        # vLLM's CPU worker binds its threads to cores as if it had the machine to itself
+        # (and keeps one core for its scheduler): with several nodes on a host they would
+        # share one core. Unpinned unless the operator says otherwise.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self.config = config
         self._handshake = Handshake()
         self._handshake.write_curve(curve)
