@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from pdcluster.core.kv_connector import (
@@ -59,6 +60,9 @@ class ConnectorWorker(KVConnectorWorker):
         self._sends: dict[TransferId, Send] = {}
         self._pool = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
         self._pulls = PullWorker(self._state, self._pool, self._write, self._flush)
+        # Called (side-channel thread) when a peer's pull waits for the engine to look it up:
+        # an engine in other processes (vLLM) may be idle and must be woken to do it.
+        self.on_lookup: Callable[[], None] | None = None
         transport.start(self._on_message)
 
     # ---- engine-facing ----------------------------------------------------------------
@@ -297,6 +301,8 @@ class ConnectorWorker(KVConnectorWorker):
             self._on_request(msg)
         elif isinstance(msg, PrefixPullRequest):
             self._pulls.on_request(msg)
+            if self.on_lookup is not None:
+                self.on_lookup()
         elif isinstance(msg, XferDone):
             self._on_done(msg)
         elif isinstance(msg, XferAbort):

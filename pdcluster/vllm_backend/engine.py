@@ -26,6 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.events import KVEvent
 from pdcluster.core.hashing import HashConfig
@@ -45,7 +47,8 @@ from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput
 from pdcluster.transfer.side_channel import SideChannelClient
 from pdcluster.vllm_backend.connector_scheduler import PD_KEY
 from pdcluster.vllm_backend.events import EventSubscriber
-from pdcluster.vllm_backend.handshake import Handshake
+from pdcluster.vllm_backend.handshake import Handshake, endpoint
+from pdcluster.vllm_backend.pulls import PULL_KEY
 from pdcluster.vllm_backend.sampling import to_node_output, to_vllm_params
 from pdcluster.vllm_backend.settings import ConnectorSettings, check_supported, engine_args
 from pdcluster.vllm_backend.stats import EngineStats, logger_factory
@@ -89,11 +92,13 @@ class VllmEngine(NodeEngine):
         self._thread.start()
         args = engine_args(config, settings, self._handshake.dir,
                            with_connector=connector is not None)
+        self._wake = _Waker(endpoint(self._handshake.dir, "wake"), self._poke)
         try:
             self._llm = self._run(self._start(args), start_timeout_s)
             self.kv_address = (self._handshake.wait_kv_address(start_timeout_s)
                                if connector is not None else "")
         except BaseException:
+            self._wake.close()
             self._shutdown_loop()
             self._handshake.close()
             raise
@@ -118,6 +123,12 @@ class VllmEngine(NodeEngine):
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**args),
                                          stat_loggers=[logger_factory(self._stats)])
 
+    def _poke(self) -> None:
+        """Make vLLM's engine core look at its input (a cheap utility call): an idle engine
+        then asks the connector whether it has work (a peer's pull to look up)."""
+        if self._llm is not None:
+            self._spawn(self._llm.is_sleeping())
+
     def _run(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None = 30.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
@@ -137,7 +148,7 @@ class VllmEngine(NodeEngine):
 
     @property
     def accepts_prefix_pulls(self) -> bool:
-        return False  # pulls between vLLM nodes: docs/engines.md says what is built
+        return self._has_connector
 
     def submit(self, request_id: ReqId, prompt_token_ids: list[int], sampling: SamplingSpec,
                *, cache_salt: str | None = None, kv_transfer: KVTransferParams | None = None,
@@ -145,7 +156,8 @@ class VllmEngine(NodeEngine):
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         self._check_prompt(prompt_token_ids, sampling)
-        params = to_vllm_params(sampling, _transfer_dict(kv_transfer), self.config.max_logprobs)
+        params = to_vllm_params(sampling, _transfer_dict(kv_transfer, prefix_pull),
+                                self.config.max_logprobs)
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
         if cache_salt:
             prompt["cache_salt"] = cache_salt
@@ -293,6 +305,7 @@ class VllmEngine(NodeEngine):
             llm.shutdown()
             del llm  # its __del__ shuts down again: now, not at interpreter exit
         finally:
+            self._wake.close()
             if self._notices is not None:
                 self._notices.close()
             self._events.close()
@@ -309,11 +322,45 @@ class VllmEngine(NodeEngine):
         self._thread.join(10)
 
 
-def _transfer_dict(transfer: KVTransferParams | None) -> dict[str, Any] | None:
-    """The node's transfer as the `kv_transfer_params` the connector reads."""
+class _Waker:
+    """Wakes vLLM's engine when the connector's worker announces a peer's pull: a thread on
+    a PULL socket (the handshake folder's `wake`), poking twice — the announcement to the
+    scheduler side travels on another socket and may land just after the first poke."""
+
+    def __init__(self, address: str, poke) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(address)
+        self._poke, self._stop = poke, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="vllm-wake")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            while self._sock.poll(0):
+                self._sock.recv()
+            self._poke()
+            time.sleep(0.05)
+            self._poke()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+
+
+def _transfer_dict(transfer: KVTransferParams | None, pull: PrefixPull | None = None
+                   ) -> dict[str, Any] | None:
+    """The node's transfer (and prefix-pull hint) as the `kv_transfer_params` the connector
+    reads (connector_scheduler.py, pulls.py)."""
+    params: dict[str, Any] = {}
     if isinstance(transfer, RemotePrefill):
-        return {PD_KEY: "remote_prefill", "transfer_id": transfer.transfer_id,
-                "source_addr": transfer.source_addr}
-    if isinstance(transfer, RemoteDecode):
-        return {PD_KEY: "remote_decode", "transfer_id": transfer.transfer_id}
-    return None
+        params = {PD_KEY: "remote_prefill", "transfer_id": transfer.transfer_id,
+                  "source_addr": transfer.source_addr}
+    elif isinstance(transfer, RemoteDecode):
+        params = {PD_KEY: "remote_decode", "transfer_id": transfer.transfer_id}
+    if pull is not None:
+        params[PULL_KEY] = {"source_addr": pull.source_addr, "num_blocks": pull.num_blocks}
+    return params or None

@@ -46,6 +46,7 @@ class ConnectorSettings:
     timeout_s: float = 30.0
     recompute_on_failure: bool = True
     min_pull_blocks: int = 2
+    hash_seed: str = VLLM_DEFAULT_SEED  # the seed vLLM hashes with (lookups hash the same)
 
     def as_extra_config(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
