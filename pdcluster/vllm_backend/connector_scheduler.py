@@ -25,11 +25,17 @@ from typing import Any
 
 from pdcluster.core.hashing import HashConfig
 from pdcluster.core.kv_connector import ConnectorPlan, ConnectorResults
-from pdcluster.core.kv_transfer import KVTransferParams, RemoteDecode, RemotePrefill, TransferId
+from pdcluster.core.kv_transfer import (
+    KVTransferParams,
+    PrefixPull,
+    RemoteDecode,
+    RemotePrefill,
+    TransferId,
+)
 from pdcluster.core.vllm_hashing import VLLM_HASH_ALGORITHM
 from pdcluster.transfer.connector_scheduler import ConnectorScheduler
 from pdcluster.vllm_backend.handshake import endpoint
-from pdcluster.vllm_backend.pulls import VllmPulls
+from pdcluster.vllm_backend.pulls import PULL_KEY, VllmPulls
 from pdcluster.vllm_backend.settings import ConnectorSettings
 
 PD_KEY = "pd"
@@ -54,6 +60,21 @@ def transfer_params(params: dict[str, Any] | None) -> KVTransferParams | None:
     if params[PD_KEY] == "remote_decode":
         return RemoteDecode(str(params["transfer_id"]))
     raise ValueError(f"unknown pd role {params[PD_KEY]!r} in kv_transfer_params")
+
+
+def kv_transfer_params(transfer: KVTransferParams | None, pull: PrefixPull | None = None
+                   ) -> dict[str, Any] | None:
+    """The node's transfer (and prefix-pull hint) as the `kv_transfer_params` the connector
+    reads (connector_scheduler.py, pulls.py)."""
+    params: dict[str, Any] = {}
+    if isinstance(transfer, RemotePrefill):
+        params = {PD_KEY: "remote_prefill", "transfer_id": transfer.transfer_id,
+                  "source_addr": transfer.source_addr}
+    elif isinstance(transfer, RemoteDecode):
+        params = {PD_KEY: "remote_decode", "transfer_id": transfer.transfer_id}
+    if pull is not None:
+        params[PULL_KEY] = {"source_addr": pull.source_addr, "num_blocks": pull.num_blocks}
+    return params or None
 
 
 class VllmSchedulerSide:

@@ -26,16 +26,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import zmq
-
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.events import KVEvent
 from pdcluster.core.hashing import HashConfig
 from pdcluster.core.kv_transfer import (
     KVTransferParams,
     PrefixPull,
-    RemoteDecode,
-    RemotePrefill,
     TransferId,
     XferDone,
 )
@@ -45,13 +41,13 @@ from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput
 from pdcluster.transfer.side_channel import SideChannelClient
-from pdcluster.vllm_backend.connector_scheduler import PD_KEY
+from pdcluster.vllm_backend.connector_scheduler import kv_transfer_params
 from pdcluster.vllm_backend.events import EventSubscriber
 from pdcluster.vllm_backend.handshake import Handshake, endpoint
-from pdcluster.vllm_backend.pulls import PULL_KEY
 from pdcluster.vllm_backend.sampling import to_node_output, to_vllm_params
 from pdcluster.vllm_backend.settings import ConnectorSettings, check_supported, engine_args
 from pdcluster.vllm_backend.stats import EngineStats, logger_factory
+from pdcluster.vllm_backend.wake import Waker
 
 logger = logging.getLogger(__name__)
 _STEP_WAIT_S = 0.002
@@ -92,7 +88,7 @@ class VllmEngine(NodeEngine):
         self._thread.start()
         args = engine_args(config, settings, self._handshake.dir,
                            with_connector=connector is not None)
-        self._wake = _Waker(endpoint(self._handshake.dir, "wake"), self._poke)
+        self._wake = Waker(endpoint(self._handshake.dir, "wake"), self._poke)
         try:
             self._llm = self._run(self._start(args), start_timeout_s)
             self.kv_address = (self._handshake.wait_kv_address(start_timeout_s)
@@ -156,7 +152,7 @@ class VllmEngine(NodeEngine):
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         self._check_prompt(prompt_token_ids, sampling)
-        params = to_vllm_params(sampling, _transfer_dict(kv_transfer, prefix_pull),
+        params = to_vllm_params(sampling, kv_transfer_params(kv_transfer, prefix_pull),
                                 self.config.max_logprobs)
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
         if cache_salt:
@@ -320,47 +316,3 @@ class VllmEngine(NodeEngine):
     def _shutdown_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
-
-
-class _Waker:
-    """Wakes vLLM's engine when the connector's worker announces a peer's pull: a thread on
-    a PULL socket (the handshake folder's `wake`), poking twice — the announcement to the
-    scheduler side travels on another socket and may land just after the first poke."""
-
-    def __init__(self, address: str, poke) -> None:
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(address)
-        self._poke, self._stop = poke, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="vllm-wake")
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(100):
-                continue
-            while self._sock.poll(0):
-                self._sock.recv()
-            self._poke()
-            time.sleep(0.05)
-            self._poke()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close()
-
-
-def _transfer_dict(transfer: KVTransferParams | None, pull: PrefixPull | None = None
-                   ) -> dict[str, Any] | None:
-    """The node's transfer (and prefix-pull hint) as the `kv_transfer_params` the connector
-    reads (connector_scheduler.py, pulls.py)."""
-    params: dict[str, Any] = {}
-    if isinstance(transfer, RemotePrefill):
-        params = {PD_KEY: "remote_prefill", "transfer_id": transfer.transfer_id,
-                  "source_addr": transfer.source_addr}
-    elif isinstance(transfer, RemoteDecode):
-        params = {PD_KEY: "remote_decode", "transfer_id": transfer.transfer_id}
-    if pull is not None:
-        params[PULL_KEY] = {"source_addr": pull.source_addr, "num_blocks": pull.num_blocks}
-    return params or None
