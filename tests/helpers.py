@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 from pdcluster.engine.block_pool import BlockPool
+from pdcluster.engine.kv_tiers import KVTiers
 
 
 def assert_pool_clean(pool: BlockPool) -> None:
@@ -24,6 +25,19 @@ def assert_pool_clean(pool: BlockPool) -> None:
     for block_hash, block in cached.items():
         assert block.block_hash == block_hash, (
             f"hash map entry {block_hash.hex()} points to {block}")
+
+
+def assert_tiers_clean(tiers: KVTiers) -> None:
+    """The device pool clean, and the host tier with no copy pending and consistent slots."""
+    assert_pool_clean(tiers.pool)
+    pending = tiers.take_copies()
+    assert not pending, f"tier copies still queued: {pending}"
+    host = tiers.host
+    assert host.num_pinned == 0, f"{host.num_pinned} host slots still pinned"
+    slots = [host.lookup(h) for h in host.cached_hashes()]
+    assert len(set(slots)) == len(slots), f"two host blocks share a slot: {slots}"
+    assert host.num_cached + host.num_free == host.num_slots, (
+        f"{host.num_cached} cached + {host.num_free} free != {host.num_slots} host slots")
 
 
 def _assert_links_consistent(free: list) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from pdcluster.cluster.cli_common import UsageError, add_command, config_errors_as_usage
 from pdcluster.router.sim import trace_gen
 
-REPLAY_POLICIES = ("kv", "round-robin", "least-loaded")
+REPLAY_POLICIES = ("kv", "round-robin", "least-loaded", "round-robin-pool")
 Report = Callable[[Callable[[argparse.Namespace], dict]], Callable[[argparse.Namespace], int]]
 
 
@@ -23,10 +23,12 @@ def add_replay(subparsers: argparse._SubParsersAction, report: Report) -> None:
         subparsers, "replay",
         "Replay a request trace (JSONL: timestamp, input_length, output_length, hash_ids), or "
         "one of the synthetic traces, through the router's policy over simulated LRU-cache "
-        "nodes feeding the real block index, with global prefix reuse (pulls) priced as on "
-        "the live cluster. Reports hit_ratio, pulled_ratio, work_imbalance, TTFT and "
-        "ideal_hit_ratio for the chosen policy and for round-robin and least-loaded, "
-        "measured in the same run.",
+        "nodes (a device tier and optionally a host tier below it) feeding the real block "
+        "index, with global prefix reuse (pulls) priced as on the live cluster. Reports "
+        "hit_ratio, host_hit_ratio, pulled_ratio, work_imbalance, TTFT, ideal_hit_ratio "
+        "(infinite memory) and achievable_hit_ratio (one LRU cache of the cluster's memory) "
+        "for the chosen policy and for round-robin, least-loaded and round-robin-pool "
+        "(round-robin pulling from a shared pool), measured in the same run.",
         lambda args: _cmd_replay(args, report))
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", help="trace file (JSON lines)")
@@ -39,6 +41,14 @@ def add_replay(subparsers: argparse._SubParsersAction, report: Report) -> None:
     parser.add_argument("--nodes", type=int, default=8, help="simulated nodes")
     parser.add_argument("--cache-blocks", type=int, default=100_000,
                         help="blocks of cache over all nodes (each node holds C/N)")
+    parser.add_argument("--device-blocks", type=int, default=None,
+                        help="device blocks per node (instead of --cache-blocks / nodes)")
+    parser.add_argument("--host-blocks", type=int, default=0,
+                        help="host-tier blocks per node below the device (0: no host tier)")
+    parser.add_argument("--host-gbps", type=float, default=40.0,
+                        help="bandwidth of a load from the host tier, GB/s")
+    parser.add_argument("--host-latency-ms", type=float, default=0.2,
+                        help="fixed cost of one load from the host tier, ms")
     parser.add_argument("--policy", choices=REPLAY_POLICIES, default="kv", help="routing policy")
     parser.add_argument("--no-global-reuse", action="store_true",
                         help="nodes never pull a prefix from each other")

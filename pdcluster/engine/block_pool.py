@@ -10,7 +10,10 @@ hit, ``get_new_blocks`` for the rest, ``cache_blocks`` as blocks fill up, and ``
 (in reverse order) when the request finishes or is preempted.
 
 When events are enabled the pool records ``BlockStored`` / ``BlockRemoved`` /
-``AllBlocksCleared`` for the global block index; ``take_events`` drains them.
+``AllBlocksCleared`` for the global block index; ``take_events`` drains them. With a host
+tier (engine/kv_tiers.py) the blocks an allocation evicts go to ``on_evict`` instead, which
+demotes them and records what happened to each (``record_event``; consecutive events of one
+kind are merged, so a step's demotions are one event).
 
 API: ``KVCacheBlock``, ``FreeBlockQueue``, ``BlockPool``.
 """
@@ -18,11 +21,17 @@ API: ``KVCacheBlock``, ``FreeBlockQueue``, ``BlockPool``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from pdcluster.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdcluster.core.events import (
+    AllBlocksCleared,
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 from pdcluster.core.types import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -127,6 +136,9 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self._events: list[KVEvent] = []
+        # (block id, hash) of every cached block an allocation evicts, before it is reused;
+        # None: they are dropped (BlockRemoved)
+        self.on_evict: Callable[[list[tuple[int, BlockHash]]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -149,16 +161,19 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
         blocks = [self.free_block_queue.popleft() for _ in range(n)]
-        removed: list[BlockHash] = []
+        removed: list[tuple[int, BlockHash]] = []
         for block in blocks:
             assert block.ref_cnt == 0, f"free block {block} has references"
             if block.block_hash is not None:
-                removed.append(block.block_hash)
+                removed.append((block.block_id, block.block_hash))
                 del self._cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
-        if removed and self.enable_events:
-            self._events.append(BlockRemoved(tuple(removed)))
+        if removed:
+            if self.on_evict is not None:
+                self.on_evict(removed)
+            elif self.enable_events:
+                self._events.append(BlockRemoved(tuple(h for _, h in removed)))
         return blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -230,6 +245,18 @@ class BlockPool:
         if self.enable_events:
             self._events.append(BlockStored(tuple(run), parent_hash, self.block_size))
 
+    def record_event(self, event: BlockRemoved | BlockMoved) -> None:
+        """Record a tier change (engine/kv_tiers.py), merged into the previous event when
+        that is of the same kind and media."""
+        if not self.enable_events:
+            return
+        last = self._events[-1] if self._events else None
+        if type(last) is type(event) and _same_media(last, event):
+            assert isinstance(last, BlockRemoved | BlockMoved), "merging a non-tier event"
+            self._events[-1] = replace(last, block_hashes=last.block_hashes + event.block_hashes)
+        else:
+            self._events.append(event)
+
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero join the LRU tail.
 
@@ -260,3 +287,11 @@ class BlockPool:
         """Return the events recorded since the last call and forget them."""
         events, self._events = self._events, []
         return events
+
+
+def _same_media(a: KVEvent, b: KVEvent) -> bool:
+    if isinstance(a, BlockRemoved) and isinstance(b, BlockRemoved):
+        return a.medium == b.medium
+    if isinstance(a, BlockMoved) and isinstance(b, BlockMoved):
+        return (a.src, a.dst) == (b.src, b.dst)
+    return False

@@ -28,6 +28,11 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib
     kv_cache_memory_gib: float | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
+    # The host tier below the device's KV cache (engine/kv_tiers.py): blocks the device evicts
+    # are copied there and loaded back on a prefix hit. Sized in GiB of host memory, or in
+    # blocks (num_host_blocks wins); 0 / None: no host tier.
+    host_cache_gib: float = 0.0
+    num_host_blocks: int | None = None
     max_model_len: int | None = None  # None: the model's own limit
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -70,11 +75,28 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be > 0")
+        self._validate_tiers()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         HashConfig(self.hash_algorithm, self.hash_seed)  # validates both
         self._validate_limits()
         object.__setattr__(self, "speculative", SpeculativeConfig.coerce(self.speculative))
+
+    def _validate_tiers(self) -> None:
+        if not 0 <= self.host_cache_gib < float("inf"):
+            raise ValueError(f"host_cache_gib must be >= 0, got {self.host_cache_gib}")
+        if self.num_host_blocks is not None and self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
+        if self.has_host_tier and self.backend == "vllm":
+            raise ValueError("host_cache_gib is the own engine's host tier; a vLLM node "
+                             "offloads with vLLM's own connectors (docs/engines.md)")
+        if self.has_host_tier and not self.enable_prefix_caching:
+            raise ValueError("a host KV tier caches prefixes: it needs enable_prefix_caching")
+
+    @property
+    def has_host_tier(self) -> bool:
+        return bool(self.num_host_blocks) if self.num_host_blocks is not None \
+            else self.host_cache_gib > 0
 
     def _validate_limits(self) -> None:
         if self.max_logprobs < 0:

@@ -2,7 +2,8 @@
 sequence, the tokenizer (if the model folder has one) and the size of the paged KV cache.
 
 `kv_cache_spec` fills the configured KV memory (1 GiB on CPU by default, 90% of free memory on
-CUDA) with blocks, never more than every sequence slot at full length can use.
+CUDA) with blocks, never more than every sequence slot at full length can use. `host_tier`
+builds the host tier below it (engine/kv_tiers.py), when the config asks for one.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from pathlib import Path
 
 import torch
 
+from pdcluster.engine.block_pool import BlockPool
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.kv_cache import KVCacheSpec
+from pdcluster.engine.host_kv_cache import HostKVCache, available_host_bytes, host_tier_blocks
+from pdcluster.engine.host_pool import HostBlockPool
+from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
 from pdcluster.engine.kv_cache_manager import cdiv
+from pdcluster.engine.kv_tiers import KVTiers
 from pdcluster.engine.model_config import ModelConfig
 
 _CPU_KV_GIB = 1.0
@@ -79,3 +84,17 @@ def _blocks_for_memory(config: EngineConfig, device: torch.device, max_model_len
     if num_blocks < 1:
         raise ValueError("the KV cache memory budget is smaller than one block")
     return num_blocks
+
+
+def host_tier(config: EngineConfig, pool: BlockPool, kv_cache: PagedKVCache
+              ) -> tuple[KVTiers | None, HostKVCache | None]:
+    """The host tier's bookkeeping and bytes, or (None, None) without one; ValueError when
+    it does not fit in the host memory available (checked after the device cache exists: on
+    CPU that cache is host memory too)."""
+    if not config.has_host_tier:
+        return None, None
+    num_blocks = host_tier_blocks(config.host_cache_gib, config.num_host_blocks,
+                                  kv_cache.spec.block_nbytes, available_host_bytes())
+    host_cache = HostKVCache(kv_cache, num_blocks)
+    host_cache.calibrate()
+    return KVTiers(pool, HostBlockPool(num_blocks)), host_cache

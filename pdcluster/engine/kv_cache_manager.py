@@ -2,20 +2,28 @@
 
 - `get_computed_blocks(req)`: the longest cached prefix of the request's block-hash chain,
   stopping at the first miss. At least one token is always left to compute, because the
-  sampler needs the last position's logits.
-- `allocate_slots(req, num_new_tokens, computed_blocks)`: takes the prefix-hit blocks and
-  enough fresh blocks for the new tokens, then hashes every block that these tokens fill
-  (prompt or generated), so it becomes a cache hit for later requests. Returns None — nothing
-  changed — when the pool cannot supply the blocks: the scheduler decides what to preempt.
+  sampler needs the last position's logits. With a host tier (`KVTiers`) the chain goes on
+  through blocks only the host holds (`HostHit`s).
+- `allocate_slots(req, num_new_tokens, computed_blocks)`: takes the prefix-hit blocks (a host
+  hit gets a fresh device block that its host copy is loaded into before the step's model
+  run) and enough fresh blocks for the new tokens, then hashes every block that these tokens
+  fill (prompt or generated), so it becomes a cache hit for later requests. Returns None —
+  nothing changed — when the pool cannot supply the blocks: the scheduler decides what to
+  preempt.
 - `free(req)`: returns the request's blocks in reverse order, so an evicted chain loses its
   tail before its head.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pdcluster.core.types import BlockHash, ReqId
 from pdcluster.engine.block_pool import BlockPool, KVCacheBlock
+from pdcluster.engine.kv_tiers import HostHit, KVTiers
 from pdcluster.engine.request import Request
+
+PrefixHit = KVCacheBlock | HostHit
 
 
 def cdiv(a: int, b: int) -> int:
@@ -23,8 +31,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, enable_caching: bool = True) -> None:
+    def __init__(self, pool: BlockPool, enable_caching: bool = True,
+                 tiers: KVTiers | None = None) -> None:
         self.pool = pool
+        self.tiers = tiers
         self.block_size = pool.block_size
         self.enable_caching = enable_caching
         self.req_blocks: dict[ReqId, list[KVCacheBlock]] = {}
@@ -37,16 +47,19 @@ class KVCacheManager:
     def block_ids(self, request_id: ReqId) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
-        """Prefix-hit blocks and the number of tokens they hold."""
+    def get_computed_blocks(self, req: Request) -> tuple[list[PrefixHit], int]:
+        """Prefix hits (device blocks, and host hits with a host tier) and the number of
+        tokens they hold."""
         if not self.enable_caching:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
-        hits = self.pool.find_longest_prefix(req.block_hashes[:max_blocks])
+        hashes = req.block_hashes[:max_blocks]
+        hits: list[PrefixHit] = (self.tiers.longest_prefix(hashes) if self.tiers is not None
+                                 else list(self.pool.find_longest_prefix(hashes)))
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[KVCacheBlock] = (),
+                       computed_blocks: Sequence[PrefixHit] = (),
                        delay_caching: bool = False) -> list[KVCacheBlock] | None:
         """`delay_caching`: the new tokens' KV will arrive from elsewhere; hash the blocks
         only once it has (`cache_blocks`), so no other request hits half-written blocks."""
@@ -54,21 +67,46 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
         num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(computed_blocks)
+        host_hits = [b for b in computed_blocks if isinstance(b, HostHit)]
         # A prefix-hit block with no other user sits in the free queue: touching it uses one.
-        num_reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_reclaimed:
+        num_reclaimed = sum(1 for b in computed_blocks
+                            if isinstance(b, KVCacheBlock) and b.ref_cnt == 0)
+        if max(num_needed, 0) + len(host_hits) > self.pool.num_free_blocks - num_reclaimed:
             if not blocks:
                 del self.req_blocks[req.request_id]
             return None
         if computed_blocks:
-            self.pool.touch(computed_blocks)
-            blocks.extend(computed_blocks)
+            blocks.extend(self._take_hits(req, computed_blocks, host_hits))
             self._num_hashed[req.request_id] = len(blocks)
         new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
         blocks.extend(new_blocks)
         if not delay_caching:
             self.cache_blocks(req, total_tokens)
         return new_blocks
+
+    def _take_hits(self, req: Request, computed: Sequence[PrefixHit],
+                   host_hits: list[HostHit]) -> list[KVCacheBlock]:
+        """Reference the device hits; give each host hit a device block its copy loads
+        into, cached under its hash at once (the load runs before any model step reads it)."""
+        device_hits = [b for b in computed if isinstance(b, KVCacheBlock)]
+        self.pool.touch(device_hits)
+        if not host_hits:
+            return device_hits
+        assert self.tiers is not None, "a host hit without a host tier"
+        self.tiers.pin(host_hits)
+        targets = iter(self.pool.get_new_blocks(len(host_hits)))
+        taken: list[KVCacheBlock] = []
+        for hit in computed:
+            if isinstance(hit, HostHit):
+                block = next(targets)
+                self.tiers.load(hit, block)
+                taken.append(block)
+            else:
+                taken.append(hit)
+        start = len(self.req_blocks[req.request_id])
+        hashes = req.block_hashes[start:start + len(taken)]
+        self.pool.cache_blocks(taken, hashes, req.block_hashes[start - 1] if start else None)
+        return taken
 
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Hash the request's blocks that the first `num_tokens` tokens fill."""

@@ -43,6 +43,7 @@ from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.block_pool import BlockPool
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.engine_setup import (
+    host_tier,
     kv_cache_spec,
     load_tokenizer,
     resolve_device,
@@ -89,7 +90,8 @@ class LLMEngine(NodeEngine):
         pool = BlockPool(self.kv_spec.num_blocks, config.block_size,
                          enable_caching=config.enable_prefix_caching,
                          enable_events=config.enable_kv_events)
-        self.kv_manager = KVCacheManager(pool, config.enable_prefix_caching)
+        self.tiers, self.host_cache = host_tier(config, pool, self.runner.kv_cache)
+        self.kv_manager = KVCacheManager(pool, config.enable_prefix_caching, self.tiers)
         max_pinned = max(1, int(config.max_pinned_fraction * self.kv_spec.num_blocks))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
@@ -277,8 +279,11 @@ class LLMEngine(NodeEngine):
         return self.block_pool.take_events()
 
     def cached_block_hashes(self) -> list[BlockHash]:
-        """The hashes of every block in the prefix cache. Safe from another thread: list() of
-        a dict copies it atomically under the GIL, while the engine thread may be mid-step."""
+        """The hashes of every block in the prefix cache, on either tier. Safe from another
+        thread: list() of a dict copies it atomically under the GIL, while the engine thread
+        may be mid-step."""
+        if self.tiers is not None:
+            return self.tiers.cached_hashes()
         return list(self.block_pool.cached_block_map)
 
     def has_pinned_blocks(self) -> bool:
@@ -295,6 +300,8 @@ class LLMEngine(NodeEngine):
         transfer holds blocks."""
         if self.has_unfinished_requests() or self.has_pinned_blocks():
             return False
+        if self.tiers is not None:
+            return self.tiers.reset()
         return self.block_pool.reset_prefix_cache()
 
     def close(self) -> None:
@@ -318,6 +325,11 @@ class LLMEngine(NodeEngine):
             results = self.connector.worker.get_results()
             updated += self.scheduler.apply_connector_results(results)
         sched = self.scheduler.schedule(self._propose())
+        if self.tiers is not None and self.host_cache is not None:  # before the model writes
+            copies = self.tiers.take_copies()
+            if copies:
+                self.host_cache.apply(copies)
+                self.tiers.copies_done(copies)
         if not sched.is_empty:
             sampled = self.runner.execute(sched)
             updated += self.scheduler.update_from_output(sched, sampled)
@@ -358,7 +370,17 @@ class LLMEngine(NodeEngine):
                 "num_running": len(self.scheduler.running),
                 "num_free_blocks": pool.num_free_blocks, "kv_usage": pool.usage,
                 "num_pinned_blocks": pins.num_used, "num_pin_refusals": pins.num_refused,
-                "num_pins_expired": pins.num_expired, **self._spec_stats()}
+                "num_pins_expired": pins.num_expired, **self._tier_stats(),
+                **self._spec_stats()}
+
+    def _tier_stats(self) -> dict[str, float]:
+        tiers = self.tiers
+        if tiers is None:
+            return {}
+        return {"num_host_blocks": tiers.host.num_slots, "num_host_cached": tiers.host.num_cached,
+                "num_host_pinned": tiers.host.num_pinned, "num_demoted_blocks": tiers.num_demoted,
+                "num_loaded_blocks": tiers.num_loaded,
+                "num_host_evicted_blocks": tiers.num_host_evicted}
 
     def _spec_stats(self) -> dict[str, float]:
         return {} if self.spec_decoder is None else self.spec_decoder.stats.as_dict()

@@ -25,6 +25,20 @@ Every cost is in *prefill-token equivalents* (the unit of the work a node must d
     cost_P(n) = prefill_weight  * uncached(n) + load(n) + balance(n)
     cost_D(n) = transfer_weight * uncached(n) + load(n) + balance(n)
 
+KV tiers: a node's cached blocks may sit in its host memory or on its disk rather than on
+the device; it loads them back instead of recomputing them, which costs time, not compute:
+
+    tiered(n) = prefill_weight * rate(n) * (load_s(host_blocks(n) * block_size, host)
+                                           + load_s(disk_blocks(n) * block_size, disk))
+    load_s(tokens, tier) = tier.latency_s + tokens * kv_bytes_per_token / tier.bytes_per_s
+
+with every figure the node's own measurement (`TierCosts`, from its load reports: its prefill
+rate in tokens/s, its KV bytes per token, each tier's bandwidth and latency), so a second of
+loading is priced as the prompt tokens the node would have prefilled in that second. Before
+a node has measured a tier the fallbacks are `host_weight` / `disk_weight` per token. Both
+costs add tiered(n). So a device hit is free, a host load costs a few percent of a
+recompute, a peer pull (below) a little more, and recomputing costs the whole prefill.
+
 D = argmin cost_D; if uncached(D) <= local_prefill_threshold (or there is no prefill node),
 D prefills locally; else P = argmin cost_P. Ties (within `tie_epsilon`) are broken uniformly
 at random with the injected RNG.
@@ -32,11 +46,12 @@ at random with the injected RNG.
 Global prefix reuse: let best = the most leading blocks any node holds (capped below the
 block of the last prompt token, which the prefilling node always computes). A prefilling
 node n holding fewer may pull the difference from that holder over the KV connector instead
-of recomputing it, when pulled(n) * block_size >= global_reuse_min_tokens (0: never); each
-pulled token then costs transfer_weight instead of prefill_weight:
+of recomputing it, when pulled(n) * block_size >= global_reuse_min_tokens (0: never) and the
+pull costs less than the recompute it saves. A pulled token costs the node's measured pull
+time, priced as above (`TierCosts.pull_*`), or `transfer_weight` before it has pulled:
 
     pulled(n)  = best - cached_blocks(n)   if that is worth a pull, else 0
-    cost_P(n) -= (prefill_weight - transfer_weight) * pulled(n) * block_size
+    cost_P(n) -= prefill_weight * pulled(n) * block_size - pull_cost(n, pulled(n) * block_size)
 
 and D's local work shrinks the same way. The decision names the holder (`prefix_source`).
 
@@ -75,8 +90,8 @@ Metadata unreachable: call with every `cached_blocks=0` (load-only routing).
 Speed: a decision is one pass over the candidates per role with the arithmetic inline (no
 per-node calls or allocations); 64 nodes decide in tens of microseconds.
 
-API: `PolicyConfig`, `NodeView`, `RouteDecision`, `request_work`,
-`choose_prefill`, `route`, `pull_source`.
+API: `PolicyConfig`, `NodeView`, `RouteDecision`, `request_work`, `choose_prefill`, `route`,
+`pull_source`; the tier prices are `router.routing.tier_costs`.
 """
 
 from __future__ import annotations
@@ -88,6 +103,7 @@ from dataclasses import dataclass, replace
 from pdcluster.core.roles import Role
 from pdcluster.core.types import NodeId
 from pdcluster.router.errors import NoHealthyNode
+from pdcluster.router.routing.tier_costs import TierCosts, pull_cost, tier_cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +128,9 @@ class PolicyConfig:
     local_prefill_threshold: int = 256
     global_reuse_min_tokens: int = 512  # pull a prefix at least this long; 0: never pull
     tie_epsilon: float = 1e-9
+    # per token loaded from a node's host / disk tier, until the node has measured the tier
+    host_weight: float = 0.05
+    disk_weight: float = 0.2
 
     def load_only(self) -> PolicyConfig:
         """This configuration blind to prefixes and to the router's memory of work: the
@@ -124,7 +143,8 @@ class PolicyConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("prefill_weight", "transfer_weight", "queue_weight", "running_weight",
                      "kv_weight", "work_weight", "output_token_weight", "tie_epsilon",
-                     "balance_slack", "balance_tilt", "balance_floor_prompts"):
+                     "balance_slack", "balance_tilt", "balance_floor_prompts", "host_weight",
+                     "disk_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.local_prefill_threshold < 0 or self.global_reuse_min_tokens < 0:
@@ -149,6 +169,10 @@ class NodeView:
     kv_usage: float = 0.0
     draining: bool = False
     recent_work: float = 0.0  # DecayedWork.value(node_id, now)
+    # of cached_blocks, how many the node must load from its host / disk tier
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    costs: TierCosts | None = None  # the node's measured costs; None: the config's weights
     # load_cost(self, config), for a caller that keeps views current and recomputes it on
     # every change of the fields above (router.routing.node_views); None: the policy computes it
     load: float | None = None
@@ -233,7 +257,6 @@ def _score(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConf
     bs, pw, tw = config.block_size, config.prefill_weight, config.transfer_weight
     live = [n for n in nodes if not n.draining]
     best = _pull_blocks(live, num_prompt_tokens, config)
-    min_pull, pull_saving = config.global_reuse_min_tokens, (pw - tw) * bs
     scores = _Scores([], [], [], [], best, len(nodes))
     d_nodes, d_costs = scores.decode_nodes.append, scores.decode_costs.append
     p_nodes, p_costs = scores.prefill_nodes.append, scores.prefill_costs.append
@@ -245,23 +268,34 @@ def _score(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConf
         load = n.load
         if load is None:
             load = load_cost(n, config)
+        if n.host_blocks or n.disk_blocks:
+            load += tier_cost(n, config)
         if n.role != "prefill":
             d_nodes(n)
             d_costs(tw * uncached + load
                     + (d_balance.cost(n.recent_work) if d_balance.on else 0.0))
         if n.role != "decode":
-            pulled = best - n.cached_blocks
             p_nodes(n)
             p_costs(pw * uncached + load
                     + (p_balance.cost(n.recent_work) if p_balance.on else 0.0)
-                    - (pull_saving * pulled if pulled > 0 and pulled * bs >= min_pull else 0.0))
+                    - (_pull_saving(n, best - n.cached_blocks, config) if best else 0.0))
     return scores
+
+
+def _pull_saving(node: NodeView, num_blocks: int, config: PolicyConfig) -> float:
+    """What pulling `num_blocks` blocks saves `node` over computing them (prefill tokens);
+    0 when the pull is too short to make or would cost more than the recompute."""
+    num_tokens = num_blocks * config.block_size
+    if num_blocks <= 0 or num_tokens < config.global_reuse_min_tokens:
+        return 0.0
+    saving = config.prefill_weight * num_tokens - pull_cost(node, num_tokens, config)
+    return saving if saving > 0 else 0.0
 
 
 def _pull_blocks(live: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConfig) -> int:
     """The most leading blocks a live node holds, capped below the block of the last prompt
-    token; 0 when global reuse is off or cannot pay."""
-    if config.global_reuse_min_tokens <= 0 or config.prefill_weight <= config.transfer_weight:
+    token; 0 when global reuse is off."""
+    if config.global_reuse_min_tokens <= 0:
         return 0
     most = max((n.cached_blocks for n in live), default=0)
     return min(most, (num_prompt_tokens - 1) // config.block_size)
@@ -270,8 +304,7 @@ def _pull_blocks(live: Sequence[NodeView], num_prompt_tokens: int, config: Polic
 def _pulled(scores: _Scores, node: NodeView, config: PolicyConfig) -> int:
     """Blocks `node` pulls when it prefills (0: it computes everything it lacks)."""
     extra = scores.pull_blocks - node.cached_blocks
-    return extra if extra > 0 and extra * config.block_size >= config.global_reuse_min_tokens \
-        else 0
+    return extra if _pull_saving(node, extra, config) > 0 else 0
 
 
 def _source(scores: _Scores, nodes: Sequence[NodeView], node: NodeView,
@@ -280,7 +313,9 @@ def _source(scores: _Scores, nodes: Sequence[NodeView], node: NodeView,
     the prompt that holder has (None, 0: no pull)."""
     if not _pulled(scores, node, config):
         return None, 0
-    holder = next(n for n in nodes if not n.draining and n.cached_blocks >= scores.pull_blocks)
+    holders = [n for n in nodes if not n.draining and n.cached_blocks >= scores.pull_blocks]
+    # a holder serving from its device or host memory rather than its disk, if there is one
+    holder = min(holders, key=lambda n: (n.disk_blocks, n.host_blocks))
     return holder.node_id, scores.pull_blocks
 
 
@@ -321,3 +356,4 @@ def route(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConfi
                              source_blocks)
     return RouteDecision(decode.node_id, prefill.node_id, cached, "remote_prefill", source,
                          source_blocks)
+

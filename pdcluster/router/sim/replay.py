@@ -7,10 +7,15 @@ prefix blocks). Ids become block hashes with `core.hashing.hash_block`, chained
 (`h_i = hash_block(h_{i-1}, [id_i])`), so the index sees the same kind of keys as in
 production (and an id after a different prefix is a different block, as in a prefix cache).
 
-Simulated nodes (`router.sim.sim_nodes`): N nodes, each an LRU cache of C/N blocks and a FIFO
-server; every cache change is a `core.events` `BlockStored` / `BlockRemoved` applied to
-`core.block_index.BlockIndex`, and the policy gets its per-node prefix hits from
-`BlockIndex.query`, exactly as the router does. Cache contents change when a request is
+Simulated nodes (`router.sim.sim_nodes`): N nodes, each a device LRU cache of
+`device_blocks` blocks (C/N by default) over a host tier of `host_blocks` (none by default)
+and a FIFO server; every cache change is a `core.events` event (`BlockStored`,
+`BlockMoved` for a demotion to the host, `BlockRemoved`) applied to
+`core.block_index.BlockIndex`, and the policy gets its per-node prefix hits, and how many of
+them sit on the host, from `BlockIndex.query` and `BlockIndex.lower_tiers`, exactly as the
+router does. A node reports the costs it would measure (`TierCosts`: its prefill rate, the
+host's and the network's bandwidth and latency) with its view, and the policy prices a host
+load and a pull from them. Cache contents change when a request is
 placed (the node will hold those blocks by the time a later request could use them: a
 simplification).
 
@@ -20,22 +25,32 @@ names the holder exactly as `router.routing.policy.route` does for the live rout
 (`sim_nodes.node_pull_blocks`: pull the full blocks past its own hit when there are at least
 `min_pull_blocks`). A pull costs `pull_latency_s + blocks * 512 * kv_bytes_per_token /
 pull_bytes_per_s` of waiting (not of node compute); the holder's pulled blocks are touched
-(its LRU). Pulled blocks are counted apart from local hits. The round-robin and least-loaded
-baselines never pull (they do not consult the index).
+(its LRU), on whichever tier they are: a peer's host tier serves pulls too (the global pool).
+A load of `h` blocks from the node's own host costs `host_latency_s + h * block_bytes /
+host_bytes_per_s` of waiting. Pulled blocks are counted apart from local hits. The
+round-robin and least-loaded baselines never pull (they do not consult the index);
+`round-robin-pool` places in turn and then pulls whatever the index says another node holds
+past its own hit (any router over a shared KV pool: vLLM with a KV store, no KV-aware
+routing).
 
 The simulated router keeps the live router's `DecayedWork`, on trace time: each placement
 charges the node `request_work(computed, output_length)` (computed = prompt tokens neither
 held nor pulled; the live router charges the output as it streams, the trace knows it up
 front), and every view carries the node's decayed total as `recent_work`.
 
-Metrics: `hit_ratio` = locally cached prompt blocks / prompt blocks; `pulled_ratio` = pulled
-blocks / prompt blocks; `reuse_ratio` = their sum; `ideal_hit_ratio` = the hit ratio of one
-infinite cache (what any placement could at best reuse, local or pulled); `work_imbalance` =
+Metrics: `hit_ratio` = locally cached prompt blocks / prompt blocks (`host_hit_ratio`: the
+part loaded from the host tier); `pulled_ratio` = pulled blocks / prompt blocks;
+`reuse_ratio` = their sum; `ideal_hit_ratio` = the hit ratio of one infinite cache (what any
+placement could at best reuse, local or pulled); `achievable_hit_ratio` = that of one LRU
+cache as large as all nodes' tiers together (the bound for finite memory; `*_over_achievable`
+read against it); `ttft_bound_p50_s` / `ttft_bound_p90_s` = the TTFT percentiles with no
+queue and the infinite cache's reuse for free (router.sim.bounds: no policy goes below);
+`ttft_p90_over` = the policy's TTFT p90 over each baseline's; `work_imbalance` =
 max / mean of per-node busy time; `utilization` =
 busy time / (nodes x the trace's span); `ttft_p50_s` / `ttft_p90_s` = queueing + pull + prefill.
 
 API: `ReplayConfig`, `parse_trace`, `load_trace`, `replay`, `replay_all`, `ideal_hit_ratio`,
-`run(args)`.
+`achievable_hit_ratio` (router.sim.bounds), `run(args)`.
 """
 
 from __future__ import annotations
@@ -43,90 +58,25 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from pdcluster.core.block_index import BlockIndex
-from pdcluster.core.hashing import hash_block, root_hash
-from pdcluster.core.types import BlockHash
-from pdcluster.router.routing.load_decay import DecayedWork
-from pdcluster.router.routing.policy import PolicyConfig, choose_prefill, pull_source, request_work
+from pdcluster.router.routing.policy import PolicyConfig
 from pdcluster.router.sim import trace_gen
-from pdcluster.router.sim.sim_nodes import (
-    TRACE_BLOCK_TOKENS,
-    SimNode,
-    apply_events,
-    node_pull_blocks,
-)
+from pdcluster.router.sim.bounds import achievable_hit_ratio, ideal_hit_ratio, ideal_ttfts
+from pdcluster.router.sim.replay_config import ReplayConfig, TraceRequest, load_trace, parse_trace
+from pdcluster.router.sim.sim_cluster import POLICIES, SimCluster, place, policy_config_for
+from pdcluster.router.sim.sim_nodes import TRACE_BLOCK_TOKENS
 
-POLICIES = ("kv", "round-robin", "least-loaded")
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayConfig:
-    num_nodes: int = 8
-    cache_blocks: int = 100_000
-    prefill_tokens_per_s: float = 10_000.0
-    decode_tokens_per_s: float = 1_000.0
-    fixed_s: float = 0.005
-    seed: int = 0
-    global_reuse: bool = True
-    kv_bytes_per_token: int = 131_072  # an 8B GQA model in fp16 (32 layers x 8 x 128 x K,V)
-    pull_bytes_per_s: float = 25e9  # a 200 Gb/s RDMA link
-    pull_latency_s: float = 0.002  # side-channel round trip + transfer set-up, per pull
-    min_pull_blocks: int = 1  # trace blocks (512 tokens): the node's threshold
-
-    def __post_init__(self) -> None:
-        if self.num_nodes < 1:
-            raise ValueError(f"nodes must be >= 1, got {self.num_nodes}")
-        if self.cache_blocks < self.num_nodes:
-            raise ValueError("cache-blocks must be at least one block per node")
-        if min(self.prefill_tokens_per_s, self.decode_tokens_per_s) <= 0 or self.fixed_s < 0:
-            raise ValueError("service rates must be > 0 and fixed_s >= 0")
-        if self.pull_bytes_per_s <= 0 or self.pull_latency_s < 0 or self.kv_bytes_per_token < 1:
-            raise ValueError("pull bandwidth and KV bytes per token must be > 0, latency >= 0")
-        if self.min_pull_blocks < 1:
-            raise ValueError(f"min_pull_blocks must be >= 1, got {self.min_pull_blocks}")
-
-    def pull_s(self, num_blocks: int) -> float:
-        """How long a request waits for `num_blocks` pulled blocks."""
-        block_bytes = TRACE_BLOCK_TOKENS * self.kv_bytes_per_token
-        return self.pull_latency_s + num_blocks * block_bytes / self.pull_bytes_per_s
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    arrival_s: float
-    input_length: int
-    output_length: int
-    block_hashes: tuple[BlockHash, ...]
-
-
-def parse_trace(rows: list[dict]) -> list[TraceRequest]:
-    """Trace rows -> requests with chained block hashes."""
-    memo: dict[tuple[BlockHash, int], BlockHash] = {}
-    requests = []
-    for row in rows:
-        parent, hashes = root_hash(), []
-        for hash_id in row["hash_ids"]:
-            key = (parent, hash_id)
-            if key not in memo:
-                memo[key] = hash_block(parent, [hash_id])
-            parent = memo[key]
-            hashes.append(parent)
-        requests.append(TraceRequest(row["timestamp"] / 1000.0, int(row["input_length"]),
-                                     int(row["output_length"]), tuple(hashes)))
-    return requests
-
-
-def load_trace(path: str | Path) -> list[TraceRequest]:
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    return parse_trace([json.loads(line) for line in lines if line.strip()])
+__all__ = ["POLICIES", "ReplayConfig", "TraceRequest", "achievable_hit_ratio", "ideal_hit_ratio",
+           "load_trace", "parse_trace", "replay", "replay_all", "replay_config", "run",
+           "trace_rows"]
 
 
 @dataclass(slots=True)
 class _Tally:
     hit_blocks: int = 0
+    host_blocks: int = 0
     pulled_blocks: int = 0
     total_blocks: int = 0
     pulls: int = 0
@@ -135,92 +85,30 @@ class _Tally:
     def ratios(self) -> dict:
         total = max(self.total_blocks, 1)
         return {"hit_ratio": round(self.hit_blocks / total, 4),
+                "host_hit_ratio": round(self.host_blocks / total, 4),
                 "pulled_ratio": round(self.pulled_blocks / total, 4),
                 "reuse_ratio": round((self.hit_blocks + self.pulled_blocks) / total, 4),
                 "pulls": self.pulls, "pulled_blocks": self.pulled_blocks}
 
 
-class _Cluster:
-    """The simulated nodes, the index they feed and the router's decayed work."""
-
-    def __init__(self, config: ReplayConfig, pconf: PolicyConfig) -> None:
-        self.config, self.pconf = config, pconf
-        self.nodes = [SimNode(f"node-{i}", config.cache_blocks // config.num_nodes)
-                      for i in range(config.num_nodes)]
-        self.by_id = {node.node_id: node for node in self.nodes}
-        self.index = BlockIndex()
-        for node in self.nodes:
-            self.index.add_node(node.node_id)
-        self.work = DecayedWork(pconf.work_half_life_s)
-
-    def views(self, req: TraceRequest, prefix_aware: bool) -> list:
-        hits = dict(self.index.query(req.block_hashes)) if prefix_aware else {}
-        recent = self.work.values(req.arrival_s)
-        return [n.view(req.arrival_s, hits.get(n.node_id, 0), self.config.prefill_tokens_per_s,
-                       recent.get(n.node_id, 0.0)) for n in self.nodes]
-
-    def pull(self, req: TraceRequest, views: list, chosen, hits: int) -> int:
-        """Blocks the chosen node pulls (the policy names the holder, the node decides)."""
-        source_id, source_blocks = pull_source(views, chosen, max(req.input_length, 1),
-                                               self.pconf)
-        if source_id is None:
-            return 0
-        pulled = node_pull_blocks(source_blocks, req.input_length // TRACE_BLOCK_TOKENS, hits,
-                                  self.config.min_pull_blocks)
-        if pulled:
-            holder = self.by_id[source_id]
-            apply_events(self.index, source_id, holder.store(req.block_hashes[:hits + pulled]))
-        return pulled
-
-    def serve(self, node: SimNode, req: TraceRequest, hits: int, pulled: int) -> float:
-        """Charge, queue and cache one request on `node`; returns its TTFT."""
-        config = self.config
-        computed = max(0, req.input_length - (hits + pulled) * TRACE_BLOCK_TOKENS)
-        self.work.add(node.node_id, request_work(computed, req.output_length, self.pconf),
-                      req.arrival_s)
-        prefill_s = config.fixed_s + computed / config.prefill_tokens_per_s
-        ready = req.arrival_s + (config.pull_s(pulled) if pulled else 0.0)
-        start = node.serve(ready, prefill_s + req.output_length / config.decode_tokens_per_s,
-                           len(req.block_hashes))
-        apply_events(self.index, node.node_id, node.store(req.block_hashes))
-        return start + prefill_s - req.arrival_s
-
-
-def _policy_config(policy: str, policy_config: PolicyConfig | None,
-                   config: ReplayConfig) -> PolicyConfig:
-    pconf = policy_config or PolicyConfig(block_size=TRACE_BLOCK_TOKENS)
-    if not config.global_reuse:
-        pconf = replace(pconf, global_reuse_min_tokens=0)
-    if policy == "least-loaded":
-        pconf = pconf.load_only()
-    return pconf
-
-
 def replay(requests: list[TraceRequest], policy: str, config: ReplayConfig,
            policy_config: PolicyConfig | None = None) -> dict:
-    """Replay with one policy: hit / pulled / reuse ratios, work_imbalance, TTFT, decision
-    time."""
+    """Replay with one policy: hit / host / pulled / reuse ratios, work_imbalance, TTFT,
+    decision time."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
-    cluster = _Cluster(config, _policy_config(policy, policy_config, config))
+    cluster = SimCluster(config, policy_config_for(policy, policy_config, config))
     rng, tally, ttfts = random.Random(config.seed), _Tally(), []
     for i, req in enumerate(requests):
         started = time.perf_counter()
-        if policy == "round-robin":
-            node, pulled = cluster.nodes[i % len(cluster.nodes)], 0
-            hits = node.leading_hits(req.block_hashes)
-        else:
-            views = cluster.views(req, prefix_aware=policy == "kv")
-            chosen = choose_prefill(views, max(req.input_length, 1), cluster.pconf, rng)
-            node = cluster.by_id[chosen.node_id]
-            hits = node.leading_hits(req.block_hashes)
-            pulled = cluster.pull(req, views, chosen, hits) if policy == "kv" else 0
+        placed = place(cluster, req, i, policy, rng)
         tally.decide_s += time.perf_counter() - started
-        tally.hit_blocks += hits
-        tally.pulled_blocks += pulled
-        tally.pulls += pulled > 0
+        tally.hit_blocks += placed.hits
+        tally.host_blocks += placed.host
+        tally.pulled_blocks += placed.pulled
+        tally.pulls += placed.pulled > 0
         tally.total_blocks += len(req.block_hashes)
-        ttfts.append(cluster.serve(node, req, hits, pulled))
+        ttfts.append(cluster.serve(req, placed))
     cluster.index.check_invariants()
     busy = [n.busy_s for n in cluster.nodes]
     span_s = max(max(n.busy_until for n in cluster.nodes) - requests[0].arrival_s, 1e-9) \
@@ -238,36 +126,37 @@ def _quantile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def ideal_hit_ratio(requests: list[TraceRequest]) -> float:
-    """The hit ratio of one infinite cache: a block hits when its whole prefix was seen."""
-    seen: set[BlockHash] = set()
-    hit_blocks = total_blocks = 0
-    for req in requests:
-        for block_hash in req.block_hashes:
-            if block_hash not in seen:
-                break
-            hit_blocks += 1
-        total_blocks += len(req.block_hashes)
-        seen.update(req.block_hashes)
-    return round(hit_blocks / max(total_blocks, 1), 4)
-
-
 def replay_all(requests: list[TraceRequest], policy: str, config: ReplayConfig,
                policy_config: PolicyConfig | None = None) -> dict:
-    """The chosen policy and both baselines, in one run, plus the ideal hit ratio."""
+    """The chosen policy and the baselines, in one run, plus the ideal hit ratio (infinite
+    memory) and the achievable one (one LRU cache of the cluster's memory)."""
     ideal = ideal_hit_ratio(requests)
+    capacity = config.num_nodes * (config.node_blocks + config.host_blocks)
+    achievable = achievable_hit_ratio(requests, capacity)
     result: dict = {"policy": policy, "requests": len(requests), "nodes": config.num_nodes,
-                    "cache_blocks": config.cache_blocks, "global_reuse": config.global_reuse,
-                    "ideal_hit_ratio": ideal}
+                    "cache_blocks": config.cache_blocks, "device_blocks": config.node_blocks,
+                    "host_blocks": config.host_blocks, "global_reuse": config.global_reuse,
+                    "ideal_hit_ratio": ideal, "achievable_hit_ratio": achievable}
     for name in dict.fromkeys((policy, *POLICIES)):
         stats = replay(requests, name, config, policy_config)
         stats["ideal_hit_ratio"] = ideal
         for key in ("hit", "reuse"):
             stats[f"{key}_over_ideal"] = round(stats[f"{key}_ratio"] / ideal, 4) if ideal \
                 else None
+        stats["reuse_over_achievable"] = (round(stats["reuse_ratio"] / achievable, 4)
+                                          if achievable else None)
         result[name] = stats
     result.update({k: result[policy][k] for k in
-                   ("hit_ratio", "pulled_ratio", "reuse_ratio", "work_imbalance")})
+                   ("hit_ratio", "host_hit_ratio", "pulled_ratio", "reuse_ratio",
+                    "work_imbalance")})
+    bound = ideal_ttfts(requests, config.fixed_s, config.prefill_tokens_per_s,
+                        TRACE_BLOCK_TOKENS)
+    result["ttft_bound_p50_s"] = round(_quantile(bound, 0.5), 4)
+    result["ttft_bound_p90_s"] = round(_quantile(bound, 0.9), 4)
+    result["ttft_p90_over"] = {name: round(result[policy]["ttft_p90_s"]
+                                           / result[name]["ttft_p90_s"], 4)
+                               for name in POLICIES if name != policy
+                               and result[name]["ttft_p90_s"] > 0}
     return result
 
 
@@ -282,7 +171,8 @@ def trace_rows(args) -> list[dict]:
 
 def run(args) -> dict:
     """Entry point of `pdcluster replay` (args: trace | synthetic, seed, scale, nodes,
-    cache_blocks, policy, no_global_reuse, pull_gbps, pull_latency_ms, kv_bytes_per_token)."""
+    cache_blocks, device_blocks, host_blocks, policy, no_global_reuse, pull_gbps,
+    pull_latency_ms, host_gbps, host_latency_ms, kv_bytes_per_token)."""
     started = time.perf_counter()
     requests = parse_trace(trace_rows(args))
     result = replay_all(requests, args.policy, replay_config(args))
@@ -297,4 +187,7 @@ def replay_config(args) -> ReplayConfig:
                         global_reuse=not args.no_global_reuse,
                         kv_bytes_per_token=args.kv_bytes_per_token,
                         pull_bytes_per_s=args.pull_gbps * 1e9,
-                        pull_latency_s=args.pull_latency_ms / 1000.0)
+                        pull_latency_s=args.pull_latency_ms / 1000.0,
+                        device_blocks=args.device_blocks, host_blocks=args.host_blocks,
+                        host_bytes_per_s=args.host_gbps * 1e9,
+                        host_latency_s=args.host_latency_ms / 1000.0)

@@ -1,0 +1,178 @@
+"""`HostKVCache`: the bytes of the KV cache's host tier, and the copies between it and the
+device's paged cache (`engine.kv_cache.PagedKVCache`). The bookkeeping is
+`engine.kv_tiers.KVTiers`.
+
+Layout: one tensor `[num_blocks, *block]` in host memory, each block laid out exactly as a
+device block (all layers, all planes: one contiguous range), so a copy of a run of
+consecutive blocks is one `copy_` of one contiguous range each way. A step's copies are
+grouped into such runs (`copy_runs`): demotions first, then loads (engine/kv_tiers.py says
+why). On CUDA the region is pinned and the copies run on a stream of their own, which the
+compute stream waits for before the model runs: they overlap the step's batch preparation,
+not its forward pass. On CPU the copies are plain memcpys on the engine's thread.
+
+Sizing (`host_tier_blocks`): `EngineConfig.host_cache_gib` of blocks, refused with a clear
+`ValueError` when it is more than the host memory available (`/proc/meminfo`
+`MemAvailable`).
+
+Cost: each step's loads are timed (`CopyTimer`): bytes and seconds, from which a node
+reports the host tier's bandwidth and latency to the router (`router.routing.tier_costs`);
+a calibration copy at start gives the first figure before any load.
+
+API: `HostKVCache`, `CopyTimer`, `copy_runs`, `host_tier_blocks`, `available_host_bytes`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
+from pdcluster.engine.kv_tiers import TierCopies
+
+_GIB = 2**30
+_SAMPLES = 64
+
+
+def copy_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) block pairs as (src start, dst start, length) runs of consecutive blocks on
+    both sides, in order; pairs that step down on both sides (a chain demoted tail first)
+    make a run too. Every block is copied once, so the order within a run is free."""
+    runs: list[tuple[int, int, int]] = []
+    step = 0  # +1 / -1: the direction of the last run; 0: it has one block
+    for src, dst in pairs:
+        if runs:
+            s0, d0, n = runs[-1]
+            if step >= 0 and src == s0 + n and dst == d0 + n:
+                runs[-1], step = (s0, d0, n + 1), 1
+                continue
+            if step <= 0 and src == s0 - 1 and dst == d0 - 1:
+                runs[-1], step = (src, dst, n + 1), -1
+                continue
+        runs.append((src, dst, 1))
+        step = 0
+    return runs
+
+
+def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable in bytes, None where the system does not say."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def host_tier_blocks(host_cache_gib: float, num_host_blocks: int | None, block_nbytes: int,
+                     available: int | None) -> int:
+    """Blocks of the host tier (0: none); ValueError when they do not fit."""
+    num_blocks = num_host_blocks if num_host_blocks is not None else \
+        int(host_cache_gib * _GIB) // block_nbytes
+    if num_blocks == 0 and (host_cache_gib > 0 or num_host_blocks):
+        raise ValueError(f"host_cache_gib={host_cache_gib} holds no KV block of "
+                         f"{block_nbytes / 2**20:.2f} MiB")
+    wanted = num_blocks * block_nbytes
+    if num_blocks and available is not None and wanted > available:
+        raise ValueError(
+            f"the host KV tier does not fit: {num_blocks} blocks are {wanted / _GIB:.2f} GiB "
+            f"(host_cache_gib={host_cache_gib}) but only {available / _GIB:.2f} GiB of host "
+            "memory is available; lower host_cache_gib (hostCacheGiB in the chart)")
+    return num_blocks
+
+
+class CopyTimer:
+    """Seconds per copy of n bytes, fitted as latency + bytes / bandwidth over the latest
+    copies (least squares; one size only: no latency)."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=_SAMPLES)
+        self.total_bytes = 0
+        self.total_s = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self._samples.append((nbytes, seconds))
+            self.total_bytes += nbytes
+            self.total_s += seconds
+
+    def fit(self) -> tuple[float, float]:
+        """(bytes per second, latency in seconds); (0, 0) before any copy."""
+        if not self._samples:
+            return 0.0, 0.0
+        n = len(self._samples)
+        mean_b = sum(b for b, _ in self._samples) / n
+        mean_s = sum(s for _, s in self._samples) / n
+        var = sum((b - mean_b) ** 2 for b, _ in self._samples)
+        slope = (sum((b - mean_b) * (s - mean_s) for b, s in self._samples) / var
+                 if var > 0 else 0.0)
+        if slope <= 0:
+            return mean_b / mean_s, 0.0
+        return 1.0 / slope, max(0.0, mean_s - slope * mean_b)
+
+
+class HostKVCache:
+    def __init__(self, device_cache: PagedKVCache, num_blocks: int) -> None:
+        device = device_cache.tensor.device
+        self.spec: KVCacheSpec = device_cache.spec
+        self.num_blocks = num_blocks
+        self.device_cache = device_cache
+        # Not zero-filled: a slot is read only after a block was copied into it.
+        self.tensor = torch.empty((num_blocks, *device_cache.tensor.shape[1:]),
+                                  dtype=device_cache.tensor.dtype,
+                                  pin_memory=device.type == "cuda")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.loads = CopyTimer()
+        self.demotions = CopyTimer()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.spec.block_nbytes
+
+    def apply(self, copies: TierCopies) -> None:
+        """Run one step's copies: every demotion, then every load."""
+        block_nbytes, device = self.spec.block_nbytes, self.device_cache.tensor
+        for pairs, timer, load in ((copies.demotions, self.demotions, False),
+                                   (copies.loads, self.loads, True)):
+            if not pairs:
+                continue
+            started = time.perf_counter()
+            self._copy(copy_runs(pairs), device, load)
+            if self._stream is None:  # on CUDA the copy is still running: calibration only
+                timer.add(len(pairs) * block_nbytes, time.perf_counter() - started)
+
+    def _copy(self, runs: list[tuple[int, int, int]], device: torch.Tensor, load: bool) -> None:
+        if self._stream is None:
+            for src, dst, n in runs:
+                if load:
+                    device[dst:dst + n].copy_(self.tensor[src:src + n])
+                else:
+                    self.tensor[dst:dst + n].copy_(device[src:src + n])
+            return
+        # CUDA: after the work that wrote these blocks, before the work that reuses them
+        compute = torch.cuda.current_stream(device.device)
+        self._stream.wait_stream(compute)
+        with torch.cuda.stream(self._stream):
+            for src, dst, n in runs:
+                if load:
+                    device[dst:dst + n].copy_(self.tensor[src:src + n], non_blocking=True)
+                else:
+                    self.tensor[dst:dst + n].copy_(device[src:src + n], non_blocking=True)
+        compute.wait_stream(self._stream)
+
+    def calibrate(self, max_blocks: int = 8) -> None:
+        """Time copies of 1 and of `max_blocks` blocks between the tiers, so the first load
+        report has a measured figure. They run device -> host (free host slots; a load the
+        other way would put the host's unset bytes into device blocks, which must stay
+        finite), which crosses the same bus."""
+        n = min(max_blocks, self.num_blocks, self.spec.num_blocks)
+        for size in sorted({1, n}):
+            for _ in range(2):
+                started = time.perf_counter()
+                self._copy([(0, 0, size)], self.device_cache.tensor, load=False)
+                if self._stream is not None:
+                    torch.cuda.synchronize(self.device_cache.tensor.device)
+                self.loads.add(size * self.spec.block_nbytes, time.perf_counter() - started)

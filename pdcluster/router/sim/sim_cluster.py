@@ -1,0 +1,126 @@
+"""The simulated cluster of `pdcluster replay`: the nodes (router.sim.sim_nodes), the block
+index their events feed, the router's decayed work, and how each policy places a request
+(`place`): the KV-aware policy with its pulls, the cache-blind baselines, and round-robin over
+a shared pool.
+
+API: `SimCluster`, `Placement`, `policy_config_for`, `place`, `POLICIES`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+from pdcluster.core.block_index import BlockIndex
+from pdcluster.router.routing.load_decay import DecayedWork
+from pdcluster.router.routing.policy import PolicyConfig, choose_prefill, pull_source, request_work
+from pdcluster.router.sim.replay_config import ReplayConfig, TraceRequest
+from pdcluster.router.sim.sim_nodes import (
+    TRACE_BLOCK_TOKENS,
+    SimNode,
+    apply_events,
+    node_pull_blocks,
+)
+
+POLICIES = ("kv", "round-robin", "least-loaded", "round-robin-pool")
+
+
+@dataclass(slots=True)
+class Placement:
+    node: SimNode
+    hits: int  # leading blocks held on either tier
+    host: int  # of which only on the host
+    pulled: int
+
+
+class SimCluster:
+    """The simulated nodes, the index they feed and the router's decayed work."""
+
+    def __init__(self, config: ReplayConfig, pconf: PolicyConfig) -> None:
+        self.config, self.pconf = config, pconf
+        self.nodes = [SimNode(f"node-{i}", config.node_blocks, config.host_blocks)
+                      for i in range(config.num_nodes)]
+        self.by_id = {node.node_id: node for node in self.nodes}
+        self.index = BlockIndex()
+        for node in self.nodes:
+            self.index.add_node(node.node_id)
+        self.work = DecayedWork(pconf.work_half_life_s)
+        self.costs = config.tier_costs()
+
+    def views(self, req: TraceRequest, prefix_aware: bool) -> list:
+        hits = dict(self.index.query(req.block_hashes)) if prefix_aware else {}
+        recent = self.work.values(req.arrival_s)
+        views = []
+        for n in self.nodes:
+            view = n.view(req.arrival_s, hits.get(n.node_id, 0),
+                          self.config.prefill_tokens_per_s, recent.get(n.node_id, 0.0))
+            if view.cached_blocks:
+                view.host_blocks, view.disk_blocks = self.index.lower_tiers(
+                    n.node_id, req.block_hashes[:view.cached_blocks])
+            view.costs = self.costs
+            views.append(view)
+        return views
+
+    def pull(self, req: TraceRequest, views: list, chosen, hits: int) -> int:
+        """Blocks the chosen node pulls (the policy names the holder, the node decides)."""
+        source_id, source_blocks = pull_source(views, chosen, max(req.input_length, 1),
+                                               self.pconf)
+        return self._pull_from(req, source_id, source_blocks, hits)
+
+    def pool_pull(self, req: TraceRequest, node: SimNode, hits: int) -> int:
+        """Blocks a node pulls from the shared pool: past its own hit, from the longest
+        holder the index names, whoever placed the request."""
+        matches = self.index.query(req.block_hashes[:(req.input_length - 1)
+                                                    // TRACE_BLOCK_TOKENS])
+        if not matches or matches[0][1] <= hits:
+            return 0
+        return self._pull_from(req, matches[0][0], matches[0][1], hits)
+
+    def _pull_from(self, req: TraceRequest, source_id: str | None, source_blocks: int,
+                   hits: int) -> int:
+        if source_id is None:
+            return 0
+        pulled = node_pull_blocks(source_blocks, req.input_length // TRACE_BLOCK_TOKENS, hits,
+                                  self.config.min_pull_blocks)
+        if pulled:
+            self.by_id[source_id].touch(req.block_hashes[:hits + pulled])
+        return pulled
+
+    def serve(self, req: TraceRequest, placed: Placement) -> float:
+        """Charge, queue and cache one request; returns its TTFT."""
+        config, node = self.config, placed.node
+        computed = max(0, req.input_length - (placed.hits + placed.pulled) * TRACE_BLOCK_TOKENS)
+        self.work.add(node.node_id, request_work(computed, req.output_length, self.pconf),
+                      req.arrival_s)
+        prefill_s = config.fixed_s + computed / config.prefill_tokens_per_s
+        ready = req.arrival_s + (config.pull_s(placed.pulled) if placed.pulled else 0.0)
+        ready += config.host_s(placed.host) if placed.host else 0.0
+        start = node.serve(ready, prefill_s + req.output_length / config.decode_tokens_per_s,
+                           len(req.block_hashes))
+        apply_events(self.index, node.node_id, node.store(req.block_hashes))
+        return start + prefill_s - req.arrival_s
+
+
+def policy_config_for(policy: str, policy_config: PolicyConfig | None,
+                   config: ReplayConfig) -> PolicyConfig:
+    pconf = policy_config or PolicyConfig(block_size=TRACE_BLOCK_TOKENS)
+    if not config.global_reuse:
+        pconf = replace(pconf, global_reuse_min_tokens=0)
+    if policy == "least-loaded":
+        pconf = pconf.load_only()
+    return pconf
+
+
+def place(cluster: SimCluster, req: TraceRequest, i: int, policy: str,
+           rng: random.Random) -> Placement:
+    if policy in ("round-robin", "round-robin-pool"):
+        node = cluster.nodes[i % len(cluster.nodes)]
+        hits, host = node.leading_tiers(req.block_hashes)
+        pulled = cluster.pool_pull(req, node, hits) if policy == "round-robin-pool" else 0
+        return Placement(node, hits, host, pulled)
+    views = cluster.views(req, prefix_aware=policy == "kv")
+    chosen = choose_prefill(views, max(req.input_length, 1), cluster.pconf, rng)
+    node = cluster.by_id[chosen.node_id]
+    hits, host = node.leading_tiers(req.block_hashes)
+    pulled = cluster.pull(req, views, chosen, hits) if policy == "kv" else 0
+    return Placement(node, hits, host, pulled)
