@@ -1,8 +1,10 @@
 """Engine benchmark: `pdcluster bench engine [--json] [--quick] [--threads N] [--device D]
-[--model DIR|GGUF] [--moe] [--mla] [--speculative SPEC]` (`--moe` adds a MoE vs dense step
-comparison: benchmarks/moe_step.py; `--mla` MLA decode absorbed vs expanded and KV bytes per
-token: benchmarks/mla_decode.py; `--speculative ngram:k=4` measures decode tokens/s with and
-without speculative decoding instead of the parts below: benchmarks/spec_decode_bench.py).
+[--model DIR|GGUF] [--moe] [--mla] [--speculative SPEC] [--host-tier]` (`--moe` adds a MoE vs
+dense step comparison: benchmarks/moe_step.py; `--mla` MLA decode absorbed vs expanded and KV
+bytes per token: benchmarks/mla_decode.py; `--speculative ngram:k=4` measures decode tokens/s
+with and without speculative decoding instead of the parts below:
+benchmarks/spec_decode_bench.py; `--host-tier` measures the TTFT of prompts re-asked after the
+device pool cycled, host tier against recompute, instead: benchmarks/host_tier_bench.py).
 
 Measures, in one run, on `--model` (e.g. the built-in SmolLM2-135M-Instruct) or else on one
 random model big enough that compute dominates on CPU (the `bench` preset of
@@ -81,6 +83,11 @@ def run(args: argparse.Namespace) -> dict:
             from pdcluster.benchmarks.spec_decode_bench import spec_fields
 
             result.update(spec_fields(model_dir, device, args.speculative, args.quick))
+            return result
+        if getattr(args, "host_tier", False):
+            from pdcluster.benchmarks.host_tier_bench import host_tier_fields
+
+            result.update(host_tier_fields(model_dir, device, args.quick))
             return result
         result.update(asdict(sizes))
         result.update(_throughput(model_dir, sizes, device))

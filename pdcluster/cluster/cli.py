@@ -110,6 +110,10 @@ def _engine_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="measure decode tokens/s with and without speculative decoding "
                         "(ngram:k=4 or draft:PATH,k=4) instead of the default parts; use a "
                         "model with a chat template (--model)")
+    parser.add_argument("--host-tier", action="store_true",
+                        help="measure the TTFT of prompts re-asked after the device KV pool "
+                        "cycled (a working set 4x the pool), host tier against recompute, "
+                        "instead of the default parts")
 
 
 def _metadata_bench_args(parser: argparse.ArgumentParser) -> None:

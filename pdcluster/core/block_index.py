@@ -219,6 +219,9 @@ class BlockIndex:
         self._num_entries -= num_removed
         return num_removed
 
+    def holds(self, node_id: NodeId, block_hash: BlockHash) -> bool:
+        return block_hash in self._node_blocks[node_id]
+
     def node_blocks(self, node_id: NodeId) -> frozenset[BlockHash]:
         return frozenset(self._node_blocks[node_id])
 

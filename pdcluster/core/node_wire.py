@@ -5,9 +5,10 @@ Client -> node: `GenerateRequest` (tokens in, streamed tokens out), `AbortReques
 `LoadQuery`, `PrefillLost` (a decode node's prefill node died: stop waiting for its KV).
 Node -> client: `TokenDelta` (every step that produced tokens; the last one has
 `finished=True`), `RequestError` (the request was refused or failed, with an error code),
-`LoadReport`. A request's sampling fields are `core.sampling.SamplingSpec`, which this
-module also exports. Text is the client's business (the router detokenizes); nodes deal in
-token ids.
+`LoadReport` (with `KVCosts`, what the node measured about KV it loads or pulls instead of
+computing: the router prices its KV tiers with them). A request's sampling fields are
+`core.sampling.SamplingSpec`, which this module also exports. Text is the client's business
+(the router detokenizes); nodes deal in token ids.
 
 `encode` / `decode` (the shared codec of `core.wire`) raise `WireError` for anything
 malformed, unknown, or of another version. Never pickle.
@@ -25,7 +26,7 @@ NODE_WIRE_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20
 ERROR_CODES = ("invalid_request", "overloaded", "draining", "internal", "transfer_failed")
 __all__ = ["ERROR_CODES", "MAX_FRAME_BYTES", "NODE_WIRE_VERSION", "AbortRequest",
-           "GenerateRequest", "LoadQuery", "LoadReport", "NodeMessage", "PrefillLost",
+           "GenerateRequest", "KVCosts", "LoadQuery", "LoadReport", "NodeMessage", "PrefillLost",
            "PrefixSource", "RequestError", "SamplingSpec", "TokenDelta", "TransferSpec",
            "decode", "encode"]
 
@@ -108,6 +109,37 @@ class RequestError:
 
 
 @dataclass(frozen=True, slots=True)
+class KVCosts:
+    """What a node measured about KV it does not compute: its prefill rate (tokens/s, which
+    turns seconds into prompt tokens), its KV bytes per token, and per source (its host tier,
+    its disk tier, a pull from a peer) the bandwidth in bytes/s (0: not measured, or no such
+    tier) and the fixed latency of one load."""
+
+    prefill_tokens_per_s: float
+    kv_bytes_per_token: float
+    host_bytes_per_s: float = 0.0
+    host_latency_s: float = 0.0
+    disk_bytes_per_s: float = 0.0
+    disk_latency_s: float = 0.0
+    pull_bytes_per_s: float = 0.0
+    pull_latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.prefill_tokens_per_s > 0 and self.kv_bytes_per_token > 0):
+            raise WireError("KVCosts needs prefill_tokens_per_s and kv_bytes_per_token > 0")
+        for name in ("host_bytes_per_s", "host_latency_s", "disk_bytes_per_s",
+                     "disk_latency_s", "pull_bytes_per_s", "pull_latency_s"):
+            if not getattr(self, name) >= 0:
+                raise WireError(f"KVCosts.{name} must be >= 0, got {getattr(self, name)}")
+
+    def tokens(self, num_tokens: int, bytes_per_s: float, latency_s: float) -> float:
+        """Loading `num_tokens` tokens' KV at this bandwidth, in prompt tokens of this node's
+        prefill time."""
+        seconds = latency_s + num_tokens * self.kv_bytes_per_token / bytes_per_s
+        return seconds * self.prefill_tokens_per_s
+
+
+@dataclass(frozen=True, slots=True)
 class LoadReport:
     node_id: str
     role: str  # a core.roles.Role value
@@ -117,6 +149,7 @@ class LoadReport:
     num_total_blocks: int
     queued_prefill_tokens: int
     draining: bool = False
+    kv_costs: KVCosts | None = None  # None: nothing measured yet
 
 
 NodeMessage = (GenerateRequest | AbortRequest | LoadQuery | TokenDelta | RequestError

@@ -11,7 +11,8 @@ thread, except `cached_block_hashes`, which the metadata publisher calls from it
 - `step` advances the engine and returns each request's new tokens (`RequestOutput`); a node
   calls it while `has_unfinished_requests()` or `has_pinned_blocks()`.
 - `load`, `counters`, `take_step_times`, `transfer_counters`, `take_transfer_latencies` and
-  `pool_state` feed load reports, metrics and leak checks.
+  `pool_state` feed load reports, metrics and leak checks; `kv_costs` (what the engine
+  measured about KV it loads instead of computing: its KV tiers) rides on load reports.
 - `take_kv_events` and `cached_block_hashes` feed the global block index, with hashes computed
   as `hash_config` says (the router hashes prompts the same way).
 """
@@ -24,6 +25,7 @@ from typing import Any
 from pdcluster.core.events import KVEvent
 from pdcluster.core.hashing import HashConfig
 from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, TransferId
+from pdcluster.core.node_wire import KVCosts
 from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash, ReqId
 from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput
@@ -102,6 +104,11 @@ class NodeEngine(ABC):
         or where the engine cannot be told (by default: it waits out its KV timeout)."""
         return False
 
+    def kv_costs(self) -> KVCosts | None:
+        """The engine's measured prefill rate and KV tier costs for the router (None by
+        default: nothing measured; the router prices with its fallback weights)."""
+        return None
+
     def recent_write_times(self) -> list[float]:
         """Durations of this node's recent KV writes to peers, in seconds (none by
         default: an engine whose connector keeps no such record)."""
@@ -119,6 +126,12 @@ class NodeEngine(ABC):
     @abstractmethod
     def cached_block_hashes(self) -> list[BlockHash]:
         """Every block hash the prefix cache holds now (any thread)."""
+
+    def cached_block_media(self) -> list[BlockHash] | dict[BlockHash, int]:
+        """What a snapshot for the metadata service holds: every cached hash, or, for an
+        engine with KV tiers, each hash -> its media mask (1 device, 2 host, 4 disk). Any
+        thread. By default: the hashes, all on the device."""
+        return self.cached_block_hashes()
 
     @abstractmethod
     def reset_prefix_cache(self) -> bool:

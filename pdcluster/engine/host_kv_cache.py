@@ -18,7 +18,8 @@ Cost: each step's loads are timed (`CopyTimer`): bytes and seconds, from which a
 reports the host tier's bandwidth and latency to the router (`router.routing.tier_costs`);
 a calibration copy at start gives the first figure before any load.
 
-API: `HostKVCache`, `CopyTimer`, `copy_runs`, `host_tier_blocks`, `available_host_bytes`.
+API: `HostKVCache` (`flush`, `apply`, `calibrate`), `CopyTimer`, `copy_runs`,
+`host_tier_blocks`, `available_host_bytes`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
-from pdcluster.engine.kv_tiers import TierCopies
+from pdcluster.engine.kv_tiers import KVTiers, TierCopies
 
 _GIB = 2**30
 _SAMPLES = 64
@@ -120,8 +121,10 @@ class HostKVCache:
         self.spec: KVCacheSpec = device_cache.spec
         self.num_blocks = num_blocks
         self.device_cache = device_cache
-        # Not zero-filled: a slot is read only after a block was copied into it.
-        self.tensor = torch.empty((num_blocks, *device_cache.tensor.shape[1:]),
+        # Zero-filled, though a slot is read only after a block was copied into it: the
+        # pages are committed now (a tier that does not fit fails at start, not mid-serving)
+        # and the first demotions do not pay a page fault per 4 KiB.
+        self.tensor = torch.zeros((num_blocks, *device_cache.tensor.shape[1:]),
                                   dtype=device_cache.tensor.dtype,
                                   pin_memory=device.type == "cuda")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -131,6 +134,13 @@ class HostKVCache:
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.spec.block_nbytes
+
+    def flush(self, tiers: KVTiers) -> None:
+        """Run the copies `tiers` queued this step, then let their host slots go."""
+        copies = tiers.take_copies()
+        if copies:
+            self.apply(copies)
+            tiers.copies_done(copies)
 
     def apply(self, copies: TierCopies) -> None:
         """Run one step's copies: every demotion, then every load."""

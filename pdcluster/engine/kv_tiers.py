@@ -26,10 +26,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdcluster.core.block_index import MEDIUM_BITS
 from pdcluster.core.events import DEVICE, HOST, BlockMoved, BlockRemoved
 from pdcluster.core.types import BlockHash
 from pdcluster.engine.block_pool import BlockPool, KVCacheBlock
 from pdcluster.engine.host_pool import HostBlockPool
+
+_DEVICE_BIT, _HOST_BIT = MEDIUM_BITS[DEVICE], MEDIUM_BITS[HOST]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +140,22 @@ class KVTiers:
         assert cleared, "host slots pinned with no copy pending"
         return True
 
+    def stats(self) -> dict[str, float]:
+        host = self.host
+        return {"num_host_blocks": host.num_slots, "num_host_cached": host.num_cached,
+                "num_host_pinned": host.num_pinned, "num_demoted_blocks": self.num_demoted,
+                "num_loaded_blocks": self.num_loaded,
+                "num_host_evicted_blocks": self.num_host_evicted}
+
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash either tier holds."""
-        return list(dict.fromkeys([*self.pool.cached_block_map, *self.host.cached_hashes()]))
+        return list(self.cached_media())
+
+    def cached_media(self) -> dict[BlockHash, int]:
+        """Every hash either tier holds -> its media mask (`core.block_index.MEDIUM_BITS`:
+        1 device, 2 host). Safe from another thread (each tier's list is one atomic copy)."""
+        device, host = list(self.pool.cached_block_map), self.host.cached_hashes()
+        media = dict.fromkeys(device, _DEVICE_BIT)
+        for block_hash in host:
+            media[block_hash] = media.get(block_hash, 0) | _HOST_BIT
+        return media

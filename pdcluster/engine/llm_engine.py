@@ -37,6 +37,7 @@ from pdcluster.core.events import KVEvent
 from pdcluster.core.hashing import BlockExtra, HashConfig
 from pdcluster.core.kv_connector import KVConnector, KVRegion
 from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, RemotePrefill, TransferId
+from pdcluster.core.node_wire import KVCosts
 from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash, ReqId
 from pdcluster.engine.api import NodeEngine
@@ -52,6 +53,7 @@ from pdcluster.engine.engine_setup import (
 )
 from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.kv_cache_manager import KVCacheManager
+from pdcluster.engine.kv_costs import KVCostMeter
 from pdcluster.engine.model_config import ModelConfig
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.models.loader import load_model
@@ -91,6 +93,7 @@ class LLMEngine(NodeEngine):
                          enable_caching=config.enable_prefix_caching,
                          enable_events=config.enable_kv_events)
         self.tiers, self.host_cache = host_tier(config, pool, self.runner.kv_cache)
+        self.cost_meter = KVCostMeter(self.kv_spec.block_nbytes / config.block_size)
         self.kv_manager = KVCacheManager(pool, config.enable_prefix_caching, self.tiers)
         max_pinned = max(1, int(config.max_pinned_fraction * self.kv_spec.num_blocks))
         self.scheduler = Scheduler(
@@ -187,6 +190,10 @@ class LLMEngine(NodeEngine):
         worker = self.connector.worker if self.connector is not None else None
         stats = getattr(worker, "stats", None)  # the Mooncake worker keeps them
         return list(stats.recent_write_s) if stats is not None else []
+
+    def kv_costs(self) -> KVCosts | None:
+        host = self.host_cache.loads.fit() if self.host_cache is not None else None
+        return self.cost_meter.costs(host)
 
     def pool_state(self) -> dict[str, int]:
         pool = self.block_pool
@@ -286,6 +293,11 @@ class LLMEngine(NodeEngine):
             return self.tiers.cached_hashes()
         return list(self.block_pool.cached_block_map)
 
+    def cached_block_media(self) -> list[BlockHash] | dict[BlockHash, int]:
+        if self.tiers is not None:
+            return self.tiers.cached_media()
+        return self.cached_block_hashes()
+
     def has_pinned_blocks(self) -> bool:
         """Transfer work that holds blocks or soon will (drain it before shutdown): finished
         requests waiting to send, blocks serving another node's pull, or such a pull still
@@ -326,12 +338,13 @@ class LLMEngine(NodeEngine):
             updated += self.scheduler.apply_connector_results(results)
         sched = self.scheduler.schedule(self._propose())
         if self.tiers is not None and self.host_cache is not None:  # before the model writes
-            copies = self.tiers.take_copies()
-            if copies:
-                self.host_cache.apply(copies)
-                self.tiers.copies_done(copies)
+            self.host_cache.flush(self.tiers)
         if not sched.is_empty:
+            run_started = time.perf_counter()
             sampled = self.runner.execute(sched)
+            self.cost_meter.record_step(
+                sum(s.num_tokens for s in sched.scheduled if s.num_tokens > 1),
+                sched.num_batched_tokens, time.perf_counter() - run_started)
             updated += self.scheduler.update_from_output(sched, sampled)
             if self.spec_decoder is not None:
                 self.spec_decoder.record(sched, sampled)
@@ -370,17 +383,8 @@ class LLMEngine(NodeEngine):
                 "num_running": len(self.scheduler.running),
                 "num_free_blocks": pool.num_free_blocks, "kv_usage": pool.usage,
                 "num_pinned_blocks": pins.num_used, "num_pin_refusals": pins.num_refused,
-                "num_pins_expired": pins.num_expired, **self._tier_stats(),
-                **self._spec_stats()}
-
-    def _tier_stats(self) -> dict[str, float]:
-        tiers = self.tiers
-        if tiers is None:
-            return {}
-        return {"num_host_blocks": tiers.host.num_slots, "num_host_cached": tiers.host.num_cached,
-                "num_host_pinned": tiers.host.num_pinned, "num_demoted_blocks": tiers.num_demoted,
-                "num_loaded_blocks": tiers.num_loaded,
-                "num_host_evicted_blocks": tiers.num_host_evicted}
+                "num_pins_expired": pins.num_expired,
+                **(self.tiers.stats() if self.tiers is not None else {}), **self._spec_stats()}
 
     def _spec_stats(self) -> dict[str, float]:
         return {} if self.spec_decoder is None else self.spec_decoder.stats.as_dict()

@@ -14,13 +14,14 @@ options (the router's link sets keepalive). The asyncio client also follows the 
 Nodes use ``NodePublisher`` (in ``metadata_service.publisher``) on top of a client: it numbers
 batches and answers resync requests with snapshots.
 
-API: ``MetadataClient``, ``AsyncMetadataClient``, ``make_node_info``, ``role_value``.
+API: ``MetadataClient``, ``AsyncMetadataClient``, ``make_node_info``, ``role_value``,
+``medium_from_pb`` (a `BlockUpdate`'s medium as ``core.events`` names it, for watchers).
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -37,16 +38,22 @@ from pdcluster.metadata_service.errors import (
     MetadataRequestError,
     MetadataUnavailable,
 )
-from pdcluster.metadata_service.events import encode_events
+from pdcluster.metadata_service.events import encode_events, medium_from_pb
 from pdcluster.metadata_service.wire import AUTH_HEADER, GRPC_OPTIONS
 from pdcluster.proto import metadata_pb2 as pb
 from pdcluster.proto import metadata_pb2_grpc as pb_grpc
+
+__all__ = ["AsyncMetadataClient", "MetadataClient", "SnapshotBlocks", "TierMatch",
+           "make_node_info", "medium_from_pb", "role_value"]
 
 ROLES = {Role.PREFILL: pb.PREFILL, Role.DECODE: pb.DECODE}
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.CANCELLED)
 
 Match = tuple[NodeId, int]
+TierMatch = tuple[NodeId, int, int, int]  # node, leading blocks, of them on host, on disk
+# A snapshot: the node's hashes, or hash -> media mask (1 device, 2 host, 4 disk)
+SnapshotBlocks = Iterable[BlockHash] | Mapping[BlockHash, int]
 
 
 def role_value(role: str | int | None) -> int:
@@ -104,6 +111,18 @@ def _query_request(
 ) -> pb.QueryRequest:
     return pb.QueryRequest(block_hashes=pack_hashes(chain), role=role_value(role),
                            node_ids=list(node_ids), include_zero=include_zero)
+
+
+def _snapshot_request(node_id: NodeId, epoch: int, seq: int, blocks: SnapshotBlocks
+                      ) -> pb.SnapshotRequest:
+    if isinstance(blocks, Mapping):
+        hashes = list(blocks)
+        masks = bytes(blocks[h] for h in hashes)
+        media = b"" if masks.count(1) == len(masks) else masks
+    else:
+        hashes, media = list(blocks), b""
+    return pb.SnapshotRequest(node_id=node_id, epoch=epoch, seq=seq,
+                              block_hashes=pack_hashes(hashes), media=media)
 
 
 def _publish_request(
@@ -196,10 +215,9 @@ class MetadataClient(_Base):
         return self._call("Publish", request)
 
     def snapshot(
-        self, node_id: NodeId, epoch: int, seq: int, block_hashes: Iterable[BlockHash]
+        self, node_id: NodeId, epoch: int, seq: int, block_hashes: SnapshotBlocks
     ) -> int:
-        request = pb.SnapshotRequest(node_id=node_id, epoch=epoch, seq=seq,
-                                     block_hashes=pack_hashes(block_hashes))
+        request = _snapshot_request(node_id, epoch, seq, block_hashes)
         return self._call("Snapshot", request, max(self.timeout_s, 30.0)).last_seq
 
     def query(
@@ -278,10 +296,9 @@ class AsyncMetadataClient(_Base):
         return await self._call("Publish", _publish_request(node_id, epoch, seq, events))
 
     async def snapshot(
-        self, node_id: NodeId, epoch: int, seq: int, block_hashes: Iterable[BlockHash]
+        self, node_id: NodeId, epoch: int, seq: int, block_hashes: SnapshotBlocks
     ) -> int:
-        request = pb.SnapshotRequest(node_id=node_id, epoch=epoch, seq=seq,
-                                     block_hashes=pack_hashes(block_hashes))
+        request = _snapshot_request(node_id, epoch, seq, block_hashes)
         return (await self._call("Snapshot", request, max(self.timeout_s, 30.0))).last_seq
 
     async def query(
@@ -293,6 +310,13 @@ class AsyncMetadataClient(_Base):
     ) -> list[Match]:
         reply = await self._call("Query", _query_request(chain, role, node_ids, include_zero))
         return [(m.node_id, m.num_blocks) for m in reply.matches]
+
+    async def query_tiers(self, chain: Sequence[BlockHash]) -> list[TierMatch]:
+        """(node, leading blocks of ``chain`` it holds, how many of them only on its host,
+        only on disk), best first."""
+        reply = await self._call("Query", _query_request(chain, None, (), False))
+        return [(m.node_id, m.num_blocks, m.num_host_blocks, m.num_disk_blocks)
+                for m in reply.matches]
 
     async def stats(self) -> pb.StatsReply:
         return await self._call("Stats", pb.Empty())

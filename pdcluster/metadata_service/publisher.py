@@ -9,7 +9,9 @@ Protocol, as a node sees it:
   3. ``heartbeat`` every lease TTL / 3; ``known=False`` -> register again.
 
 ``snapshot_fn`` returns the node's whole cached block set, consistent with every event
-published so far: call the publisher from the thread that drains the block pool's events.
+published so far: call the publisher from the thread that drains the block pool's events. A
+node with KV tiers returns a map of each hash to its media mask (1 device, 2 host, 4 disk)
+instead, so the resynced index keeps the tiers.
 
 API: ``NodePublisher`` (sync) and ``AsyncNodePublisher``.
 """
@@ -20,13 +22,12 @@ import logging
 from collections.abc import Callable, Iterable
 
 from pdcluster.core.events import KVEvent
-from pdcluster.core.types import BlockHash
-from pdcluster.metadata_service.client import AsyncMetadataClient, MetadataClient
+from pdcluster.metadata_service.client import AsyncMetadataClient, MetadataClient, SnapshotBlocks
 from pdcluster.proto import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-SnapshotFn = Callable[[], Iterable[BlockHash]]
+SnapshotFn = Callable[[], SnapshotBlocks]
 Status = pb.PublishReply.Status
 
 

@@ -129,14 +129,15 @@ class _Servicer(pb_grpc.MetadataServiceServicer):
     async def Snapshot(self, request, context):  # noqa: N802
         await self._acting_as(context, request.node_id)
         seq = await _checked(context, self.service.snapshot, request.node_id, request.epoch,
-                             request.seq, request.block_hashes)
+                             request.seq, request.block_hashes, request.media)
         return pb.SnapshotReply(last_seq=seq)
 
     async def Query(self, request, context):  # noqa: N802
-        matches = await _checked(context, self.service.query, request.block_hashes,
+        matches = await _checked(context, self.service.query_tiers, request.block_hashes,
                                  request.role, request.node_ids, request.include_zero)
         return pb.QueryReply(
-            matches=[pb.NodeMatch(node_id=n, num_blocks=k) for n, k in matches],
+            matches=[pb.NodeMatch(node_id=n, num_blocks=k, num_host_blocks=host,
+                                  num_disk_blocks=disk) for n, k, host, disk in matches],
             num_query_blocks=len(request.block_hashes) // self.service.config.hash_size,
         )
 

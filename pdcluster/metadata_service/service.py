@@ -37,6 +37,7 @@ from pdcluster.metadata_service.codec import Delta
 from pdcluster.metadata_service.config import MetadataConfig
 from pdcluster.metadata_service.errors import InvalidBatch
 from pdcluster.metadata_service.events import (
+    Change,
     Op,
     check_node_info,
     decode_events,
@@ -157,15 +158,18 @@ class MetadataService:
         self.counters["batches_ingested"] += 1
         return PublishStatus.OK, seq
 
-    def snapshot(self, node_id: NodeId, epoch: int, seq: int, packed: bytes) -> int:
-        """Replace the node's block set with a full snapshot as of ``seq``."""
-        block_hashes = self._checked(node_id, unpack_snapshot, packed, self.config)
+    def snapshot(self, node_id: NodeId, epoch: int, seq: int, packed: bytes,
+                 media: bytes = b"") -> int:
+        """Replace the node's block set (and its blocks' media) with a full snapshot as of
+        ``seq``."""
+        block_hashes, lower = self._checked(node_id, unpack_snapshot, packed, self.config,
+                                            media)
         node = self._nodes.get(node_id)
         if node is None or node.epoch != epoch:
             self._reject(node_id, InvalidBatch(
                 "unknown_node", f"snapshot from {node_id} epoch {epoch}: not registered with "
                 "that epoch; register first"))
-        self.index.replace_node_blocks(node_id, block_hashes)
+        self.index.replace_node_blocks(node_id, block_hashes, lower)
         node.seq = seq
         self.store.blocks_cleared(node_id)
         self.store.blocks_stored(node_id, block_hashes)
@@ -173,16 +177,25 @@ class MetadataService:
         self.counters["snapshots_applied"] += 1
         return seq
 
-    def _apply(self, node_id: NodeId, ops: list[tuple[Op, list[BlockHash]]]) -> None:
+    def _apply(self, node_id: NodeId, changes: list[Change]) -> None:
+        """Apply to the index; the store keeps membership only (which blocks a node holds on
+        any medium), so a removal of one copy reaches it only for blocks left with none."""
         index, store = self.index, self.store
         num_events = 0
-        for op, block_hashes in ops:
-            if op is Op.STORED:
-                index.add_blocks(node_id, block_hashes)
+        for change in changes:
+            op, block_hashes = change.op, change.block_hashes
+            if op is Op.STORED or op is Op.MOVED:
+                if op is Op.STORED:
+                    index.add_blocks(node_id, block_hashes, change.medium or "device")
+                else:
+                    assert change.src and change.medium, "a decoded move names both media"
+                    index.move_blocks(node_id, block_hashes, change.src, change.medium)
                 store.blocks_stored(node_id, block_hashes)
             elif op is Op.REMOVED:
-                index.remove_blocks(node_id, block_hashes)
-                store.blocks_removed(node_id, block_hashes)
+                index.remove_blocks(node_id, block_hashes, change.medium)
+                gone = block_hashes if change.medium is None else \
+                    [h for h in block_hashes if not index.holds(node_id, h)]
+                store.blocks_removed(node_id, gone)
             else:
                 index.clear_node(node_id)
                 store.blocks_cleared(node_id)
@@ -210,6 +223,16 @@ class MetadataService:
         node_ids: Sequence[NodeId] = (),
         include_zero: bool = False,
     ) -> list[tuple[NodeId, int]]:
+        return [(n, k) for n, k, _, _ in self.query_tiers(packed, role, node_ids, include_zero)]
+
+    def query_tiers(
+        self,
+        packed: bytes,
+        role: int = pb.ROLE_UNSPECIFIED,
+        node_ids: Sequence[NodeId] = (),
+        include_zero: bool = False,
+    ) -> list[tuple[NodeId, int, int, int]]:
+        """(node, leading blocks held, how many of them only on its host, only on disk)."""
         chain = self._checked("query", unpack_query, packed, self.config)
         self.counters["queries"] += 1
         candidates: Sequence[NodeId] | None = None
@@ -217,7 +240,9 @@ class MetadataService:
             pool = node_ids or self._nodes.keys()
             candidates = [n for n in pool if (node := self._nodes.get(n)) is not None
                           and role in (pb.ROLE_UNSPECIFIED, node.info.role)]
-        return self.index.query(chain, candidates, include_zero)
+        index = self.index
+        return [(n, k, *index.lower_tiers(n, chain[:k]))
+                for n, k in index.query(chain, candidates, include_zero)]
 
     def stats(self) -> pb.StatsReply:
         store = self.store

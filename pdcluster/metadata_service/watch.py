@@ -6,11 +6,13 @@ only if someone subscribed, queues one ``pb.BlockUpdate`` per change (long ones 
 every subscriber, in the order the index applied them. One event loop owns the index, so that
 order is the service's. With no subscriber a mutation costs one truth test.
 
-A subscriber's stream: a snapshot of every node's block set, SNAPSHOT_COMPLETE, then the
-queued changes. Changes are queued from the moment of subscription; each node's snapshot is
-copied when its turn comes (one node at a time, not the whole index in one go on the loop), so
-a chunk may already reflect a change queued behind it. That is harmless: every change is an
-idempotent set operation, and replaying them in order ends at the service's state.
+A subscriber's stream: a snapshot of every node's block set (with the media of the blocks not
+on the device alone), SNAPSHOT_COMPLETE, then the queued changes; a change names the medium
+it concerns (STORED, REMOVED) or both ends (MOVED), as the node's event did. Changes are
+queued from the moment of subscription; each node's snapshot is copied when its turn comes
+(one node at a time, not the whole index in one go on the loop), so a chunk may already
+reflect a change queued behind it. That is harmless: every change is an idempotent set
+operation, and replaying them in order ends at the service's state.
 
 Back-pressure: a subscriber's queue holds at most ``max_pending`` hashes (a clear or a node
 removal counts 1). Going over cuts it off at once: the queue is dropped, it leaves the
@@ -26,16 +28,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator, Mapping
 
-from pdcluster.core.block_index import BlockIndex
+from pdcluster.core.block_index import MEDIUM_BITS, BlockIndex
+from pdcluster.core.events import DEVICE
 from pdcluster.core.types import BlockHash, NodeId
+from pdcluster.metadata_service.events import medium_to_pb
 from pdcluster.proto import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 CHUNK_HASHES = 16384  # per message: 512 KiB of 32-byte hashes
 _Update = pb.BlockUpdate
+_DEVICE_BIT = MEDIUM_BITS[DEVICE]
 
 
 class SubscriberTooSlow(Exception):
@@ -119,7 +124,9 @@ class WatchedIndex(BlockIndex):
         for node_id in node_ids:
             if self.has_node(node_id):
                 hashes = list(self._node_blocks[node_id])
-                yield from self._chunks(_Update.SNAPSHOT, node_id, hashes)
+                media = self._media[node_id]
+                masks = bytes(media.get(h, _DEVICE_BIT) for h in hashes) if media else b""
+                yield from self._chunks(_Update.SNAPSHOT, node_id, hashes, masks=masks)
 
     # -- the observed mutators -------------------------------------------------------------
 
@@ -130,17 +137,27 @@ class WatchedIndex(BlockIndex):
             self._emit(_Update.NODE_REMOVED, node_id)
         return num_removed
 
-    def add_blocks(self, node_id: NodeId, block_hashes: Collection[BlockHash]) -> int:
-        num_new = super().add_blocks(node_id, block_hashes)
+    def add_blocks(self, node_id: NodeId, block_hashes: Collection[BlockHash],
+                   medium: str = DEVICE) -> int:
+        num_new = super().add_blocks(node_id, block_hashes, medium)
         if self.subscribers and block_hashes:
-            self._emit(_Update.STORED, node_id, block_hashes)
+            self._emit(_Update.STORED, node_id, block_hashes,
+                       None if medium == DEVICE else medium)
         return num_new
 
-    def remove_blocks(self, node_id: NodeId, block_hashes: Collection[BlockHash]) -> int:
-        num_removed = super().remove_blocks(node_id, block_hashes)
+    def remove_blocks(self, node_id: NodeId, block_hashes: Collection[BlockHash],
+                      medium: str | None = None) -> int:
+        num_removed = super().remove_blocks(node_id, block_hashes, medium)
         if self.subscribers and block_hashes:
-            self._emit(_Update.REMOVED, node_id, block_hashes)
+            self._emit(_Update.REMOVED, node_id, block_hashes, medium)
         return num_removed
+
+    def move_blocks(self, node_id: NodeId, block_hashes: Collection[BlockHash], src: str,
+                    dst: str) -> int:
+        num_new = super().move_blocks(node_id, block_hashes, src, dst)
+        if self.subscribers and block_hashes:
+            self._emit(_Update.MOVED, node_id, block_hashes, dst, src)
+        return num_new
 
     def clear_node(self, node_id: NodeId) -> int:
         num_removed = super().clear_node(node_id)
@@ -149,21 +166,45 @@ class WatchedIndex(BlockIndex):
         return num_removed
 
     def replace_node_blocks(
-        self, node_id: NodeId, block_hashes: Collection[BlockHash]
+        self, node_id: NodeId, block_hashes: Collection[BlockHash],
+        media: Mapping[BlockHash, int] | None = None,
     ) -> tuple[set[BlockHash], set[BlockHash]]:
-        removed, added = super().replace_node_blocks(node_id, block_hashes)
+        old_media = dict(self._media[node_id]) if self.subscribers else {}
+        removed, added = super().replace_node_blocks(node_id, block_hashes, media)
         if self.subscribers:
             if removed:
                 self._emit(_Update.REMOVED, node_id, removed)
-            if added:
-                self._emit(_Update.STORED, node_id, added)
+            self._emit_media_diff(node_id, added, old_media, self._media[node_id])
         return removed, added
+
+    def _emit_media_diff(self, node_id: NodeId, added: set[BlockHash],
+                         old: Mapping[BlockHash, int], new: Mapping[BlockHash, int]) -> None:
+        """STORED per medium a block gained (new blocks on the device unless `new` says
+        otherwise), then REMOVED per medium it lost: a held block never blinks out."""
+        held = self._node_blocks[node_id]
+        gained: dict[str, list[BlockHash]] = {}
+        lost: dict[str, list[BlockHash]] = {}
+        for block_hash in set(old) | set(new) | added:
+            if block_hash not in held:
+                continue
+            before = 0 if block_hash in added else old.get(block_hash, _DEVICE_BIT)
+            after = new.get(block_hash, _DEVICE_BIT)
+            for medium, bit in MEDIUM_BITS.items():
+                if after & bit and not before & bit:
+                    gained.setdefault(medium, []).append(block_hash)
+                elif before & bit and not after & bit:
+                    lost.setdefault(medium, []).append(block_hash)
+        for medium, hashes in gained.items():
+            self._emit(_Update.STORED, node_id, hashes, None if medium == DEVICE else medium)
+        for medium, hashes in lost.items():
+            self._emit(_Update.REMOVED, node_id, hashes, medium)
 
     # -- fan-out ---------------------------------------------------------------------------
 
-    def _emit(self, kind: int, node_id: NodeId, block_hashes: Collection[BlockHash] = ()) -> None:
+    def _emit(self, kind: int, node_id: NodeId, block_hashes: Collection[BlockHash] = (),
+              medium: str | None = None, src: str | None = None) -> None:
         hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
-        for update in self._chunks(kind, node_id, hashes):
+        for update in self._chunks(kind, node_id, hashes, medium, src):
             weight = max(1, len(update.block_hashes) // self.hash_size)
             for subscriber in [s for s in self.subscribers if not s.push(update, weight)]:
                 self.subscribers.remove(subscriber)
@@ -171,14 +212,18 @@ class WatchedIndex(BlockIndex):
                 logger.warning("a WatchBlocks subscriber fell more than %d hashes behind: "
                                "cut off (it resubscribes for a snapshot)", self.max_pending)
 
-    def _chunks(self, kind: int, node_id: NodeId, hashes: list[BlockHash]
+    def _chunks(self, kind: int, node_id: NodeId, hashes: list[BlockHash],
+                medium: str | None = None, src: str | None = None, masks: bytes = b""
                 ) -> Iterator[pb.BlockUpdate]:
+        tiers = {"medium": medium_to_pb(medium), "src_medium": medium_to_pb(src)}
         if not hashes:
-            yield _Update(kind=kind, node_id=node_id, hash_size=self.hash_size)
+            yield _Update(kind=kind, node_id=node_id, hash_size=self.hash_size, **tiers)
             return
         for start in range(0, len(hashes), CHUNK_HASHES):
+            end = start + CHUNK_HASHES
             yield _Update(kind=kind, node_id=node_id, hash_size=self.hash_size,
-                          block_hashes=b"".join(hashes[start:start + CHUNK_HASHES]))
+                          block_hashes=b"".join(hashes[start:end]), media=masks[start:end],
+                          **tiers)
 
 
 class NodeWatch:

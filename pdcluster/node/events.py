@@ -16,18 +16,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
 
 from pdcluster.core.events import KVEvent
-from pdcluster.core.types import BlockHash
 from pdcluster.metadata_service.client import MetadataClient
-from pdcluster.metadata_service.publisher import NodePublisher
+from pdcluster.metadata_service.publisher import NodePublisher, SnapshotFn
 
 logger = logging.getLogger(__name__)
 
 
 class EventPublisherThread:
-    def __init__(self, client: MetadataClient, info, snapshot_fn: Callable[[], Iterable[BlockHash]],
+    def __init__(self, client: MetadataClient, info, snapshot_fn: SnapshotFn,
                  lease_ttl_s: int, interval_s: float) -> None:
         self.publisher = NodePublisher(client, info, snapshot_fn, lease_ttl_s)
         self.client = client

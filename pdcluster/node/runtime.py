@@ -61,7 +61,7 @@ class NodeRuntime:
                               metrics_address=self.metrics_address,
                               block_size=engine.block_size,
                               capacity_blocks=engine.num_kv_blocks)
-        return EventPublisherThread(metadata_client(cfg), info, engine.cached_block_hashes,
+        return EventPublisherThread(metadata_client(cfg), info, engine.cached_block_media,
                                     cfg.lease_ttl_s, cfg.publish_interval_s)
 
     def start(self, registration_timeout_s: float = 10.0) -> NodeRuntime:

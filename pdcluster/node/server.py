@@ -309,7 +309,7 @@ class NodeServer:
         load = self.engine.load()
         return LoadReport(self.node_id, self.role, load.num_waiting, load.num_running,
                           load.num_free_blocks, load.num_blocks, load.num_queued_tokens,
-                          self.draining)
+                          self.draining, self.engine.kv_costs())
 
 
 def _new_top_logprobs(top: list[list[tuple[int, float]]] | None, num_new: int

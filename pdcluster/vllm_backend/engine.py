@@ -280,6 +280,9 @@ class VllmEngine(NodeEngine):
     def cached_block_hashes(self) -> list[BlockHash]:
         return self._events.cached_hashes()
 
+    def cached_block_media(self) -> dict[BlockHash, int]:
+        return self._events.cached_media()
+
     def reset_prefix_cache(self) -> bool:
         if self._requests:
             return False

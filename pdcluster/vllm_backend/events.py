@@ -6,7 +6,12 @@ ROUTER socket. Both endpoints are `ipc://` paths in the node's private folder (h
 This thread subscribes, asks for a replay whenever a sequence number is skipped (a PUB socket
 drops messages when a subscriber is slow, and a new subscriber misses what came before it),
 converts each event to `core.events`, and keeps the set of block hashes the engine holds —
-what the node reports when the metadata service asks for a snapshot. Block hashes arrive as
+what the node reports when the metadata service asks for a snapshot. vLLM's events name the
+medium of the copy they concern (`GPU`; `CPU` and `STORAGE` from its offloading connectors),
+which maps to `core.events`' device, host and disk (an unknown one counts as disk, the
+slowest: a router then under- rather than over-rates that copy); the set keeps each block's
+media, so a block offloaded to the CPU and then dropped from the GPU stays held, on the host.
+Block hashes arrive as
 the 32 bytes of vLLM's `sha256_cbor` digest (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`, set by
 `engine.py`), the same bytes `core.vllm_hashing` computes.
 """
@@ -23,12 +28,22 @@ from vllm.distributed.kv_events import BlockRemoved as VllmRemoved
 from vllm.distributed.kv_events import BlockStored as VllmStored
 from vllm.distributed.kv_events import KVEventBatch
 
-from pdcluster.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdcluster.core.block_index import MEDIUM_BITS
+from pdcluster.core.events import (
+    DEVICE,
+    DISK,
+    HOST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 from pdcluster.core.types import BlockHash
 
 logger = logging.getLogger(__name__)
 _END_SEQ = -1
 _REPLAY_TIMEOUT_MS = 2000
+_MEDIA = {"GPU": DEVICE, "CUDA": DEVICE, "CPU": HOST, "STORAGE": DISK, "DISK": DISK}
 
 
 class EventSubscriber:
@@ -44,7 +59,7 @@ class EventSubscriber:
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self._lock = threading.Lock()
         self._events: list[KVEvent] = []
-        self._cached: set[BlockHash] = set()
+        self._cached: dict[BlockHash, int] = {}  # hash -> media mask
         self._next_seq = 0
         self.num_bad_batches = 0
         self.num_replays = 0
@@ -69,6 +84,10 @@ class EventSubscriber:
     def cached_hashes(self) -> list[BlockHash]:
         with self._lock:
             return list(self._cached)
+
+    def cached_media(self) -> dict[BlockHash, int]:
+        with self._lock:
+            return dict(self._cached)
 
     def close(self) -> None:
         self._stop.set()
@@ -132,13 +151,19 @@ class EventSubscriber:
             self._events.extend(converted)
 
 
+def medium_of(name: str | None) -> str:
+    """vLLM's medium name as `core.events` names it (None: vLLM's GPU pool)."""
+    return DEVICE if name is None else _MEDIA.get(name.upper(), DISK)
+
+
 def _convert(raw: object) -> KVEvent | None:
     if isinstance(raw, VllmStored):
         hashes = tuple(_as_bytes(h) for h in raw.block_hashes)
         parent = _as_bytes(raw.parent_block_hash) if raw.parent_block_hash is not None else None
-        return BlockStored(hashes, parent, raw.block_size)
+        return BlockStored(hashes, parent, raw.block_size, medium_of(raw.medium))
     if isinstance(raw, VllmRemoved):
-        return BlockRemoved(tuple(_as_bytes(h) for h in raw.block_hashes))
+        return BlockRemoved(tuple(_as_bytes(h) for h in raw.block_hashes),
+                            medium_of(raw.medium))
     if isinstance(raw, VllmCleared):
         return AllBlocksCleared()
     return None
@@ -151,10 +176,18 @@ def _as_bytes(block_hash: bytes | int) -> BlockHash:
     return bytes(block_hash)
 
 
-def _update(cached: set[BlockHash], event: KVEvent) -> None:
+def _update(cached: dict[BlockHash, int], event: KVEvent) -> None:
     if isinstance(event, BlockStored):
-        cached.update(event.block_hashes)
+        bit = MEDIUM_BITS[event.medium]
+        for block_hash in event.block_hashes:
+            cached[block_hash] = cached.get(block_hash, 0) | bit
     elif isinstance(event, BlockRemoved):
-        cached.difference_update(event.block_hashes)
+        bit = MEDIUM_BITS[event.medium] if event.medium else sum(MEDIUM_BITS.values())
+        for block_hash in event.block_hashes:
+            mask = cached.get(block_hash, 0) & ~bit
+            if mask:
+                cached[block_hash] = mask
+            else:
+                cached.pop(block_hash, None)
     else:
         cached.clear()

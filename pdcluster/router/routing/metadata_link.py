@@ -2,7 +2,9 @@
 (`metadata_service.client.AsyncMetadataClient`, the one place each request is built; the
 only part of that room the router may import).
 
-`MetadataLink.prefix_hits(chain)`: which nodes hold how many leading blocks of the chain.
+`MetadataLink.prefix_hits(chain)`: which nodes hold how many leading blocks of the chain, and
+(`PrefixHits.lower`) how many of those each holds only below its device, on its host or disk
+(the KV tiers: the policy prices loading them back).
 It answers from a **mirror** of the service's block index in the router's memory while the
 mirror is in sync: a background task follows `WatchBlocks` (a snapshot of the whole index,
 then every change in the order the service applied it) into a `core.block_index.BlockIndex`,
@@ -43,20 +45,40 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from pdcluster.core.block_index import BlockIndex
+from pdcluster.core.block_index import MEDIUM_BITS, BlockIndex
+from pdcluster.core.events import DEVICE
 from pdcluster.core.roles import Role
 from pdcluster.core.tls import ClientTLS
 from pdcluster.core.types import BlockHash, NodeId
-from pdcluster.metadata_service.client import AsyncMetadataClient
+from pdcluster.metadata_service.client import AsyncMetadataClient, medium_from_pb
 from pdcluster.metadata_service.errors import MetadataError
 from pdcluster.proto import metadata_pb2 as pb
 from pdcluster.router.config import NodeSpec
 
 logger = logging.getLogger(__name__)
 
-PrefixHits = dict[NodeId, int]
 _ROLE_NAMES = {pb.PREFILL: Role.PREFILL, pb.DECODE: Role.DECODE}
 _Update = pb.BlockUpdate
+
+
+class PrefixHits(dict[NodeId, int]):
+    """Leading blocks held per node; `lower` maps a node to how many of them it holds only on
+    its host and only on disk (absent: all on its device)."""
+
+    __slots__ = ("lower",)
+
+    def __init__(self, hits=(), lower: dict[NodeId, tuple[int, int]] | None = None) -> None:
+        super().__init__(hits)
+        self.lower = lower or {}
+
+
+def _index_hits(index: BlockIndex, chain: Sequence[BlockHash]) -> PrefixHits:
+    hits = PrefixHits(index.query(chain))
+    for node_id, num_blocks in hits.items():
+        host, disk = index.lower_tiers(node_id, chain[:num_blocks])
+        if host or disk:
+            hits.lower[node_id] = (host, disk)
+    return hits
 
 
 class _BadUpdate(Exception):
@@ -110,25 +132,26 @@ class MetadataLink:
     async def prefix_hits(self, chain: Sequence[BlockHash]) -> PrefixHits | None:
         """Leading blocks held per node; None when degraded (route on load alone)."""
         if not chain:
-            return {}
+            return PrefixHits()
         mirror = self._mirror
         if self.mirror_in_sync and mirror is not None:
-            return dict(mirror.query(chain))
+            return _index_hits(mirror, chain)
         if not self.available and self._clock() < self._retry_at:
             return self._stale_hits(chain)
         try:
-            matches = await self._client.query(chain)
+            matches = await self._client.query_tiers(chain)
         except MetadataError as exc:
             self._fail(exc)
             return self._stale_hits(chain)
         self._recover()
-        return dict(matches)
+        return PrefixHits({n: k for n, k, _, _ in matches},
+                          {n: (host, disk) for n, _, host, disk in matches if host or disk})
 
     def _stale_hits(self, chain: Sequence[BlockHash]) -> PrefixHits | None:
         if self._stale is None:
             return None
         self.stale_answers += 1
-        return dict(self._stale.query(chain))
+        return _index_hits(self._stale, chain)
 
     def mirror_node_hashes(self, node_id: NodeId) -> frozenset[BlockHash] | None:
         """The blocks the mirror says `node_id` holds; None while the mirror is not in sync."""
@@ -238,21 +261,51 @@ def _apply(mirror: BlockIndex, update: pb.BlockUpdate) -> bool:
     """One WatchBlocks message into the mirror (every change is an idempotent set operation);
     False for a kind this router does not know (a newer service), which is skipped."""
     kind, node_id = update.kind, update.node_id
-    if kind in (_Update.SNAPSHOT, _Update.STORED):
+    medium = _medium(update.medium)
+    if kind in (_Update.SNAPSHOT, _Update.STORED, _Update.MOVED):
         if not mirror.has_node(node_id):
             mirror.add_node(node_id)
-        mirror.add_blocks(node_id, _unpack(update))
+        if kind == _Update.SNAPSHOT:
+            _apply_snapshot(mirror, node_id, _unpack(update), update.media)
+        elif kind == _Update.STORED:
+            mirror.add_blocks(node_id, _unpack(update), medium or DEVICE)
+        else:
+            src = _medium(update.src_medium)
+            if src is None or medium is None:
+                raise _BadUpdate("a MOVED update without both media")
+            mirror.move_blocks(node_id, _unpack(update), src, medium)
     elif kind not in (_Update.REMOVED, _Update.CLEARED, _Update.NODE_REMOVED):
         return False
     elif not mirror.has_node(node_id):
         pass  # removing from a node the mirror does not know: nothing to do
     elif kind == _Update.REMOVED:
-        mirror.remove_blocks(node_id, _unpack(update))
+        mirror.remove_blocks(node_id, _unpack(update), medium)
     elif kind == _Update.CLEARED:
         mirror.clear_node(node_id)
     else:
         mirror.remove_node(node_id)
     return True
+
+
+def _medium(value: int) -> str | None:
+    try:
+        return medium_from_pb(value, "BlockUpdate")
+    except ValueError as exc:  # InvalidBatch: a medium this router does not know
+        raise _BadUpdate(str(exc)) from exc
+
+
+def _apply_snapshot(mirror: BlockIndex, node_id: NodeId, hashes: list[BlockHash],
+                    media: bytes) -> None:
+    """A SNAPSHOT chunk: its blocks, each on the media its mask names (none: the device)."""
+    if not media:
+        mirror.add_blocks(node_id, hashes)
+        return
+    if len(media) != len(hashes):
+        raise _BadUpdate(f"a SNAPSHOT of {len(hashes)} hashes with {len(media)} media masks")
+    for medium, bit in MEDIUM_BITS.items():
+        on_medium = [h for h, mask in zip(hashes, media, strict=True) if mask & bit]
+        if on_medium:
+            mirror.add_blocks(node_id, on_medium, medium)
 
 
 def _unpack(update: pb.BlockUpdate) -> list[BlockHash]:

@@ -7,8 +7,10 @@ each decision:
 - a node's load fields (its last `LoadReport` plus the prompt tokens and requests the router
   sent it since) are recomputed only when the node's `NodeLink.version` moved;
 - the list of healthy views is rebuilt only when some node changed;
-- `cached_blocks` is reset on the previous request's hit nodes and set on this one's (hits
-  are sparse: a prefix is cached on a few nodes);
+- `cached_blocks` (and `host_blocks` / `disk_blocks`, the part a node holds only below its
+  device) is reset on the previous request's hit nodes and set on this one's (hits are
+  sparse: a prefix is cached on a few nodes);
+- `costs` (the node's measured `TierCosts`) follows its load reports;
 - `recent_work` is re-decayed for every node once per `half_life / DECAY_STEPS` of the clock,
   and set exactly for a node when work is charged to it (`charged`). Between re-decays a
   node's value is at most `ln 2 / DECAY_STEPS` (0.5%) above the exact one: far below what
@@ -87,12 +89,14 @@ class NodeViews:
             self._healthy = [e.view for e in self._entries.values() if e.node.healthy]
             self._healthy_stale = False
         for view in self._hit:
-            view.cached_blocks = 0
+            view.cached_blocks = view.host_blocks = view.disk_blocks = 0
         self._hit.clear()
+        lower = getattr(hits, "lower", None) or {}
         for node_id, blocks in hits.items():
             entry = self._entries.get(node_id)
             if entry is not None:
                 entry.view.cached_blocks = blocks
+                entry.view.host_blocks, entry.view.disk_blocks = lower.get(node_id, (0, 0))
                 self._hit.append(entry.view)
         return self._healthy
 
@@ -106,3 +110,4 @@ def _load_fields(node: NodeLink, view: NodeView) -> None:
         total = report.num_total_blocks
         view.kv_usage = 1.0 - report.num_free_blocks / total if total > 0 else 0.0
         view.draining = report.draining
+        view.costs = report.kv_costs

@@ -2,9 +2,9 @@
 (`router.routing.policy`): loading its own blocks back from its host memory or disk, and
 pulling blocks from a peer. All in prefill-token equivalents, the policy's unit.
 
-Each node measures what it costs (`TierCosts`: a tier's bandwidth and fixed latency per
-load, its KV bytes per token and its prefill rate) and reports it with its load; a load of
-`tokens` then costs
+Each node measures what it costs (`core.node_wire.KVCosts`, here `TierCosts`: a tier's
+bandwidth and fixed latency per load, its KV bytes per token and its prefill rate) and
+reports it with its load (`LoadReport.kv_costs`); a load of `tokens` then costs
 
     (latency_s + tokens * kv_bytes_per_token / bytes_per_s) * prefill_tokens_per_s
 
@@ -12,46 +12,44 @@ prompt tokens: the tokens the node would have prefilled in that time. A node tha
 measured a source yet is priced by the policy's fallbacks (`host_weight`, `disk_weight`,
 `transfer_weight` per token).
 
-API: `TierCosts`, `tier_cost`, `pull_cost`.
+API: `TierCosts` (core's `KVCosts`), `tier_cost`, `pull_cost`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from pdcluster.router.routing.policy import NodeView, PolicyConfig
+from pdcluster.core.node_wire import KVCosts as TierCosts
 
 
-@dataclass(frozen=True, slots=True)
-class TierCosts:
-    """What a node measured about getting KV from elsewhere than its device: each source's
-    bandwidth (bytes/s; 0: not measured, or no such tier) and fixed latency per load, its KV
-    bytes per token, and its prefill rate, which turns seconds into prompt tokens."""
+class NodeView(Protocol):
+    """What pricing reads of a `policy.NodeView` (structural: no import of the policy)."""
 
-    prefill_tokens_per_s: float
-    kv_bytes_per_token: float
-    host_bytes_per_s: float = 0.0
-    host_latency_s: float = 0.0
-    disk_bytes_per_s: float = 0.0
-    disk_latency_s: float = 0.0
-    pull_bytes_per_s: float = 0.0
-    pull_latency_s: float = 0.0
+    host_blocks: int
+    disk_blocks: int
+    costs: TierCosts | None
 
-    def __post_init__(self) -> None:
-        if not (self.prefill_tokens_per_s > 0 and self.kv_bytes_per_token > 0):
-            raise ValueError("prefill_tokens_per_s and kv_bytes_per_token must be > 0")
-        for name in ("host_bytes_per_s", "host_latency_s", "disk_bytes_per_s",
-                     "disk_latency_s", "pull_bytes_per_s", "pull_latency_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
-    def tokens(self, num_tokens: int, bytes_per_s: float, latency_s: float) -> float:
-        """Loading `num_tokens` tokens' KV at this bandwidth, in prompt tokens of this node's
-        prefill time."""
-        seconds = latency_s + num_tokens * self.kv_bytes_per_token / bytes_per_s
-        return seconds * self.prefill_tokens_per_s
+class PolicyConfig(Protocol):
+    """What pricing reads of a `policy.PolicyConfig`."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def prefill_weight(self) -> float: ...
+
+    @property
+    def transfer_weight(self) -> float: ...
+
+    @property
+    def host_weight(self) -> float: ...
+
+    @property
+    def disk_weight(self) -> float: ...
+
+
+__all__ = ["TierCosts", "pull_cost", "tier_cost"]
 
 
 def tier_cost(node: NodeView, config: PolicyConfig) -> float:

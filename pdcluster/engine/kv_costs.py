@@ -1,0 +1,40 @@
+"""`KVCostMeter`: what the engine measures for the router's pricing of KV it does not compute
+(torch-free): its prefill rate, and, from the host tier's copy timer, the tier's bandwidth and
+latency, reported as one `core.node_wire.KVCosts` with every load report.
+
+The prefill rate is a moving average over steps that computed at least `MIN_PREFILL_TOKENS`
+prompt tokens: tokens of the step over its seconds (decodes batched into the same step make
+it a slight underestimate, which prices loads a little low: conservative for a tier whose
+load costs a few percent of a recompute). Until one such step ran the meter reports nothing,
+and the router prices with its fallback weights.
+
+API: `KVCostMeter`.
+"""
+
+from __future__ import annotations
+
+from pdcluster.core.node_wire import KVCosts
+
+MIN_PREFILL_TOKENS = 32
+_ALPHA = 0.2  # weight of the newest step in the moving average
+
+
+class KVCostMeter:
+    def __init__(self, kv_bytes_per_token: float) -> None:
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.prefill_tokens_per_s = 0.0
+
+    def record_step(self, num_prefill_tokens: int, num_tokens: int, seconds: float) -> None:
+        if num_prefill_tokens < MIN_PREFILL_TOKENS or seconds <= 0:
+            return
+        rate = num_tokens / seconds
+        self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
+            (1 - _ALPHA) * self.prefill_tokens_per_s + _ALPHA * rate
+
+    def costs(self, host: tuple[float, float] | None = None) -> KVCosts | None:
+        """`host`: the host tier's (bytes/s, latency s); None without a host tier."""
+        if self.prefill_tokens_per_s <= 0:
+            return None
+        bandwidth, latency = host or (0.0, 0.0)
+        return KVCosts(self.prefill_tokens_per_s, self.kv_bytes_per_token,
+                       host_bytes_per_s=bandwidth, host_latency_s=latency)
