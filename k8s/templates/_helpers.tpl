@@ -62,6 +62,9 @@ app.kubernetes.io/component: {{ index . 1 }}
   "max_num_seqs" (int $e.maxNumSeqs)
   "max_num_batched_tokens" (int $e.maxNumBatchedTokens)
   "max_model_len" (ternary (int $e.maxModelLen) nil (not (kindIs "invalid" $e.maxModelLen))) -}}
+{{- if and (ne $e.backend "vllm") (gt (float64 (default 0 $e.hostCacheGiB)) 0.0) -}}
+{{- $_ := set $engine "host_cache_gib" (float64 $e.hostCacheGiB) -}}
+{{- end -}}
 {{- if eq $e.backend "vllm" -}}
 {{- $_ := set $engine "tensor_parallel_size" (int $e.tensorParallelSize) -}}
 {{- if not (kindIs "invalid" $e.gpuMemoryUtilization) -}}

@@ -40,7 +40,12 @@ class KVRegion:
     one contiguous range across all layers: `block_stride == block_nbytes`). vLLM's is one
     segment per layer (each layer a tensor of its own), so a run of consecutive blocks is one
     descriptor per layer. `nbytes` is what the single-segment form registers; multi-segment
-    layouts register `memory_ranges()`."""
+    layouts register `memory_ranges()`.
+
+    A host KV tier (one segment only) adds `num_host_blocks` blocks of the same layout at
+    `host_addr`, registered too, so a peer's pull can be served from host memory: block ids
+    `num_blocks + s` name host slot s (only a holder's own writes use them; blocks received
+    always land on the device)."""
 
     base_addr: int
     nbytes: int
@@ -48,6 +53,8 @@ class KVRegion:
     num_blocks: int
     block_stride: int = 0  # 0: block_nbytes (blocks back to back)
     segment_offsets: tuple[int, ...] = (0,)
+    host_addr: int = 0
+    num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.block_nbytes <= 0 or self.num_blocks < 0:
@@ -57,6 +64,8 @@ class KVRegion:
                              f"{self.block_nbytes}: blocks would overlap")
         if not self.segment_offsets or self.segment_offsets[0] != 0:
             raise ValueError("segment_offsets must start with 0 (segment 0 is the base)")
+        if self.num_host_blocks < 0 or (self.num_host_blocks and self.num_segments != 1):
+            raise ValueError("a host tier needs num_host_blocks >= 0 and one segment")
 
     @property
     def stride(self) -> int:
@@ -67,16 +76,23 @@ class KVRegion:
         return len(self.segment_offsets)
 
     def block_addr(self, block_id: int) -> int:
-        """Where block `block_id` starts in segment 0 (add a segment's offset for the others)."""
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"block id {block_id} outside [0, {self.num_blocks})")
-        return self.base_addr + block_id * self.stride
+        """Where block `block_id` starts in segment 0 (add a segment's offset for the others);
+        ids past the device's blocks are host slots."""
+        if 0 <= block_id < self.num_blocks:
+            return self.base_addr + block_id * self.stride
+        slot = block_id - self.num_blocks
+        if 0 <= slot < self.num_host_blocks:
+            return self.host_addr + slot * self.stride
+        raise ValueError(f"block id {block_id} outside [0, "
+                         f"{self.num_blocks + self.num_host_blocks})")
 
     def memory_ranges(self) -> list[tuple[int, int]]:
         """(address, bytes) ranges to register with the transfer engine: the whole region
         for one packed segment, else each segment's span, merged where they touch."""
+        host = [(self.host_addr, self.num_host_blocks * self.stride)] \
+            if self.num_host_blocks else []
         if self.num_segments == 1 and self.stride == self.block_nbytes:
-            return [(self.base_addr, self.nbytes)]
+            return [(self.base_addr, self.nbytes), *host]
         span = (self.num_blocks - 1) * self.stride + self.block_nbytes if self.num_blocks else 0
         ranges = sorted((self.base_addr + off, span) for off in self.segment_offsets)
         merged: list[tuple[int, int]] = []

@@ -12,7 +12,7 @@ not its forward pass. On CPU the copies are plain memcpys on the engine's thread
 
 Sizing (`host_tier_blocks`): `EngineConfig.host_cache_gib` of blocks, refused with a clear
 `ValueError` when it is more than the host memory available (`/proc/meminfo`
-`MemAvailable`).
+`MemAvailable`, capped by the container's cgroup limit).
 
 Cost: each step's loads are timed (`CopyTimer`): bytes and seconds, from which a node
 reports the host tier's bandwidth and latency to the router (`router.routing.tier_costs`);
@@ -57,15 +57,26 @@ def copy_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """MemAvailable in bytes, None where the system does not say."""
+def available_host_bytes(meminfo: Path = Path("/proc/meminfo"),
+                         cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Host memory this process may still take: the system's MemAvailable, capped by the
+    room left under its cgroup's (v2) limit (a container's: MemAvailable shows the
+    machine's); None where neither says."""
+    available = None
     try:
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                available = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        pass
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int((cgroup / "memory.current").read_text())
+            available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 def host_tier_blocks(host_cache_gib: float, num_host_blocks: int | None, block_nbytes: int,

@@ -89,6 +89,11 @@ class KVTiers:
             self.host.touch(hit.block_hash)
             self.host.pin(hit.slot)
 
+    def unpin(self, hits: Sequence[HostHit]) -> None:
+        """Let pinned hits' slots go again (a peer's pull served from them is done)."""
+        for hit in hits:
+            self.host.unpin(hit.slot)
+
     def load(self, hit: HostHit, block: KVCacheBlock) -> None:
         """Queue the copy of a pinned host hit into `block` (which the caller caches under
         the hit's hash)."""

@@ -146,9 +146,10 @@ class LLMEngine(NodeEngine):
 
     @property
     def kv_region(self) -> KVRegion:
-        spec = self.kv_spec
+        spec, host = self.kv_spec, self.host_cache
         return KVRegion(self.kv_cache.data_ptr(), spec.total_nbytes, spec.block_nbytes,
-                        spec.num_blocks)
+                        spec.num_blocks, host_addr=host.tensor.data_ptr() if host else 0,
+                        num_host_blocks=host.num_blocks if host else 0)
 
     # ---- NodeEngine: what a node asks (engine/api.py) ----------------------------------
 

@@ -18,8 +18,12 @@ hash function: a peer cannot name a block by a hash it merely saw in the index, 
 tenant's salted blocks stay out of reach) and resolves it against the prefix cache, references
 the leading run of blocks it holds (so no eviction can reuse them mid-write) and hands the ids to
 the connector; `release` drops the references once the worker reports the write done,
-failed or expired. The run is cut to what the node's pin budget has left (engine/pins.py),
-so a flood of pulls cannot tie up the pool; the requester computes whatever is not sent.
+failed or expired. With a host tier the run goes on through blocks only the host holds: their
+slots are pinned instead and named by the ids past the device's (`KVRegion`'s host slots),
+so the peer reads them straight from host memory, no load back to the device first: the
+cluster's host tiers are one global pool. The run is cut to what the node's pin budget has
+left (engine/pins.py), so a flood of pulls cannot tie up the pool; the requester computes
+whatever is not sent.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from pdcluster.core.hashing import BlockExtra, HashConfig, hash_block_tokens
 from pdcluster.core.kv_connector import KVConnectorScheduler, PrefixTokens, PullLookup, PullResult
 from pdcluster.core.kv_transfer import TransferId
 from pdcluster.engine.block_pool import KVCacheBlock
-from pdcluster.engine.kv_cache_manager import KVCacheManager
+from pdcluster.engine.kv_cache_manager import KVCacheManager, PrefixHit
+from pdcluster.engine.kv_tiers import HostHit
 from pdcluster.engine.pins import PinBudget
 from pdcluster.engine.request import Request
 
@@ -40,7 +45,7 @@ class PrefixPulls:
         self.connector = connector
         self.hash_config = hash_config
         self.pins = pins
-        self.serving: dict[TransferId, list[KVCacheBlock]] = {}
+        self.serving: dict[TransferId, list[PrefixHit]] = {}
         self.num_pulls_skipped = 0  # pulls not made: the pin budget was spent
 
     # ---- requester ----------------------------------------------------------------------
@@ -85,13 +90,24 @@ class PrefixPulls:
         for lookup in lookups:
             if lookup.transfer_id in self.serving:
                 continue  # the worker never asks twice; never reference twice either
-            blocks: list[KVCacheBlock] = []
+            hits: list[PrefixHit] = []
             if self.kv.enable_caching and lookup.prefix.block_size == self.kv.block_size:
-                blocks = self.kv.pool.find_longest_prefix(self._hashes(lookup.prefix))
-            blocks = blocks[:self.pins.grant(("serve", lookup.transfer_id), len(blocks))]
-            self.kv.pool.touch(blocks)
-            self.serving[lookup.transfer_id] = blocks
-            self.connector.on_serve(lookup.transfer_id, [b.block_id for b in blocks])
+                hits = self._lookup(self._hashes(lookup.prefix))
+            hits = hits[:self.pins.grant(("serve", lookup.transfer_id), len(hits))]
+            self.kv.pool.touch([h for h in hits if isinstance(h, KVCacheBlock)])
+            host = [h for h in hits if isinstance(h, HostHit)]
+            if host and self.kv.tiers is not None:
+                self.kv.tiers.pin(host)
+            self.serving[lookup.transfer_id] = hits
+            num_device = self.kv.pool.num_blocks
+            self.connector.on_serve(lookup.transfer_id,
+                                    [h.block_id if isinstance(h, KVCacheBlock)
+                                     else num_device + h.slot for h in hits])
+
+    def _lookup(self, hashes: list[bytes]) -> list[PrefixHit]:
+        if self.kv.tiers is not None:
+            return self.kv.tiers.longest_prefix(hashes)
+        return list(self.kv.pool.find_longest_prefix(hashes))
 
     def _hashes(self, prefix: PrefixTokens) -> list[bytes]:
         try:
@@ -104,7 +120,9 @@ class PrefixPulls:
 
     def release(self, transfer_ids: list[TransferId]) -> None:
         for transfer_id in transfer_ids:
-            blocks = self.serving.pop(transfer_id, None)
+            hits = self.serving.pop(transfer_id, None) or []
             self.pins.release(("serve", transfer_id))
-            if blocks:
-                self.kv.pool.free_blocks(reversed(blocks))
+            host = [h for h in hits if isinstance(h, HostHit)]
+            if host and self.kv.tiers is not None:
+                self.kv.tiers.unpin(host)
+            self.kv.pool.free_blocks(reversed([h for h in hits if isinstance(h, KVCacheBlock)]))

@@ -118,3 +118,19 @@ def test_tier_sizes_that_cannot_work_are_refused(model_dirs):
         EngineConfig(model="m", backend="vllm", host_cache_gib=1.0)
     with pytest.raises(ValueError, match="host KV tier does not fit"):
         LLM(model_dirs["llama-gqa"], num_kv_blocks=16, host_cache_gib=1e6)
+
+
+def test_available_host_memory_is_capped_by_the_cgroup(tmp_path):
+    from pdcluster.engine.host_kv_cache import available_host_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  67108864 kB\nMemAvailable:  33554432 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert available_host_bytes(meminfo, cgroup) == 32 * 2**30  # no cgroup files: the system's
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text(str(2**30))
+    assert available_host_bytes(meminfo, cgroup) == 32 * 2**30  # no limit
+    (cgroup / "memory.max").write_text(str(8 * 2**30))
+    assert available_host_bytes(meminfo, cgroup) == 7 * 2**30  # the pod's limit, less its use
+    assert available_host_bytes(tmp_path / "none", tmp_path / "none") is None

@@ -350,3 +350,13 @@ def test_ray_pods_mount_config_model_and_shm(name: str) -> None:
         assert {"/dev/shm", "/etc/pdcluster", "/models", "/tmp/ray",
                 "/var/run/secrets/pdcluster"} <= set(mounts), where
         assert mounts["/models"]["readOnly"] == (values["model"]["source"] == "pvc")
+
+
+def test_host_cache_reaches_the_nodes_engine_options() -> None:
+    """cluster.engine.hostCacheGiB becomes the nodes' host_cache_gib (absent when 0)."""
+    from pdcluster.engine.config import EngineConfig
+
+    engine = cluster_config(render({"cluster": {"engine": {"hostCacheGiB": 24}}}))["engine"]
+    assert engine["host_cache_gib"] == 24
+    assert EngineConfig.from_options("/models/m", engine).has_host_tier
+    assert "host_cache_gib" not in cluster_config(render({}))["engine"]

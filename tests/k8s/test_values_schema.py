@@ -14,6 +14,8 @@ from tests.k8s.chart import CHART, VALUE_SETS, chart_defaults, merged, needs_hel
 # (values, a fragment of helm's error message)
 BAD_VALUES = {
     "unknown top-level key": ({"routr": {"replicas": 2}}, "routr"),
+    "negative host tier": ({"cluster": {"engine": {"hostCacheGiB": -1}}},
+                           "/cluster/engine/hostCacheGiB"),
     "misspelled nested key": ({"ray": {"prefill": {"replica": 2}}}, "replica"),
     "launcher mode": ({"launcher": {"mode": "cronjob"}}, "/launcher/mode"),
     "zero prefill pods": ({"ray": {"prefill": {"replicas": 0}}}, "/ray/prefill/replicas"),
@@ -72,6 +74,9 @@ BAD_VALUES = {
 
 # Rules across values, checked by templates/validate.yaml (and the node-count helper).
 BAD_COMBINATIONS = {
+    "a host tier on vLLM nodes": ({"cluster": {"engine": {"backend": "vllm",
+                                                          "hostCacheGiB": 8}}},
+                                  "hostCacheGiB is the own engine's KV host tier"),
     "hpa min above max": ({"router": {"hpa": {"minReplicas": 9, "maxReplicas": 4}}},
                           "minReplicas (9) must not exceed maxReplicas (4)"),
     "GPUs not a multiple of a node's": ({"cluster": {"node": {"gpus": 2}},
