@@ -61,6 +61,7 @@ from pdcluster.engine.pins import OverloadedError
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 2
+_IDLE_REFRESH_S = 0.5
 # A frame larger than this is dropped by ZMQ before it is read (the peer is disconnected):
 # a 1M-token prompt packs into about 5 MiB of msgpack.
 MAX_REQUEST_BYTES = 16 << 20
@@ -158,6 +159,7 @@ class NodeServer:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        last_step = time.monotonic()
         while not self._stop.is_set():
             runnable = self.engine.has_runnable_requests()
             if poller.poll(0 if runnable else _IDLE_POLL_MS):
@@ -165,6 +167,12 @@ class NodeServer:
             self._run_calls()
             if self._busy():
                 self._step()
+                last_step = time.monotonic()
+            elif self.on_step is not None and time.monotonic() - last_step > _IDLE_REFRESH_S:
+                # An idle engine still changes (an engine in other processes reports its
+                # last figures and events after its last output): keep on_step's view fresh.
+                self.on_step(self.engine)
+                last_step = time.monotonic()
         for request_id in list(self._owners):  # stopped without draining
             self.engine.abort_request(request_id)
 

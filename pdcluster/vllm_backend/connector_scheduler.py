@@ -11,8 +11,9 @@ per-step connector metadata, and the worker's results come back in vLLM's worker
 A request's part in a transfer is named by its `kv_transfer_params` (vllm_backend/engine.py
 sets them from the router's `TransferSpec`):
 - `{"pd": "remote_prefill", "transfer_id", "source_addr"}` on the decode node: the prompt's KV
-  past the local hit arrives from the prefill node; vLLM recomputes the last prompt token
-  itself to sample the first output token.
+  past the local hit arrives from the prefill node (unless less than a block is left, which
+  the decode node computes itself); vLLM recomputes the last prompt token itself to sample
+  the first output token.
 - `{"pd": "remote_decode", "transfer_id"}` on the prefill node: when the request ends (it
   generates one token), its blocks stay allocated until the decode node's write is served.
 """
@@ -68,7 +69,12 @@ class VllmSchedulerSide:
         num_external = self.sched.num_external_tokens(
             request.request_id, transfer, request.num_prompt_tokens, num_computed_tokens)
         self._local_hit[request.request_id] = num_computed_tokens
-        return num_external, num_external > 0
+        if num_external < self.block_size:
+            # Less than a block left past the local hit (vLLM never counts the last prompt
+            # token as a hit): computing it costs less than the round trip, and the prefill
+            # node is released (on_allocated).
+            return 0, False
+        return num_external, True
 
     def on_allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         transfer = transfer_params(request.kv_transfer_params)

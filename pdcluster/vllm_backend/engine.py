@@ -246,7 +246,10 @@ class VllmEngine(NodeEngine):
     def reset_prefix_cache(self) -> bool:
         if self._requests:
             return False
-        return bool(self._run(self._llm.reset_prefix_cache()))
+        reset = bool(self._run(self._llm.reset_prefix_cache()))
+        if reset:
+            self._events.note_cleared()
+        return reset
 
     def describe(self) -> dict[str, Any]:
         import vllm
@@ -256,8 +259,10 @@ class VllmEngine(NodeEngine):
     def close(self) -> None:
         for request_id in list(self._requests):
             self.abort_request(request_id)
+        llm, self._llm = self._llm, None
         try:
-            self._llm.shutdown()
+            llm.shutdown()
+            del llm  # its __del__ shuts down again: now, not at interpreter exit
         finally:
             self._events.close()
             self._shutdown_loop()

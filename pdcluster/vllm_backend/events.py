@@ -58,6 +58,14 @@ class EventSubscriber:
             events, self._events = self._events, []
         return events
 
+    def note_cleared(self) -> None:
+        """The engine dropped its prefix cache. vLLM publishes AllBlocksCleared with its next
+        step's events only — on an idle engine, not until the next request — so the node
+        reports it now; vLLM's own copy, when it comes, clears an already empty set."""
+        with self._lock:
+            self._cached.clear()
+            self._events.append(AllBlocksCleared())
+
     def cached_hashes(self) -> list[BlockHash]:
         with self._lock:
             return list(self._cached)

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
 from vllm.outputs import RequestOutput as VllmOutput
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -30,6 +31,13 @@ def to_vllm_params(spec: SamplingSpec, kv_transfer_params: dict[str, Any] | None
     if spec.logprobs is not None and spec.logprobs > max_logprobs:
         raise ValueError(f"logprobs={spec.logprobs} exceeds this node's limit of {max_logprobs}")
     extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    try:
+        return _params(spec, extra_args)
+    except VLLMValidationError as exc:  # not a ValueError: the node refuses it as one
+        raise ValueError(str(exc)) from exc
+
+
+def _params(spec: SamplingSpec, extra_args: dict[str, Any] | None) -> SamplingParams:
     return SamplingParams(
         n=1, max_tokens=spec.max_tokens, min_tokens=spec.min_tokens,
         temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,

@@ -107,8 +107,9 @@ def engine_args(config: EngineConfig, connector: ConnectorSettings, events_dir: 
             endpoint=f"ipc://{events_dir / 'kv-events'}",
             replay_endpoint=f"ipc://{events_dir / 'kv-replay'}", topic="kv"),
     }
-    if config.max_model_len is not None:
-        args["max_model_len"] = config.max_model_len
+    max_len = config.max_model_len or _context_that_fits(config)
+    if max_len is not None:
+        args["max_model_len"] = max_len
     if config.num_kv_blocks is not None:
         args["num_gpu_blocks_override"] = config.num_kv_blocks
     if config.kv_cache_memory_gib is not None:
@@ -126,6 +127,31 @@ def engine_args(config: EngineConfig, connector: ConnectorSettings, events_dir: 
         # refuses connectors that do not declare support for several.
         args["disable_hybrid_kv_cache_manager"] = True
     return args
+
+
+def _context_that_fits(config: EngineConfig) -> int | None:
+    """With a KV budget set (and no context length), the longest context it holds, if that is
+    shorter than the model's: vLLM refuses to start when one full-length sequence does not
+    fit, where the own engine starts and refuses longer prompts. Here vLLM starts with the
+    shorter context, and the node refuses prompts past it."""
+    if config.kv_cache_memory_gib is None and config.num_kv_blocks is None:
+        return None
+    import json
+
+    model = json.loads((Path(config.model) / "config.json").read_text())
+    text = model.get("text_config", model)
+    heads = text.get("num_key_value_heads") or text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    elem = 4 if _dtype(config.dtype) in ("float32", "auto") else 2
+    per_token = 2 * text["num_hidden_layers"] * heads * head_dim * elem
+    if config.num_kv_blocks is not None:
+        tokens = config.num_kv_blocks * config.block_size
+    else:
+        tokens = int(config.kv_cache_memory_gib * GIB) // per_token  # type: ignore[operator]
+    # vLLM keeps one block of the pool aside (its null block)
+    fits = (tokens // config.block_size - 1) * config.block_size
+    longest = int(text.get("max_position_embeddings") or fits)
+    return fits if fits < longest else None
 
 
 def _dtype(dtype: str) -> str:
