@@ -80,6 +80,10 @@ BENCHMARKS = {
               "a node restarted under its id, a churn soak; per fault requests lost, latency "
               "before/during/after, recovery, leaked KV blocks and whether the index is "
               "exact again within a lease TTL."),
+    "vllm": ("vllm_bench", "vLLM as the nodes' engine: N x (256 -> 64) through the router of "
+             "a `serve --engine vllm` cluster against vLLM's offline LLM on the same token ids "
+             "and threads, the own engine's cluster beside it, and TTFT of a 2,048-token "
+             "prompt disaggregated vs colocated (same run)."),
     "client": ("client_bench", "A published load client (aiperf, installed by `make peers` "
                "in its own environment) against a served cluster at --url: TTFT, inter-token "
                "latency, request latency and throughput, against the router's own figures "
@@ -189,7 +193,13 @@ def _peers_bench_args(parser: argparse.ArgumentParser) -> None:
                         "build: tens of minutes on 2 cores)")
 
 
-_BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "metadata": _metadata_bench_args,
+def _vllm_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="model folder (default: the built-in model under the cache folder)")
+
+
+_BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "vllm": _vllm_bench_args,
+                     "metadata": _metadata_bench_args,
                      "client": _client_bench_args, "trace": _trace_bench_args,
                      "peers": _peers_bench_args, "chaos": cli_chaos.add_chaos_args}
 

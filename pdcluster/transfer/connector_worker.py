@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from pdcluster.core.kv_connector import (
@@ -59,6 +60,9 @@ class ConnectorWorker(KVConnectorWorker):
         self._sends: dict[TransferId, Send] = {}
         self._pool = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
         self._pulls = PullWorker(self._state, self._pool, self._write, self._flush)
+        # Called (side-channel thread) when a peer's pull waits for the engine to look it up:
+        # an engine in other processes (vLLM) may be idle and must be woken to do it.
+        self.on_lookup: Callable[[], None] | None = None
         transport.start(self._on_message)
 
     # ---- engine-facing ----------------------------------------------------------------
@@ -134,6 +138,7 @@ class ConnectorWorker(KVConnectorWorker):
 
     @property
     def num_pending_receives(self) -> int:
+        """Receives under way: asked of their source, not yet done, failed or expired."""
         with self._lock:
             return len(self._state.recvs)
 
@@ -174,6 +179,8 @@ class ConnectorWorker(KVConnectorWorker):
             recv = self._state.recvs.pop(msg.transfer_id, None)
             if recv is None:
                 self.stats.late_messages += 1
+                if not msg.ok:  # a receive not started yet fails as it starts
+                    self._state.give_up(msg.transfer_id, msg.error or "transfer failed")
                 return
             if recv.is_pull:
                 self._pulls.finish(recv, msg.ok, msg.num_blocks_sent, msg.error)
@@ -294,6 +301,8 @@ class ConnectorWorker(KVConnectorWorker):
             self._on_request(msg)
         elif isinstance(msg, PrefixPullRequest):
             self._pulls.on_request(msg)
+            if self.on_lookup is not None:
+                self.on_lookup()
         elif isinstance(msg, XferDone):
             self._on_done(msg)
         elif isinstance(msg, XferAbort):
