@@ -46,6 +46,7 @@ from pdcluster.core.node_wire import (
     LoadQuery,
     LoadReport,
     NodeMessage,
+    PrefillLost,
     PrefixSource,
     RequestError,
     TokenDelta,
@@ -60,6 +61,7 @@ from pdcluster.engine.pins import OverloadedError
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 2
+_IDLE_REFRESH_S = 0.5
 # A frame larger than this is dropped by ZMQ before it is read (the peer is disconnected):
 # a 1M-token prompt packs into about 5 MiB of msgpack.
 MAX_REQUEST_BYTES = 16 << 20
@@ -157,6 +159,7 @@ class NodeServer:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        last_step = time.monotonic()
         while not self._stop.is_set():
             runnable = self.engine.has_runnable_requests()
             if poller.poll(0 if runnable else _IDLE_POLL_MS):
@@ -164,6 +167,12 @@ class NodeServer:
             self._run_calls()
             if self._busy():
                 self._step()
+                last_step = time.monotonic()
+            elif self.on_step is not None and time.monotonic() - last_step > _IDLE_REFRESH_S:
+                # An idle engine still changes (an engine in other processes reports its
+                # last figures and events after its last output): keep on_step's view fresh.
+                self.on_step(self.engine)
+                last_step = time.monotonic()
         for request_id in list(self._owners):  # stopped without draining
             self.engine.abort_request(request_id)
 
@@ -205,6 +214,8 @@ class NodeServer:
             self._forget(msg.request_id)
         elif isinstance(msg, LoadQuery):
             self._send(identity, self.load_report())
+        elif isinstance(msg, PrefillLost):
+            self._on_prefill_lost(identity, msg)
         else:
             self.stats.num_malformed += 1  # a reply type sent to a node
 
@@ -233,6 +244,12 @@ class NodeServer:
         self.stats.num_requests += 1
         self._owners[msg.request_id] = identity
         self._prompt_lens[msg.request_id] = len(msg.prompt_token_ids)
+
+    def _on_prefill_lost(self, identity: bytes, msg: PrefillLost) -> None:
+        """Stop waiting for the KV of a request whose prefill node died (only its submitter
+        may say so); the engine recomputes it, or fails it, at its next step."""
+        if self._owners.get(msg.request_id) == identity:
+            self.engine.kv_source_lost(msg.transfer_id, f"prefill node lost: {msg.reason}")
 
     def _prefix_pull(self, source: PrefixSource | None) -> PrefixPull | None:
         if source is None or not self.engine.accepts_prefix_pulls:

@@ -54,7 +54,7 @@ class TransferStats(KVConnectorStats):
     seconds) finished since the last report) and "in_flight" (the scheduler side's)."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         merged = dict(self.data)
@@ -110,6 +110,10 @@ class PdclusterConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, PdclusterWorkerMetadata):
             self._scheduler.update(meta.results)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self._scheduler is not None:  # prefix pulls served from vLLM's prefix cache
+            self._scheduler.pulls.bind_pool(gpu_block_pool)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         assert self._scheduler is not None
@@ -185,6 +189,8 @@ class PdclusterConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.pulls.close()
 
 
 def _first_group(block_ids: Any) -> list[int]:

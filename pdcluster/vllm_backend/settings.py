@@ -46,6 +46,7 @@ class ConnectorSettings:
     timeout_s: float = 30.0
     recompute_on_failure: bool = True
     min_pull_blocks: int = 2
+    hash_seed: str = VLLM_DEFAULT_SEED  # the seed vLLM hashes with (lookups hash the same)
 
     def as_extra_config(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -74,8 +75,11 @@ def check_supported(config: EngineConfig) -> None:
     if not _on_gpu() and config.block_size % CPU_BLOCK_MULTIPLE:
         refused.append(f"block_size {config.block_size} (vLLM's CPU kernels need a multiple "
                        f"of {CPU_BLOCK_MULTIPLE})")
-    if config.tensor_parallel_size > 1 and not _on_gpu():
-        refused.append("tensor_parallel_size > 1 on CPU")
+    if config.tensor_parallel_size > 1:
+        # Each tensor-parallel rank holds a slice of every block: the connector would need a
+        # side channel and a transfer per rank, matched rank to rank between nodes.
+        refused.append("tensor_parallel_size > 1 (KV transfer between tensor-parallel groups "
+                       "is not built yet)")
     if refused:
         raise ValueError("the vLLM backend does not support: " + "; ".join(refused))
     seed = os.environ.get("PYTHONHASHSEED")
@@ -107,8 +111,9 @@ def engine_args(config: EngineConfig, connector: ConnectorSettings, events_dir: 
             endpoint=f"ipc://{events_dir / 'kv-events'}",
             replay_endpoint=f"ipc://{events_dir / 'kv-replay'}", topic="kv"),
     }
-    if config.max_model_len is not None:
-        args["max_model_len"] = config.max_model_len
+    max_len = config.max_model_len or _context_that_fits(config)
+    if max_len is not None:
+        args["max_model_len"] = max_len
     if config.num_kv_blocks is not None:
         args["num_gpu_blocks_override"] = config.num_kv_blocks
     if config.kv_cache_memory_gib is not None:
@@ -126,6 +131,31 @@ def engine_args(config: EngineConfig, connector: ConnectorSettings, events_dir: 
         # refuses connectors that do not declare support for several.
         args["disable_hybrid_kv_cache_manager"] = True
     return args
+
+
+def _context_that_fits(config: EngineConfig) -> int | None:
+    """With a KV budget set (and no context length), the longest context it holds, if that is
+    shorter than the model's: vLLM refuses to start when one full-length sequence does not
+    fit, where the own engine starts and refuses longer prompts. Here vLLM starts with the
+    shorter context, and the node refuses prompts past it."""
+    if config.kv_cache_memory_gib is None and config.num_kv_blocks is None:
+        return None
+    import json
+
+    model = json.loads((Path(config.model) / "config.json").read_text())
+    text = model.get("text_config", model)
+    heads = text.get("num_key_value_heads") or text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    elem = 4 if _dtype(config.dtype) in ("float32", "auto") else 2
+    per_token = 2 * text["num_hidden_layers"] * heads * head_dim * elem
+    if config.num_kv_blocks is not None:
+        tokens = config.num_kv_blocks * config.block_size
+    else:
+        tokens = int(config.kv_cache_memory_gib * GIB) // per_token  # type: ignore[operator]
+    # vLLM keeps one block of the pool aside (its null block)
+    fits = (tokens // config.block_size - 1) * config.block_size
+    longest = int(text.get("max_position_embeddings") or fits)
+    return fits if fits < longest else None
 
 
 def _dtype(dtype: str) -> str:
