@@ -98,6 +98,13 @@ class EngineConfig:
         return bool(self.num_host_blocks) if self.num_host_blocks is not None \
             else self.host_cache_gib > 0
 
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """`speculative` as `__post_init__` left it: a config, or None (never the text)."""
+        spec = self.speculative
+        assert not isinstance(spec, str), "EngineConfig.__post_init__ parses the text form"
+        return spec
+
     def _validate_limits(self) -> None:
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")

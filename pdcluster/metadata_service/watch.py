@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Collection, Iterator, Mapping
+from collections.abc import AsyncIterator, Collection, Iterable, Iterator, Mapping
 
 from pdcluster.core.block_index import MEDIUM_BITS, BlockIndex
 from pdcluster.core.events import DEVICE
@@ -137,26 +137,28 @@ class WatchedIndex(BlockIndex):
             self._emit(_Update.NODE_REMOVED, node_id)
         return num_removed
 
-    def add_blocks(self, node_id: NodeId, block_hashes: Collection[BlockHash],
+    def add_blocks(self, node_id: NodeId, block_hashes: Iterable[BlockHash],
                    medium: str = DEVICE) -> int:
-        num_new = super().add_blocks(node_id, block_hashes, medium)
-        if self.subscribers and block_hashes:
-            self._emit(_Update.STORED, node_id, block_hashes,
-                       None if medium == DEVICE else medium)
+        hashes = _collection(block_hashes)
+        num_new = super().add_blocks(node_id, hashes, medium)
+        if self.subscribers and hashes:
+            self._emit(_Update.STORED, node_id, hashes, None if medium == DEVICE else medium)
         return num_new
 
-    def remove_blocks(self, node_id: NodeId, block_hashes: Collection[BlockHash],
+    def remove_blocks(self, node_id: NodeId, block_hashes: Iterable[BlockHash],
                       medium: str | None = None) -> int:
-        num_removed = super().remove_blocks(node_id, block_hashes, medium)
-        if self.subscribers and block_hashes:
-            self._emit(_Update.REMOVED, node_id, block_hashes, medium)
+        hashes = _collection(block_hashes)
+        num_removed = super().remove_blocks(node_id, hashes, medium)
+        if self.subscribers and hashes:
+            self._emit(_Update.REMOVED, node_id, hashes, medium)
         return num_removed
 
-    def move_blocks(self, node_id: NodeId, block_hashes: Collection[BlockHash], src: str,
+    def move_blocks(self, node_id: NodeId, block_hashes: Iterable[BlockHash], src: str,
                     dst: str) -> int:
-        num_new = super().move_blocks(node_id, block_hashes, src, dst)
-        if self.subscribers and block_hashes:
-            self._emit(_Update.MOVED, node_id, block_hashes, dst, src)
+        hashes = _collection(block_hashes)
+        num_new = super().move_blocks(node_id, hashes, src, dst)
+        if self.subscribers and hashes:
+            self._emit(_Update.MOVED, node_id, hashes, dst, src)
         return num_new
 
     def clear_node(self, node_id: NodeId) -> int:
@@ -166,7 +168,7 @@ class WatchedIndex(BlockIndex):
         return num_removed
 
     def replace_node_blocks(
-        self, node_id: NodeId, block_hashes: Collection[BlockHash],
+        self, node_id: NodeId, block_hashes: Iterable[BlockHash],
         media: Mapping[BlockHash, int] | None = None,
     ) -> tuple[set[BlockHash], set[BlockHash]]:
         old_media = dict(self._media[node_id]) if self.subscribers else {}
@@ -201,8 +203,9 @@ class WatchedIndex(BlockIndex):
 
     # -- fan-out ---------------------------------------------------------------------------
 
-    def _emit(self, kind: int, node_id: NodeId, block_hashes: Collection[BlockHash] = (),
-              medium: str | None = None, src: str | None = None) -> None:
+    def _emit(self, kind: pb.BlockUpdate.Kind, node_id: NodeId,
+              block_hashes: Collection[BlockHash] = (), medium: str | None = None,
+              src: str | None = None) -> None:
         hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
         for update in self._chunks(kind, node_id, hashes, medium, src):
             weight = max(1, len(update.block_hashes) // self.hash_size)
@@ -212,18 +215,19 @@ class WatchedIndex(BlockIndex):
                 logger.warning("a WatchBlocks subscriber fell more than %d hashes behind: "
                                "cut off (it resubscribes for a snapshot)", self.max_pending)
 
-    def _chunks(self, kind: int, node_id: NodeId, hashes: list[BlockHash],
+    def _chunks(self, kind: pb.BlockUpdate.Kind, node_id: NodeId, hashes: list[BlockHash],
                 medium: str | None = None, src: str | None = None, masks: bytes = b""
                 ) -> Iterator[pb.BlockUpdate]:
-        tiers = {"medium": medium_to_pb(medium), "src_medium": medium_to_pb(src)}
+        tier, src_tier = medium_to_pb(medium), medium_to_pb(src)
         if not hashes:
-            yield _Update(kind=kind, node_id=node_id, hash_size=self.hash_size, **tiers)
+            yield _Update(kind=kind, node_id=node_id, hash_size=self.hash_size, medium=tier,
+                          src_medium=src_tier)
             return
         for start in range(0, len(hashes), CHUNK_HASHES):
             end = start + CHUNK_HASHES
             yield _Update(kind=kind, node_id=node_id, hash_size=self.hash_size,
                           block_hashes=b"".join(hashes[start:end]), media=masks[start:end],
-                          **tiers)
+                          medium=tier, src_medium=src_tier)
 
 
 class NodeWatch:
@@ -243,6 +247,11 @@ class NodeWatch:
     def unsubscribe(self, queue: asyncio.Queue[pb.NodeChange]) -> None:
         self._queues.remove(queue)
 
-    def notify(self, kind: int, info: pb.NodeInfo) -> None:
+    def notify(self, kind: pb.NodeChange.Kind, info: pb.NodeInfo) -> None:
         for queue in self._queues:
             queue.put_nowait(pb.NodeChange(kind=kind, node=info))
+
+
+def _collection(block_hashes: Iterable[BlockHash]) -> Collection[BlockHash]:
+    """The hashes as a collection: the index and then the watchers both read them."""
+    return block_hashes if isinstance(block_hashes, Collection) else list(block_hashes)

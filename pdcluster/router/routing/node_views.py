@@ -93,11 +93,11 @@ class NodeViews:
         self._hit.clear()
         lower = getattr(hits, "lower", None) or {}
         for node_id, blocks in hits.items():
-            entry = self._entries.get(node_id)
-            if entry is not None:
-                entry.view.cached_blocks = blocks
-                entry.view.host_blocks, entry.view.disk_blocks = lower.get(node_id, (0, 0))
-                self._hit.append(entry.view)
+            hit = self._entries.get(node_id)
+            if hit is not None:
+                hit.view.cached_blocks = blocks
+                hit.view.host_blocks, hit.view.disk_blocks = lower.get(node_id, (0, 0))
+                self._hit.append(hit.view)
         return self._healthy
 
 
