@@ -26,18 +26,11 @@ Every cost is in *prefill-token equivalents* (the unit of the work a node must d
     cost_D(n) = transfer_weight * uncached(n) + load(n) + balance(n)
 
 KV tiers: a node's cached blocks may sit in its host memory or on its disk rather than on
-the device; it loads them back instead of recomputing them, which costs time, not compute:
-
-    tiered(n) = prefill_weight * rate(n) * (load_s(host_blocks(n) * block_size, host)
-                                           + load_s(disk_blocks(n) * block_size, disk))
-    load_s(tokens, tier) = tier.latency_s + tokens * kv_bytes_per_token / tier.bytes_per_s
-
-with every figure the node's own measurement (`TierCosts`, from its load reports: its prefill
-rate in tokens/s, its KV bytes per token, each tier's bandwidth and latency), so a second of
-loading is priced as the prompt tokens the node would have prefilled in that second. Before
-a node has measured a tier the fallbacks are `host_weight` / `disk_weight` per token. Both
-costs add tiered(n). So a device hit is free, a host load costs a few percent of a
-recompute, a peer pull (below) a little more, and recomputing costs the whole prefill.
+the device; loading them back costs time, not compute. Both costs add tiered(n) =
+prefill_weight x the prompt tokens the node would prefill while loading its host_blocks(n)
+and disk_blocks(n), from its own measured figures (router/routing/tier_costs.py has the
+formula; `host_weight` / `disk_weight` per token before it has measured). So a device hit is
+free, a host load costs a few percent of a recompute, a peer pull (below) a little more.
 
 D = argmin cost_D; if uncached(D) <= local_prefill_threshold (or there is no prefill node),
 D prefills locally; else P = argmin cost_P. Ties (within `tie_epsilon`) are broken uniformly
@@ -84,11 +77,9 @@ Why this does not herd on a shared prefix: while a prefix is cached on one node 
 node's recent work grows with every request sent there until it passes the slack, and the
 others then win the requests the prefix alone cannot hold (after which they hold it too and
 load alone decides). Why it does not starve: with no prefix overlap the cost is load alone,
-i.e. least-loaded, recent work (the tilt) breaking what would be ties.
-Metadata unreachable: call with every `cached_blocks=0` (load-only routing).
+i.e. least-loaded, the tilt breaking ties. Metadata unreachable: all `cached_blocks=0`.
 
-Speed: a decision is one pass over the candidates per role with the arithmetic inline (no
-per-node calls or allocations); 64 nodes decide in tens of microseconds.
+Speed: one pass over the candidates per role, arithmetic inline; 64 nodes in tens of µs.
 
 API: `PolicyConfig`, `NodeView`, `RouteDecision`, `request_work`, `choose_prefill`, `route`,
 `pull_source`; the tier prices are `router.routing.tier_costs`.
