@@ -102,7 +102,7 @@ class KVRegion:
                 merged[-1] = (start, max(length, addr + nbytes - start))
             else:
                 merged.append((addr, nbytes))
-        return merged
+        return merged + host
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,3 +85,21 @@ def test_a_pull_from_the_host_tier_over_mooncake(model, hf_reference):
     finally:
         holder.close()
         puller.close()
+
+
+def test_region_names_host_slots_past_the_device_blocks():
+    from pdcluster.core.kv_connector import KVRegion
+
+    region = KVRegion(0x1000, 4 * 64, 64, 4, host_addr=0x9000, num_host_blocks=3)
+    assert region.block_addr(3) == 0x1000 + 3 * 64
+    assert region.block_addr(4) == 0x9000  # host slot 0
+    assert region.block_addr(6) == 0x9000 + 2 * 64
+    with pytest.raises(ValueError, match="outside"):
+        region.block_addr(7)
+    assert region.memory_ranges() == [(0x1000, 256), (0x9000, 192)]
+    strided = KVRegion(0x1000, 4 * 128, 64, 4, block_stride=128, host_addr=0x9000,
+                       num_host_blocks=2)
+    assert strided.memory_ranges() == [(0x1000, 3 * 128 + 64), (0x9000, 256)]
+    with pytest.raises(ValueError, match="one segment"):
+        KVRegion(0x1000, 256, 64, 4, segment_offsets=(0, 4096), num_host_blocks=2,
+                 host_addr=0x9000)
