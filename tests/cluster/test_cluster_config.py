@@ -98,3 +98,13 @@ def test_serve_refuses_a_bad_speculative_flag():
     assert _speculative_arg("draft:/m/small,k=2") == "draft:/m/small,k=2"
     with pytest.raises(UsageError, match="speculative method"):
         _speculative_arg("beam:k=2")
+
+
+def test_host_tier_reaches_every_node_and_bad_sizes_fail_at_start():
+    config = ClusterConfig(model="/models/m", engine={"block_size": 8, "host_cache_gib": 4})
+    assert config.engine_options("prefill")["host_cache_gib"] == 4
+    assert config.engine_options("decode")["host_cache_gib"] == 4
+    with pytest.raises(ValueError, match="host_cache_gib must be >= 0"):
+        ClusterConfig(model="/models/m", engine={"host_cache_gib": -1})
+    with pytest.raises(ValueError, match="vLLM's own connectors"):
+        ClusterConfig(model="/models/m", engine={"host_cache_gib": 4, "backend": "vllm"})
