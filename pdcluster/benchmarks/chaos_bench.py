@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> dict:
     if "etcd_restart" in names and args.backend != "etcd":
         raise UsageError("the etcd_restart fault needs --backend etcd")
     if args.engine == "vllm":
-        _check_vllm(args.model)
+        _check_vllm()
     if set(names) & set(LINK_FAULTS) and not in_private_netns():
         # the whole run moves into a network namespace of its own, where it may drop packets
         return run_in_private_netns(["bench", "chaos", "--json", *_cli_args(args)],
@@ -307,11 +307,9 @@ def _tiny_model(tmp: str, engine: str) -> str:
     return str(make_tiny_model(Path(tmp) / "tiny", preset="tiny"))
 
 
-def _check_vllm(model: str | None) -> None:
+def _check_vllm() -> None:
     """--engine vllm needs vLLM installed (its nodes would fail one by one otherwise)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         raise UsageError("--engine vllm needs vLLM (`make setup-vllm`)")
-    if model is not None and not (Path(model) / "config.json").is_file():
-        raise UsageError(f"--model {model}: not a model folder (no config.json)")
