@@ -28,9 +28,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdcluster.benchmarks.chaos_procs import descendants, reap
 from pdcluster.core.credentials import SECRET_ENV, ClusterSecret
+
+if TYPE_CHECKING:
+    from pdcluster.cluster.ray_cluster import RayCluster
 
 ENGINES = ("pdcluster", "vllm")
 # the own engine takes any block size; vLLM's CPU kernels a multiple of 32
@@ -96,7 +100,7 @@ class ChaosCluster:
         self.etcd: subprocess.Popen | None = None
         self.metadata: subprocess.Popen | None = None
         self.router: subprocess.Popen | None = None
-        self.ray = None  # cluster.ray_cluster.RayCluster
+        self.ray: RayCluster | None = None
         self.left_running: list[str] = []  # node processes that outlived stop(), killed
 
     @property
@@ -181,6 +185,7 @@ class ChaosCluster:
 
     def pids(self) -> dict[str, int]:
         """The processes whose memory the soak samples: router, metadata service, nodes."""
+        assert self.router is not None and self.metadata is not None, "the cluster is not up"
         pids = {"router": self.router.pid, "metadata": self.metadata.pid}
         return {**pids, **self.node_pids()}
 
