@@ -91,13 +91,14 @@ def _decode_transfer_counters(cluster: ChaosCluster) -> dict[str, int]:
     import ray
 
     totals = {"recvs_ok": 0, "recvs_failed": 0, "timeouts": 0, "sources_lost": 0}
+    # a vLLM node reports none before its first transfer (its stat logger has not run yet)
     for node_id, actor in cluster.actors.items():
         try:
             stats = ray.get(actor.transfer_stats.remote(), timeout=30)
         except Exception:  # restarting: its counters start again from 0
             continue
         for name in totals:
-            totals[name] += stats[name] if node_id.startswith("d") else 0
+            totals[name] += stats.get(name, 0) if node_id.startswith("d") else 0
     return totals
 
 
