@@ -38,6 +38,7 @@ from pdcluster.core.kv_transfer import (
     XferRequest,
 )
 from pdcluster.transfer.descriptors import coalesce
+from pdcluster.transfer.errors import error_text
 from pdcluster.transfer.pull_worker import Outbox, PullWorker
 from pdcluster.transfer.transport import Transport
 from pdcluster.transfer.worker_state import Recv, Send, WorkerState, WorkerStats
@@ -205,7 +206,7 @@ class ConnectorWorker(KVConnectorWorker):
                             num_descriptors=num_descriptors)
         except Exception as exc:  # report every failure to D rather than let it time out
             logger.warning("KV send %s for %s failed: %s", tid, job.request_id, exc)
-            done = XferDone(tid, False, error=f"{type(exc).__name__}: {exc}")
+            done = XferDone(tid, False, error=error_text(exc))
         with self._lock:
             self._sends.pop(tid, None)
             self._state.remember(tid, "transfer already finished")
@@ -309,3 +310,4 @@ class ConnectorWorker(KVConnectorWorker):
             recv = self._state.recvs.pop(tid, None)
             if recv is not None:
                 self._finish_recv(recv, False, error=error)
+
