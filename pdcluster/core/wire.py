@@ -252,8 +252,8 @@ def _cap_check_for(hint: Any) -> Check | None:
         cap = _cap_of(hint)
 
         def check(value: Any, where: str) -> None:
-            if value is None:
-                return
+            if not isinstance(value, str | bytes | list | dict):
+                return  # a wrong type is the receiver's to refuse, with the field's name
             if cap is not None and len(value) > cap:
                 raise WireError(f"{where} holds {len(value)} items, more than its cap of {cap}")
             if inner is not None:

@@ -11,13 +11,21 @@ import zmq
 
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.curve import secure_client
-from pdcluster.core.node_wire import NodeMessage, RequestError, TokenDelta, decode, encode
+from pdcluster.core.node_wire import (
+    MAX_FRAME_BYTES,
+    NodeMessage,
+    RequestError,
+    TokenDelta,
+    decode,
+    encode,
+)
 
 
 class BlockingNodeClient:
     def __init__(self, address: str, *, curve: CurveKeys | None) -> None:
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if curve is not None:
             secure_client(self.socket, curve)
         self.socket.connect(address)

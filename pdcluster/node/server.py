@@ -40,6 +40,7 @@ from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.curve import secure_server
 from pdcluster.core.kv_transfer import PrefixPull, RemoteDecode, RemotePrefill
 from pdcluster.core.node_wire import (
+    MAX_FRAME_BYTES,
     AbortRequest,
     GenerateRequest,
     LoadQuery,
@@ -60,9 +61,8 @@ from pdcluster.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 2
-# A frame larger than this is dropped by ZMQ before it is read (the peer is disconnected):
-# a 1M-token prompt packs into about 5 MiB of msgpack.
-MAX_REQUEST_BYTES = 16 << 20
+# A frame larger than this is dropped by ZMQ before it is read (the peer is disconnected).
+MAX_REQUEST_BYTES = MAX_FRAME_BYTES
 
 
 @dataclass(slots=True)

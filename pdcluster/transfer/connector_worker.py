@@ -16,6 +16,7 @@ land in blocks D has given up on. Prefix pulls (global prefix reuse, either side
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -297,13 +298,22 @@ class ConnectorWorker(KVConnectorWorker):
             outbox.append((entry.request.reply_addr, XferDone(tid, False, error=reason)))
 
     def _flush(self, outbox: Outbox) -> None:
+        """Hand messages to the transport, which never blocks (the engine thread calls this):
+        a request whose source turns out unreachable fails its receive when the transport
+        says so, from its own thread."""
         for address, msg in outbox:
+            on_failure = None
+            if isinstance(msg, XferRequest | PrefixPullRequest):
+                on_failure = functools.partial(self._source_unreachable, msg.transfer_id)
             try:
-                self.transport.send(address, msg)
-            except Exception as exc:  # a dead peer must not break this node
+                self.transport.send(address, msg, on_failure)
+            except Exception as exc:  # a bad or dead peer must not break this node
                 logger.warning("side-channel send to %s failed: %s", address, exc)
-                if isinstance(msg, XferRequest | PrefixPullRequest):
-                    self._fail_recv(msg.transfer_id, f"KV source unreachable: {exc}")
+                if on_failure is not None:
+                    on_failure(str(exc))
+
+    def _source_unreachable(self, tid: TransferId, reason: str) -> None:
+        self._fail_recv(tid, f"KV source unreachable: {reason}")
 
     def _fail_recv(self, tid: TransferId, error: str) -> None:
         with self._lock:

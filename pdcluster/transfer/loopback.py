@@ -10,6 +10,7 @@ import ctypes
 import itertools
 import queue
 import threading
+from collections.abc import Callable
 
 from pdcluster.core.kv_transfer import SideChannelMessage, decode, encode
 from pdcluster.transfer.errors import TransferError
@@ -86,8 +87,9 @@ class LoopbackTransport(Transport):
     def register(self, addr: int, nbytes: int) -> None:
         self._regions.append((addr, nbytes))
 
-    def send(self, address: str, msg: SideChannelMessage) -> None:
-        self._fabric.post(address, msg)
+    def send(self, address: str, msg: SideChannelMessage,
+             on_failure: Callable[[str], None] | None = None) -> None:
+        self._fabric.post(address, msg)  # a lost message is lost silently: the peer times out
 
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
         peer = self._fabric.node(session)

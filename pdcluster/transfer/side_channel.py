@@ -8,17 +8,14 @@ API:
   decodes each frame and calls `handler(msg)`. Bad frames are rejected and counted
   (`.num_rejected`), handler exceptions are counted (`.num_handler_errors`); neither stops
   the loop. `close()` returns within about `poll_interval_s`. Context manager.
-- `SideChannelClient(send_timeout_s=0.5, *, curve=keys)`: `send(address, msg)`, fire and
-  forget, over one cached DEALER socket per address; thread-safe. `close()`.
+- `SideChannelClient` (transfer/side_channel_client.py, re-exported here): `send(address, msg,
+  on_failure)`, fire and forget, never blocking its caller; bounded sockets and queue.
 
 Authentication: with `curve` (the cluster's key pair, `ClusterSecret.curve_keys()`), both ends
 speak ZMQ CURVE (core.curve): a peer without the cluster's keys cannot complete the handshake,
 so it can send nothing (no forged XferRequest, XferDone or PrefixPullRequest) and read nothing.
 `curve=None` is plaintext, for unit tests of this room only; nodes always pass the keys.
 
-Delivery: `send` returning means the message was queued for a connected peer, not that it was
-handled. If no peer is connected at `address` within `send_timeout_s`, `send` raises
-`TransferError`; it never blocks longer. `close()` drops messages still queued (LINGER=0).
 Both sides share the process's `zmq.Context.instance()` and close only their own sockets.
 """
 
@@ -26,16 +23,17 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 import zmq
 
 from pdcluster.core.credentials import CurveKeys
-from pdcluster.core.curve import secure_client, secure_server
-from pdcluster.core.kv_transfer import MAX_MESSAGE_BYTES, SideChannelMessage, decode, encode
+from pdcluster.core.curve import secure_server
+from pdcluster.core.kv_transfer import MAX_MESSAGE_BYTES, SideChannelMessage, decode
 from pdcluster.core.wire import WireError
-from pdcluster.transfer.errors import TransferError
+from pdcluster.transfer.side_channel_client import SideChannelClient, _Throttle
+
+__all__ = ["MAX_FRAME_BYTES", "MessageHandler", "SideChannelClient", "SideChannelServer"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,30 +41,7 @@ MessageHandler = Callable[[SideChannelMessage], None]
 # Frames beyond this are dropped by ZMQ itself (it disconnects the sender) before any memory
 # is spent; frames between MAX_MESSAGE_BYTES and this are received and counted as rejected.
 MAX_FRAME_BYTES = 2 * MAX_MESSAGE_BYTES
-_SEND_HWM = 10_000
 _REASON_CHARS = 200
-
-
-class _Throttle:
-    """Allows a log line at most once per `interval_s`; counts what it suppressed."""
-
-    def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
-        self._interval_s = interval_s
-        self._clock = clock
-        self._next = float("-inf")
-        self.suppressed = 0
-
-    def ready(self) -> bool:
-        now = self._clock()
-        if now < self._next:
-            self.suppressed += 1
-            return False
-        self._next = now + self._interval_s
-        return True
-
-    def take_suppressed(self) -> int:
-        count, self.suppressed = self.suppressed, 0
-        return count
 
 
 class SideChannelServer:
@@ -174,79 +149,3 @@ def _router_socket(host: str, port: int, curve: CurveKeys | None) -> zmq.Socket:
         sock.close(linger=0)
         raise
     return sock
-
-
-class SideChannelClient:
-    """Sends side-channel messages, fire and forget. One DEALER socket per destination,
-    created on first use and guarded by its own lock, so a slow peer holds up only its own
-    senders."""
-
-    def __init__(self, send_timeout_s: float = 0.5, *, curve: CurveKeys | None) -> None:
-        if send_timeout_s <= 0:
-            raise ValueError(f"send_timeout_s must be positive, got {send_timeout_s}")
-        self._send_timeout_ms = max(1, round(send_timeout_s * 1000))
-        self._curve = curve
-        self._lock = threading.Lock()
-        self._sockets: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
-        self._closed = False
-
-    def send(self, address: str, msg: SideChannelMessage) -> None:
-        """Queue `msg` for `address` ("tcp://host:port"). Raises `TransferError` if no peer is
-        connected there within the send timeout, `WireError` if `msg` is too large."""
-        payload = encode(msg)
-        if len(payload) > MAX_MESSAGE_BYTES:
-            raise WireError(f"{type(msg).__name__} of {len(payload)} bytes exceeds "
-                            f"{MAX_MESSAGE_BYTES}")
-        sock, lock = self._socket_for(address)
-        with lock:
-            if self._closed:
-                raise TransferError("side-channel client is closed")
-            try:
-                sock.send(payload, copy=len(payload) < 65536)
-            except zmq.Again:
-                raise TransferError(f"no side-channel peer accepted a message at {address} "
-                                    f"within {self._send_timeout_ms} ms") from None
-
-    def close(self) -> None:
-        """Close every socket (queued messages are dropped). Idempotent."""
-        with self._lock:
-            self._closed = True
-            sockets, self._sockets = list(self._sockets.values()), {}
-        for sock, lock in sockets:
-            with lock:
-                sock.close(linger=0)
-
-    def __enter__(self) -> SideChannelClient:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _socket_for(self, address: str) -> tuple[zmq.Socket, threading.Lock]:
-        with self._lock:
-            if self._closed:
-                raise TransferError("side-channel client is closed")
-            entry = self._sockets.get(address)
-            if entry is None:
-                entry = (self._dealer_socket(address), threading.Lock())
-                self._sockets[address] = entry
-            return entry
-
-    def _dealer_socket(self, address: str) -> zmq.Socket:
-        if not address.startswith("tcp://"):
-            raise ValueError(f"side-channel address must be tcp://host:port, got {address!r}")
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # IMMEDIATE: queue only on completed connections, so a dead peer makes send time out
-        # instead of piling messages up; SNDTIMEO also covers a connection still being made.
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
-        sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
-        if self._curve is not None:
-            secure_client(sock, self._curve)
-        try:
-            sock.connect(address)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise ValueError(f"bad side-channel address {address!r}: {exc}") from exc
-        return sock

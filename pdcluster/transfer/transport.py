@@ -9,6 +9,7 @@ in-process fake for unit tests.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.kv_transfer import SideChannelMessage
@@ -35,8 +36,10 @@ class Transport(ABC):
     def register(self, addr: int, nbytes: int) -> None: ...
 
     @abstractmethod
-    def send(self, address: str, msg: SideChannelMessage) -> None:
-        """Fire and forget; never blocks on a dead peer."""
+    def send(self, address: str, msg: SideChannelMessage,
+             on_failure: Callable[[str], None] | None = None) -> None:
+        """Fire and forget; never blocks. A message that cannot be delivered later calls
+        `on_failure(reason)` from another thread (a transport that cannot tell drops it)."""
 
     @abstractmethod
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
@@ -74,8 +77,9 @@ class MooncakeTransport(Transport):
     def register(self, addr: int, nbytes: int) -> None:
         self._engine.register(addr, nbytes)
 
-    def send(self, address: str, msg: SideChannelMessage) -> None:
-        self._client.send(address, msg)
+    def send(self, address: str, msg: SideChannelMessage,
+             on_failure: Callable[[str], None] | None = None) -> None:
+        self._client.send(address, msg, on_failure)
 
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
         self._engine.write(session, src, dst, lengths)

@@ -39,6 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.curve import secure_client
 from pdcluster.core.node_wire import (
+    MAX_FRAME_BYTES,
     AbortRequest,
     GenerateRequest,
     LoadQuery,
@@ -96,6 +97,8 @@ class NodeLink:
         self.version = 0
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # a node's frame past this is dropped by ZMQ before the router reads a byte of it
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if curve is not None:
             secure_client(self._socket, curve)
         self._monitor = self._socket.get_monitor_socket(_MONITORED)
