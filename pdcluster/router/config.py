@@ -49,7 +49,13 @@ class RouterConfig:
     # Required (None is refused below): the router's CURVE keys for the node sockets and its
     # metadata-service credential (principal SERVICE) derive from it.
     cluster_secret: ClusterSecret | None = None
+    # "tenant:key" or "key" entries (router.api.tenants): a tenant's requests share a KV
+    # cache with nobody else's
     api_keys: tuple[str, ...] = ()
+    # /metrics and the detailed /health without a key, on their own listener (keep it off
+    # the Ingress); None: the public port serves them behind the API key
+    admin_port: int | None = None
+    admin_host: str = "127.0.0.1"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     # "kv": the policy (prefix hits and load); "round_robin" / "least_loaded": the cache-blind
     # baselines of router.routing.baselines, for benchmarks against the KV policy
@@ -95,6 +101,8 @@ class RouterConfig:
             raise ValueError("node ids must be unique")
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
+        if self.admin_port is not None and not 0 <= self.admin_port < 65536:
+            raise ValueError(f"admin_port must be in [0, 65536), got {self.admin_port}")
         if not isinstance(self.cluster_secret, ClusterSecret):
             raise ValueError("cluster_secret (a ClusterSecret, core/credentials.py) is required: "
                              "the router reaches nodes and the metadata service with it")
