@@ -11,7 +11,6 @@ API: `read_json`, `ResolvedPrompt`, `resolve_prompt`, `make_generate`,
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import uuid
 from dataclasses import dataclass, replace
