@@ -22,7 +22,13 @@ from collections.abc import Callable
 
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.ray_cluster import RayCluster
-from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, CredentialError
+from pdcluster.core.credentials import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    SERVICE,
+    ClusterSecret,
+    CredentialError,
+)
 
 logger = logging.getLogger(__name__)
 API_KEYS_ENV = "PDCLUSTER_API_KEYS"
@@ -67,9 +73,11 @@ def router_config(config: ClusterConfig, metadata_address: str, cluster_secret: 
     policy = PolicyConfig(block_size=config.engine.get("block_size", 16),
                           local_prefill_threshold=config.local_prefill_threshold_tokens,
                           global_reuse_min_tokens=config.global_reuse_min_tokens)
+    # the router gets its client credential, never the secret (core.credentials)
     return RouterConfig(model_dir=config.model, host=config.router_host,
                         port=config.router_port, metadata_address=metadata_address,
-                        cluster_secret=cluster_secret, **config.metadata_tls_fields(),
+                        metadata_token=cluster_secret.metadata_token(SERVICE),
+                        **config.metadata_tls_fields(),
                         api_keys=api_keys_from_env(), policy=policy, routing=config.routing)
 
 

@@ -18,7 +18,7 @@ import os
 import tempfile
 
 from pdcluster.cluster.config import ClusterConfig
-from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.credentials import ClusterSecret, node_principal
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,9 @@ class RayCluster:
                              engine_options=cfg.engine_options(cls.role),
                              metadata_address=self.metadata_address,
                              **cfg.metadata_tls_fields(),
-                             # the hex text, as a constructor option (node/actor.py says why)
-                             cluster_secret=self.cluster_secret.to_text(),
+                             # this node's credential only (node/actor.py says why)
+                             bootstrap_token=self.cluster_secret.metadata_token(
+                                 node_principal(node_id)),
                              kv_protocol=cfg.kv_protocol, kv_device=cfg.kv_device,
                              kv_timeout_s=cfg.kv_timeout_s, metrics_port=cfg.node_metrics_port)
 

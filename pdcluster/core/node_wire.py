@@ -34,7 +34,8 @@ Id = Annotated[str, MaxLen(MAX_ID_CHARS)]
 Address = Annotated[str, MaxLen(MAX_ADDRESS_CHARS)]
 Name = Annotated[str, MaxLen(32)]  # kinds, codes, roles, finish reasons
 Text = Annotated[str, MaxLen(MAX_TEXT_CHARS)]
-ERROR_CODES = ("invalid_request", "overloaded", "draining", "internal", "transfer_failed")
+ERROR_CODES = ("invalid_request", "overloaded", "draining", "internal", "transfer_failed",
+               "forbidden")
 __all__ = ["ERROR_CODES", "MAX_FRAME_BYTES", "NODE_WIRE_VERSION", "AbortRequest",
            "GenerateRequest", "LoadQuery", "LoadReport", "NodeMessage", "PrefixSource",
            "RequestError", "SamplingSpec", "TokenDelta", "TransferSpec", "decode", "encode"]

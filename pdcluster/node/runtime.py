@@ -2,9 +2,15 @@
 (when a metadata service is configured) registration under a lease plus KV event publishing.
 
     runtime = NodeRuntime(NodeConfig(node_id="p0", role="prefill", engine=EngineConfig(path),
-                                     cluster_secret=secret)).start()
+                                     metadata_address=addr, bootstrap_token=token)).start()
     runtime.info()        # addresses: requests, KV side channel, metrics ("" if none)
     runtime.stop()        # drain, deregister, release
+
+Identity (core.identity): the node makes its own CURVE key pair here, serves its request
+socket and KV side channel with it, and registers the public half, its addresses and its
+transfer-engine session with the metadata service under its bootstrap credential. Its key
+directory follows the metadata service (registered nodes and routers), and is what its
+sockets admit and authorise per message. `NodeConfig.shared_curve` is the shared-key test mode.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from pdcluster.core.credentials import node_principal
+from pdcluster.core.credentials import CurveKeys, node_principal
+from pdcluster.core.curve import forget_directory
+from pdcluster.core.identity import ROUTER_PREFIX, Directory, Peer
 from pdcluster.core.kv_connector import KVConnector
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
@@ -26,37 +34,54 @@ from pdcluster.transfer.mooncake_engine import MooncakeConfig
 from pdcluster.transfer.transport import MooncakeTransport
 
 logger = logging.getLogger(__name__)
+DIRECTORY_REFRESH_S = 2.0
 
 
 def metadata_client(config: NodeConfig) -> MetadataClient:
     """The node's client of the metadata service: its own principal (the service lets it act
     only as itself), over TLS when the config names a CA."""
     assert config.metadata_address is not None, "no metadata service configured"
-    token = config.cluster_secret.metadata_token(node_principal(config.node_id))
-    return MetadataClient(config.metadata_address, token=token,
+    return MetadataClient(config.metadata_address, token=config.bootstrap_token,
                           tls_ca_file=config.metadata_tls_ca,
                           tls_cert_file=config.metadata_tls_cert,
                           tls_key_file=config.metadata_tls_key,
                           tls_server_name=config.metadata_tls_server_name)
 
 
+def registered_peers(client: MetadataClient) -> list[Peer]:
+    """Every key the metadata service vouches for: live nodes' and routers'."""
+    peers = [Peer(node_principal(n.node_id), n.curve_public_key.encode(), n.request_address,
+                  n.kv_address, n.kv_session)
+             for n in client.list_nodes() if n.curve_public_key]
+    peers += [Peer(ROUTER_PREFIX + c.client_id, c.curve_public_key.encode())
+              for c in client.list_clients()]
+    return peers
+
+
 class NodeRuntime:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        curve = config.cluster_secret.curve_keys()  # request socket and KV side channel
+        self.keys = config.shared_curve or CurveKeys.generate()  # never leaves this process
+        self.directory = None if config.shared_curve is not None else self._directory()
         transport = MooncakeTransport(MooncakeConfig(hostname=config.host,
                                                      protocol=config.kv_protocol,
                                                      device_name=config.kv_device),
-                                      host=config.host, curve=curve)
-        worker = ConnectorWorker(transport, timeout_s=config.kv_timeout_s)
+                                      host=config.host, curve=self.keys,
+                                      directory=self.directory)
+        worker = ConnectorWorker(transport, timeout_s=config.kv_timeout_s, peers=self.directory)
         connector = KVConnector(ConnectorScheduler(config.recompute_on_failure,
                                                    config.min_pull_blocks), worker)
         engine_config = replace(config.engine,
                                 enable_kv_events=config.metadata_address is not None)
         self.engine = LLMEngine(engine_config, connector)
         self.kv_address = transport.reply_address
+        self.kv_session = transport.session_id
         self.server = NodeServer(self.engine, config.node_id, config.role, config.host,
-                                 config.port, on_step=self._on_step, curve=curve)
+                                 config.port, on_step=self._on_step, curve=self.keys,
+                                 directory=self.directory)
+        if self.directory is not None:  # itself, before the metadata service says so
+            self.directory.grant(Peer(node_principal(config.node_id), self.keys.public,
+                                      self.server.address, self.kv_address, self.kv_session))
         self.metrics = NodeMetrics(config.node_id, config.role)
         self.metrics.observe(self.engine)  # the engine thread has not started yet
         self.metrics_server = (None if config.metrics_port is None else
@@ -69,13 +94,19 @@ class NodeRuntime:
         """Where the node's Prometheus metrics are served; "" when they are not."""
         return self.metrics_server.address if self.metrics_server is not None else ""
 
+    def _directory(self) -> Directory:
+        client = metadata_client(self.config)
+        return Directory(refresh=lambda: registered_peers(client))
+
     def _publisher(self) -> EventPublisherThread:
         cfg, engine = self.config, self.engine
         info = make_node_info(cfg.node_id, cfg.role, request_address=self.server.address,
                               kv_address=self.kv_address, model=cfg.model,
                               metrics_address=self.metrics_address,
                               block_size=engine.config.block_size,
-                              capacity_blocks=engine.kv_spec.num_blocks)
+                              capacity_blocks=engine.kv_spec.num_blocks,
+                              curve_public_key=b"" if self.directory is None
+                              else self.keys.public, kv_session=self.kv_session)
         return EventPublisherThread(metadata_client(cfg), info, engine.cached_block_hashes,
                                     cfg.lease_ttl_s, cfg.publish_interval_s)
 
@@ -85,6 +116,9 @@ class NodeRuntime:
             if not self.events.wait_registered(registration_timeout_s):
                 logger.warning("node %s: metadata service not reachable yet; serving anyway, "
                                "registration retries in the background", self.config.node_id)
+        if self.directory is not None:
+            self.directory.refresh_now(force=True)
+            self.directory.follow(DIRECTORY_REFRESH_S)
         self.server.start()
         return self
 
@@ -110,4 +144,7 @@ class NodeRuntime:
         if self.metrics_server is not None:
             self.metrics_server.stop()
         self.engine.close()
+        if self.directory is not None:
+            self.directory.close()
+            forget_directory(self.directory)
         return drained

@@ -9,9 +9,11 @@ told. Everything is keyed by transfer id; duplicate and late messages are answer
 ignored, never fatal. Timeouts: a receive not done in `timeout_s` fails (D aborts it at P);
 a send whose request has not come in `timeout_s` releases its blocks. Keep the data plane's
 own timeout (Mooncake's MC_TRANSFER_TIMEOUT) below `timeout_s`, so a write can no longer
-land in blocks D has given up on. Prefix pulls (global prefix reuse, either side) are in
-`transfer.pull_worker.PullWorker`, a part handed the state it shares with this worker
-(`transfer.worker_state.WorkerState`), with the same timeouts and abort rules.
+land in blocks D has given up on. With `peers` (the key directory, core.identity), each
+incoming message is first checked against its sender (transfer/peer_rules.py). Prefix pulls
+(global prefix reuse, either side) are in `transfer.pull_worker.PullWorker`, a part handed
+the state it shares with this worker (`transfer.worker_state.WorkerState`), with the same
+timeouts and abort rules.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from pdcluster.core.identity import Directory
 from pdcluster.core.kv_connector import (
     ConnectorPlan,
     ConnectorResults,
@@ -40,6 +43,7 @@ from pdcluster.core.kv_transfer import (
 )
 from pdcluster.transfer.descriptors import coalesce
 from pdcluster.transfer.errors import error_text
+from pdcluster.transfer.peer_rules import PeerRules
 from pdcluster.transfer.pull_worker import Outbox, PullWorker
 from pdcluster.transfer.transport import Transport
 from pdcluster.transfer.worker_state import Recv, Send, WorkerState, WorkerStats
@@ -51,7 +55,7 @@ __all__ = ["ConnectorWorker", "WorkerStats"]
 
 class ConnectorWorker(KVConnectorWorker):
     def __init__(self, transport: Transport, timeout_s: float = 30.0, clock=time.monotonic,
-                 max_parallel_sends: int = 2) -> None:
+                 max_parallel_sends: int = 2, peers: Directory | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
         self._state = WorkerState(transport, timeout_s, clock)
@@ -61,7 +65,8 @@ class ConnectorWorker(KVConnectorWorker):
         self._sends: dict[TransferId, Send] = {}
         self._pool = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
         self._pulls = PullWorker(self._state, self._pool, self._write, self._flush)
-        transport.start(self._on_message)
+        rules = None if peers is None else PeerRules(peers, self._state, self._requester_of)
+        transport.start(self._on_message, rules)
 
     # ---- engine-facing ----------------------------------------------------------------
 
@@ -247,6 +252,13 @@ class ConnectorWorker(KVConnectorWorker):
         return len(src), sum(lengths)
 
     # ---- both sides -------------------------------------------------------------------
+
+    def _requester_of(self, tid: TransferId) -> str | None:
+        """Who asked for `tid` here: its requester's reply address (lock held)."""
+        entry = self._sends.get(tid)
+        if entry is not None and entry.request is not None:
+            return entry.request.reply_addr
+        return self._pulls.requester(tid)
 
     def _on_message(self, msg: SideChannelMessage) -> None:
         if isinstance(msg, XferRequest):

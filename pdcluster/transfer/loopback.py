@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from pdcluster.core.kv_transfer import SideChannelMessage, decode, encode
 from pdcluster.transfer.errors import TransferError
-from pdcluster.transfer.side_channel import MessageHandler
+from pdcluster.transfer.side_channel import Authorizer, MessageHandler
 from pdcluster.transfer.transport import Transport
 
 
@@ -77,8 +77,8 @@ class LoopbackTransport(Transport):
     def session_id(self) -> str:
         return self._session_id
 
-    def start(self, on_message: MessageHandler) -> None:
-        self._handler = on_message
+    def start(self, on_message: MessageHandler, authorize: Authorizer | None = None) -> None:
+        self._handler = on_message  # the fake cannot tell senders apart: all are accepted
 
     def deliver(self, msg: SideChannelMessage) -> None:
         if self._handler is not None:

@@ -46,6 +46,10 @@ class PullWorker:
         self._flush = flush
         self._serves = ServeTable()
 
+    def requester(self, transfer_id: TransferId) -> str | None:
+        """The reply address of the peer pulling `transfer_id` from here (lock held)."""
+        return self._serves.requester(transfer_id)
+
     @property
     def num_waiting_lookups(self) -> int:
         """Peers' pulls the engine has not looked up yet (lock held)."""

@@ -11,10 +11,13 @@ API:
 - `SideChannelClient` (transfer/side_channel_client.py, re-exported here): `send(address, msg,
   on_failure)`, fire and forget, never blocking its caller; bounded sockets and queue.
 
-Authentication: with `curve` (the cluster's key pair, `ClusterSecret.curve_keys()`), both ends
-speak ZMQ CURVE (core.curve): a peer without the cluster's keys cannot complete the handshake,
-so it can send nothing (no forged XferRequest, XferDone or PrefixPullRequest) and read nothing.
-`curve=None` is plaintext, for unit tests of this room only; nodes always pass the keys.
+Authentication: with `curve` (the node's own key pair) and `directory` (core.identity: who
+each key is), both ends speak ZMQ CURVE (core.curve): a peer whose key names no registered
+node cannot complete the handshake, so it can send nothing and read nothing. Authorisation:
+`authorize(msg, principal)` (the connector worker's) sees each decoded message with its
+sender's principal before the handler does, and refuses what that principal may not send
+(counted in `num_forbidden`). Without a directory, `curve` is the shared pair of the test
+mode; `curve=None` is plaintext, for unit tests of this room only.
 
 Both sides share the process's `zmq.Context.instance()` and close only their own sockets.
 """
@@ -28,16 +31,21 @@ from collections.abc import Callable
 import zmq
 
 from pdcluster.core.credentials import CurveKeys
-from pdcluster.core.curve import secure_server
+from pdcluster.core.curve import secure_server, sender_principal
+from pdcluster.core.identity import MEMBER, Directory
 from pdcluster.core.kv_transfer import MAX_MESSAGE_BYTES, SideChannelMessage, decode
+from pdcluster.core.throttle import Throttle as _Throttle
 from pdcluster.core.wire import WireError
-from pdcluster.transfer.side_channel_client import SideChannelClient, _Throttle
+from pdcluster.transfer.side_channel_client import SideChannelClient
 
-__all__ = ["MAX_FRAME_BYTES", "MessageHandler", "SideChannelClient", "SideChannelServer"]
+__all__ = ["MAX_FRAME_BYTES", "Authorizer", "MessageHandler", "SideChannelClient",
+           "SideChannelServer"]
 
 logger = logging.getLogger(__name__)
 
 MessageHandler = Callable[[SideChannelMessage], None]
+# (message, the sender's principal) -> None to accept it, or why it is refused
+Authorizer = Callable[[SideChannelMessage, str | None], str | None]
 # Frames beyond this are dropped by ZMQ itself (it disconnects the sender) before any memory
 # is spent; frames between MAX_MESSAGE_BYTES and this are received and counted as rejected.
 MAX_FRAME_BYTES = 2 * MAX_MESSAGE_BYTES
@@ -48,24 +56,30 @@ class SideChannelServer:
     """Receives side-channel messages on a ROUTER socket and hands them to `handler` on a
     daemon thread, one at a time, in arrival order per sender. Counters (written by that
     thread only): `num_received` every message, `num_rejected` those refused as malformed,
-    `num_handler_errors` those whose handler raised."""
+    `num_forbidden` those `authorize` refused for their sender, `num_handler_errors` those
+    whose handler raised."""
 
     def __init__(self, handler: MessageHandler, host: str = "127.0.0.1", port: int = 0, *,
-                 curve: CurveKeys | None, poll_interval_s: float = 0.05,
+                 curve: CurveKeys | None, directory: Directory | None = None,
+                 authorize: Authorizer | None = None, poll_interval_s: float = 0.05,
                  log_interval_s: float = 10.0) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {port}")
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be positive, got {poll_interval_s}")
         self._handler = handler
+        self._authorize = authorize
+        self._plaintext = curve is None
         self._poll_ms = max(1, round(poll_interval_s * 1000))
         self.num_received = 0
         self.num_rejected = 0
         self.num_handler_errors = 0
+        self.num_forbidden = 0
+        self._forbid_log = _Throttle(log_interval_s)
         self._reject_log = _Throttle(log_interval_s)
         self._error_log = _Throttle(log_interval_s)
         self._stop = threading.Event()
-        self._socket = _router_socket(host, port, curve)
+        self._socket = _router_socket(host, port, curve, directory)
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         # From here on only the loop thread touches the socket (zmq sockets are not
         # thread-safe); it also closes it.
@@ -105,21 +119,28 @@ class SideChannelServer:
     def _drain(self) -> None:
         while not self._stop.is_set():
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self._on_frames(frames)
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
         self.num_received += 1
         if len(frames) != 2:  # ROUTER prepends the sender's identity to its one frame
             self._reject(f"expected 1 frame, got {len(frames) - 1}")
             return
         try:
-            msg = decode(frames[1])
+            msg = decode(frames[1].bytes)
         except WireError as exc:
             self._reject(str(exc))
             return
+        if self._authorize is not None:
+            principal = (MEMBER if self._plaintext
+                         else sender_principal(self._socket.context, frames[1]))
+            reason = self._authorize(msg, principal)
+            if reason is not None:
+                self._forbid(type(msg).__name__, principal, reason)
+                return
         try:
             self._handler(msg)
         except Exception:
@@ -129,6 +150,13 @@ class SideChannelServer:
                                  "not logged)", self.address, type(msg).__name__,
                                  self._error_log.take_suppressed())
 
+    def _forbid(self, kind: str, principal: str | None, reason: str) -> None:
+        self.num_forbidden += 1
+        if self._forbid_log.ready():
+            logger.warning("side channel %s: refused a %s from %s: %s (%d refusals not "
+                           "logged)", self.address, kind, principal or "an unknown key",
+                           reason[:_REASON_CHARS], self._forbid_log.take_suppressed())
+
     def _reject(self, reason: str) -> None:
         self.num_rejected += 1
         if self._reject_log.ready():
@@ -137,12 +165,13 @@ class SideChannelServer:
                            self._reject_log.take_suppressed(), self.num_rejected)
 
 
-def _router_socket(host: str, port: int, curve: CurveKeys | None) -> zmq.Socket:
+def _router_socket(host: str, port: int, curve: CurveKeys | None,
+                   directory: Directory | None) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     if curve is not None:
-        secure_server(sock, curve)
+        secure_server(sock, curve, directory)
     try:
         sock.bind(f"tcp://{host}:{port or '*'}")
     except zmq.ZMQError:

@@ -40,6 +40,7 @@ import zmq
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.curve import secure_client
 from pdcluster.core.kv_transfer import MAX_MESSAGE_BYTES, SideChannelMessage, encode
+from pdcluster.core.throttle import Throttle
 from pdcluster.core.types import MAX_ADDRESS_CHARS
 from pdcluster.core.wire import WireError
 from pdcluster.transfer.errors import TransferError
@@ -52,28 +53,6 @@ _SEND_HWM = 10_000
 _RETRY_MS = 2  # how often a destination without a connected peer is tried again
 _NEW_SOCKETS_PER_PASS = 16
 _RECONNECT_IVL_MAX_MS = 5_000  # back off reconnecting to a dead peer up to this
-
-
-class _Throttle:
-    """Allows a log line at most once per `interval_s`; counts what it suppressed."""
-
-    def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
-        self._interval_s = interval_s
-        self._clock = clock
-        self._next = float("-inf")
-        self.suppressed = 0
-
-    def ready(self) -> bool:
-        now = self._clock()
-        if now < self._next:
-            self.suppressed += 1
-            return False
-        self._next = now + self._interval_s
-        return True
-
-    def take_suppressed(self) -> int:
-        count, self.suppressed = self.suppressed, 0
-        return count
 
 
 @dataclass(slots=True)
@@ -101,7 +80,7 @@ class SideChannelClient:
         self._closed = False
         self.num_failed = 0
         self.num_evicted = 0
-        self._failure_log = _Throttle()
+        self._failure_log = Throttle()
         # owned by the sender thread (zmq sockets are not thread-safe)
         self._sockets: OrderedDict[str, zmq.Socket[Any]] = OrderedDict()
         self._pending: dict[str, deque[_Outgoing]] = {}

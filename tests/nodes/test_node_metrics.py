@@ -19,7 +19,7 @@ from pdcluster.node.client import BlockingNodeClient, tokens_of
 from pdcluster.node.config import NodeConfig
 from pdcluster.node.metrics import MetricsServer, NodeMetrics
 from pdcluster.node.runtime import NodeRuntime
-from tests.cluster_secret import TEST_CURVE, TEST_SECRET
+from tests.cluster_secret import TEST_CURVE, TEST_SECRET, node_credentials
 from tests.metadata_service.helpers import make_config
 from tests.models import random_prompts
 
@@ -30,7 +30,7 @@ def start_node(model: str, node_id: str, role: str, metadata_address: str | None
     return NodeRuntime(NodeConfig(node_id=node_id, role=role,
                                   engine=EngineConfig(model, **OPTIONS), metrics_port=0,
                                   metadata_address=metadata_address, publish_interval_s=0.02,
-                                  cluster_secret=TEST_SECRET)).start()
+                                  **node_credentials(node_id))).start()
 
 
 def scrape(node: NodeRuntime) -> dict[tuple[str, tuple], float]:
@@ -132,7 +132,7 @@ def test_blocks_sent_and_received_move_after_a_transfer(model_dirs, metadata):
 def test_no_metrics_endpoint_unless_asked(model_dirs):
     node = NodeRuntime(NodeConfig(node_id="quiet", role="decode",
                                   engine=EngineConfig(model_dirs["llama-gqa"], **OPTIONS),
-                                  cluster_secret=TEST_SECRET)).start()
+                                  **node_credentials("quiet"))).start()
     try:
         assert node.metrics_address == "" and node.info()["metrics_address"] == ""
         assert b"pdcluster_node_requests_waiting" in node.metrics.render()
@@ -155,7 +155,7 @@ def test_a_port_in_use_falls_back_to_a_free_one():
 def test_metrics_port_is_validated():
     with pytest.raises(ValueError, match="metrics port"):
         NodeConfig(node_id="x", role="prefill", engine=EngineConfig("m"), metrics_port=70000,
-                   cluster_secret=TEST_SECRET)
+                   **node_credentials("x"))
 
 
 def test_speculative_decoding_acceptance_is_exported(model_dirs):
@@ -164,7 +164,7 @@ def test_speculative_decoding_acceptance_is_exported(model_dirs):
     model = model_dirs["llama-gqa"]
     engine = EngineConfig(model, speculative=f"draft:{model},k=3", **OPTIONS)
     node = NodeRuntime(NodeConfig(node_id="d-spec", role="decode", engine=engine,
-                                  metrics_port=0, cluster_secret=TEST_SECRET)).start()
+                                  metrics_port=0, **node_credentials("d-spec"))).start()
     client = BlockingNodeClient(node.server.address, curve=TEST_CURVE)
     try:
         prompt = random_prompts(1, 12, 12, seed=5)[0]

@@ -18,9 +18,10 @@ missed-poll rule stays as the backstop for a node that hangs while its connectio
 Streams ended this way are marked `lost` (the node is gone, it did not refuse the request), so
 the router may move the request elsewhere (router.routing.migration).
 
-Authentication: the socket is a CURVE client with the cluster's key pair (core.curve); nodes
-admit nobody else. A failed handshake (a node holding another cluster's secret) is logged as
-such, and the node stays unhealthy.
+Authentication: the socket is a CURVE client presenting the router's own key pair and
+expecting the node's registered public key (`NodeSpec.curve_public_key`; core.curve); the
+node admits the router once the metadata service vouches for its key. A failed handshake is
+logged once, ZMQ retries it on every reconnect, and the node stays unhealthy meanwhile.
 
 API: `NodeLink`, `NodeStream`.
 """
@@ -100,7 +101,7 @@ class NodeLink:
         # a node's frame past this is dropped by ZMQ before the router reads a byte of it
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if curve is not None:
-            secure_client(self._socket, curve)
+            secure_client(self._socket, curve, spec.curve_public_key or None)
         self._monitor = self._socket.get_monitor_socket(_MONITORED)
         self._socket.connect(spec.request_address)
         self._streams: dict[str, NodeStream] = {}
@@ -203,8 +204,11 @@ class NodeLink:
             self.fail_streams(f"node {self.node_id} disconnected")
         elif event & _HANDSHAKE_FAILED and not self.refused_us:
             self.refused_us = True  # logged once: ZMQ retries the handshake every reconnect
-            logger.error("node %s refused the router's credentials (is it a member of another "
-                         "cluster, with another cluster secret?)", self.node_id)
+            logger.error("node %s refused the router's key (not registered with its metadata "
+                         "service yet, or another cluster's node?); retrying", self.node_id)
+        elif event == zmq.EVENT_CONNECTED and self.refused_us:
+            self.refused_us = False
+            logger.info("node %s admitted the router", self.node_id)
         elif event == zmq.EVENT_CONNECTED and self.disconnected:
             logger.info("node %s reconnected", self.node_id)
             self.disconnected = False  # healthy again once it answers a load poll

@@ -1,0 +1,157 @@
+"""Per-workload identity on the ZMQ planes: which principal a CURVE public key is.
+
+Every node and every router makes its own CURVE key pair when it starts and never exports the
+private key; it registers the public key with the metadata service, which is the authority on
+key -> principal. A `Directory` is one process's copy of that mapping:
+
+    directory = Directory(refresh=lambda: peers_from_the_metadata_service())
+    directory.principal_of(z85_key)         # "node/d0", "router/4f1c…", or None
+    directory.peer("node/d0").kv_address     # what node d0 registered
+    directory.by_kv_address("tcp://…")       # the node serving that side channel
+
+Principals: `node/<id>` (a node: its request socket, its KV side channel, its Mooncake
+session, all registered under its id), `router/<instance>` (a router: client keys only) and
+`MEMBER`, the wildcard of the shared-key mode that unit tests use (one key pair for
+everyone, trusted for everything; production never grants it).
+
+The ZAP handler (core.curve) admits a client whose key the directory names, and the servers
+read the key back from each message (ZMQ's `User-Id` property) to authorise it per message
+type. A key the directory does not know triggers one `refresh` (at most every
+`min_refresh_s`, so a stranger's handshakes cannot turn into a flood of lookups); `follow()`
+refreshes in a background thread too, so that revoked keys leave. Thread-safe.
+
+API: `Peer`, `Directory`, `MEMBER`, `is_router`, `node_id_of`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+MEMBER = "member"  # the shared-key test mode's principal: allowed everything
+ROUTER_PREFIX = "router/"
+NODE_PREFIX = "node/"
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """One registered principal and what it registered (empty strings where it has none:
+    a router registers no addresses)."""
+
+    principal: str
+    public_key: bytes  # Z85, 40 bytes
+    request_address: str = ""
+    kv_address: str = ""
+    kv_session: str = ""
+
+
+def is_router(principal: str | None) -> bool:
+    return principal is not None and principal.startswith(ROUTER_PREFIX)
+
+
+def node_id_of(principal: str | None) -> str | None:
+    if principal is None or not principal.startswith(NODE_PREFIX):
+        return None
+    return principal[len(NODE_PREFIX):]
+
+
+class Directory:
+    def __init__(self, refresh: Callable[[], Iterable[Peer]] | None = None,
+                 min_refresh_s: float = 0.2, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self._refresh = refresh
+        self._min_refresh_s = min_refresh_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._refreshing = threading.Lock()
+        self._static: dict[bytes, Peer] = {}
+        self._by_key: dict[bytes, Peer] = {}
+        self._by_principal: dict[str, Peer] = {}
+        self._by_kv_address: dict[str, Peer] = {}
+        self._last_refresh = float("-inf")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.num_refreshes = 0
+        self.num_refresh_errors = 0
+
+    def grant(self, peer: Peer) -> None:
+        """Know `peer` whatever the refreshes say (this process's own keys, test modes)."""
+        with self._lock:
+            self._static[peer.public_key] = peer
+            self._index(list(self._by_key.values()))
+
+    def replace_all(self, peers: Iterable[Peer]) -> None:
+        """The registry as the authority sees it now (granted peers are kept)."""
+        with self._lock:
+            self._index(list(peers))
+
+    def _index(self, peers: list[Peer]) -> None:
+        by_key = {p.public_key: p for p in peers if p.public_key}
+        by_key.update(self._static)
+        self._by_key = by_key
+        self._by_principal = {p.principal: p for p in by_key.values()}
+        self._by_kv_address = {p.kv_address: p for p in by_key.values() if p.kv_address}
+
+    def principal_of(self, public_key: bytes) -> str | None:
+        peer = self._by_key.get(public_key)
+        if peer is None and self.refresh_now():
+            peer = self._by_key.get(public_key)
+        return None if peer is None else peer.principal
+
+    def peer(self, principal: str) -> Peer | None:
+        return self._by_principal.get(principal)
+
+    def by_kv_address(self, address: str) -> Peer | None:
+        peer = self._by_kv_address.get(address)
+        if peer is None and self.refresh_now():
+            peer = self._by_kv_address.get(address)
+        return peer
+
+    def server_key_for(self, kv_address: str) -> bytes | None:
+        """The CURVE server key of the node serving the side channel at `kv_address`."""
+        peer = self.by_kv_address(kv_address)
+        return None if peer is None else peer.public_key
+
+    def refresh_now(self, force: bool = False) -> bool:
+        """Ask the authority again, unless it was asked less than `min_refresh_s` ago (or
+        another thread is asking now). True if this call refreshed."""
+        if self._refresh is None:
+            return False
+        if not self._refreshing.acquire(blocking=False):
+            return False
+        try:
+            now = self._clock()
+            if not force and now - self._last_refresh < self._min_refresh_s:
+                return False
+            self._last_refresh = now
+            try:
+                peers = list(self._refresh())
+            except Exception as exc:  # the authority is down: keep what we know
+                self.num_refresh_errors += 1
+                logger.warning("could not refresh the key directory: %s", exc)
+                return False
+            self.replace_all(peers)
+            self.num_refreshes += 1
+            return True
+        finally:
+            self._refreshing.release()
+
+    def follow(self, interval_s: float = 2.0) -> Directory:
+        """Refresh every `interval_s` in a daemon thread until `close()`."""
+        def run() -> None:
+            while not self._stop.wait(interval_s):
+                self.refresh_now(force=True)
+
+        self._thread = threading.Thread(target=run, daemon=True, name="key-directory")
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
