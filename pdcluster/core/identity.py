@@ -16,8 +16,10 @@ everyone, trusted for everything; production never grants it).
 
 The ZAP handler (core.curve) admits a client whose key the directory names, and the servers
 read the key back from each message (ZMQ's `User-Id` property) to authorise it per message
-type. A key the directory does not know triggers one `refresh` (at most every
-`min_refresh_s`, so a stranger's handshakes cannot turn into a flood of lookups); `follow()`
+type. A key the directory does not know makes it ask the authority again, with a refresh that
+starts after the miss (so a key registered before its handshake is always found: libzmq does
+not retry a handshake its ZAP handler refused) but at most once per `min_refresh_s` (so a
+stranger's handshakes cannot turn into a flood of lookups; they wait instead); `follow()`
 refreshes in a background thread too, so that revoked keys leave. Thread-safe.
 
 API: `Peer`, `Directory`, `MEMBER`, `is_router`, `node_id_of`.
@@ -99,7 +101,7 @@ class Directory:
 
     def principal_of(self, public_key: bytes) -> str | None:
         peer = self._by_key.get(public_key)
-        if peer is None and self.refresh_now():
+        if peer is None and self.refresh_since(self._clock()):
             peer = self._by_key.get(public_key)
         return None if peer is None else peer.principal
 
@@ -108,7 +110,7 @@ class Directory:
 
     def by_kv_address(self, address: str) -> Peer | None:
         peer = self._by_kv_address.get(address)
-        if peer is None and self.refresh_now():
+        if peer is None and self.refresh_since(self._clock()):
             peer = self._by_kv_address.get(address)
         return peer
 
@@ -116,6 +118,21 @@ class Directory:
         """The CURVE server key of the node serving the side channel at `kv_address`."""
         peer = self.by_kv_address(kv_address)
         return None if peer is None else peer.public_key
+
+    def refresh_since(self, missed_at: float) -> bool:
+        """Make sure the authority was asked after `missed_at` (a lookup missed then): wait
+        for a refresh under way, or for `min_refresh_s` since the last one, then ask. So a key
+        registered before a client's handshake is always found, and a flood of unknown keys
+        costs the authority one call per `min_refresh_s`. True if the registry was read."""
+        if self._refresh is None:
+            return False
+        with self._refreshing:
+            if self._last_refresh >= missed_at:
+                return True  # another caller's refresh started after the miss
+            wait_s = self._last_refresh + self._min_refresh_s - self._clock()
+            if wait_s > 0:
+                self._stop.wait(wait_s)
+            return self._refresh_locked()
 
     def refresh_now(self, force: bool = False) -> bool:
         """Ask the authority again, unless it was asked less than `min_refresh_s` ago (or
@@ -125,21 +142,24 @@ class Directory:
         if not self._refreshing.acquire(blocking=False):
             return False
         try:
-            now = self._clock()
-            if not force and now - self._last_refresh < self._min_refresh_s:
+            if not force and self._clock() - self._last_refresh < self._min_refresh_s:
                 return False
-            self._last_refresh = now
-            try:
-                peers = list(self._refresh())
-            except Exception as exc:  # the authority is down: keep what we know
-                self.num_refresh_errors += 1
-                logger.warning("could not refresh the key directory: %s", exc)
-                return False
-            self.replace_all(peers)
-            self.num_refreshes += 1
-            return True
+            return self._refresh_locked()
         finally:
             self._refreshing.release()
+
+    def _refresh_locked(self) -> bool:
+        assert self._refresh is not None, "no authority to refresh from"
+        self._last_refresh = self._clock()
+        try:
+            peers = list(self._refresh())
+        except Exception as exc:  # the authority is down: keep what we know
+            self.num_refresh_errors += 1
+            logger.warning("could not refresh the key directory: %s", exc)
+            return False
+        self.replace_all(peers)
+        self.num_refreshes += 1
+        return True
 
     def follow(self, interval_s: float = 2.0) -> Directory:
         """Refresh every `interval_s` in a daemon thread until `close()`."""

@@ -21,7 +21,8 @@ preferring those that never delivered anything; `num_evicted` counts them), and 
 
 Authentication: with `curve`, each socket is a CURVE client presenting that key pair and
 expecting the server key `server_key_for(address)` (default: the pair's own public key, the
-shared-key mode of unit tests); an address whose key is unknown is refused (`on_failure`).
+shared-key mode of unit tests); messages to an address whose key is unknown wait for it (the
+lookup is retried) until their deadline, then fail (`on_failure`).
 `close()` drops what is still queued (LINGER=0) and joins the sender thread.
 """
 
@@ -53,6 +54,10 @@ _SEND_HWM = 10_000
 _RETRY_MS = 2  # how often a destination without a connected peer is tried again
 _NEW_SOCKETS_PER_PASS = 16
 _RECONNECT_IVL_MAX_MS = 5_000  # back off reconnecting to a dead peer up to this
+
+
+class _UnknownPeer(ValueError):
+    """No key is known for the address (yet): its messages wait until their deadline."""
 
 
 @dataclass(slots=True)
@@ -173,6 +178,10 @@ class SideChannelClient:
                         break  # not connected yet: try again soon, the others go on
                     self._fail(queue.popleft(), f"no side-channel peer accepted a message at "
                                f"{address} within {self._send_timeout_s * 1000:.0f} ms")
+                    # a fresh socket next time: libzmq never retries a refused handshake
+                    self._sockets.pop(address).close(linger=0)
+                    self._delivered.discard(address)
+                    sock = self._socket_for(address, queue) if queue else None
                     continue
                 queue.popleft()
                 self._done(1)
@@ -187,6 +196,11 @@ class SideChannelClient:
             return sock
         try:
             sock = self._dealer_socket(address)
+        except _UnknownPeer as exc:  # maybe registered a moment ago: ask again next pass
+            now = time.monotonic()
+            while queue and queue[0].deadline <= now:
+                self._fail(queue.popleft(), str(exc))
+            return None
         except ValueError as exc:
             while queue:
                 self._fail(queue.popleft(), str(exc))
@@ -217,7 +231,7 @@ class SideChannelClient:
             lookup = self._server_key_for
             server_key = self._curve.public if lookup is None else lookup(address)
             if server_key is None:
-                raise ValueError(f"no known node serves the side channel at {address}")
+                raise _UnknownPeer(f"no registered node serves the side channel at {address}")
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)

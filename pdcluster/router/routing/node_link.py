@@ -29,6 +29,7 @@ API: `NodeLink`, `NodeStream`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 
 DEAD_AFTER_MISSED_POLLS = 3
+HANDSHAKE_RETRY_S = 1.0
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
@@ -202,16 +204,30 @@ class NodeLink:
             self.disconnected, self.healthy = True, False
             self.version += 1
             self.fail_streams(f"node {self.node_id} disconnected")
-        elif event & _HANDSHAKE_FAILED and not self.refused_us:
-            self.refused_us = True  # logged once: ZMQ retries the handshake every reconnect
-            logger.error("node %s refused the router's key (not registered with its metadata "
-                         "service yet, or another cluster's node?); retrying", self.node_id)
+        elif event & _HANDSHAKE_FAILED:
+            if not self.refused_us:  # logged once
+                logger.error("node %s refused the router's key (not registered with its "
+                             "metadata service yet, or another cluster's node?); retrying",
+                             self.node_id)
+            self.refused_us = True
+            # libzmq does not retry a handshake the peer's ZAP handler refused: reconnect
+            # ourselves, once the key may have been registered
+            loop = asyncio.get_running_loop()
+            loop.call_later(HANDSHAKE_RETRY_S, self._reconnect)
         elif event == zmq.EVENT_CONNECTED and self.refused_us:
             self.refused_us = False
             logger.info("node %s admitted the router", self.node_id)
         elif event == zmq.EVENT_CONNECTED and self.disconnected:
             logger.info("node %s reconnected", self.node_id)
             self.disconnected = False  # healthy again once it answers a load poll
+
+    def _reconnect(self) -> None:
+        if self._socket.closed or not self.refused_us:
+            return
+        address = self.spec.request_address
+        with contextlib.suppress(zmq.ZMQError):  # already gone: connect again all the same
+            self._socket.disconnect(address)
+        self._socket.connect(address)
 
     def _dispatch(self, msg: NodeMessage) -> None:
         if isinstance(msg, LoadReport):
