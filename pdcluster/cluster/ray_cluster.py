@@ -105,6 +105,30 @@ class RayCluster:
                              kv_protocol=cfg.kv_protocol, kv_device=cfg.kv_device,
                              kv_timeout_s=cfg.kv_timeout_s, metrics_port=cfg.node_metrics_port)
 
+    def router_clients(self) -> dict:
+        """A `BlockingNodeClient` per node id, speaking as a router: a fresh key pair
+        registered with the router's credential, each node's own public key as published
+        (benchmarks and tests drive the nodes this way)."""
+        import secrets
+
+        from pdcluster.core.credentials import SERVICE, CurveKeys
+        from pdcluster.core.tls import ClientTLS
+        from pdcluster.metadata_service.client import MetadataClient
+        from pdcluster.node.client import BlockingNodeClient
+
+        assert self.metadata_address is not None, "start() the cluster first"
+        keys = CurveKeys.generate()
+        token = self.cluster_secret.metadata_token(SERVICE)
+        cfg = self.config
+        tls = ClientTLS.from_fields(cfg.metadata_tls_ca, cfg.metadata_tls_cert,
+                                    cfg.metadata_tls_key, cfg.metadata_tls_server_name)
+        with MetadataClient(self.metadata_address, token=token, tls=tls) as client:
+            client.register_client(f"driver-{secrets.token_hex(4)}", keys.public, 3600)
+            nodes = client.list_nodes()
+        return {n.node_id: BlockingNodeClient(n.request_address, curve=keys,
+                                              server_key=n.curve_public_key.encode())
+                for n in nodes}
+
     def nodes(self, timeout_s: float = 60.0) -> list[dict[str, str]]:
         import ray
 
