@@ -28,6 +28,7 @@ lookup is retried) until their deadline, then fail (`on_failure`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -87,16 +88,18 @@ class SideChannelClient:
         self.num_evicted = 0
         self._failure_log = Throttle()
         # owned by the sender thread (zmq sockets are not thread-safe)
-        self._sockets: OrderedDict[str, zmq.Socket[Any]] = OrderedDict()
+        # one socket per destination, least recently used first: those that never delivered
+        # a message (a dead or made-up address: evicted first), and the live peers
+        self._fresh: OrderedDict[str, zmq.Socket[Any]] = OrderedDict()
+        self._live: OrderedDict[str, zmq.Socket[Any]] = OrderedDict()
         self._pending: dict[str, deque[_Outgoing]] = {}
-        self._delivered: set[str] = set()  # addresses with a socket that has sent something
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="side-channel-send")
         self._thread.start()
 
     @property
     def num_sockets(self) -> int:
-        return len(self._sockets)
+        return len(self._fresh) + len(self._live)
 
     def send(self, address: str, msg: SideChannelMessage,
              on_failure: FailureHandler | None = None) -> None:
@@ -143,9 +146,10 @@ class SideChannelClient:
             if exc.errno != zmq.ETERM:  # ETERM: someone terminated the shared context
                 logger.error("side-channel sender stopped: %s", exc)
         finally:
-            for sock in self._sockets.values():
+            for sock in (*self._fresh.values(), *self._live.values()):
                 sock.close(linger=0)
-            self._sockets.clear()
+            self._fresh.clear()
+            self._live.clear()
 
     def _take_incoming(self) -> bool:
         """Move newly queued messages to the per-destination queues; False once closed."""
@@ -163,37 +167,44 @@ class SideChannelClient:
     def _deliver(self) -> None:
         """One pass over the destinations with queued messages: connected ones first, then
         at most `_NEW_SOCKETS_PER_PASS` new ones, so that a flood of new addresses delays
-        the known peers by one pass at most."""
+        the known peers by one pass at most (and costs each pass a bounded amount)."""
         now = time.monotonic()
-        known = [a for a in self._pending if a in self._sockets]
-        new = [a for a in self._pending if a not in self._sockets][:_NEW_SOCKETS_PER_PASS]
+        known = [a for a in (*self._live, *self._fresh) if a in self._pending]
+        new = list(itertools.islice((a for a in self._pending if a not in self._live
+                                     and a not in self._fresh), _NEW_SOCKETS_PER_PASS))
         for address in known + new:
-            queue = self._pending[address]
-            sock = self._socket_for(address, queue)
-            while sock is not None and queue:
-                try:
-                    sock.send(queue[0].payload, zmq.NOBLOCK, copy=len(queue[0].payload) < 65536)
-                except zmq.Again:
-                    if queue[0].deadline > now:
-                        break  # not connected yet: try again soon, the others go on
-                    self._fail(queue.popleft(), f"no side-channel peer accepted a message at "
-                               f"{address} within {self._send_timeout_s * 1000:.0f} ms")
-                    # a fresh socket next time: libzmq never retries a refused handshake
-                    self._sockets.pop(address).close(linger=0)
-                    self._delivered.discard(address)
-                    sock = self._socket_for(address, queue) if queue else None
-                    continue
-                queue.popleft()
-                self._done(1)
-                self._delivered.add(address)
+            queue = self._pending.get(address)
+            if queue is None:
+                continue  # its socket was evicted (and its messages failed) this pass
+            self._send_queued(address, queue, now)
             if not queue:
                 del self._pending[address]
 
+    def _send_queued(self, address: str, queue: deque[_Outgoing], now: float) -> None:
+        sock = self._socket_for(address, queue)
+        while sock is not None and queue:
+            try:
+                sock.send(queue[0].payload, zmq.NOBLOCK, copy=len(queue[0].payload) < 65536)
+            except zmq.Again:
+                if queue[0].deadline > now:
+                    return  # not connected yet: try again soon, the others go on
+                self._fail(queue.popleft(), f"no side-channel peer accepted a message at "
+                           f"{address} within {self._send_timeout_s * 1000:.0f} ms")
+                # a fresh socket next time: libzmq never retries a refused handshake
+                self._close(address)
+                sock = self._socket_for(address, queue) if queue else None
+                continue
+            queue.popleft()
+            self._done(1)
+            if address in self._fresh:  # it delivered: a live peer from now on
+                self._live[address] = self._fresh.pop(address)
+
     def _socket_for(self, address: str, queue: deque[_Outgoing]) -> zmq.Socket[Any] | None:
-        sock = self._sockets.get(address)
-        if sock is not None:
-            self._sockets.move_to_end(address)
-            return sock
+        for sockets in (self._live, self._fresh):
+            sock = sockets.get(address)
+            if sock is not None:
+                sockets.move_to_end(address)
+                return sock
         try:
             sock = self._dealer_socket(address)
         except _UnknownPeer as exc:  # maybe registered a moment ago: ask again next pass
@@ -205,25 +216,25 @@ class SideChannelClient:
             while queue:
                 self._fail(queue.popleft(), str(exc))
             return None
-        if len(self._sockets) >= self._max_peers:
+        if self.num_sockets >= self._max_peers:
             self._evict()
-        self._sockets[address] = sock
+        self._fresh[address] = sock
         return sock
 
     def _evict(self) -> None:
         """Close one socket: the least recently used one that never delivered a message (a
-        dead or made-up address), else the least recently used one; either preferring one
-        with nothing queued. So a flood of new addresses cannot push out the live peers."""
-        def rank(address: str) -> tuple[bool, bool]:
-            return address in self._delivered, address in self._pending
-
-        victim = min(self._sockets, key=rank)  # min keeps the first (least recent) of a rank
-        self._sockets.pop(victim).close(linger=0)
-        self._delivered.discard(victim)
+        dead or made-up address), else the least recently used live one. So a flood of new
+        addresses cannot push out the live peers. O(1)."""
+        victim = next(iter(self._fresh or self._live))
+        self._close(victim)
         self.num_evicted += 1
         for out in self._pending.pop(victim, deque()):
             self._fail(out, f"side-channel socket to {victim} closed: more than "
                        f"{self._max_peers} peers")
+
+    def _close(self, address: str) -> None:
+        sock = self._fresh.pop(address, None) or self._live.pop(address)
+        sock.close(linger=0)
 
     def _dealer_socket(self, address: str) -> zmq.Socket[Any]:
         server_key = None

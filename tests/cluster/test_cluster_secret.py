@@ -18,6 +18,8 @@ from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.launch import router_config
 from pdcluster.cluster.ray_cluster import RayCluster
 from pdcluster.core.credentials import (
+    ROUTER_TOKEN_ENV,
+    ROUTER_TOKEN_FILE_ENV,
     SECRET_ENV,
     SECRET_FILE_ENV,
     SERVICE,
@@ -42,15 +44,29 @@ def _env_without_secret(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def test_router_serve_refuses_to_start_without_the_secret(tmp_path) -> None:
+def test_router_serve_refuses_to_start_without_its_client_credential(tmp_path) -> None:
+    """The router takes a client credential, never the cluster secret: the secret alone in
+    its environment is not enough."""
     (tmp_path / "config.json").write_text("{}")
+    env = _env_without_secret(**{SECRET_ENV: TEST_SECRET.to_text()})
+    env.pop(ROUTER_TOKEN_ENV, None)
+    env.pop(ROUTER_TOKEN_FILE_ENV, None)
     proc = subprocess.run(
         [sys.executable, "-m", "pdcluster.cluster.cli", "router", "serve", "--model", str(tmp_path),
          "--metadata", "127.0.0.1:1"],
-        cwd=ROOT, env=_env_without_secret(), capture_output=True, text=True, timeout=60)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "pdcluster router serve needs the cluster secret" in proc.stderr
-    assert SECRET_FILE_ENV in proc.stderr and SECRET_ENV in proc.stderr
+    assert "pdcluster router serve needs the router's client credential" in proc.stderr
+    assert ROUTER_TOKEN_FILE_ENV in proc.stderr and ROUTER_TOKEN_ENV in proc.stderr
+
+
+def test_the_router_token_printed_for_the_router_is_the_service_credential(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdcluster.cluster.cli", "metadata", "router-token"],
+        cwd=ROOT, env=_env_without_secret(**{SECRET_ENV: TEST_SECRET.to_text()}),
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == TEST_SECRET.metadata_token(SERVICE)
 
 
 def test_a_malformed_secret_is_a_usage_error(tmp_path) -> None:
