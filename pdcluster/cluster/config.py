@@ -6,7 +6,9 @@ cluster.yaml:
     num_prefill: 2
     num_decode: 2
     engine: {dtype: bfloat16, block_size: 16, max_num_seqs: 64, max_num_batched_tokens: 2048,
-             speculative: "ngram:k=4"}         # speculative decoding: decode nodes only
+             speculative: "ngram:k=4",         # speculative decoding: decode nodes only
+             backend: pdcluster}               # or vllm: every node runs vLLM (docs/engines.md),
+                                               # with tensor_parallel_size, gpu_memory_utilization
     transfer: {protocol: rdma, device_name: "", timeout_s: 30}
     metadata: {address: "metadata:50061",      # absent: an embedded in-memory service
                tls_ca: /tls/ca.crt,            # TLS to it (router and nodes); absent: plaintext
@@ -14,7 +16,7 @@ cluster.yaml:
                tls_server_name: metadata}      # name in its certificate, if not the address's
     router: {host: 0.0.0.0, port: 8000, enabled: true,   # false: a router runs elsewhere
              routing: kv}                      # or round_robin / least_loaded (baselines)
-    node: {gpus: 1, max_restarts: 3, local_prefill_threshold_tokens: 32,
+    node: {gpus: 1, max_restarts: 3, lease_ttl_s: 10, local_prefill_threshold_tokens: 32,
            metrics_port: 9400,                 # Prometheus /metrics per node; 0: a free port
            global_reuse_min_tokens: 512,        # pull a cached prefix this long; 0: never
            role_resource_prefix: pdcluster_}   # actors ask for Ray resource <prefix><role>
@@ -69,6 +71,7 @@ class ClusterConfig:
     node_gpus: float = 0.0
     node_cpus: float = 1.0
     max_restarts: int = 3
+    lease_ttl_s: int = 10  # each node's lease with the metadata service
     local_prefill_threshold_tokens: int = LOCAL_PREFILL_THRESHOLD_TOKENS
     global_reuse_min_tokens: int = 512  # 0: prefilling nodes never pull a prefix
     role_resource_prefix: str | None = None
@@ -78,6 +81,8 @@ class ClusterConfig:
             raise ValueError("need at least one decode node (and zero or more prefill nodes)")
         if self.max_restarts < 0 or self.node_gpus < 0 or self.node_cpus < 0:
             raise ValueError("max_restarts, node_gpus and node_cpus must be >= 0")
+        if self.lease_ttl_s < 1:
+            raise ValueError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
         if self.local_prefill_threshold_tokens < 0 or self.global_reuse_min_tokens < 0:
             raise ValueError("local_prefill_threshold_tokens and global_reuse_min_tokens "
                              "must be >= 0")
@@ -96,6 +101,12 @@ class ClusterConfig:
         if tls is not None and self.metadata_address is None:
             raise ValueError("metadata TLS settings need an external metadata service (its "
                              "address): the embedded one serves plaintext on 127.0.0.1")
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The nodes' engine (one backend per cluster): the router names a prompt's blocks
+        with its block size and hash scheme."""
+        return EngineConfig.from_options(self.model, self.engine)
 
     def engine_options(self, role: str) -> dict[str, Any]:
         """EngineConfig keywords for a node of `role`. Speculative decoding runs on decode
@@ -148,6 +159,7 @@ class ClusterConfig:
             role_resource_prefix=node.get("role_resource_prefix"),
             node_gpus=node.get("gpus", 0.0), node_cpus=node.get("cpus", 1.0),
             max_restarts=node.get("max_restarts", 3),
+            lease_ttl_s=node.get("lease_ttl_s", 10),
             local_prefill_threshold_tokens=node.get("local_prefill_threshold_tokens",
                                                     LOCAL_PREFILL_THRESHOLD_TOKENS),
             global_reuse_min_tokens=node.get("global_reuse_min_tokens", 512))

@@ -103,7 +103,8 @@ class RayCluster:
                              bootstrap_token=self.cluster_secret.metadata_token(
                                  node_principal(node_id)),
                              kv_protocol=cfg.kv_protocol, kv_device=cfg.kv_device,
-                             kv_timeout_s=cfg.kv_timeout_s, metrics_port=cfg.node_metrics_port)
+                             kv_timeout_s=cfg.kv_timeout_s, metrics_port=cfg.node_metrics_port,
+                             lease_ttl_s=cfg.lease_ttl_s)
 
     def router_clients(self) -> dict:
         """A `BlockingNodeClient` per node id, speaking as a router: a fresh key pair

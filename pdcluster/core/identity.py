@@ -78,6 +78,7 @@ class Directory:
         self._last_refresh = float("-inf")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._listeners: list[Callable[[list[Peer]], None]] = []
         self.num_refreshes = 0
         self.num_refresh_errors = 0
 
@@ -98,6 +99,19 @@ class Directory:
         self._by_key = by_key
         self._by_principal = {p.principal: p for p in by_key.values()}
         self._by_kv_address = {p.kv_address: p for p in by_key.values() if p.kv_address}
+        for listener in self._listeners:
+            listener(list(by_key.values()))
+
+    def subscribe(self, listener: Callable[[list[Peer]], None]) -> None:
+        """Call `listener(every peer)` now and after every change (a vLLM node copies its
+        directory to its connector's processes this way)."""
+        with self._lock:
+            self._listeners.append(listener)
+            listener(list(self._by_key.values()))
+
+    @property
+    def peers(self) -> list[Peer]:
+        return list(self._by_key.values())
 
     def principal_of(self, public_key: bytes) -> str | None:
         peer = self._by_key.get(public_key)

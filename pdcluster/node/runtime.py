@@ -16,22 +16,17 @@ sockets admit and authorise per message. `NodeConfig.shared_curve` is the shared
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 from pdcluster.core.credentials import CurveKeys, node_principal
 from pdcluster.core.curve import forget_directory
 from pdcluster.core.identity import ROUTER_PREFIX, Directory, Peer
-from pdcluster.core.kv_connector import KVConnector
-from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.api import NodeEngine
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.node.config import NodeConfig
+from pdcluster.node.engines import make_engine
 from pdcluster.node.events import EventPublisherThread
 from pdcluster.node.metrics import MetricsServer, NodeMetrics
 from pdcluster.node.server import NodeServer
-from pdcluster.transfer.connector_scheduler import ConnectorScheduler
-from pdcluster.transfer.connector_worker import ConnectorWorker
-from pdcluster.transfer.mooncake_engine import MooncakeConfig
-from pdcluster.transfer.transport import MooncakeTransport
 
 logger = logging.getLogger(__name__)
 DIRECTORY_REFRESH_S = 2.0
@@ -61,21 +56,10 @@ def registered_peers(client: MetadataClient) -> list[Peer]:
 class NodeRuntime:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.keys = config.shared_curve or CurveKeys.generate()  # never leaves this process
+        self.keys = config.shared_curve or CurveKeys.generate()  # never leaves this node
         self.directory = None if config.shared_curve is not None else self._directory()
-        transport = MooncakeTransport(MooncakeConfig(hostname=config.host,
-                                                     protocol=config.kv_protocol,
-                                                     device_name=config.kv_device),
-                                      host=config.host, curve=self.keys,
-                                      directory=self.directory)
-        worker = ConnectorWorker(transport, timeout_s=config.kv_timeout_s, peers=self.directory)
-        connector = KVConnector(ConnectorScheduler(config.recompute_on_failure,
-                                                   config.min_pull_blocks), worker)
-        engine_config = replace(config.engine,
-                                enable_kv_events=config.metadata_address is not None)
-        self.engine = LLMEngine(engine_config, connector)
-        self.kv_address = transport.reply_address
-        self.kv_session = transport.session_id
+        self.engine, self.kv_address, self.kv_session = make_engine(config, self.keys,
+                                                                    self.directory)
         self.server = NodeServer(self.engine, config.node_id, config.role, config.host,
                                  config.port, on_step=self._on_step, curve=self.keys,
                                  directory=self.directory)
@@ -103,8 +87,8 @@ class NodeRuntime:
         info = make_node_info(cfg.node_id, cfg.role, request_address=self.server.address,
                               kv_address=self.kv_address, model=cfg.model,
                               metrics_address=self.metrics_address,
-                              block_size=engine.config.block_size,
-                              capacity_blocks=engine.kv_spec.num_blocks,
+                              block_size=engine.block_size,
+                              capacity_blocks=engine.num_kv_blocks,
                               curve_public_key=b"" if self.directory is None
                               else self.keys.public, kv_session=self.kv_session)
         return EventPublisherThread(metadata_client(cfg), info, engine.cached_block_hashes,
@@ -122,7 +106,7 @@ class NodeRuntime:
         self.server.start()
         return self
 
-    def _on_step(self, engine: LLMEngine) -> None:
+    def _on_step(self, engine: NodeEngine) -> None:
         if self.events is not None:
             self.events.put(engine.take_kv_events())
         stats = self.server.stats
@@ -130,7 +114,7 @@ class NodeRuntime:
 
     def reset_prefix_cache(self) -> bool:
         """Empty the node's prefix cache (the global index follows); False while busy."""
-        return self.server.call(LLMEngine.reset_prefix_cache)
+        return self.server.call(lambda engine: engine.reset_prefix_cache())
 
     def info(self) -> dict[str, str]:
         return {"node_id": self.config.node_id, "role": self.config.role,

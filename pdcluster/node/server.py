@@ -1,5 +1,6 @@
-"""`NodeServer`: one `LLMEngine` served over the node protocol (`core.node_wire`) on a ZMQ
-ROUTER socket — the request endpoint of a prefill or decode node.
+"""`NodeServer`: one engine (`engine.api.NodeEngine`: the own engine or vLLM) served over the
+node protocol (`core.node_wire`) on a ZMQ ROUTER socket — the request endpoint of a prefill or
+decode node.
 
 One thread owns both the engine and the socket (neither is thread-safe): it drains incoming
 messages, runs an engine step when there is work, and sends each request's new tokens back
@@ -22,9 +23,9 @@ shared pair of the test mode (its holders may do everything); `curve=None` is pl
 unit tests only.
 
 `on_step` (optional) runs after every step on the server thread; nodes use it to hand the
-engine's KV events (`LLMEngine.take_kv_events`) to their metadata publisher. `call(fn)` runs
+engine's KV events (`NodeEngine.take_kv_events`) to their metadata publisher. `call(fn)` runs
 `fn(engine)` on the server thread from any other thread (the engine is not thread-safe), then
-`on_step`, and returns its result (e.g. `LLMEngine.reset_prefix_cache`).
+`on_step`, and returns its result (e.g. `NodeEngine.reset_prefix_cache`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from pdcluster.core.node_wire import (
     LoadQuery,
     LoadReport,
     NodeMessage,
+    PrefillLost,
     PrefixSource,
     RequestError,
     TokenDelta,
@@ -60,13 +62,13 @@ from pdcluster.core.node_wire import (
 )
 from pdcluster.core.throttle import Throttle
 from pdcluster.core.wire import WireError
-from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.engine.pins import OverloadedError
-from pdcluster.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 2
+_IDLE_REFRESH_S = 0.5
 # A frame larger than this is dropped by ZMQ before it is read (the peer is disconnected).
 MAX_REQUEST_BYTES = MAX_FRAME_BYTES
 
@@ -81,8 +83,8 @@ class ServerStats:
 
 
 class NodeServer:
-    def __init__(self, engine: LLMEngine, node_id: str, role: str, host: str = "127.0.0.1",
-                 port: int = 0, on_step: Callable[[LLMEngine], None] | None = None, *,
+    def __init__(self, engine: NodeEngine, node_id: str, role: str, host: str = "127.0.0.1",
+                 port: int = 0, on_step: Callable[[NodeEngine], None] | None = None, *,
                  curve: CurveKeys | None, directory: Directory | None = None) -> None:
         self.engine = engine
         self.node_id, self.role = node_id, role
@@ -103,7 +105,7 @@ class NodeServer:
         self._owners: dict[str, bytes] = {}  # request id -> client identity
         self._submitters: dict[str, str] = {}  # request id -> the principal that submitted it
         self._prompt_lens: dict[str, int] = {}
-        self._calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future]] = \
+        self._calls: queue.SimpleQueue[tuple[Callable[[NodeEngine], Any], Future]] = \
             queue.SimpleQueue()
         self._forbid_log = Throttle()
         self._draining = threading.Event()
@@ -138,7 +140,7 @@ class NodeServer:
         self._socket.close()
         return drained
 
-    def call(self, fn: Callable[[LLMEngine], Any], timeout_s: float = 30.0) -> Any:
+    def call(self, fn: Callable[[NodeEngine], Any], timeout_s: float = 30.0) -> Any:
         """`fn(engine)` on the server thread, between steps; its result (or exception)."""
         if not self._thread.is_alive():
             raise RuntimeError(f"node {self.node_id} is not serving")
@@ -167,6 +169,7 @@ class NodeServer:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        last_step = time.monotonic()
         while not self._stop.is_set():
             runnable = self.engine.has_runnable_requests()
             if poller.poll(0 if runnable else _IDLE_POLL_MS):
@@ -174,6 +177,12 @@ class NodeServer:
             self._run_calls()
             if self._busy():
                 self._step()
+                last_step = time.monotonic()
+            elif self.on_step is not None and time.monotonic() - last_step > _IDLE_REFRESH_S:
+                # An idle engine still changes (an engine in other processes reports its
+                # last figures and events after its last output): keep on_step's view fresh.
+                self.on_step(self.engine)
+                last_step = time.monotonic()
         for request_id in list(self._owners):  # stopped without draining
             self.engine.abort_request(request_id)
 
@@ -225,6 +234,8 @@ class NodeServer:
             self._on_abort(principal, msg)
         elif isinstance(msg, LoadQuery):
             self._send(identity, self.load_report())
+        elif isinstance(msg, PrefillLost):
+            self._on_prefill_lost(identity, msg)
         else:
             self.stats.num_malformed += 1  # a reply type sent to a node
 
@@ -252,11 +263,10 @@ class NodeServer:
             self._refuse(identity, msg.request_id, "draining", "the node is shutting down")
             return
         try:
-            params = SamplingParams.from_spec(msg.sampling)
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
-                                    cache_salt=msg.cache_salt,
-                                    kv_transfer=_transfer_params(msg.transfer),
-                                    prefix_pull=self._prefix_pull(msg.prefix_source))
+            self.engine.submit(msg.request_id, msg.prompt_token_ids, msg.sampling,
+                               cache_salt=msg.cache_salt,
+                               kv_transfer=_transfer_params(msg.transfer),
+                               prefix_pull=self._prefix_pull(msg.prefix_source))
         except OverloadedError as exc:
             self._refuse(identity, msg.request_id, "overloaded", str(exc))
             return
@@ -273,9 +283,15 @@ class NodeServer:
         self._submitters[msg.request_id] = principal or ""
         self._prompt_lens[msg.request_id] = len(msg.prompt_token_ids)
 
+    def _on_prefill_lost(self, identity: bytes, msg: PrefillLost) -> None:
+        """Stop waiting for the KV of a request whose prefill node died (only its submitter
+        may say so); the engine recomputes it, or fails it, at its next step."""
+        if self._owners.get(msg.request_id) == identity:
+            self.engine.kv_source_lost(msg.transfer_id, f"prefill node lost: {msg.reason}")
+
     def _prefix_pull(self, source: PrefixSource | None) -> PrefixPull | None:
-        if source is None or self.engine.connector is None:
-            return None  # a hint: a node without a connector just computes
+        if source is None or not self.engine.accepts_prefix_pulls:
+            return None  # a hint: a node that cannot pull just computes
         return PrefixPull(source.kv_address, source.num_blocks)
 
     def _refuse(self, identity: bytes, request_id: str, code: str, message: str) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from pdcluster.core.identity import Directory
@@ -65,20 +66,25 @@ class ConnectorWorker(KVConnectorWorker):
         self._sends: dict[TransferId, Send] = {}
         self._pool = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
         self._pulls = PullWorker(self._state, self._pool, self._write, self._flush)
-        rules = None if peers is None else PeerRules(peers, self._state, self._requester_of)
+        # Called (side-channel thread) when a peer's pull waits for the engine to look it up:
+        # an engine in other processes (vLLM) may be idle and must be woken to do it.
+        self.on_lookup: Callable[[], None] | None = None
+        rules = None if peers is None else PeerRules(peers, self._state, self._requester_of,
+                                                     transport.public_key)
         transport.start(self._on_message, rules)
 
     # ---- engine-facing ----------------------------------------------------------------
 
     def register_kv_region(self, region: KVRegion) -> None:
-        self.transport.register(region.base_addr, region.nbytes)
+        for addr, nbytes in region.memory_ranges():
+            self.transport.register(addr, nbytes)
         self._state.region = region
 
     def execute(self, plan: ConnectorPlan) -> None:
         outbox: list[tuple[str, SideChannelMessage]] = []
         with self._lock:
             for recv in plan.recvs:
-                outbox.append(self._start_recv(recv))
+                self._start_recv(recv, outbox)
             for send in plan.sends:
                 self._add_send(send, outbox)
             for pull in plan.pulls:
@@ -98,6 +104,12 @@ class ConnectorWorker(KVConnectorWorker):
         self._flush(outbox)
         return results
 
+    def release_at_source(self, transfer_id: TransferId, source_addr: str) -> None:
+        """D will not ask for `transfer_id` after all (its own cache held the whole prompt, or
+        the request ended before its blocks existed): the prefill node frees what it holds
+        for it now rather than at its timeout."""
+        self._flush([(source_addr, XferAbort(transfer_id))])
+
     def has_pending_work(self) -> bool:
         with self._lock:
             return bool(self._state.results.lookups) or self._pulls.num_waiting_lookups > 0
@@ -116,8 +128,25 @@ class ConnectorWorker(KVConnectorWorker):
             self.stats.latencies.clear()
         return taken
 
+    def fail_receive(self, transfer_id: TransferId, reason: str) -> bool:
+        outbox: list[tuple[str, SideChannelMessage]] = []
+        with self._lock:
+            recv = self._state.recvs.get(transfer_id)
+            if recv is None or recv.is_pull:
+                # not started yet (the request still queued here): it fails when it starts
+                self._state.give_up(transfer_id, reason)
+                return False
+            del self._state.recvs[transfer_id]
+            self.stats.sources_lost += 1
+            self._finish_recv(recv, False, error=reason)
+            # should the source still be alive after all, it forgets the transfer
+            outbox.append((recv.source_addr, XferAbort(transfer_id)))
+        self._flush(outbox)
+        return True
+
     @property
     def num_pending_receives(self) -> int:
+        """Receives under way: asked of their source, not yet done, failed or expired."""
         with self._lock:
             return len(self._state.recvs)
 
@@ -133,32 +162,42 @@ class ConnectorWorker(KVConnectorWorker):
 
     # ---- decode side ------------------------------------------------------------------
 
-    def _start_recv(self, job: RecvJob) -> tuple[str, XferRequest]:
+    def _start_recv(self, job: RecvJob, outbox: Outbox) -> None:
         region = self._state.require_region()
         tid = job.transfer.transfer_id
-        self._state.recvs[tid] = Recv(job.request_id, job.transfer.source_addr,
-                                      self._state.deadline(), started=self._state.clock())
+        recv = Recv(job.request_id, job.transfer.source_addr, self._state.deadline(),
+                    started=self._state.clock())
+        reason = self._state.given_up.pop(tid, None)
+        if reason is not None:  # its source was reported lost before it started
+            self.stats.sources_lost += 1
+            self._finish_recv(recv, False, error=reason)
+            return
+        self._state.recvs[tid] = recv
         request = XferRequest(
             transfer_id=tid, request_id=job.request_id,
             reply_addr=self.transport.reply_address, dest_session=self.transport.session_id,
             block_nbytes=region.block_nbytes, num_blocks=len(job.block_ids),
             skip_blocks=job.skip_blocks,
-            dest_block_addrs=[region.block_addr(b) for b in job.block_ids[job.skip_blocks:]])
-        return job.transfer.source_addr, request
+            dest_block_addrs=[region.block_addr(b) for b in job.block_ids[job.skip_blocks:]],
+            dest_segment_offsets=list(region.segment_offsets))
+        outbox.append((job.transfer.source_addr, request))
 
     def _on_done(self, msg: XferDone) -> None:
         with self._lock:
             recv = self._state.recvs.pop(msg.transfer_id, None)
             if recv is None:
                 self.stats.late_messages += 1
+                if not msg.ok:  # a receive not started yet fails as it starts
+                    self._state.give_up(msg.transfer_id, msg.error or "transfer failed")
                 return
             if recv.is_pull:
                 self._pulls.finish(recv, msg.ok, msg.num_blocks_sent, msg.error)
                 return
             self.stats.blocks_received += msg.num_blocks_sent
             self.stats.descriptors_received += msg.num_descriptors
-            block_nbytes = self._state.require_region().block_nbytes
-            self.stats.bytes_received += msg.num_blocks_sent * block_nbytes
+            region = self._state.require_region()
+            self.stats.bytes_received += (msg.num_blocks_sent * region.block_nbytes
+                                          * region.num_segments)
             if msg.ok:
                 self.stats.latencies.append(("recv", self._state.clock() - recv.started))
             self._finish_recv(recv, msg.ok, msg.first_token, msg.first_logprob, msg.error)
@@ -229,7 +268,8 @@ class ConnectorWorker(KVConnectorWorker):
         block_ids = job.block_ids[request.skip_blocks:request.num_blocks]
         started = time.perf_counter()
         num_descriptors, nbytes = self._write(block_ids, request.dest_block_addrs,
-                                              request.dest_session, request.block_nbytes)
+                                              request.dest_session, request.block_nbytes,
+                                              request.dest_segment_offsets)
         with self._lock:
             self.stats.recent_write_s.append(time.perf_counter() - started)
             self.stats.latencies.append(("send", time.perf_counter() - started))
@@ -239,14 +279,25 @@ class ConnectorWorker(KVConnectorWorker):
         return num_descriptors
 
     def _write(self, block_ids: list[int], dest_addrs: list[int], dest_session: str,
-               block_nbytes: int) -> tuple[int, int]:
-        """Write local blocks to a peer's addresses: (descriptors, bytes) written."""
+               block_nbytes: int, dest_offsets: list[int]) -> tuple[int, int]:
+        """Write local blocks to a peer's addresses, every segment of the layout:
+        (descriptors, bytes) written. Consecutive blocks coalesce within a segment."""
         region = self._state.require_region()
-        if block_nbytes != region.block_nbytes:
-            raise ValueError(f"block size mismatch: {block_nbytes} bytes asked, "
-                             f"{region.block_nbytes} held (same model, dtype, block size?)")
-        src, dst, lengths = coalesce([region.block_addr(b) for b in block_ids], dest_addrs,
-                                     region.block_nbytes)
+        if block_nbytes != region.block_nbytes or len(dest_offsets) != region.num_segments:
+            raise ValueError(
+                f"KV layout mismatch: {len(dest_offsets)} segments of {block_nbytes} bytes "
+                f"asked, {region.num_segments} of {region.block_nbytes} held (same model, "
+                "dtype, block size and engine on both nodes?)")
+        local = [region.block_addr(b) for b in block_ids]
+        src: list[int] = []
+        dst: list[int] = []
+        lengths: list[int] = []
+        for src_offset, dst_offset in zip(region.segment_offsets, dest_offsets, strict=True):
+            s, d, n = coalesce([a + src_offset for a in local],
+                               [a + dst_offset for a in dest_addrs], region.block_nbytes)
+            src += s
+            dst += d
+            lengths += n
         if src:
             self.transport.write(dest_session, src, dst, lengths)
         return len(src), sum(lengths)
@@ -265,6 +316,8 @@ class ConnectorWorker(KVConnectorWorker):
             self._on_request(msg)
         elif isinstance(msg, PrefixPullRequest):
             self._pulls.on_request(msg)
+            if self.on_lookup is not None:
+                self.on_lookup()
         elif isinstance(msg, XferDone):
             self._on_done(msg)
         elif isinstance(msg, XferAbort):

@@ -8,10 +8,11 @@ on the side channel's receive thread with each decoded message and its sender's 
 - `XferDone`: only from the node the transfer or pull was asked of (its registered KV
   address is the one the receive went to), so no member can complete another's transfer.
 - `XferAbort`: only from the node that requested the transfer or pull being served here.
-The shared-key test mode's principal (`MEMBER`) may send anything; a key that names no
+The node itself (its own key: a vLLM node telling its connector that a source is lost) and
+the shared-key test mode's principal (`MEMBER`) may send anything; a key that names no
 registered node may send nothing.
 
-API: `PeerRules(directory, state, requester_of)`, called as `rules(msg, principal)`.
+API: `PeerRules(directory, state, requester_of, own_key)`, called as `rules(msg, principal)`.
 """
 
 from __future__ import annotations
@@ -32,13 +33,16 @@ from pdcluster.transfer.worker_state import WorkerState
 
 class PeerRules:
     def __init__(self, directory: Directory, state: WorkerState,
-                 requester_of: Callable[[TransferId], str | None]) -> None:
+                 requester_of: Callable[[TransferId], str | None],
+                 own_key: bytes | None = None) -> None:
         self._directory = directory
         self._state = state
         self._requester_of = requester_of  # lock held: the reply address of a served request
+        self._own_key = own_key
 
     def __call__(self, msg: SideChannelMessage, principal: str | None) -> str | None:
-        if principal == MEMBER:
+        if principal == MEMBER or (self._own_key is not None and principal is not None and
+                                   principal == self._directory.principal_of(self._own_key)):
             return None
         peer = self._directory.peer(principal) if node_id_of(principal) else None
         if peer is None or principal is None:

@@ -34,6 +34,11 @@ class Transport(ABC):
     def session_id(self) -> str:
         """How peers address this node's registered memory."""
 
+    @property
+    def public_key(self) -> bytes | None:
+        """This end's CURVE public key (None: it has none)."""
+        return None
+
     @abstractmethod
     def start(self, on_message: MessageHandler, authorize: Authorizer | None = None) -> None:
         """Begin delivering incoming messages to `on_message` (from a background thread),
@@ -83,6 +88,10 @@ class MooncakeTransport(Transport):
     @property
     def session_id(self) -> str:
         return self._engine.session_id
+
+    @property
+    def public_key(self) -> bytes | None:
+        return None if self._curve is None else self._curve.public
 
     def start(self, on_message: MessageHandler, authorize: Authorizer | None = None) -> None:
         self._server = SideChannelServer(on_message, self._host, self._port, curve=self._curve,
