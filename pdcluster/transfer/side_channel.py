@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -47,22 +48,27 @@ MessageHandler = Callable[[SideChannelMessage], None]
 # (message, the sender's principal) -> None to accept it, or why it is refused
 Authorizer = Callable[[SideChannelMessage, str | None], str | None]
 # Frames beyond this are dropped by ZMQ itself (it disconnects the sender) before any memory
-# is spent; frames between MAX_MESSAGE_BYTES and this are received and counted as rejected.
-MAX_FRAME_BYTES = 2 * MAX_MESSAGE_BYTES
+# or decryption is spent; frames between MAX_MESSAGE_BYTES and this are received and counted
+# as rejected.
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + (64 << 10)
 _REASON_CHARS = 200
+MAX_STRIKES_PER_S = 50
 
 
 class SideChannelServer:
     """Receives side-channel messages on a ROUTER socket and hands them to `handler` on a
     daemon thread, one at a time, in arrival order per sender. Counters (written by that
     thread only): `num_received` every message, `num_rejected` those refused as malformed,
-    `num_forbidden` those `authorize` refused for their sender, `num_handler_errors` those
-    whose handler raised."""
+    `num_forbidden` those `authorize` refused for their sender, `num_dropped` those dropped
+    undecoded from a sender past `max_strikes_per_s` refused or malformed messages in the
+    current second (with `authorize`: a peer's flood of bad messages costs a lookup each, not
+    a decode), `num_handler_errors` those whose handler raised."""
 
     def __init__(self, handler: MessageHandler, host: str = "127.0.0.1", port: int = 0, *,
                  curve: CurveKeys | None, directory: Directory | None = None,
                  authorize: Authorizer | None = None, poll_interval_s: float = 0.05,
-                 log_interval_s: float = 10.0) -> None:
+                 log_interval_s: float = 10.0,
+                 max_strikes_per_s: int = MAX_STRIKES_PER_S) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {port}")
         if poll_interval_s <= 0:
@@ -75,6 +81,8 @@ class SideChannelServer:
         self.num_rejected = 0
         self.num_handler_errors = 0
         self.num_forbidden = 0
+        self.num_dropped = 0
+        self._strikes = _Strikes(max_strikes_per_s)
         self._forbid_log = _Throttle(log_interval_s)
         self._reject_log = _Throttle(log_interval_s)
         self._error_log = _Throttle(log_interval_s)
@@ -126,19 +134,26 @@ class SideChannelServer:
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         self.num_received += 1
+        principal = None
+        if self._authorize is not None and len(frames) == 2:
+            principal = (MEMBER if self._plaintext
+                         else sender_principal(self._socket.context, frames[1]))
+            if self._strikes.penalized(principal):
+                self.num_dropped += 1  # a flood of bad messages: not even decoded
+                return
         if len(frames) != 2:  # ROUTER prepends the sender's identity to its one frame
             self._reject(f"expected 1 frame, got {len(frames) - 1}")
             return
         try:
             msg = decode(frames[1].bytes)
         except WireError as exc:
+            self._strikes.strike(principal)
             self._reject(str(exc))
             return
         if self._authorize is not None:
-            principal = (MEMBER if self._plaintext
-                         else sender_principal(self._socket.context, frames[1]))
             reason = self._authorize(msg, principal)
             if reason is not None:
+                self._strikes.strike(principal)
                 self._forbid(type(msg).__name__, principal, reason)
                 return
         try:
@@ -163,6 +178,30 @@ class SideChannelServer:
             logger.warning("side channel %s: rejected a message: %s (%d rejections not logged, "
                            "%d in all)", self.address, reason[:_REASON_CHARS],
                            self._reject_log.take_suppressed(), self.num_rejected)
+
+
+class _Strikes:
+    """Refused or malformed messages per sender principal in the current one-second window
+    (principals are registered ones: the table is as small as the cluster)."""
+
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._limit = limit
+        self._clock = clock
+        self._window = 0.0
+        self._counts: dict[str | None, int] = {}
+
+    def strike(self, principal: str | None) -> None:
+        self._roll()
+        self._counts[principal] = self._counts.get(principal, 0) + 1
+
+    def penalized(self, principal: str | None) -> bool:
+        self._roll()
+        return self._counts.get(principal, 0) >= self._limit
+
+    def _roll(self) -> None:
+        now = self._clock()
+        if now - self._window >= 1.0:
+            self._window, self._counts = now, {}
 
 
 def _router_socket(host: str, port: int, curve: CurveKeys | None,
