@@ -10,7 +10,8 @@ load of unique prompts). Per fault: requests sent / completed / failed (by HTTP 
 cause) / truncated, p50 and p99 latency before, during and after (the *before* phase is the
 baseline, measured in the same run), time to recover, KV blocks leaked on every node once the
 load drained, and whether the global index (the metadata service's and the router's mirror)
-equals the nodes' caches within a lease TTL afterwards (benchmarks/chaos_checks.py).
+equals the nodes' caches within a lease TTL once the load drained and every node is back
+(`index_exact_after_s`; benchmarks/chaos_checks.py).
 
 API: `run(args)`, `run_fault`, `run_abort_storm`, `wait_ready`, `FaultResult`.
 """
@@ -40,6 +41,7 @@ from pdcluster.benchmarks.chaos_load import LoadSpec, run_load
 from pdcluster.benchmarks.chaos_netns import in_private_netns, run_in_private_netns
 from pdcluster.benchmarks.chaos_soak import run_soak
 from pdcluster.benchmarks.chaos_stats import summarize
+from pdcluster.cluster.cli_common import UsageError
 
 _ROUTER_COUNTERS = ("router_prefill_lost_total", "router_migrations_total",
                     "router_aborts_total")
@@ -216,8 +218,10 @@ def run(args: argparse.Namespace) -> dict:
     names = args.faults.split(",")
     unknown = set(names) - set(FAULTS) - {"abort_storm"}
     if unknown:
-        raise ValueError(f"unknown faults {sorted(unknown)}: pick from "
+        raise UsageError(f"unknown faults {sorted(unknown)}: pick from "
                          f"{sorted(FAULTS) + ['abort_storm']}")
+    if "etcd_restart" in names and args.backend != "etcd":
+        raise UsageError("the etcd_restart fault needs --backend etcd")
     if set(names) & set(LINK_FAULTS) and not in_private_netns():
         # the whole run moves into a network namespace of its own, where it may drop packets
         return run_in_private_netns(["bench", "chaos", "--json", *_cli_args(args)],
