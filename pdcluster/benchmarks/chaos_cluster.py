@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdcluster.core.credentials import SECRET_ENV, ClusterSecret
+from pdcluster.core.credentials import ROUTER_TOKEN_ENV, SECRET_ENV, SERVICE, ClusterSecret
 
 BLOCK_SIZE = 16
 
@@ -83,7 +83,9 @@ class ChaosCluster:
         return self.ray.actors if self.ray is not None else {}
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, SECRET_ENV: self.secret.to_text()}
+        return {**os.environ, SECRET_ENV: self.secret.to_text(),
+                # the router's client credential (it needs no secret)
+                ROUTER_TOKEN_ENV: self.secret.metadata_token(SERVICE)}
 
     def start(self) -> ChaosCluster:
         from pdcluster.cluster.config import ClusterConfig

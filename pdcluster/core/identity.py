@@ -64,10 +64,12 @@ def node_id_of(principal: str | None) -> str | None:
 
 class Directory:
     def __init__(self, refresh: Callable[[], Iterable[Peer]] | None = None,
-                 min_refresh_s: float = 0.2, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+                 min_refresh_s: float = 0.2, clock: Callable[[], float] = time.monotonic,
+                 grace_s: float = 15.0) -> None:
         self._refresh = refresh
         self._min_refresh_s = min_refresh_s
+        self._grace_s = grace_s
+        self._seen: dict[bytes, tuple[Peer, float]] = {}
         self._clock = clock
         self._lock = threading.Lock()
         self._refreshing = threading.Lock()
@@ -89,9 +91,17 @@ class Directory:
             self._index(list(self._by_key.values()))
 
     def replace_all(self, peers: Iterable[Peer]) -> None:
-        """The registry as the authority sees it now (granted peers are kept)."""
+        """The registry as the authority sees it now (granted peers are kept). A key that
+        leaves it stays known for `grace_s` more: an authority that restarts empty (the
+        memory backend) is re-filled by renewals within seconds, and must not cut off every
+        live connection meanwhile; revocation takes that much longer."""
+        now = self._clock()
         with self._lock:
-            self._index(list(peers))
+            for peer in peers:
+                self._seen[peer.public_key] = (peer, now)
+            self._seen = {key: (peer, seen) for key, (peer, seen) in self._seen.items()
+                          if now - seen <= self._grace_s}
+            self._index([peer for peer, _ in self._seen.values()])
 
     def _index(self, peers: list[Peer]) -> None:
         by_key = {p.public_key: p for p in peers if p.public_key}

@@ -62,6 +62,9 @@ from pdcluster.router.routing.policy import (
 
 logger = logging.getLogger(__name__)
 KEY_LEASE_S = 30  # the router's key stays registered this long without a renewal
+# renewed often: a metadata service that restarted empty (memory backend) knows the key again
+# within this, before the nodes' directories let it go (core.identity's grace)
+KEY_RENEW_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +112,7 @@ class Dispatcher:
         if self.metadata is None or self.config.shared_curve is not None:
             return
         now = self.clock()
-        if now - self._key_renewed_at < KEY_LEASE_S / 3:
+        if now - self._key_renewed_at < KEY_RENEW_S:
             return
         if await self.metadata.register_client(self.client_id, self._curve.public, KEY_LEASE_S):
             self._key_renewed_at = now
