@@ -158,7 +158,10 @@ def test_a_benchmark_spawning_services_runs_from_the_wheel(wheel_install: Instal
     assert result, proc.stdout[-2000:]
 
 
+# The stand-in takes 1 ms per token so that the driver's per-token times are never rounded to 0.
 FAKE_VLLM = '''
+import time
+
 class SamplingParams:
     def __init__(self, max_tokens, **_):
         self.max_tokens = max_tokens
@@ -172,6 +175,7 @@ class LLM:
         pass
 
     def generate(self, prompts, params, use_tqdm=False):
+        time.sleep(0.001 * params.max_tokens)
         return [_Out([7] * params.max_tokens) for _ in prompts]
 '''
 

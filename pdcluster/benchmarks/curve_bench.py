@@ -66,7 +66,7 @@ def _serve(conn, secret_text: str, client_keys: dict[str, bytes]) -> None:
 
     from pdcluster.core.curve import secure_server
 
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     own = CurveKeys.generate()
     directory = Directory()
     directory.grant(Peer("router/bench", client_keys["g"]))
@@ -126,7 +126,7 @@ class _Peer:
 
         from pdcluster.core.curve import secure_client
 
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if kind == "curve":
             secure_client(sock, self.shared)

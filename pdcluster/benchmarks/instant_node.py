@@ -36,7 +36,7 @@ class InstantNode:
         self.mode = mode
         self.keys = secret.curve_keys() if mode == "shared" else CurveKeys.generate()
         self.directory: Directory | None = None
-        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         if mode == "identity":
             self.directory = _router_keys(metadata_address, secret)
@@ -58,6 +58,7 @@ class InstantNode:
             if self.mode == "identity" and not is_router(
                     sender_principal(self._socket.context, frame)):
                 continue  # a node refuses it (node/server.py); nobody here sends one
+            reply: LoadReport | TokenDelta
             if isinstance(msg, LoadQuery):  # varied loads, so the policy has work to do
                 queued = self._rng.randrange(500)
                 reply = LoadReport("instant", "decode", 0, queued % 5, 1000 - queued, 1000,

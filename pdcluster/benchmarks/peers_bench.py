@@ -34,7 +34,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdcluster.benchmarks.peers_workloads import QUICK, PeerSizes, make_workloads, measure
+from pdcluster.benchmarks.peers_workloads import (
+    QUICK,
+    Generate,
+    PeerSizes,
+    make_workloads,
+    measure,
+)
 from pdcluster.core.paths import builtin_model_dir, cache_dir
 
 REAL_MODEL_ENV = "PDCLUSTER_REAL_MODEL"  # the same override as the real-model tests
@@ -94,7 +100,7 @@ def run(args: argparse.Namespace) -> dict:
 class Engine:
     """One engine under test: how `measure` drives it, and which workloads it runs."""
 
-    generate: object  # peers_workloads.Generate, or None for a peer process
+    generate: Generate | None  # None for a peer process
     only: tuple[str, ...] = ("w1", "w2", "w3", "w4")
     w1_requests: int | None = None
     peer: PeerProcess | None = None
@@ -102,6 +108,7 @@ class Engine:
     def measure(self, work: dict, sizes: PeerSizes) -> dict:
         if self.peer is not None:
             return self.peer.measure(work, sizes)
+        assert self.generate is not None, "an engine in this process has its generate"
         return measure(self.generate, work, sizes, self.only, self.w1_requests)
 
     def close(self) -> None:
@@ -242,6 +249,8 @@ class PeerProcess:
         self.proc = subprocess.Popen(
             [str(python), str(Path(__file__).with_name("peers_driver.py")), spec.name],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        assert self.proc.stdin is not None and self.proc.stdout is not None, "both are pipes"
+        self._stdin, self._stdout = self.proc.stdin, self.proc.stdout
 
     def start(self, cfg: dict) -> dict:
         info = self._call(cfg)
@@ -253,9 +262,9 @@ class PeerProcess:
         return self._call({"work": work, "sizes": sizes.to_dict()})
 
     def _call(self, message: dict) -> dict:
-        self.proc.stdin.write(json.dumps(message) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        self._stdin.write(json.dumps(message) + "\n")
+        self._stdin.flush()
+        line = self._stdout.readline()
         if not line:
             self._log.flush()
             tail = Path(self._log.name).read_text()[-3000:]
@@ -264,7 +273,7 @@ class PeerProcess:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
+            self._stdin.close()
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:

@@ -73,6 +73,8 @@ class PrefixPulls:
         assert num_tokens <= req.num_prompt_tokens, "pulled blocks must be full prompt blocks"
         prefix = PrefixTokens(req.prompt_token_ids[:num_tokens], self.kv.block_size,
                               num_local_blocks, req.extra.cache_salt, req.extra.lora_id)
+        assert self.connector is not None and req.prefix_pull is not None, \
+            "only a request with a pull and a connector is parked for one (num_pull_tokens)"
         self.pins.hold(("pull", req.request_id), len(block_ids) - num_local_blocks)
         self.connector.on_pull_allocated(req.request_id, req.prefix_pull,
                                          block_ids[num_local_blocks:], prefix)
@@ -101,14 +103,15 @@ class PrefixPulls:
         for transfer_id in list(self.pending):
             if budget <= 0:
                 break
-            lookup = self.pending[transfer_id]
-            budget -= lookup.advance(budget, self.kv)
-            if lookup.done:
+            waiting = self.pending[transfer_id]
+            budget -= waiting.advance(budget, self.kv)
+            if waiting.done:
                 del self.pending[transfer_id]
-                self._resolve(lookup)
+                self._resolve(waiting)
 
     def _resolve(self, lookup: _Lookup) -> None:
         """Reference the leading run of asked blocks still cached (within the pin budget)."""
+        assert self.connector is not None, "pull lookups come from the connector"
         tid = lookup.transfer_id
         blocks = self.kv.pool.find_longest_prefix(lookup.hashes[lookup.first_block:])
         blocks = blocks[:self.pins.grant(("serve", tid), len(blocks))]

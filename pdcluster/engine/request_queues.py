@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
 from pdcluster.core.kv_connector import (
@@ -38,6 +39,7 @@ from pdcluster.core.kv_connector import (
 )
 from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill
 from pdcluster.core.types import ReqId
+from pdcluster.engine.block_pool import KVCacheBlock
 from pdcluster.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdcluster.engine.pins import OverloadedError, PinBudget
 from pdcluster.engine.prefix_pulls import PrefixPulls
@@ -49,7 +51,7 @@ class RequestQueues:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
                  connector: KVConnectorScheduler | None = None,
                  hash_config: HashConfig = DEFAULT_HASH_CONFIG,
-                 clock=time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.kv = kv_manager
         self.connector = connector
@@ -100,7 +102,13 @@ class RequestQueues:
         for kind, key in self.pins.expired():
             req = self.pinned.get(key)
             if kind == "send" and req is not None:
-                self.connector.on_aborted(key, req.kv_transfer)
+                self._kv_connector().on_aborted(key, req.kv_transfer)
+
+    def _kv_connector(self) -> KVConnectorScheduler:
+        """The connector, on the paths only a request with a transfer or a pull reaches (the
+        engine refuses those without a connector, and only they are parked or pinned)."""
+        assert self.connector is not None, "KV transfer work on an engine without a connector"
+        return self.connector
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -134,8 +142,8 @@ class RequestQueues:
         """Blocks a remote prefill holds for the prefill node's write: all past its hit."""
         return cdiv(req.num_tokens, self.kv.block_size) - num_hit_tokens // self.kv.block_size
 
-    def _park_for_remote_kv(self, req: Request, hit_blocks: list, num_hit_tokens: int,
-                            num_external: int) -> bool:
+    def _park_for_remote_kv(self, req: Request, hit_blocks: list[KVCacheBlock],
+                            num_hit_tokens: int, num_external: int) -> bool:
         is_remote_prefill = isinstance(req.kv_transfer, RemotePrefill)
         if is_remote_prefill and not self.pins.can_hold(self._remote_blocks(req,
                                                                             num_hit_tokens)):
@@ -152,8 +160,8 @@ class RequestQueues:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_remote[req.request_id] = req
         if isinstance(req.kv_transfer, RemotePrefill):
-            self.connector.on_allocated(req.request_id, req.kv_transfer,
-                                        self.kv.block_ids(req.request_id), len(hit_blocks))
+            self._kv_connector().on_allocated(req.request_id, req.kv_transfer,
+                                              self.kv.block_ids(req.request_id), len(hit_blocks))
         else:
             self.pulls.on_parked(req, len(hit_blocks))
         return True
@@ -161,7 +169,7 @@ class RequestQueues:
     def apply_connector_results(self, results: ConnectorResults) -> list[Request]:
         """Arrivals and failures of remote KV and of pulls, releases of pinned blocks, and
         other nodes' pulls to serve."""
-        self.connector.update_from_results(results)
+        self._kv_connector().update_from_results(results)
         for pulled in results.pulled:
             req = self.waiting_for_remote.get(pulled.request_id)
             if req is None:
@@ -170,7 +178,7 @@ class RequestQueues:
                 self._pull_done(req, pulled)
         self.pulls.serve(results.lookups)
         self.pulls.release(results.served)
-        updated = []
+        updated: list[Request] = []
         for result in results.received:
             req = self.waiting_for_remote.get(result.request_id)
             if req is None:
@@ -184,6 +192,7 @@ class RequestQueues:
         return updated
 
     def _remote_kv_arrived(self, req: Request, result: RecvResult) -> Request:
+        assert result.first_token is not None, "an arrival of remote KV carries the first token"
         del self.waiting_for_remote[req.request_id]
         self.pins.release(("recv", req.request_id))  # its blocks are its own now
         req.num_computed_tokens = req.num_tokens
@@ -204,7 +213,7 @@ class RequestQueues:
 
     def _remote_kv_failed(self, req: Request, error: str | None) -> bool:
         """Recompute locally (returns False: nothing to report yet) or fail (True)."""
-        if self.connector.recompute_on_failure:
+        if self._kv_connector().recompute_on_failure:
             del self.waiting_for_remote[req.request_id]
             self.kv.free(req)
             self.pins.release(("recv", req.request_id))
@@ -250,7 +259,7 @@ class RequestQueues:
         if req is None:
             pinned = self.pinned.get(request_id)
             if pinned is not None and status is RequestStatus.FINISHED_ABORTED:
-                self.connector.on_aborted(request_id, pinned.kv_transfer)
+                self._kv_connector().on_aborted(request_id, pinned.kv_transfer)
             return None
         self._remove_from_queue(req)
         req.status = status

@@ -44,7 +44,8 @@ class PeerRules:
         if principal == MEMBER or (self._own_key is not None and principal is not None and
                                    principal == self._directory.principal_of(self._own_key)):
             return None
-        peer = self._directory.peer(principal) if node_id_of(principal) else None
+        peer = (self._directory.peer(principal) if principal is not None
+                and node_id_of(principal) else None)
         if peer is None or principal is None:
             return "the sender is no registered node"
         if isinstance(msg, XferRequest | PrefixPullRequest):

@@ -206,7 +206,7 @@ class _Strikes:
 
 def _router_socket(host: str, port: int, curve: CurveKeys | None,
                    directory: Directory | None) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     if curve is not None:

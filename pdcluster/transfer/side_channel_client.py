@@ -243,7 +243,7 @@ class SideChannelClient:
             server_key = self._curve.public if lookup is None else lookup(address)
             if server_key is None:
                 raise _UnknownPeer(f"no registered node serves the side channel at {address}")
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.SNDHWM, _SEND_HWM)

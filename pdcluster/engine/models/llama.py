@@ -51,7 +51,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
         self.rope = rope
-        self.q_norm = self.k_norm = None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -60,7 +61,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
+        if self.q_norm is None or self.k_norm is None:  # both or neither (cfg.qk_norm)
             # q and k heads side by side: one RoPE pass (the same arithmetic per element).
             qk = self.rope.rotate(positions, qkv[:, :qk_size].view(
                 -1, self.num_heads + self.num_kv_heads, self.head_dim))
@@ -122,6 +123,7 @@ class CausalLM(nn.Module):
         """Recompute the RoPE tables (buffers, not weights) on `device` after `to_empty`."""
         rope = RotaryEmbedding(self.config.rope, self.rope_dim(self.config), self.max_positions)
         for layer in self.layers:
+            assert isinstance(layer, DecoderLayer), "the decoder holds DecoderLayers only"
             layer.self_attn.rope = rope.to(device)
 
     @torch.inference_mode()

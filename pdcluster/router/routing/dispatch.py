@@ -32,7 +32,7 @@ import random
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 
 import zmq.asyncio
@@ -191,7 +191,7 @@ class Dispatcher:
         return hits
 
     async def execute(self, placement: Placement, request: GenerateRequest
-                      ) -> AsyncIterator[TokenDelta]:
+                      ) -> AsyncGenerator[TokenDelta, None]:
         decision = placement.decision
         decode = self.nodes[decision.decode_node]
         prefill = self.nodes[decision.prefill_node] if decision.prefill_node else None
@@ -212,7 +212,7 @@ class Dispatcher:
         streams: list[tuple[NodeLink, NodeStream]] = []
         failure: asyncio.Future[NodeFailure] = asyncio.get_running_loop().create_future()
         try:
-            if prefill is not None:
+            if prefill is not None and p_request is not None:  # set together, above
                 p_stream = await prefill.generate(p_request)
                 streams.append((prefill, p_stream))
             d_stream = await decode.generate(d_request)
@@ -288,7 +288,7 @@ class Dispatcher:
         self._context.term()
 
 
-async def _race(stream: NodeStream, failure: asyncio.Future) -> AsyncIterator[TokenDelta]:
+async def _race(stream: NodeStream, failure: asyncio.Future) -> AsyncGenerator[TokenDelta, None]:
     """D's deltas, until D finishes or either node fails."""
     iterator = stream.__aiter__()
     while True:
