@@ -6,6 +6,7 @@ registration in the metadata service."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
@@ -48,6 +49,17 @@ def scrape(node: NodeRuntime) -> dict[tuple[str, tuple], float]:
     return samples
 
 
+def scrape_settled(node: NodeRuntime) -> dict[tuple[str, tuple], float]:
+    """`scrape` once the last step's figures are in: the server sends a step's outputs before
+    its `on_step` observes the engine, so a client can see its last token first."""
+    deadline = time.monotonic() + 5
+    samples = scrape(node)
+    while samples[("pdcluster_node_requests_running", ())] and time.monotonic() < deadline:
+        time.sleep(0.02)
+        samples = scrape(node)
+    return samples
+
+
 def sampling(max_tokens: int) -> SamplingSpec:
     return SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -71,7 +83,7 @@ def test_prefix_hit_tokens_move_after_a_repeated_prompt(model_dirs):
         for rid in ("first", "again"):
             wire.send(GenerateRequest(rid, prompt, sampling(3)))
             assert len(tokens_of(wire.collect({rid})[rid])) == 3
-        after = scrape(node)
+        after = scrape_settled(node)
         # 41 tokens = 5 full blocks of 8: the second run finds all 40 of them cached
         assert after[("pdcluster_node_prefix_queried_tokens_total", ())] == 82
         assert after[("pdcluster_node_prefix_hit_tokens_total", ())] == 40
