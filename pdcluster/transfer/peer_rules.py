@@ -8,6 +8,9 @@ on the side channel's receive thread with each decoded message and its sender's 
 - `XferDone`: only from the node the transfer or pull was asked of (its registered KV
   address is the one the receive went to), so no member can complete another's transfer.
 - `XferAbort`: only from the node that requested the transfer or pull being served here.
+  Before any request came (a decode node that found the whole prompt in its own cache lets
+  the prefill node go without asking), from any registered node: the transfer id is the
+  router's random uuid, known only to the router and the two nodes it paired.
 The node itself (its own key: a vLLM node telling its connector that a source is lost) and
 the shared-key test mode's principal (`MEMBER`) may send anything; a key that names no
 registered node may send nothing.
@@ -58,7 +61,8 @@ class PeerRules:
                 recv = self._state.recvs.get(msg.transfer_id)
                 if recv is not None and recv.source_addr != peer.kv_address:
                     return "an XferDone from a node this transfer was not asked of"
-            elif (isinstance(msg, XferAbort)
-                  and self._requester_of(msg.transfer_id) != peer.kv_address):
-                return "an XferAbort from a node that did not request this transfer"
+            elif isinstance(msg, XferAbort):
+                requester = self._requester_of(msg.transfer_id)
+                if requester is not None and requester != peer.kv_address:
+                    return "an XferAbort from a node that did not request this transfer"
         return None
