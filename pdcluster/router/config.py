@@ -11,9 +11,9 @@ from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
 from pdcluster.core.roles import Role, role_names
 from pdcluster.core.tls import ClientTLS
-from pdcluster.router.api.tenants import ApiKeys
 from pdcluster.router.routing.baselines import ROUTINGS
 from pdcluster.router.routing.policy import PolicyConfig
+from pdcluster.router.tenants import ApiKeys
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,7 @@ class RouterConfig:
     # The shared-key mode, for unit tests and benchmarks only: connect to nodes with this one
     # pair (static nodes without a metadata service). None in a cluster.
     shared_curve: CurveKeys | None = None
-    # "tenant:key" or "key" entries (router.api.tenants): a tenant's requests share a KV
+    # "tenant:key" or "key" entries (router.tenants): a tenant's requests share a KV
     # cache with nobody else's
     api_keys: tuple[str, ...] = ()
     # /metrics and the detailed /health without a key, on their own listener (keep it off

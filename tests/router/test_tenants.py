@@ -13,8 +13,8 @@ import openai
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from pdcluster.router.api.tenants import ApiKeys, Tenant, tenant_salt
 from pdcluster.router.errors import ApiError
+from pdcluster.router.tenants import ApiKeys, Tenant, tenant_salt
 
 KEYS = ("team-a:sk-a1", "team-a:sk-a2", "sk-b")
 

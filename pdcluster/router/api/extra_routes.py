@@ -29,11 +29,11 @@ from pdcluster.core.roles import Role
 from pdcluster.router.api.edge import RETRY_AFTER_S, json_error
 from pdcluster.router.api.protocol import parse_chat
 from pdcluster.router.api.request_prep import read_json
-from pdcluster.router.api.tenants import ApiKeys
 from pdcluster.router.api.tokenizer import RouterTokenizer
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.errors import ApiError
 from pdcluster.router.routing.dispatch import Dispatcher
+from pdcluster.router.tenants import ApiKeys
 
 # vLLM's chat-tokenize fields that change the rendering and that this router does not do:
 # refused when set rather than ignored.

@@ -24,12 +24,12 @@ from pdcluster.router.api.fanout import local_placement
 from pdcluster.router.api.generation import EndedWithError, Generation
 from pdcluster.router.api.protocol import CompletionRequest, parse_chat, parse_completion
 from pdcluster.router.api.request_prep import read_json, resolve_prompt
-from pdcluster.router.api.tenants import ApiKeys, tenant_salt
 from pdcluster.router.api.tokenizer import RouterTokenizer
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.errors import ApiError, NodeFailure, NoHealthyNode, api_error
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.routing.dispatch import Dispatcher, Placement
+from pdcluster.router.tenants import ApiKeys, tenant_salt
 
 logger = logging.getLogger(__name__)
 

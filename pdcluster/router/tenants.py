@@ -10,7 +10,9 @@ share a prefix-cache hit, whatever salts they send, and a client salt still spli
 cache further. Without API keys (an open router) there are no tenants and the client's salt
 is used as sent.
 
-API: `ApiKeys` (`authenticate(request) -> Tenant | None`, raising 401), `tenant_salt`.
+API: `ApiKeys` (`authenticate(request) -> Tenant | None`, raising 401), `tenant_salt`. Shared
+by the config (which validates the keys) and the HTTP side, so it needs only a request's
+headers, not aiohttp.
 """
 
 from __future__ import annotations
@@ -18,13 +20,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-
-from aiohttp import web
+from typing import Protocol
 
 from pdcluster.router.errors import ApiError
 
 _TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class _Request(Protocol):  # an aiohttp request, as far as a key check looks
+    @property
+    def headers(self) -> Mapping[str, str]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +47,7 @@ class ApiKeys:
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def authenticate(self, request: web.Request) -> Tenant | None:
+    def authenticate(self, request: _Request) -> Tenant | None:
         """The tenant of the request's `Authorization: Bearer <key>`; None when the router has
         no keys (open); `ApiError(401)` otherwise. Every key is compared in constant time."""
         if not self._keys:
@@ -51,7 +58,7 @@ class ApiKeys:
                            "authentication_error")
         return tenant
 
-    def tenant_of(self, request: web.Request) -> Tenant | None:
+    def tenant_of(self, request: _Request) -> Tenant | None:
         """The request's tenant, or None for a missing or unknown key (no error)."""
         header = request.headers.get("Authorization", "")
         # aiohttp keeps undecodable header bytes as surrogates: give them back as they came
