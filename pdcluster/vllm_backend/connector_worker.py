@@ -30,8 +30,8 @@ from pdcluster.transfer.transport import MooncakeTransport
 from pdcluster.vllm_backend.connector_scheduler import StepPlan
 from pdcluster.vllm_backend.handshake import (
     endpoint,
-    read_curve,
     read_directory,
+    take_curve,
     write_kv_address,
 )
 from pdcluster.vllm_backend.settings import ConnectorSettings
@@ -75,7 +75,7 @@ class VllmWorkerSide:
         transport = MooncakeTransport(
             MooncakeConfig(hostname=settings.host, protocol=settings.protocol,
                            device_name=settings.device),
-            host=settings.host, curve=read_curve(settings.handshake_dir), directory=directory)
+            host=settings.host, curve=take_curve(settings.handshake_dir), directory=directory)
         self.worker = ConnectorWorker(transport, timeout_s=settings.timeout_s, peers=directory)
         self.worker.on_lookup = self._announce_lookup
         self._handshake_dir = settings.handshake_dir
