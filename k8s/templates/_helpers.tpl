@@ -210,16 +210,50 @@ which the router and metadata service bind (no wildcard address) and node actors
 publish to their peers (cluster.yaml's `host: auto`).
 */}}
 {{- define "pdcluster.commonEnv" -}}
+{{ include "pdcluster.baseEnv" . }}
+- name: PDCLUSTER_CLUSTER_SECRET_FILE
+  value: {{ include "pdcluster.clusterSecretPath" . }}
+{{- end -}}
+
+{{/* commonEnv without the cluster secret: the router's (it holds a client credential only). */}}
+{{- define "pdcluster.baseEnv" -}}
 - name: HF_HUB_OFFLINE
   value: "1"
 - name: TRANSFORMERS_OFFLINE
   value: "1"
-- name: PDCLUSTER_CLUSTER_SECRET_FILE
-  value: {{ include "pdcluster.clusterSecretPath" . }}
 - name: POD_IP
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+{{- end -}}
+
+{{/*
+The router's client credential (the Secret's router-token: principal "service" at the metadata
+service) as a file, in the router and in the metadata service that accepts it.
+*/}}
+{{- define "pdcluster.routerTokenDir" -}}
+/var/run/secrets/pdcluster-router
+{{- end -}}
+
+{{- define "pdcluster.routerTokenEnv" -}}
+- name: PDCLUSTER_ROUTER_TOKEN_FILE
+  value: {{ printf "%s/router-token" (include "pdcluster.routerTokenDir" .) }}
+{{- end -}}
+
+{{- define "pdcluster.routerTokenVolume" -}}
+- name: router-token
+  secret:
+    secretName: {{ include "pdcluster.secretName" . }}
+    defaultMode: 0400
+    items:
+      - key: router-token
+        path: router-token
+{{- end -}}
+
+{{- define "pdcluster.routerTokenMount" -}}
+- name: router-token
+  mountPath: {{ include "pdcluster.routerTokenDir" . }}
+  readOnly: true
 {{- end -}}
 
 {{- define "pdcluster.clusterSecretDir" -}}

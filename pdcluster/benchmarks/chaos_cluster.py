@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdcluster.benchmarks.chaos_procs import descendants, reap
-from pdcluster.core.credentials import SECRET_ENV, ClusterSecret
+from pdcluster.core.credentials import ROUTER_TOKEN_ENV, SECRET_ENV, SERVICE, ClusterSecret
 
 if TYPE_CHECKING:
     from pdcluster.cluster.ray_cluster import RayCluster
@@ -116,7 +116,9 @@ class ChaosCluster:
         return self.ray.actors if self.ray is not None else {}
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, SECRET_ENV: self.secret.to_text()}
+        return {**os.environ, SECRET_ENV: self.secret.to_text(),
+                # the router's client credential (it needs no secret)
+                ROUTER_TOKEN_ENV: self.secret.metadata_token(SERVICE)}
 
     def start(self) -> ChaosCluster:
         from pdcluster.cluster.config import ClusterConfig

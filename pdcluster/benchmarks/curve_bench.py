@@ -1,10 +1,15 @@
 """The price of ZMQ CURVE on the cluster's sockets: `pdcluster bench curve [--json] [--quick]`.
 
-Every node request socket and KV side channel speaks CURVE (core.curve). This measures what
-that costs against the same sockets in plaintext, in one run, between two processes on
-127.0.0.1: a child serves a ROUTER socket twice (one CURVE server admitting the cluster key
-pair through the ZAP handler, one plaintext), answering each frame with the node's reply to a
-request; the parent drives a DEALER at each.
+Every node request socket and KV side channel speaks CURVE (core.curve), and checks each
+message against its sender's principal (core.identity). This measures what that costs against
+the same sockets in plaintext, in one run, between two processes on 127.0.0.1: a child serves
+a ROUTER socket three times — "plain"; "curve", one key pair for everyone through the ZAP
+handler (the shared-key mode); "identity", the server's own key pair, a key directory naming
+the client's key (a router's for generate requests, a node's for KV requests) and, per
+message, what a node does: read the sender's key back from the frame, map it to a principal
+and authorise the message (node/server.py's rule, transfer/peer_rules.py's) — decoding each
+frame with the wire codec in every mode, and answering it with the node's reply; the parent
+drives a DEALER at each.
 
 - `handshake_ms_{curve,plain}`: a new connection's first round trip (connect, the CURVE
   handshake with its ZAP check, one request and its reply), median of fresh connections;
@@ -14,7 +19,8 @@ request; the parent drives a DEALER at each.
   (a 2,048-token prompt's KV request) answered by an `XferDone` — the side channel's price;
 - `bulk_mbps_{curve,plain}`: 1 MiB frames one way (encryption throughput; nothing in the
   cluster sends frames that large, the bulk KV goes over Mooncake, not ZMQ).
-Ratios `*_ratio` are CURVE / plaintext.
+Ratios `*_ratio` are CURVE / plaintext; `*_identity_ratio` are identity / CURVE: what the
+per-principal checks add to CURVE.
 """
 
 from __future__ import annotations
@@ -25,11 +31,16 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.credentials import ClusterSecret, CurveKeys
+from pdcluster.core.identity import Directory, Peer, is_router
 from pdcluster.core.kv_transfer import XferDone, XferRequest
+from pdcluster.core.kv_transfer import decode as decode_xfer
 from pdcluster.core.kv_transfer import encode as encode_xfer
 from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TokenDelta
+from pdcluster.core.node_wire import decode as decode_node
 from pdcluster.core.node_wire import encode as encode_node
+from pdcluster.transfer.peer_rules import PeerRules
+from pdcluster.transfer.worker_state import WorkerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,44 +55,73 @@ _REPLIES = {b"g": encode_node(TokenDelta("r", [7], True, "length", None, 200, 0)
             b"x": encode_xfer(XferDone("t", True, first_token=7, num_blocks_sent=128))}
 
 
-def _serve(conn, secret_text: str) -> None:
-    """Child: a CURVE and a plaintext ROUTER, each answering request frames with a reply."""
+KINDS = ("plain", "curve", "identity")
+_KV = ("tcp://127.0.0.1:1", "127.0.0.1:2")  # the KV address and session the client registered
+
+
+def _serve(conn, secret_text: str, client_keys: dict[str, bytes]) -> None:
+    """Child: a plaintext, a shared-key and an identity ROUTER, each answering request frames
+    with a reply, the identity one after the node's per-message checks."""
     import zmq
 
     from pdcluster.core.curve import secure_server
 
-    keys = ClusterSecret.from_text(secret_text).curve_keys()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    own = CurveKeys.generate()
+    directory = Directory()
+    directory.grant(Peer("router/bench", client_keys["g"]))
+    directory.grant(Peer("node/bench", client_keys["x"], "", *_KV))
+    rules = PeerRules(directory, WorkerState(None, 1.0, time.monotonic),  # type: ignore[arg-type]
+                      lambda tid: None)
     sockets = {}
-    for kind in ("curve", "plain"):
+    for kind in KINDS:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        if kind == "curve":
-            secure_server(sock, keys)
-        sockets[kind] = sock
+        if kind != "plain":
+            secure_server(sock, ClusterSecret.from_text(secret_text).curve_keys()
+                          if kind == "curve" else own, directory if kind == "identity" else None)
+        sockets[sock] = kind
         port = sock.bind_to_random_port("tcp://127.0.0.1")
         conn.send((kind, f"tcp://127.0.0.1:{port}"))
+    conn.send(("server_key", own.public))
     poller = zmq.Poller()
-    for sock in sockets.values():
+    for sock in sockets:
         poller.register(sock, zmq.POLLIN)
     while not conn.poll():
         for sock, _ in poller.poll(50):
-            identity, tag, _ = sock.recv_multipart()
-            reply = _REPLIES.get(tag)  # bulk frames get no answer
-            if reply is not None:
-                sock.send_multipart([identity, reply])
+            identity, tag, body = sock.recv_multipart(copy=False)
+            if tag.bytes == b"b":
+                continue  # bulk frames get no answer
+            msg = (decode_node if tag.bytes == b"g" else decode_xfer)(body.bytes)
+            if sockets[sock] == "identity" and not _allowed(ctx, body, msg, rules):
+                continue
+            sock.send_multipart([identity.bytes, _REPLIES[tag.bytes]])
+
+
+def _allowed(ctx, frame, msg, rules: PeerRules) -> bool:
+    """What a node checks per message: who sent it, and may that principal send it."""
+    from pdcluster.core.curve import sender_principal
+
+    principal = sender_principal(ctx, frame)
+    if isinstance(msg, GenerateRequest):
+        return is_router(principal)
+    return rules(msg, principal) is None
 
 
 class _Peer:
     def __init__(self, secret: ClusterSecret) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.child = ctx.Process(target=_serve, args=(child, secret.to_text()), daemon=True)
+        self.shared = secret.curve_keys()
+        self.clients = {b"g": CurveKeys.generate(), b"x": CurveKeys.generate()}
+        public = {tag.decode(): keys.public for tag, keys in self.clients.items()}
+        self.child = ctx.Process(target=_serve, args=(child, secret.to_text(), public),
+                                 daemon=True)
         self.child.start()
-        self.addresses = dict(self.conn.recv() for _ in range(2))
-        self.keys = secret.curve_keys()
+        self.addresses = dict(self.conn.recv() for _ in range(len(KINDS) + 1))
+        self.server_key = self.addresses.pop("server_key")
 
-    def socket(self, kind: str):
+    def socket(self, kind: str, tag: bytes = b"g"):
         import zmq
 
         from pdcluster.core.curve import secure_client
@@ -89,7 +129,9 @@ class _Peer:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if kind == "curve":
-            secure_client(sock, self.keys)
+            secure_client(sock, self.shared)
+        elif kind == "identity":
+            secure_client(sock, self.clients[tag], self.server_key)
         sock.connect(self.addresses[kind])
         return sock
 
@@ -110,14 +152,14 @@ def _round_trip(sock, frame: tuple[bytes, bytes]) -> float:
 def _handshakes(peer: _Peer, kind: str, frame: tuple[bytes, bytes], n: int) -> list[float]:
     out = []
     for _ in range(n):
-        sock = peer.socket(kind)
+        sock = peer.socket(kind, frame[0])
         out.append(_round_trip(sock, frame))  # connect + handshake + first round trip
         sock.close()
     return out
 
 
 def _warm(peer: _Peer, kind: str, frame: tuple[bytes, bytes], n: int) -> list[float]:
-    sock = peer.socket(kind)
+    sock = peer.socket(kind, frame[0])
     for _ in range(50):
         _round_trip(sock, frame)
     out = [_round_trip(sock, frame) for _ in range(n)]
@@ -144,8 +186,8 @@ def _generate_frame() -> tuple[bytes, bytes]:
 
 
 def _xfer_frame() -> tuple[bytes, bytes]:
-    return b"x", encode_xfer(XferRequest("t", "r", "tcp://127.0.0.1:1", "127.0.0.1:2", 262144,
-                                         128, 0, [4096 * (i + 1) for i in range(128)]))
+    return b"x", encode_xfer(XferRequest("t", "r", *_KV, 262144, 128, 0,
+                                         [4096 * (i + 1) for i in range(128)]))
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -160,7 +202,7 @@ def run(args: argparse.Namespace) -> dict:
 def _measure(peer: _Peer, sizes: Sizes) -> dict:
     generate, xfer = _generate_frame(), _xfer_frame()
     out: dict = {"round_trips": sizes.round_trips}
-    for kind in ("plain", "curve"):  # interleaving would not help: each is one warm socket
+    for kind in KINDS:  # interleaving would not help: each is one warm socket
         shakes = _handshakes(peer, kind, generate, sizes.handshakes)
         rtts = _warm(peer, kind, generate, sizes.round_trips)
         side = _warm(peer, kind, xfer, sizes.round_trips)
@@ -168,9 +210,11 @@ def _measure(peer: _Peer, sizes: Sizes) -> dict:
         out[f"rtt_us_p50_{kind}"] = round(_pct(rtts, 50) * 1e6, 1)
         out[f"rtt_us_p99_{kind}"] = round(_pct(rtts, 99) * 1e6, 1)
         out[f"side_channel_rtt_us_p50_{kind}"] = round(_pct(side, 50) * 1e6, 1)
-        out[f"bulk_mbps_{kind}"] = round(_bulk_mbps(peer, kind, sizes.bulk_frames), 1)
+        if kind != "identity":  # the checks are per message, not per byte
+            out[f"bulk_mbps_{kind}"] = round(_bulk_mbps(peer, kind, sizes.bulk_frames), 1)
     for name in ("handshake_ms", "rtt_us_p50", "rtt_us_p99", "side_channel_rtt_us_p50"):
         out[f"{name}_ratio"] = round(out[f"{name}_curve"] / out[f"{name}_plain"], 3)
+        out[f"{name}_identity_ratio"] = round(out[f"{name}_identity"] / out[f"{name}_curve"], 3)
     out["bulk_mbps_ratio"] = round(out["bulk_mbps_curve"] / out["bulk_mbps_plain"], 3)
     return out
 

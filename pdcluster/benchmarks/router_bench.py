@@ -13,9 +13,13 @@ servers in this process (they answer every request at once, so what is timed is 
   minus the same request sent straight to the node over ZMQ, same run; timed once the router
   reports its mirror in sync (the service streamed it the whole index);
 - `requests_per_s` with 64 concurrent streaming clients.
-Node sockets speak ZMQ CURVE, as in a cluster (the router holds the cluster secret); the price
-of it is measured in the same run: `direct_node_p50_ms` (CURVE) against
-`direct_node_plain_p50_ms`, the same instant node on a plaintext socket.
+Node sockets speak ZMQ CURVE and check each message's principal, as in a cluster (the router
+holds its client credential only and registers its own key; the instant nodes follow the
+metadata service's router keys). The price of both is measured in the same run, the same
+request straight to an instant node of each kind (benchmarks/instant_node.py):
+`direct_node_plain_p50_ms` (plaintext), `direct_node_shared_p50_ms` (CURVE, one shared key
+pair), `direct_node_p50_ms` (CURVE, own keys, per-principal checks): `curve_cost_p50_ms` and
+`identity_checks_cost_p50_ms` are the differences, `identity_checks_ratio` the last ratio.
 """
 
 from __future__ import annotations
@@ -30,12 +34,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 
-import zmq
-
+from pdcluster.benchmarks.instant_node import InstantNode
 from pdcluster.benchmarks.metadata_bench import (
     HASH,
     Population,
@@ -45,17 +47,16 @@ from pdcluster.benchmarks.metadata_bench import (
     start_service,
     wait_ready,
 )
-from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, CurveKeys
-from pdcluster.core.curve import secure_server
-from pdcluster.core.node_wire import (
-    GenerateRequest,
-    LoadQuery,
-    LoadReport,
-    SamplingSpec,
-    TokenDelta,
-    decode,
-    encode,
+from pdcluster.core.credentials import (
+    ROUTER_TOKEN_ENV,
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    SERVICE,
+    ClusterSecret,
+    CurveKeys,
 )
+from pdcluster.core.node_wire import GenerateRequest, SamplingSpec
+from pdcluster.metadata_service.client import MetadataClient
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,46 +71,6 @@ class Sizes:
 QUICK = Sizes(nodes=16, blocks=50_000, samples=200, concurrency=16, load_requests=200)
 
 
-class InstantNode:
-    """A node server that answers every request at once: one TokenDelta with all tokens.
-    A CURVE server with `curve` (as real nodes are), plaintext with None."""
-
-    def __init__(self, curve: CurveKeys | None) -> None:
-        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        if curve is not None:
-            secure_server(self._socket, curve)
-        self.address = f"tcp://127.0.0.1:{self._socket.bind_to_random_port('tcp://127.0.0.1')}"
-        self._rng = random.Random(len(self.address))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._socket.poll(50):
-                continue
-            identity, frame = self._socket.recv_multipart()
-            msg = decode(frame)
-            reply: LoadReport | TokenDelta
-            if isinstance(msg, LoadQuery):  # varied loads, so the policy has work to do
-                queued = self._rng.randrange(500)
-                reply = LoadReport("instant", "decode", 0, queued % 5, 1000 - queued, 1000,
-                                   queued)
-            elif isinstance(msg, GenerateRequest):
-                n = msg.sampling.max_tokens
-                reply = TokenDelta(msg.request_id, [100 + i for i in range(n)], True, "length",
-                                   None, len(msg.prompt_token_ids), 0)
-            else:
-                continue
-            self._socket.send_multipart([identity, encode(reply)])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._socket.close()
-
-
 def run(args: argparse.Namespace) -> dict:
     from pdcluster.engine.tiny_model import make_tiny_model
 
@@ -117,42 +78,64 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="pdcluster-router-bench-") as tmp:
         model = str(make_tiny_model(f"{tmp}/model"))
         secret = ClusterSecret.generate()
-        nodes = [InstantNode(secret.curve_keys()) for _ in range(4)]
-        plain = InstantNode(None)
         meta_port = free_port()
         procs = [start_service(meta_port, None, secret)]
+        address = f"127.0.0.1:{meta_port}"
+        with MetadataClient(address, token=secret.metadata_token(SERVICE), timeout_s=30) as c:
+            wait_ready(c)
+        nodes = {mode: [InstantNode(mode, secret, address) for _ in range(4)]
+                 for mode in ("identity", "shared")}
+        nodes["plain"] = [InstantNode("plain", secret)]
         try:
             result = _measure(sizes, model, nodes, meta_port, procs, secret)
-            keys = secret.curve_keys()
-            direct = _direct_ms(nodes[0].address, sizes.samples, keys)
-            direct_plain = _direct_ms(plain.address, sizes.samples, None)
-            result["direct_node_plain_p50_ms"] = round(statistics.median(direct_plain), 3)
-            result["curve_cost_p50_ms"] = round(statistics.median(direct)
-                                                - statistics.median(direct_plain), 3)
-            return {**asdict(sizes), **result}
+            return {**asdict(sizes), **result, **_direct(sizes, nodes, address, secret)}
         finally:
             for proc in procs:
                 proc.kill()
                 proc.wait()
-            for node in [*nodes, plain]:
+            for node in [n for group in nodes.values() for n in group]:
                 node.close()
 
 
-def _measure(sizes: Sizes, model: str, nodes: list[InstantNode], meta_port: int,
+def _direct(sizes: Sizes, nodes: dict[str, list[InstantNode]], address: str,
+            secret: ClusterSecret) -> dict:
+    """The same request straight to one instant node of each mode, this run: what CURVE
+    costs (shared against plain) and what the per-principal checks add (identity against
+    shared), the client a registered router in identity mode."""
+    router = CurveKeys.generate()
+    with MetadataClient(address, token=secret.metadata_token(SERVICE), timeout_s=30) as c:
+        c.register_client("bench-direct", router.public, 600)
+    p50 = {mode: statistics.median(_direct_ms(
+        group[0].address, sizes.samples, None if mode == "plain" else
+        (router if mode == "identity" else group[0].keys),
+        group[0].keys.public if mode == "identity" else None))
+        for mode, group in nodes.items()}
+    return {"direct_node_plain_p50_ms": round(p50["plain"], 3),
+            "direct_node_shared_p50_ms": round(p50["shared"], 3),
+            "curve_cost_p50_ms": round(p50["shared"] - p50["plain"], 3),
+            "identity_checks_cost_p50_ms": round(p50["identity"] - p50["shared"], 3),
+            "identity_checks_ratio": round(p50["identity"] / p50["shared"], 3)}
+
+
+def _measure(sizes: Sizes, model: str, nodes: dict[str, list[InstantNode]], meta_port: int,
              procs: list, secret: ClusterSecret) -> dict:
     pop = Population(sizes.nodes, sizes.blocks, 128)
     prompts = _prompts(model)
-    _populate(f"127.0.0.1:{meta_port}", pop, nodes, secret)
-    decision_us = _decisions(pop, nodes, model, sizes.samples, secret)
+    _populate(f"127.0.0.1:{meta_port}", pop, nodes["identity"], secret)
+    decision_us = _decisions(pop, nodes["shared"], model, sizes.samples, secret)
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
-    procs.append(subprocess.Popen(
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_FILE_ENV, SECRET_ENV)}
+    procs.append(subprocess.Popen(  # the router gets its client credential, never the secret
         [sys.executable, "-m", "pdcluster.cluster.cli", "router", "serve", "--model", model,
          "--metadata", f"127.0.0.1:{meta_port}", "--port", str(port)],
-        env={**env, SECRET_ENV: secret.to_text()},
+        env={**env, ROUTER_TOKEN_ENV: secret.metadata_token(SERVICE)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     _wait_healthy(port, sizes.nodes)
-    direct = _direct_ms(nodes[0].address, sizes.samples, secret.curve_keys())
+    router = CurveKeys.generate()
+    with MetadataClient(f"127.0.0.1:{meta_port}", token=secret.metadata_token(SERVICE)) as c:
+        c.register_client("bench-measure", router.public, 600)
+    node = nodes["identity"][0]
+    direct = _direct_ms(node.address, sizes.samples, router, node.keys.public)
     routed = _routed_ms(port, prompts, sizes.samples)
     rps = asyncio.run(_load(port, prompts, sizes))
     pct = lambda xs, q: statistics.quantiles(xs, n=100)[q - 1]  # noqa: E731
@@ -178,15 +161,15 @@ def _populate(address: str, pop: Population, nodes: list[InstantNode],
               secret: ClusterSecret) -> None:
     """Register the nodes (each with its own credential) and ingest the 1M-block
     population."""
-    from pdcluster.metadata_service.client import MetadataClient, make_node_info
+    from pdcluster.metadata_service.client import make_node_info
 
     infos = {}
-    with MetadataClient(address, cluster_secret=secret, timeout_s=30) as client:
-        wait_ready(client)
     for i, node_id in enumerate(pop.node_ids):
         role = "prefill" if i % 2 == 0 else "decode"
-        infos[node_id] = make_node_info(node_id, role, request_address=nodes[i % 4].address,
-                                        kv_address="tcp://127.0.0.1:9")
+        node = nodes[i % len(nodes)]
+        infos[node_id] = make_node_info(node_id, role, request_address=node.address,
+                                        kv_address="tcp://127.0.0.1:9",
+                                        curve_public_key=node.keys.public)
         with node_client(address, secret, node_id) as client:
             client.register(infos[node_id], 300)
     ingest(address, pop, infos, secret)
@@ -210,7 +193,7 @@ def _decisions(pop: Population, nodes: list[InstantNode], model: str, samples: i
     chains = [[c[i:i + HASH] for i in range(0, len(c), HASH)] for c in pop.hot]
     specs = tuple(NodeSpec(n, "prefill" if i % 2 == 0 else "decode", nodes[i % 4].address,
                            "tcp://127.0.0.1:9") for i, n in enumerate(pop.node_ids))
-    config = RouterConfig(model_dir=model, nodes=specs, seed=0, cluster_secret=secret)
+    config = RouterConfig(model_dir=model, nodes=specs, seed=0, shared_curve=secret.curve_keys())
 
     async def measure() -> list[float]:
         dispatcher, out = Dispatcher(config, RouterMetrics()), []
@@ -244,10 +227,11 @@ def _wait_healthy(port: int, num_nodes: int, timeout_s: float = 120.0) -> None:
     raise TimeoutError("the router did not see every node healthy and its index in sync")
 
 
-def _direct_ms(address: str, samples: int, curve: CurveKeys | None) -> list[float]:
+def _direct_ms(address: str, samples: int, curve: CurveKeys | None,
+               server_key: bytes | None = None) -> list[float]:
     from pdcluster.node.client import BlockingNodeClient
 
-    client, out = BlockingNodeClient(address, curve=curve), []
+    client, out = BlockingNodeClient(address, curve=curve, server_key=server_key), []
     ids = list(range(3, 203))  # a prompt of the same order of length, already tokenized
     for i in range(samples + 20):
         start = time.perf_counter()

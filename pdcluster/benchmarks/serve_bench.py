@@ -55,14 +55,12 @@ def run(args: argparse.Namespace) -> dict:
 
 class _Bench:
     def __init__(self, cluster, sizes: Sizes) -> None:
-        from pdcluster.node.client import BlockingNodeClient
-
         self.cluster, self.sizes = cluster, sizes
         nodes = {info["role"]: info for info in cluster.nodes()}
         self.prefill, self.decode = nodes["prefill"], nodes["decode"]
-        keys = cluster.cluster_secret.curve_keys()  # nodes admit only cluster members
-        self.to_p = BlockingNodeClient(self.prefill["request_address"], curve=keys)
-        self.to_d = BlockingNodeClient(self.decode["request_address"], curve=keys)
+        clients = cluster.router_clients()  # as a registered router: nodes admit no other
+        self.to_p = clients[self.prefill["node_id"]]
+        self.to_d = clients[self.decode["node_id"]]
         self.rng = random.Random(0)
         self.ids = itertools.count()
 

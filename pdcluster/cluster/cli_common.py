@@ -110,3 +110,30 @@ def cluster_secret_from_env(command: str):
                          f"${SECRET_ENV} to its hex text")
     return secret
 
+
+
+def router_token_from_env(command: str) -> str:
+    """The router's client credential from $PDCLUSTER_ROUTER_TOKEN[_FILE]; a usage error
+    without it."""
+    from pdcluster.core.credentials import ROUTER_TOKEN_ENV, ROUTER_TOKEN_FILE_ENV
+
+    token = optional_router_token()
+    if token is None:
+        raise UsageError(f"{command} needs the router's client credential: set "
+                         f"${ROUTER_TOKEN_FILE_ENV} to a file holding it or ${ROUTER_TOKEN_ENV} "
+                         "to it (`pdcluster metadata router-token` prints one)")
+    return token
+
+
+def optional_router_token() -> str | None:
+    from pdcluster.core.credentials import (
+        ROUTER_TOKEN_ENV,
+        ROUTER_TOKEN_FILE_ENV,
+        CredentialError,
+        token_from_env,
+    )
+
+    try:
+        return token_from_env(ROUTER_TOKEN_ENV, ROUTER_TOKEN_FILE_ENV)
+    except CredentialError as exc:
+        raise UsageError(str(exc)) from exc

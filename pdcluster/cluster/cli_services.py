@@ -10,12 +10,15 @@ import os
 
 from pdcluster.cluster.cli_common import (
     DTYPES,
+    UsageError,
     add_command,
     check_model_dir,
     cluster_secret_from_env,
     config_errors_as_usage,
     formatter,
+    optional_router_token,
     resolve_model_arg,
+    router_token_from_env,
 )
 from pdcluster.core.tls import MetadataTLSFields
 
@@ -174,12 +177,19 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
     serve = add_command(
         commands, "serve",
         "Serve the HTTP API until SIGINT/SIGTERM. API keys, if any, are read from "
-        "$PDCLUSTER_API_KEYS (comma-separated); the cluster secret (required) from "
-        "$PDCLUSTER_CLUSTER_SECRET or the file $PDCLUSTER_CLUSTER_SECRET_FILE names.",
+        "$PDCLUSTER_API_KEYS (comma-separated, 'tenant:key' or 'key'); the router's client "
+        "credential (required) from $PDCLUSTER_ROUTER_TOKEN or the file "
+        "$PDCLUSTER_ROUTER_TOKEN_FILE names (`pdcluster metadata router-token` prints one). "
+        "The router never needs the cluster secret.",
         _cmd_router_serve,
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port")
+    serve.add_argument("--admin-port", type=int, default=None,
+                       help="serve /metrics and the detailed /health here, without an API key "
+                       "(keep it off the Ingress); unset: the public port serves them behind "
+                       "the key")
+    serve.add_argument("--admin-host", default="127.0.0.1", help="address of --admin-port")
     serve.add_argument("--model", required=True,
                        help="model folder (tokenizer and chat template come from it)")
     serve.add_argument("--model-name", default="", help="served model name (default: folder)")
@@ -204,7 +214,7 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_router_serve(args: argparse.Namespace) -> int:
     check_model_dir(args.model)
-    secret = cluster_secret_from_env("pdcluster router serve")
+    token = router_token_from_env("pdcluster router serve")
     from pdcluster.cluster.launch import api_keys_from_env
     from pdcluster.router.api.server import serve_forever
     from pdcluster.router.config import RouterConfig
@@ -214,7 +224,8 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
         config = RouterConfig(
             model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
             metadata_address=args.metadata, api_keys=api_keys_from_env(),
-            cluster_secret=secret, **metadata_tls_fields(args),
+            metadata_token=token, admin_port=args.admin_port, admin_host=args.admin_host,
+            **metadata_tls_fields(args),
             max_migrations=args.max_migrations, index_mirror=args.index_mirror,
             routing=args.routing, hash_config=_hash_config(args.engine),
             policy=PolicyConfig(block_size=default_block_size(args),
@@ -268,6 +279,51 @@ def add_metadata(subparsers: argparse._SubParsersAction) -> None:
                        help="PEM CA: require every client to present a certificate it signed "
                        "(mTLS; needs --tls-cert). Tokens are still checked on every call")
     serve.add_argument("--replica-id", default="", help="name in etcd (default: random)")
+    add_metadata_operator_commands(commands)
+
+
+def add_metadata_operator_commands(commands: argparse._SubParsersAction) -> None:
+    release = add_command(
+        commands, "release-node",
+        "Operator action: forget a node id's live registration, so that a new key may "
+        "register it at once (a restarted node otherwise waits for the old lease to end). "
+        "Needs the cluster secret ($PDCLUSTER_CLUSTER_SECRET[_FILE]).",
+        _cmd_release_node,
+    )
+    release.add_argument("node_id", help="the node id to release")
+    release.add_argument("--metadata", required=True, help="metadata service host:port")
+    add_metadata_tls_args(release)
+    add_command(commands, "router-token",
+                "Print the router's client credential (principal 'service'), derived from the "
+                "cluster secret ($PDCLUSTER_CLUSTER_SECRET[_FILE]): give it to `pdcluster "
+                "router serve` as $PDCLUSTER_ROUTER_TOKEN[_FILE] instead of the secret.",
+                _cmd_router_token)
+
+
+def _cmd_release_node(args: argparse.Namespace) -> int:
+    from pdcluster.core.credentials import OPERATOR
+    from pdcluster.core.tls import ClientTLS
+    from pdcluster.metadata_service.client import MetadataClient
+    from pdcluster.metadata_service.errors import MetadataError
+
+    secret = cluster_secret_from_env("pdcluster metadata release-node")
+    with config_errors_as_usage():
+        tls = ClientTLS.from_fields(args.metadata_tls_ca, args.metadata_tls_cert,
+                                    args.metadata_tls_key, args.metadata_tls_server_name)
+    with MetadataClient(args.metadata, token=secret.metadata_token(OPERATOR), tls=tls) as client:
+        try:
+            client.release_node(args.node_id)
+        except MetadataError as exc:
+            raise UsageError(str(exc)) from exc
+    print(f"released node id {args.node_id}")
+    return 0
+
+
+def _cmd_router_token(args: argparse.Namespace) -> int:
+    from pdcluster.core.credentials import SERVICE
+
+    print(cluster_secret_from_env("pdcluster metadata router-token").metadata_token(SERVICE))
+    return 0
 
 
 def _cmd_metadata_serve(args: argparse.Namespace) -> int:
@@ -281,7 +337,7 @@ def _cmd_metadata_serve(args: argparse.Namespace) -> int:
             etcd_endpoints=tuple(e.strip() for e in args.etcd.split(",") if e.strip()),
             etcd_prefix=args.etcd_prefix, hash_size=args.hash_size,
             default_lease_ttl_s=args.lease_ttl, flush_interval_s=args.flush_interval,
-            cluster_secret=secret,
+            cluster_secret=secret, router_token=optional_router_token(),
             tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
             tls_client_ca_file=args.tls_client_ca, replica_id=args.replica_id,
         )

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING
 
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.ray_cluster import RayCluster
-from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, CredentialError
+from pdcluster.core.credentials import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    SERVICE,
+    ClusterSecret,
+    CredentialError,
+)
 
 if TYPE_CHECKING:  # the router loads only when the cluster serves one
     from pdcluster.router.config import RouterConfig
@@ -72,9 +78,11 @@ def router_config(config: ClusterConfig, metadata_address: str | None,
     policy = PolicyConfig(block_size=config.engine_config.block_size,
                           local_prefill_threshold=config.local_prefill_threshold_tokens,
                           global_reuse_min_tokens=config.global_reuse_min_tokens)
+    # the router gets its client credential, never the secret (core.credentials)
     return RouterConfig(model_dir=config.model, host=config.router_host,
                         port=config.router_port, metadata_address=metadata_address,
-                        cluster_secret=cluster_secret, **config.metadata_tls_fields(),
+                        metadata_token=cluster_secret.metadata_token(SERVICE),
+                        **config.metadata_tls_fields(),
                         api_keys=api_keys_from_env(), policy=policy, routing=config.routing,
                         hash_config=config.engine_config.hash_config)
 

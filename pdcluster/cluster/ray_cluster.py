@@ -19,7 +19,7 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from pdcluster.cluster.config import ClusterConfig
-from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.credentials import ClusterSecret, node_principal
 
 if TYPE_CHECKING:  # all three load only when the cluster starts
     from ray.actor import ActorHandle
@@ -107,11 +107,36 @@ class RayCluster:
                              engine_options=cfg.engine_options(cls.role),
                              metadata_address=self.metadata_address,
                              **cfg.metadata_tls_fields(),
-                             # the hex text, as a constructor option (node/actor.py says why)
-                             cluster_secret=self.cluster_secret.to_text(),
+                             # this node's credential only (node/actor.py says why)
+                             bootstrap_token=self.cluster_secret.metadata_token(
+                                 node_principal(node_id)),
                              kv_protocol=cfg.kv_protocol, kv_device=cfg.kv_device,
                              kv_timeout_s=cfg.kv_timeout_s, metrics_port=cfg.node_metrics_port,
                              lease_ttl_s=cfg.lease_ttl_s)
+
+    def router_clients(self) -> dict:
+        """A `BlockingNodeClient` per node id, speaking as a router: a fresh key pair
+        registered with the router's credential, each node's own public key as published
+        (benchmarks and tests drive the nodes this way)."""
+        import secrets
+
+        from pdcluster.core.credentials import SERVICE, CurveKeys
+        from pdcluster.core.tls import ClientTLS
+        from pdcluster.metadata_service.client import MetadataClient
+        from pdcluster.node.client import BlockingNodeClient
+
+        assert self.metadata_address is not None, "start() the cluster first"
+        keys = CurveKeys.generate()
+        token = self.cluster_secret.metadata_token(SERVICE)
+        cfg = self.config
+        tls = ClientTLS.from_fields(cfg.metadata_tls_ca, cfg.metadata_tls_cert,
+                                    cfg.metadata_tls_key, cfg.metadata_tls_server_name)
+        with MetadataClient(self.metadata_address, token=token, tls=tls) as client:
+            client.register_client(f"driver-{secrets.token_hex(4)}", keys.public, 3600)
+            nodes = client.list_nodes()
+        return {n.node_id: BlockingNodeClient(n.request_address, curve=keys,
+                                              server_key=n.curve_public_key.encode())
+                for n in nodes}
 
     def nodes(self, timeout_s: float = 60.0) -> list[dict[str, str]]:
         import ray

@@ -1,16 +1,20 @@
-"""Cluster credentials: one secret per cluster, and every credential a component presents
-derived from it, so that a deployment manages exactly one value.
+"""Cluster credentials: one root secret per cluster, held by the metadata service and the
+launcher only, and the credentials they hand out, each good for one principal.
 
     secret = ClusterSecret.from_env() or ClusterSecret.generate()
-    secret.curve_keys()               # the cluster's ZMQ CURVE key pair (node and KV sockets)
-    secret.metadata_token("node/p0")  # what node p0 presents to the metadata service
-    secret.metadata_token(SERVICE)    # what the router and launcher present
+    secret.metadata_token("node/p0")  # node p0's bootstrap credential (only p0 gets it)
+    secret.metadata_token(SERVICE)    # the router's client credential
+    secret.metadata_token(OPERATOR)   # an operator's (release a node id's registration)
     verify_metadata_token(secret, token) -> principal | None
+    CurveKeys.generate()              # a process's own CURVE key pair (never exported)
 
 Derivation is HMAC-SHA256(secret, label) with a versioned label per use, so no derived value
-reveals the secret or any other derived value. A principal is `SERVICE` or `node/<node id>`:
-a node's token names the node, and the metadata service lets a node act only as itself, so a
-stolen router token cannot register, publish or deregister as a node.
+reveals the secret or any other derived value. A principal is `SERVICE`, `OPERATOR` or
+`node/<node id>`: a node's token names the node, and the metadata service lets a node act only
+as itself, so the router's credential cannot register, publish or deregister as a node, and a
+node's cannot act as another node. The ZMQ planes use no derived key: every node and router
+makes its own key pair and registers the public half (core.identity). `curve_keys()` derives
+one shared pair for the shared-key mode of unit tests and benchmarks only.
 
 The secret comes from `$PDCLUSTER_CLUSTER_SECRET` (64+ hex characters) or from the file named
 by `$PDCLUSTER_CLUSTER_SECRET_FILE` (a mounted Kubernetes Secret); `pdcluster serve` generates
@@ -29,8 +33,14 @@ from pathlib import Path
 
 SECRET_ENV = "PDCLUSTER_CLUSTER_SECRET"
 SECRET_FILE_ENV = "PDCLUSTER_CLUSTER_SECRET_FILE"
+# The router's client credential (a metadata token of principal SERVICE), so that the router
+# never needs the secret: `pdcluster credentials router-token` derives one; the metadata
+# service also accepts the one in the file its own $PDCLUSTER_ROUTER_TOKEN_FILE names.
+ROUTER_TOKEN_ENV = "PDCLUSTER_ROUTER_TOKEN"
+ROUTER_TOKEN_FILE_ENV = "PDCLUSTER_ROUTER_TOKEN_FILE"
 MIN_SECRET_BYTES = 32
 SERVICE = "service"  # the router, the launcher, operators' tools: read the index, not write it
+OPERATOR = "operator"  # release a node id's registration (docs/security.md)
 NODE_PREFIX = "node/"
 _LABEL_PREFIX = b"pdcluster/v1/"
 
@@ -45,6 +55,17 @@ class CurveKeys:
 
     public: bytes
     secret: bytes
+
+    def __repr__(self) -> str:  # never print a private key into a log
+        return f"CurveKeys(public={self.public!r}, secret=<redacted>)"
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        """A fresh key pair for this process: the private half never leaves it."""
+        import zmq
+
+        public, secret = zmq.curve_keypair()
+        return cls(public=public, secret=secret)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +124,9 @@ class ClusterSecret:
         return hmac.new(self.value, _LABEL_PREFIX + label.encode(), hashlib.sha256).digest()
 
     def curve_keys(self) -> CurveKeys:
-        """The cluster's CURVE key pair: every member serves with it and connects with it, and
-        servers admit only clients presenting its public key (core.curve)."""
+        """One key pair derived from the secret, for the shared-key mode (unit tests and
+        benchmarks: every end serves and connects with it, as principal `MEMBER`). A cluster
+        never uses it: each process makes its own (`CurveKeys.generate`)."""
         import zmq  # lazily: only ZMQ users pay for it
         from zmq.utils import z85
 
@@ -115,6 +137,21 @@ class ClusterSecret:
         """The bearer token `principal` presents to the metadata service."""
         check_principal(principal)
         return f"{principal}:{self.derive('metadata/' + principal).hex()}"
+
+
+def token_from_env(value_env: str, file_env: str,
+                   environ: Mapping[str, str] | None = None) -> str | None:
+    """A token from `$value_env`, else from the file `$file_env` names (stripped); None when
+    neither is set."""
+    env = os.environ if environ is None else environ
+    if env.get(value_env):
+        return env[value_env].strip()
+    if env.get(file_env):
+        try:
+            return Path(env[file_env]).read_text().strip()
+        except OSError as exc:
+            raise CredentialError(f"cannot read the token file {env[file_env]}: {exc}") from exc
+    return None
 
 
 def write_secret_file(secret: ClusterSecret, path: str | os.PathLike[str]) -> Path:
@@ -133,12 +170,12 @@ def node_principal(node_id: str) -> str:
 
 
 def check_principal(principal: str) -> None:
-    if principal == SERVICE:
+    if principal in (SERVICE, OPERATOR):
         return
     node_id = principal.removeprefix(NODE_PREFIX)
     if node_id == principal or not node_id or ":" in node_id:
-        raise CredentialError(f"principal must be {SERVICE!r} or 'node/<id>' with no ':', "
-                              f"got {principal!r}")
+        raise CredentialError(f"principal must be {SERVICE!r}, {OPERATOR!r} or 'node/<id>' "
+                              f"with no ':', got {principal!r}")
 
 
 def verify_metadata_token(secret: ClusterSecret, token: str) -> str | None:

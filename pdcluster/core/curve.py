@@ -1,15 +1,21 @@
 """ZMQ CURVE on the cluster's sockets: the node request endpoint and the KV side channel.
 
-A server socket (`secure_server`, before `bind`) speaks CURVE with the cluster key pair and
-asks the ZAP handler of its context about every client; the handler (`authenticator_for`, one
-per context, started on first use) admits only clients presenting a public key it was told
-to trust, i.e. the cluster's. `ZAP_ENFORCE_DOMAIN` makes a missing handler a refusal, not an
-open door. A client socket (`secure_client`, before `connect`) presents the cluster key pair
-and expects the server to hold the cluster's key. A peer without the key pair cannot finish
-the handshake, so it can neither send nor read anything; traffic is encrypted as a side
-effect (CurveZMQ: Curve25519 + XSalsa20-Poly1305).
+A server socket (`secure_server`, before `bind`) speaks CURVE with its own key pair and asks
+the ZAP handler of its context about every client; the handler (`authenticator_for`, one per
+context, started on first use) admits a client whose public key names a principal: a key
+granted to the context (`Admission.trust(key, principal)`: the shared-key mode of unit tests,
+principal `MEMBER`), or one the process's key directories know (`Admission.follow(directory)`:
+core.identity, fed by the metadata service). `ZAP_ENFORCE_DOMAIN` makes a missing handler a
+refusal, not an open door. A client socket (`secure_client`, before `connect`) presents its own
+key pair and expects the server's public key (the shared pair's own, by default). A peer
+whose key names nobody cannot finish the handshake, so it can neither send nor read anything;
+traffic is encrypted as a side effect (CurveZMQ: Curve25519 + XSalsa20-Poly1305).
 
-`Admission.num_denied` counts clients the ZAP handler refused (a client with the wrong key pair
+Per message: a server reads the client's key back from each message (ZMQ's `User-Id`
+property, which the ZAP handler sets to the Z85 key) with `sender_principal(context, frame)`
+and authorises the message type for that principal (node/server.py, transfer/).
+
+`Admission.num_denied` counts clients the ZAP handler refused (a client with an unknown key
 but the right server key); a client without the server's key fails earlier, in the CURVE
 handshake itself, and never reaches it. `stop_authenticator(context)` before terminating a
 context of one's own (the process-wide `zmq.Context.instance()` is never terminated).
@@ -25,6 +31,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from pdcluster.core.credentials import CurveKeys
+from pdcluster.core.identity import MEMBER, Directory
 
 logger = logging.getLogger(__name__)
 ZAP_DOMAIN = "pdcluster"
@@ -33,27 +40,50 @@ HANDSHAKE_IVL_MS = 5_000
 
 
 class Admission:
-    """The ZAP policy of one context: the CURVE public keys it admits."""
+    """The ZAP policy of one context: keys granted to it, and the key directories of the
+    components that serve on it (several nodes may share a process's context in tests)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._trusted: set[bytes] = set()
+        self._trusted: dict[bytes, str] = {}
+        self._directories: list[Directory] = []
         self.num_admitted = 0
         self.num_denied = 0
 
-    def trust(self, public_key: bytes) -> None:
+    def trust(self, public_key: bytes, principal: str = MEMBER) -> None:
         with self._lock:
-            self._trusted.add(public_key)
+            self._trusted[public_key] = principal
+
+    def follow(self, directory: Directory) -> None:
+        with self._lock:
+            if directory not in self._directories:
+                self._directories.append(directory)
+
+    def forget(self, directory: Directory) -> None:
+        with self._lock:
+            if directory in self._directories:
+                self._directories.remove(directory)
+
+    def principal_of(self, public_key: bytes) -> str | None:
+        """The principal a Z85 public key names, or None."""
+        with self._lock:
+            principal = self._trusted.get(public_key)
+            directories = list(self._directories)
+        for directory in directories:
+            if principal is not None:
+                break
+            principal = directory.principal_of(public_key)
+        return principal
 
     def callback(self, domain: str, key: bytes) -> bool:  # called by pyzmq's ZAP thread
+        ok = domain == ZAP_DOMAIN and self.principal_of(key) is not None
         with self._lock:
-            ok = domain == ZAP_DOMAIN and key in self._trusted
             if ok:
                 self.num_admitted += 1
             else:
                 self.num_denied += 1
         if not ok:
-            logger.warning("refused a ZMQ peer without the cluster's CURVE key (domain %r)",
+            logger.warning("refused a ZMQ peer whose CURVE key names no principal (domain %r)",
                            domain)
         return ok
 
@@ -84,9 +114,24 @@ def stop_authenticator(context: zmq.Context[Any]) -> None:
         entry[1].stop()
 
 
-def secure_server(sock: zmq.Socket[Any], keys: CurveKeys) -> None:
-    """Make `sock` (not yet bound) a CURVE server admitting only holders of `keys`."""
-    authenticator_for(sock.context).trust(keys.public)
+def forget_directory(directory: Directory) -> None:
+    """Stop admitting the keys `directory` names, on every context (its owner stopped)."""
+    with _lock:
+        admissions = [entry[2] for entry in _handlers.values()]
+    for admission in admissions:
+        admission.forget(directory)
+
+
+def secure_server(sock: zmq.Socket[Any], keys: CurveKeys,
+                  directory: Directory | None = None) -> None:
+    """Make `sock` (not yet bound) a CURVE server with `keys`, admitting the clients that
+    `directory` names; without a directory, the holders of `keys` themselves (the shared-key
+    mode: principal `MEMBER`)."""
+    admission = authenticator_for(sock.context)
+    if directory is None:
+        admission.trust(keys.public)
+    else:
+        admission.follow(directory)
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
     sock.setsockopt_string(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
@@ -95,9 +140,23 @@ def secure_server(sock: zmq.Socket[Any], keys: CurveKeys) -> None:
     sock.curve_server = True
 
 
-def secure_client(sock: zmq.Socket[Any], keys: CurveKeys) -> None:
-    """Make `sock` (not yet connected) a CURVE client presenting `keys` to a cluster server."""
+def secure_client(sock: zmq.Socket[Any], keys: CurveKeys, server_key: bytes | None = None
+                  ) -> None:
+    """Make `sock` (not yet connected) a CURVE client presenting `keys` to the server whose
+    public key is `server_key` (default: `keys.public`, the shared-key mode)."""
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
-    sock.curve_serverkey = keys.public
+    sock.curve_serverkey = keys.public if server_key is None else server_key
+
+
+def sender_principal(context: zmq.Context[Any], frame: zmq.Frame) -> str | None:
+    """The principal of the client that sent `frame` (received with `copy=False` on a CURVE
+    server socket of `context`), or None if it names nobody (any more)."""
+    try:
+        user_id = frame.get("User-Id")
+    except zmq.ZMQError:  # not a CURVE connection
+        return None
+    if not user_id:
+        return None
+    return authenticator_for(context).principal_of(str(user_id).encode())

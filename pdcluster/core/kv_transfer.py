@@ -19,18 +19,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from pdcluster.core.types import ReqId
-from pdcluster.core.wire import Protocol, WireError
+from pdcluster.core.types import MAX_ADDRESS_CHARS, MAX_ID_CHARS
+from pdcluster.core.wire import MaxLen, Protocol, WireError
 
 TransferId = str
 WIRE_VERSION = 2  # 2: PrefixPullRequest names blocks by tokens + salt
-MAX_MESSAGE_BYTES = 16 << 20
+# The largest message the caps allow (a pull of 1M tokens: ~5 MiB of ids, 1.2 MiB of
+# addresses) fits; a side channel's ZMQ socket drops a larger frame before decrypting it.
+MAX_MESSAGE_BYTES = 8 << 20
+MAX_TRANSFER_BLOCKS = 1 << 17  # destinations of one transfer or pull
+MAX_PULL_TOKENS = 1 << 20
+MAX_ERROR_CHARS = 4096
 # How a node words a receive it gives up because its source died (PrefillLost). A vLLM node
 # tells its connector, in vLLM's worker process, as an `XferDone` that fails with it.
 SOURCE_LOST = "prefill node lost"
 # A KV layout has one segment per layer at most twice over (K and V apart): far below this.
 MAX_SEGMENTS = 4096
+Id = Annotated[str, MaxLen(MAX_ID_CHARS)]
+Address = Annotated[str, MaxLen(MAX_ADDRESS_CHARS)]
+Addresses = Annotated[list[int], MaxLen(MAX_TRANSFER_BLOCKS)]
+Segments = Annotated[list[int], MaxLen(MAX_SEGMENTS)]
 
 
 def _one_segment() -> list[int]:
@@ -73,18 +83,18 @@ class PrefixPull:
 
 @dataclass(frozen=True, slots=True)
 class XferRequest:
-    transfer_id: TransferId
-    request_id: ReqId  # D's request id, echoed back for logging
-    reply_addr: str  # D's side channel, where XferDone goes
-    dest_session: str  # D's transfer-engine session ("127.0.0.1:<rpc port>")
+    transfer_id: Id
+    request_id: Id  # D's request id, echoed back for logging
+    reply_addr: Address  # D's side channel, where XferDone goes
+    dest_session: Address  # D's transfer-engine session ("127.0.0.1:<rpc port>")
     block_nbytes: int  # must equal P's: same model, dtype and block size
     num_blocks: int  # blocks of the whole prompt
     skip_blocks: int  # leading blocks D already holds (its own prefix hit)
-    dest_block_addrs: list[int]  # address of D's block i for i in [skip_blocks, num_blocks)
+    dest_block_addrs: Addresses  # address of D's block i for i in [skip_blocks, num_blocks)
     # Where each segment of D's layout lies relative to segment 0 (core.kv_connector.KVRegion):
     # one segment ([0]) for the own engine, one per layer for vLLM. Both sides must agree on
     # the count and on block_nbytes (bytes of one block in one segment).
-    dest_segment_offsets: list[int] = field(default_factory=_one_segment)
+    dest_segment_offsets: Segments = field(default_factory=_one_segment)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,32 +104,33 @@ class PrefixPullRequest:
     blocks [first_block, first_block + len(dest_block_addrs)) into `dest_block_addrs` (same
     order), then answers `XferDone(num_blocks_sent=n)`."""
 
-    transfer_id: TransferId
-    request_id: ReqId  # the requester's request id, for logging
-    reply_addr: str
-    dest_session: str
+    transfer_id: Id
+    request_id: Id  # the requester's request id, for logging
+    reply_addr: Address
+    dest_session: Address
     block_nbytes: int
     block_size: int
     first_block: int
-    token_ids: list[int]  # blocks [0, first_block + len(dest_block_addrs)) of the prompt
-    dest_block_addrs: list[int]
-    cache_salt: str | None = None
+    # blocks [0, first_block + len(dest_block_addrs)) of the prompt
+    token_ids: Annotated[list[int], MaxLen(MAX_PULL_TOKENS)]
+    dest_block_addrs: Addresses
+    cache_salt: Annotated[str, MaxLen(4096)] | None = None
     lora_id: int | None = None
-    dest_segment_offsets: list[int] = field(default_factory=_one_segment)
+    dest_segment_offsets: Segments = field(default_factory=_one_segment)
 
 
 @dataclass(frozen=True, slots=True)
 class XferAbort:
-    transfer_id: TransferId
+    transfer_id: Id
 
 
 @dataclass(frozen=True, slots=True)
 class XferDone:
-    transfer_id: TransferId
+    transfer_id: Id
     ok: bool
     first_token: int | None = None
     first_logprob: float | None = None
-    error: str | None = None
+    error: Annotated[str, MaxLen(MAX_ERROR_CHARS)] | None = None
     num_blocks_sent: int = 0
     num_descriptors: int = 0
 

@@ -17,14 +17,27 @@ malformed, unknown, or of another version. Never pickle.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 from pdcluster.core.sampling import SamplingSpec
-from pdcluster.core.types import ReqId
-from pdcluster.core.wire import Protocol, WireError
+from pdcluster.core.types import MAX_ADDRESS_CHARS, MAX_ID_CHARS
+from pdcluster.core.wire import MaxLen, Protocol, WireError
 
 NODE_WIRE_VERSION = 1
-MAX_FRAME_BYTES = 64 << 20
-ERROR_CODES = ("invalid_request", "overloaded", "draining", "internal", "transfer_failed")
+# Both ends' ZMQ sockets drop a larger frame before reading it (MAXMSGSIZE): a 1M-token
+# prompt packs into about 5 MiB of msgpack.
+MAX_FRAME_BYTES = 16 << 20
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_DELTA_TOKENS = 1 << 16  # tokens of one TokenDelta (one step's, or a first token)
+MAX_TOP_LOGPROBS = 1024  # alternatives per token
+MAX_TEXT_CHARS = 1 << 16  # error messages
+MAX_CACHE_SALT_CHARS = 4096
+Id = Annotated[str, MaxLen(MAX_ID_CHARS)]
+Address = Annotated[str, MaxLen(MAX_ADDRESS_CHARS)]
+Name = Annotated[str, MaxLen(32)]  # kinds, codes, roles, finish reasons
+Text = Annotated[str, MaxLen(MAX_TEXT_CHARS)]
+ERROR_CODES = ("invalid_request", "overloaded", "draining", "internal", "transfer_failed",
+               "forbidden")
 __all__ = ["ERROR_CODES", "MAX_FRAME_BYTES", "NODE_WIRE_VERSION", "AbortRequest",
            "GenerateRequest", "KVCosts", "LoadQuery", "LoadReport", "NodeMessage", "PrefillLost",
            "PrefixSource", "RequestError", "SamplingSpec", "TokenDelta", "TransferSpec",
@@ -37,9 +50,9 @@ class TransferSpec:
     node whose KV side channel is `source_addr`) or "remote_decode" (this prefill node sends
     it to whichever decode node asks for `transfer_id`)."""
 
-    kind: str
-    transfer_id: str
-    source_addr: str | None = None
+    kind: Name
+    transfer_id: Id
+    source_addr: Address | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,23 +62,23 @@ class PrefixSource:
     The receiving node pulls the blocks it lacks from there instead of recomputing them; a
     stale hint (blocks evicted since) only means it computes more itself."""
 
-    kv_address: str
+    kv_address: Address
     num_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
-    request_id: ReqId
-    prompt_token_ids: list[int]
+    request_id: Id
+    prompt_token_ids: Annotated[list[int], MaxLen(MAX_PROMPT_TOKENS)]
     sampling: SamplingSpec
     transfer: TransferSpec | None = None
-    cache_salt: str | None = None
+    cache_salt: Annotated[str, MaxLen(MAX_CACHE_SALT_CHARS)] | None = None
     prefix_source: PrefixSource | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class AbortRequest:
-    request_id: ReqId
+    request_id: Id
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +88,9 @@ class PrefillLost:
     at once and recomputes the prompt (or fails the request, by its policy) instead of
     waiting out its KV timeout."""
 
-    request_id: ReqId
-    transfer_id: str
-    reason: str
+    request_id: Id
+    transfer_id: Id
+    reason: Text
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,25 +100,27 @@ class LoadQuery:
 
 @dataclass(frozen=True, slots=True)
 class TokenDelta:
-    request_id: ReqId
-    token_ids: list[int]
+    request_id: Id
+    token_ids: Annotated[list[int], MaxLen(MAX_DELTA_TOKENS)]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    logprobs: list[float] | None = None
+    finish_reason: Name | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: Annotated[list[float], MaxLen(MAX_DELTA_TOKENS)] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    error: str | None = None
+    error: Text | None = None
     # per new token, the top-k alternatives (sampling.logprobs = k > 0): their ids and
     # logprobs, best first; a token whose alternatives the node does not know has []
-    top_token_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
+    top_token_ids: Annotated[list[Annotated[list[int], MaxLen(MAX_TOP_LOGPROBS)]],
+                             MaxLen(MAX_DELTA_TOKENS)] | None = None
+    top_logprobs: Annotated[list[Annotated[list[float], MaxLen(MAX_TOP_LOGPROBS)]],
+                            MaxLen(MAX_DELTA_TOKENS)] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class RequestError:
-    request_id: ReqId
-    code: str  # one of ERROR_CODES
-    message: str
+    request_id: Id
+    code: Name  # one of ERROR_CODES
+    message: Text
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +156,8 @@ class KVCosts:
 
 @dataclass(frozen=True, slots=True)
 class LoadReport:
-    node_id: str
-    role: str  # a core.roles.Role value
+    node_id: Id
+    role: Name  # a core.roles.Role value
     num_waiting: int
     num_running: int
     num_free_blocks: int

@@ -10,8 +10,19 @@ makes the node's with `CompletionRequest.sampling_spec` (tests/engine/test_sampl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from pdcluster.core.wire import MaxLen
 
 GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# What the wire carries at most: looser than the engine's own limits (engine/sampling_params.py),
+# so a request past those is refused by the engine with the field's name, not dropped as
+# malformed; tight enough to bound what one frame can cost to decode (core.wire).
+WIRE_MAX_GUIDED_SPEC_CHARS = 1 << 20
+WIRE_MAX_STOP_STRINGS = 64
+WIRE_MAX_STOP_STRING_CHARS = 1024
+WIRE_MAX_STOP_TOKEN_IDS = 1024
+WIRE_MAX_LOGIT_BIAS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,8 +32,8 @@ class GuidedDecoding:
     ("json_schema"), the pattern ("regex"), a JSON list of strings ("choice"), the grammar
     ("grammar"), or empty ("json_object": any JSON object)."""
 
-    kind: str
-    spec: str = ""
+    kind: Annotated[str, MaxLen(32)]
+    spec: Annotated[str, MaxLen(WIRE_MAX_GUIDED_SPEC_CHARS)] = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +48,15 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: Annotated[list[Annotated[str, MaxLen(WIRE_MAX_STOP_STRING_CHARS)]],
+                    MaxLen(WIRE_MAX_STOP_STRINGS)] = field(default_factory=list)
+    stop_token_ids: Annotated[list[int], MaxLen(WIRE_MAX_STOP_TOKEN_IDS)] = field(
+        default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: Annotated[dict[int, float], MaxLen(WIRE_MAX_LOGIT_BIAS)] = field(
+        default_factory=dict)
     guided: GuidedDecoding | None = None

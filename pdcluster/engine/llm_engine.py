@@ -304,7 +304,8 @@ class LLMEngine(NodeEngine):
         """Transfer work that holds blocks or soon will (drain it before shutdown): finished
         requests waiting to send, blocks serving another node's pull, or such a pull still
         waiting for a step to look it up."""
-        if self.scheduler.pinned or self.scheduler.pulls.serving:
+        pulls = self.scheduler.pulls
+        if self.scheduler.pinned or pulls.serving or pulls.pending:
             return True
         return self.connector is not None and self.connector.worker.has_pending_work()
 

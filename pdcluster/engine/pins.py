@@ -1,25 +1,32 @@
 """`PinBudget`: the per-node bound on KV blocks held for other nodes (torch-free).
 
-Three kinds of work hold blocks on behalf of a peer rather than a local client, and a flood
+Four kinds of work hold blocks on behalf of a peer rather than a local client, and a flood
 of any could otherwise take the whole pool from normal traffic:
 - a `RemoteDecode` request (prefill node): it holds its blocks while it prefills, then keeps
   them pinned until the decode node's `XferRequest` arrives and the write ends;
+- a `RemotePrefill` request (decode node): the blocks it allocated for the prefill node's
+  write, from admission until the KV arrives, fails or times out;
 - a prefix pull this node serves (holder): the leading run of blocks it still caches is
   referenced until the write to the requester ends;
 - a prefix pull this node makes (requester): the blocks parked for the holder's write, until
   it answers or the connector's timeout.
 All draw on one budget of `max_blocks` (a fraction of the pool, `EngineConfig.
-max_pinned_fraction`). A remote decode reserves the blocks it will pin when it is admitted
-(`try_reserve`; refused: `OverloadedError`, never queued) — a reservation alone always fits,
-so one long prompt is never refused forever. A served pull takes what is left (`grant`), maybe
-nothing: the requester computes the rest. A pull this node would make that does not fit
-(`can_hold`) is not made: the request computes its prefix. In time: a send pin starts its
+max_pinned_fraction`), which is also the cap of any one of them: nothing pinned, one request
+still cannot take more than the budget. A remote decode reserves the blocks it will pin when
+it is admitted (`try_reserve`; refused: `OverloadedError`, never queued; one that needs more
+than the whole budget is refused too: prefill it where it decodes). A remote prefill holds
+its blocks when it is admitted (`can_hold`, then `hold`); until they fit it waits like a
+request the pool cannot take yet, and one that can never fit computes its prompt itself. A
+served pull takes what is left (`grant`), maybe nothing: the requester computes the rest. A
+pull this node would make that does not fit (`can_hold`) is not made: the request computes its
+prefix. In time: a send pin starts its
 clock when prefill ends (`start_clock`) and `expired()` names the pins past `timeout_s`, which
 the scheduler cancels through the connector (an unstarted send then releases its blocks at
 once; a write under way releases them when it ends). Pulls are not clocked here: blocks
 cannot be freed under a write, and the connector worker already expires a pull not yet
 resolved (holder) or not answered (requester) after its `kv_timeout_s`.
-Keys are `("send", request id)`, `("serve", transfer id)` and `("pull", request id)`.
+Keys are `("send", request id)`, `("recv", request id)`, `("serve", transfer id)` and
+`("pull", request id)`.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ class PinBudget:
         self.num_expired = 0
 
     def can_hold(self, num_blocks: int) -> bool:
-        return not self.num_used or self.num_used + num_blocks <= self.max_blocks
+        return self.num_used + num_blocks <= self.max_blocks
 
     def try_reserve(self, key: PinKey, num_blocks: int) -> bool:
         if not self.can_hold(num_blocks):
@@ -86,8 +93,9 @@ class PinBudget:
         self._deadlines.pop(key, None)
 
     def release_request(self, request_id: str) -> None:
-        """Whatever a request holds: its send pin, its pull's blocks."""
+        """Whatever a request holds: its send pin, its remote prefill's, its pull's blocks."""
         self.release(("send", request_id))
+        self.release(("recv", request_id))
         self.release(("pull", request_id))
 
     def hold(self, key: PinKey, num_blocks: int) -> None:

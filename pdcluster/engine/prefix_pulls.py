@@ -28,7 +28,9 @@ whatever is not sent.
 
 from __future__ import annotations
 
-from pdcluster.core.hashing import BlockExtra, HashConfig, hash_block_tokens
+from dataclasses import dataclass
+
+from pdcluster.core.hashing import BlockExtra, BlockHasher, HashConfig
 from pdcluster.core.kv_connector import KVConnectorScheduler, PrefixTokens, PullLookup, PullResult
 from pdcluster.core.kv_transfer import TransferId
 from pdcluster.engine.block_pool import KVCacheBlock
@@ -37,15 +39,22 @@ from pdcluster.engine.kv_tiers import HostHit
 from pdcluster.engine.pins import PinBudget
 from pdcluster.engine.request import Request
 
+# Blocks of peers' pull lookups hashed per engine step, all lookups together: a peer naming a
+# 1M-token prompt costs the engine thread a bounded slice of each step, not one long stall.
+MAX_HASH_BLOCKS_PER_STEP = 4096
+
 
 class PrefixPulls:
     def __init__(self, kv: KVCacheManager, connector: KVConnectorScheduler | None,
-                 hash_config: HashConfig, pins: PinBudget) -> None:
+                 hash_config: HashConfig, pins: PinBudget,
+                 max_hash_blocks_per_step: int = MAX_HASH_BLOCKS_PER_STEP) -> None:
         self.kv = kv
         self.connector = connector
         self.hash_config = hash_config
         self.pins = pins
         self.serving: dict[TransferId, list[PrefixHit]] = {}
+        self.pending: dict[TransferId, _Lookup] = {}  # peers' lookups still being hashed
+        self.max_hash_blocks_per_step = max_hash_blocks_per_step
         self.num_pulls_skipped = 0  # pulls not made: the pin budget was spent
 
     # ---- requester ----------------------------------------------------------------------
@@ -89,45 +98,102 @@ class PrefixPulls:
     # ---- holder -------------------------------------------------------------------------
 
     def serve(self, lookups: list[PullLookup]) -> None:
-        if not lookups:
-            return
-        assert self.connector is not None, "pull lookups come from the connector"
+        """Take peers' new lookups and hash at most `max_hash_blocks_per_step` blocks of the
+        ones waiting (oldest first); each lookup fully hashed is resolved."""
         for lookup in lookups:
-            if lookup.transfer_id in self.serving:
-                continue  # the worker never asks twice; never reference twice either
-            hits: list[PrefixHit] = []
-            if self.kv.enable_caching and lookup.prefix.block_size == self.kv.block_size:
-                hits = self._lookup(self._hashes(lookup.prefix))
-            hits = hits[:self.pins.grant(("serve", lookup.transfer_id), len(hits))]
-            self.kv.pool.touch([h for h in hits if isinstance(h, KVCacheBlock)])
-            host = [h for h in hits if isinstance(h, HostHit)]
-            if host and self.kv.tiers is not None:
-                self.kv.tiers.pin(host)
-            self.serving[lookup.transfer_id] = hits
-            num_device = self.kv.pool.num_blocks
-            self.connector.on_serve(lookup.transfer_id,
-                                    [h.block_id if isinstance(h, KVCacheBlock)
-                                     else num_device + h.slot for h in hits])
+            if lookup.transfer_id not in self.serving and lookup.transfer_id not in self.pending:
+                self.pending[lookup.transfer_id] = _Lookup.start(
+                    lookup, self.kv, self.hash_config)
+        budget = self.max_hash_blocks_per_step
+        for transfer_id in list(self.pending):
+            if budget <= 0:
+                break
+            waiting = self.pending[transfer_id]
+            budget -= waiting.advance(budget, self.kv)
+            if waiting.done:
+                del self.pending[transfer_id]
+                self._resolve(waiting)
 
-    def _lookup(self, hashes: list[bytes]) -> list[PrefixHit]:
-        if self.kv.tiers is not None:
-            return self.kv.tiers.longest_prefix(hashes)
-        return list(self.kv.pool.find_longest_prefix(hashes))
-
-    def _hashes(self, prefix: PrefixTokens) -> list[bytes]:
-        try:
-            extra = BlockExtra(prefix.cache_salt, prefix.lora_id)
-            hashes = hash_block_tokens(prefix.token_ids, prefix.block_size, extra,
-                                       self.hash_config)
-        except ValueError:  # a bad token id or key: nothing matches it
-            return []
-        return hashes[prefix.first_block:]
+    def _resolve(self, lookup: _Lookup) -> None:
+        """Reference the leading run of asked blocks still cached, on the device or (with a
+        host tier) on the host, within the pin budget."""
+        assert self.connector is not None, "pull lookups come from the connector"
+        tid = lookup.transfer_id
+        hits = _longest_prefix(self.kv, lookup.hashes[lookup.first_block:])
+        hits = hits[:self.pins.grant(("serve", tid), len(hits))]
+        self.kv.pool.touch([h for h in hits if isinstance(h, KVCacheBlock)])
+        host = [h for h in hits if isinstance(h, HostHit)]
+        if host and self.kv.tiers is not None:
+            self.kv.tiers.pin(host)
+        self.serving[tid] = hits
+        num_device = self.kv.pool.num_blocks
+        self.connector.on_serve(tid, [h.block_id if isinstance(h, KVCacheBlock)
+                                      else num_device + h.slot for h in hits])
 
     def release(self, transfer_ids: list[TransferId]) -> None:
         for transfer_id in transfer_ids:
+            if self.pending.pop(transfer_id, None) is not None:
+                continue  # expired or aborted while still being hashed: nothing referenced
             hits = self.serving.pop(transfer_id, None) or []
             self.pins.release(("serve", transfer_id))
             host = [h for h in hits if isinstance(h, HostHit)]
             if host and self.kv.tiers is not None:
                 self.kv.tiers.unpin(host)
             self.kv.pool.free_blocks(reversed([h for h in hits if isinstance(h, KVCacheBlock)]))
+
+
+@dataclass(slots=True)
+class _Lookup:
+    """A peer's lookup being hashed across steps. Hashing stops at the first asked block
+    this node does not cache (a chained hash: nothing past it can match), and never goes past
+    `first_block` plus this pool's size (no node holds more)."""
+
+    transfer_id: TransferId
+    token_ids: list[int]
+    block_size: int
+    first_block: int
+    end_block: int
+    hasher: BlockHasher | None
+    hashes: list[bytes]
+    done: bool = False
+
+    @classmethod
+    def start(cls, lookup: PullLookup, kv: KVCacheManager, config: HashConfig) -> _Lookup:
+        prefix = lookup.prefix
+        hasher = None
+        if kv.enable_caching and prefix.block_size == kv.block_size:
+            try:
+                hasher = BlockHasher(prefix.block_size,
+                                     BlockExtra(prefix.cache_salt, prefix.lora_id), config)
+            except ValueError:  # a bad key: nothing matches it
+                hasher = None
+        end_block = min(len(prefix.token_ids) // prefix.block_size,
+                        prefix.first_block + kv.pool.num_blocks)
+        return cls(lookup.transfer_id, list(prefix.token_ids), prefix.block_size,
+                   prefix.first_block, end_block, hasher, [], done=hasher is None)
+
+    def advance(self, budget: int, kv: KVCacheManager) -> int:
+        """Hash up to `budget` more blocks; returns how many were hashed."""
+        if self.done or self.hasher is None:
+            self.done = True
+            return 0
+        start = len(self.hashes)
+        count = min(budget, self.end_block - start)
+        size = self.block_size
+        try:
+            self.hashes += self.hasher.extend(self.token_ids[start * size:(start + count) * size])
+        except ValueError:  # a bad token id: no block from here on can match
+            self.done = True
+            return count
+        asked = self.hashes[max(start, self.first_block):]
+        if len(_longest_prefix(kv, asked)) < len(asked):
+            self.done = True  # a miss: no later block can be served
+        self.done = self.done or len(self.hashes) >= self.end_block
+        return count
+
+
+def _longest_prefix(kv: KVCacheManager, hashes: list[bytes]) -> list[PrefixHit]:
+    """The leading run of `hashes` this node holds: the device's, then the host tier's."""
+    if kv.tiers is not None:
+        return kv.tiers.longest_prefix(hashes)
+    return list(kv.pool.find_longest_prefix(hashes))

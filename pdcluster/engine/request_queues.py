@@ -15,7 +15,9 @@ carries out the KV connector's side of disaggregated serving:
   token appended) and a failure into a local recompute or an error, by policy.
 - Blocks held for other nodes are bounded (engine/pins.py): a `RemoteDecode` request that would
   pass the budget is refused at `add_request` (`OverloadedError`), and `expire_pins` cancels
-  sends whose decode node has not fetched the blocks within `pin_timeout_s`.
+  sends whose decode node has not fetched the blocks within `pin_timeout_s`. The blocks a
+  remote prefill parks for the prefill node's write count too: past the budget it waits, and
+  one that could never fit computes its prompt here.
 - Global prefix reuse (engine/prefix_pulls.py) parks a request the same way while blocks past
   its local hit are pulled from another node, and serves other nodes' pulls from this cache.
 
@@ -65,6 +67,7 @@ class RequestQueues:
         # their tokens, and how many of them its prefix cache held at admission (metrics).
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_remote_prefills_computed = 0  # past the pin budget: prompt computed here
 
     def add_request(self, req: Request) -> None:
         """Raises ValueError for an id in use, `OverloadedError` for a `RemoteDecode` request
@@ -80,6 +83,12 @@ class RequestQueues:
             return
         # Every block it may hold when it finishes (the last token is never computed).
         num_blocks = cdiv(req.num_tokens + req.params.max_tokens - 1, self.kv.block_size)
+        if num_blocks > self.pins.max_blocks:
+            self.pins.num_refused += 1
+            raise OverloadedError(
+                f"a remote_decode request needing {num_blocks} KV blocks is more than this node "
+                f"holds for other nodes ({self.pins.max_blocks}): prefill it on its decode "
+                "node")
         if not self.pins.try_reserve(("send", req.request_id), num_blocks):
             raise OverloadedError(
                 f"this node holds {self.pins.num_used} of at most {self.pins.max_blocks} KV "
@@ -119,13 +128,30 @@ class RequestQueues:
     def _num_external_tokens(self, req: Request, num_hit_tokens: int) -> int:
         if self.connector is None or not isinstance(req.kv_transfer, RemotePrefill):
             return 0
+        if self._remote_blocks(req, num_hit_tokens) > self.pins.max_blocks:
+            # it could never be held within the pin budget: compute the prompt here instead
+            self.connector.on_aborted(req.request_id, req.kv_transfer)
+            req.kv_transfer = None
+            self.num_remote_prefills_computed += 1
+            return 0
         return self.connector.num_external_tokens(req.request_id, req.kv_transfer,
                                                   req.num_tokens, num_hit_tokens)
 
+    def _remote_blocks(self, req: Request, num_hit_tokens: int) -> int:
+        """Blocks a remote prefill holds for the prefill node's write: all past its hit."""
+        return cdiv(req.num_tokens, self.kv.block_size) - num_hit_tokens // self.kv.block_size
+
     def _park_for_remote_kv(self, req: Request, hit_blocks: list[PrefixHit],
                             num_hit_tokens: int, num_external: int) -> bool:
+        is_remote_prefill = isinstance(req.kv_transfer, RemotePrefill)
+        if is_remote_prefill and not self.pins.can_hold(self._remote_blocks(req,
+                                                                            num_hit_tokens)):
+            return False  # waits, like a request the pool cannot take yet
         if self.kv.allocate_slots(req, num_external, hit_blocks, delay_caching=True) is None:
             return False
+        if is_remote_prefill:
+            num_held = len(self.kv.block_ids(req.request_id)) - len(hit_blocks)
+            self.pins.hold(("recv", req.request_id), num_held)
         self.waiting.popleft()
         if req.num_cached_tokens < 0 and not isinstance(req.kv_transfer, RemotePrefill):
             self._count_prefix_hit(req, num_hit_tokens)  # a prefix pull: computes the rest
@@ -167,6 +193,7 @@ class RequestQueues:
     def _remote_kv_arrived(self, req: Request, result: RecvResult) -> Request:
         assert result.first_token is not None, "an arrival of remote KV carries the first token"
         del self.waiting_for_remote[req.request_id]
+        self.pins.release(("recv", req.request_id))  # its blocks are its own now
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_blocks(req, req.num_tokens)
         req.append_output_token(result.first_token, result.first_logprob)
@@ -188,6 +215,7 @@ class RequestQueues:
         if self._kv_connector().recompute_on_failure:
             del self.waiting_for_remote[req.request_id]
             self.kv.free(req)
+            self.pins.release(("recv", req.request_id))
             req.num_computed_tokens = 0
             req.kv_transfer = None
             req.status = RequestStatus.WAITING

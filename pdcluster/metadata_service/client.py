@@ -78,6 +78,8 @@ def make_node_info(
     capacity_blocks: int = 0,
     epoch: int | None = None,
     metrics_address: str = "",
+    curve_public_key: bytes = b"",
+    kv_session: str = "",
 ) -> pb.NodeInfo:
     """A node's registration; ``epoch`` defaults to a fresh random one (a new process)."""
     return pb.NodeInfo(
@@ -85,6 +87,7 @@ def make_node_info(
         kv_address=kv_address, model=model, block_size=block_size,
         capacity_blocks=capacity_blocks, metrics_address=metrics_address,
         epoch=secrets.randbits(63) if epoch is None else epoch,
+        curve_public_key=curve_public_key.decode(), kv_session=kv_session,
     )
 
 
@@ -123,6 +126,12 @@ def _snapshot_request(node_id: NodeId, epoch: int, seq: int, blocks: SnapshotBlo
         hashes, media = list(blocks), b""
     return pb.SnapshotRequest(node_id=node_id, epoch=epoch, seq=seq,
                               block_hashes=pack_hashes(hashes), media=media)
+
+
+def _client_request(client_id: str, curve_public_key: bytes, lease_ttl_s: int
+                    ) -> pb.RegisterClientRequest:
+    key = pb.ClientKey(client_id=client_id, curve_public_key=curve_public_key.decode())
+    return pb.RegisterClientRequest(client=key, lease_ttl_s=lease_ttl_s)
 
 
 def _publish_request(
@@ -182,8 +191,23 @@ class MetadataClient(_Base):
         except grpc.RpcError as exc:
             raise translate_error(exc) from None
 
-    def register(self, info: pb.NodeInfo, lease_ttl_s: int = 0) -> pb.RegisterReply:
-        return self._call("Register", pb.RegisterRequest(node=info, lease_ttl_s=lease_ttl_s))
+    def register(self, info: pb.NodeInfo, lease_ttl_s: int = 0, proof: bytes = b""
+                 ) -> pb.RegisterReply:
+        return self._call("Register", pb.RegisterRequest(node=info, lease_ttl_s=lease_ttl_s,
+                                                         proof=proof))
+
+    def register_client(self, client_id: str, curve_public_key: bytes,
+                        lease_ttl_s: int = 0) -> int:
+        """A router's CURVE key (principal service only); returns the lease TTL granted."""
+        return self._call("RegisterClient", _client_request(client_id, curve_public_key,
+                                                            lease_ttl_s)).lease_ttl_s
+
+    def list_clients(self) -> list[pb.ClientKey]:
+        return list(self._call("ListClients", pb.Empty()).clients)
+
+    def release_node(self, node_id: NodeId) -> None:
+        """An operator's action (principal operator): forget the id's registration."""
+        self._call("ReleaseNode", pb.ReleaseNodeRequest(node_id=node_id))
 
     def heartbeat(self, node_id: NodeId, epoch: int) -> bool:
         return self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch)).known
@@ -266,8 +290,19 @@ class AsyncMetadataClient(_Base):
         except grpc.RpcError as exc:
             raise translate_error(exc) from None
 
-    async def register(self, info: pb.NodeInfo, lease_ttl_s: int = 0) -> pb.RegisterReply:
-        return await self._call("Register", pb.RegisterRequest(node=info, lease_ttl_s=lease_ttl_s))
+    async def register(self, info: pb.NodeInfo, lease_ttl_s: int = 0, proof: bytes = b""
+                       ) -> pb.RegisterReply:
+        return await self._call("Register", pb.RegisterRequest(
+            node=info, lease_ttl_s=lease_ttl_s, proof=proof))
+
+    async def register_client(self, client_id: str, curve_public_key: bytes,
+                              lease_ttl_s: int = 0) -> int:
+        reply = await self._call("RegisterClient", _client_request(client_id, curve_public_key,
+                                                                   lease_ttl_s))
+        return reply.lease_ttl_s
+
+    async def list_clients(self) -> list[pb.ClientKey]:
+        return list((await self._call("ListClients", pb.Empty())).clients)
 
     async def heartbeat(self, node_id: NodeId, epoch: int) -> bool:
         reply = await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch))

@@ -41,6 +41,9 @@ class MetadataConfig:
     # Every call must present a token derived from this secret (core.credentials); a node's
     # token lets it act only as itself. Required unless allow_unauthenticated.
     cluster_secret: ClusterSecret | None = None
+    # Also accepted as principal "service" (the router's client credential), so that a
+    # router can be given a random token instead of one derived from the secret (the chart)
+    router_token: str | None = None
     # Unit tests of this room only: no credentials checked. No product entry point sets it.
     allow_unauthenticated: bool = False
     tls_cert_file: str | None = None

@@ -29,13 +29,15 @@ from pdcluster.core.events import (
     BlockStored,
     KVEvent,
 )
-from pdcluster.core.types import BlockHash
+from pdcluster.core.types import MAX_ADDRESS_CHARS, BlockHash
 from pdcluster.metadata_service.codec import pack_hashes, unpack_hashes
 from pdcluster.metadata_service.config import MetadataConfig
 from pdcluster.metadata_service.errors import InvalidBatch
+from pdcluster.metadata_service.identities import check_curve_key
 from pdcluster.proto import metadata_pb2 as pb
 
 _NODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_MAX_MODEL_CHARS = 4096
 
 
 _TO_PB: dict[str | None, pb.Medium] = {None: pb.MEDIUM_UNSPECIFIED, DEVICE: pb.MEDIUM_DEVICE,
@@ -146,6 +148,14 @@ def check_node_info(info: pb.NodeInfo) -> None:
                            f"node_id {info.node_id!r} must match {_NODE_ID.pattern}")
     if info.role not in (pb.PREFILL, pb.DECODE):
         raise InvalidBatch("bad_role", f"node {info.node_id}: role must be PREFILL or DECODE")
+    for name in ("request_address", "kv_address", "kv_session", "metrics_address"):
+        if len(getattr(info, name)) > MAX_ADDRESS_CHARS:
+            raise InvalidBatch("bad_address", f"node {info.node_id}: {name} is longer than "
+                               f"{MAX_ADDRESS_CHARS} characters")
+    if len(info.model) > _MAX_MODEL_CHARS:
+        raise InvalidBatch("bad_model", f"node {info.node_id}: model is longer than "
+                           f"{_MAX_MODEL_CHARS} characters")
+    check_curve_key(info.curve_public_key, f"node {info.node_id}")
 
 
 def unpack_snapshot(packed: bytes, config: MetadataConfig, media: bytes = b""

@@ -43,6 +43,14 @@ class _PublisherState:
         self.lease_ttl_s = 0
         self.seq = 0
         self.num_resyncs = 0
+        # the proof of our registration (kept in memory only): lets us register our id again
+        # with changed addresses while that registration lives (metadata_service.identities)
+        self.proof = b""
+
+    def registered(self, reply: pb.RegisterReply) -> None:
+        self.lease_ttl_s = reply.lease_ttl_s
+        if reply.registration_secret:
+            self.proof = reply.registration_secret
 
     @property
     def node_id(self) -> str:
@@ -53,8 +61,8 @@ class NodePublisher(_PublisherState):
     client: MetadataClient
 
     def register(self) -> None:
-        reply = self.client.register(self.info, self.requested_ttl_s)
-        self.lease_ttl_s = reply.lease_ttl_s
+        reply = self.client.register(self.info, self.requested_ttl_s, self.proof)
+        self.registered(reply)
         if reply.last_seq != self.seq:
             self.resync()
 
@@ -90,8 +98,8 @@ class AsyncNodePublisher(_PublisherState):
     client: AsyncMetadataClient
 
     async def register(self) -> None:
-        reply = await self.client.register(self.info, self.requested_ttl_s)
-        self.lease_ttl_s = reply.lease_ttl_s
+        reply = await self.client.register(self.info, self.requested_ttl_s, self.proof)
+        self.registered(reply)
         if reply.last_seq != self.seq:
             await self.resync()
 

@@ -8,9 +8,12 @@ Authentication (always on unless the config says ``allow_unauthenticated``, for 
 every call must carry ``authorization: Bearer <token>`` with a token derived from the cluster
 secret for a principal (``core.credentials``); one without a valid token is refused with
 UNAUTHENTICATED before any work, streams included. Authorization: any principal may read
-(ListNodes, WatchNodes, WatchBlocks, Query, Stats, Ping); Register, Heartbeat, Publish,
-Snapshot and Deregister for node X are allowed only to principal ``node/X`` (PERMISSION_DENIED
-otherwise), checked in the servicer, which alone sees the request's node id.
+(ListNodes, WatchNodes, WatchBlocks, Query, Stats, Ping, ListClients); Register, Heartbeat,
+Publish, Snapshot and Deregister for node X are allowed only to principal ``node/X``
+(PERMISSION_DENIED otherwise), checked in the servicer, which alone sees the request's node id;
+a Register that would take over X's live registration without its proof is PERMISSION_DENIED
+too (metadata_service.identities). RegisterClient (a router's key) is ``service``'s alone,
+ReleaseNode ``operator``'s.
 
 TLS (config ``tls_cert_file``/``tls_key_file``) and mTLS (``tls_client_ca_file``: a client
 without a certificate signed by that CA fails the handshake) protect the connection; the token
@@ -33,13 +36,19 @@ from typing import Any, TypeVar
 
 import grpc
 
-from pdcluster.core.credentials import ClusterSecret, node_principal, verify_metadata_token
+from pdcluster.core.credentials import (
+    OPERATOR,
+    SERVICE,
+    node_principal,
+)
+from pdcluster.metadata_service.auth import AuthInterceptor, Verifier
 from pdcluster.metadata_service.config import MetadataConfig
 from pdcluster.metadata_service.errors import InvalidBatch
+from pdcluster.metadata_service.identities import RegistrationConflict
 from pdcluster.metadata_service.service import MetadataService
 from pdcluster.metadata_service.store import IndexStore, MemoryIndexStore
 from pdcluster.metadata_service.watch import SubscriberTooSlow
-from pdcluster.metadata_service.wire import AUTH_HEADER, GRPC_OPTIONS
+from pdcluster.metadata_service.wire import GRPC_OPTIONS
 from pdcluster.proto import metadata_pb2 as pb
 from pdcluster.proto import metadata_pb2_grpc as pb_grpc
 
@@ -60,17 +69,17 @@ def make_store(config: MetadataConfig) -> IndexStore:
 
 
 class _Servicer(pb_grpc.MetadataServiceServicer):
-    def __init__(self, service: MetadataService, secret: ClusterSecret | None) -> None:
+    def __init__(self, service: MetadataService, verifier: Verifier | None) -> None:
         self.service = service
-        self._secret = secret  # None: unauthenticated (unit tests of this room only)
+        self._verifier = verifier  # None: unauthenticated (unit tests of this room only)
 
     async def _acting_as(self, context: grpc.aio.ServicerContext, node_id: str) -> None:
         """Abort unless the caller's principal is ``node/<node_id>``. The interceptor has
         already refused calls without a valid token; this re-reads the token (one HMAC)
         because only the servicer sees which node a request acts for."""
-        if self._secret is None:
+        if self._verifier is None:
             return
-        principal = _principal(self._secret, context.invocation_metadata())
+        principal = self._verifier.principal(context.invocation_metadata())
         if principal is None:  # only if a call got past the interceptor somehow
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token")
         if principal != node_principal(node_id):
@@ -80,11 +89,39 @@ class _Servicer(pb_grpc.MetadataServiceServicer):
                 f"credential ({node_principal(node_id)!r}) may register, heartbeat, publish, "
                 "snapshot or deregister it")
 
+    async def _require(self, context: grpc.aio.ServicerContext, principal: str,
+                       what: str) -> None:
+        """Abort unless the caller's principal is `principal`."""
+        if self._verifier is None:
+            return
+        caller = self._verifier.principal(context.invocation_metadata())
+        if caller != principal:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"principal {caller!r} may not {what}: only {principal!r} may")
+
     async def Register(self, request, context):  # noqa: N802 (gRPC method names)
         await self._acting_as(context, request.node.node_id)
-        ttl, seq = await _checked(context, self.service.register, request.node,
-                                  request.lease_ttl_s)
-        return pb.RegisterReply(lease_ttl_s=ttl, last_seq=seq)
+        try:
+            ttl, seq, secret = await _checked(context, self.service.register_node,
+                                              request.node, request.lease_ttl_s, request.proof)
+        except RegistrationConflict as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            raise AssertionError("abort returned") from exc
+        return pb.RegisterReply(lease_ttl_s=ttl, last_seq=seq, registration_secret=secret)
+
+    async def RegisterClient(self, request, context):  # noqa: N802
+        await self._require(context, SERVICE, "register a router's key")
+        ttl = self.service.config.clamp_ttl(request.lease_ttl_s)
+        await _checked(context, self.service.clients.register, request.client, ttl)
+        return pb.RegisterClientReply(lease_ttl_s=ttl)
+
+    async def ListClients(self, request, context):  # noqa: N802
+        return pb.ListClientsReply(clients=self.service.clients.list())
+
+    async def ReleaseNode(self, request, context):  # noqa: N802
+        await self._require(context, OPERATOR, "release a node's registration")
+        self.service.release_node(request.node_id)
+        return pb.Empty()
 
     async def Heartbeat(self, request, context):  # noqa: N802
         await self._acting_as(context, request.node_id)
@@ -156,44 +193,6 @@ async def _checked(context: grpc.aio.ServicerContext, fn: Callable[..., T], *arg
         raise AssertionError("abort returned") from exc
 
 
-def _principal(secret: ClusterSecret, metadata: Any) -> str | None:
-    """The principal a call's ``authorization: Bearer <token>`` proves, or None."""
-    for key, value in metadata or ():
-        if key == AUTH_HEADER:
-            scheme, _, token = str(value).partition(" ")
-            return verify_metadata_token(secret, token) if scheme == "Bearer" else None
-    return None
-
-
-class _AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call, streams included, that lacks a token derived from the cluster
-    secret (constant-time compare, in ``verify_metadata_token``)."""
-
-    def __init__(self, secret: ClusterSecret) -> None:
-        self._secret = secret
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or _principal(self._secret,
-                                         handler_call_details.invocation_metadata):
-            return handler
-        return _denying_handler(handler)
-
-
-async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                        "missing or invalid token: send 'authorization: Bearer <token>' with "
-                        "a token derived from the cluster secret")
-
-
-def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    kwargs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_deny, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(_deny, **kwargs)
-
-
 def _server_credentials(config: MetadataConfig) -> grpc.ServerCredentials:
     """TLS with the service's certificate; with a client CA, mTLS: the handshake fails for a
     client that presents no certificate or one the CA did not sign."""
@@ -225,9 +224,10 @@ class MetadataServer:
     async def start(self) -> int:
         await self.service.start()
         secret = self.config.cluster_secret
-        interceptors = [_AuthInterceptor(secret)] if secret is not None else []
+        verifier = None if secret is None else Verifier(secret, self.config.router_token)
+        interceptors = [AuthInterceptor(verifier)] if verifier is not None else []
         server = grpc.aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
-        pb_grpc.add_MetadataServiceServicer_to_server(_Servicer(self.service, secret), server)
+        pb_grpc.add_MetadataServiceServicer_to_server(_Servicer(self.service, verifier), server)
         address = self.config.address
         if self.config.tls_cert_file:
             self.port = server.add_secure_port(address, _server_credentials(self.config))

@@ -44,6 +44,7 @@ from pdcluster.metadata_service.events import (
     unpack_query,
     unpack_snapshot,
 )
+from pdcluster.metadata_service.identities import ClientKeys, Registrations
 from pdcluster.metadata_service.stall import StallClock
 from pdcluster.metadata_service.store import IndexStore, NodeState
 from pdcluster.metadata_service.watch import NodeWatch, WatchedIndex
@@ -81,6 +82,8 @@ class MetadataService:
         self._stall = StallClock(config.sweep_interval_s, clock, self.forgive_stall)
         self.counters: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
+        self.registrations = Registrations()
+        self.clients = ClientKeys(clock=clock)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -103,9 +106,18 @@ class MetadataService:
 
     def register(self, info: pb.NodeInfo, lease_ttl_s: int) -> tuple[int, int]:
         """Register or refresh a node; returns (granted TTL, last applied seq)."""
+        ttl, seq, _ = self.register_node(info, lease_ttl_s)
+        return ttl, seq
+
+    def register_node(self, info: pb.NodeInfo, lease_ttl_s: int, proof: bytes = b""
+                      ) -> tuple[int, int, bytes]:
+        """`register`, guarded (metadata_service.identities): a live registration of the id
+        is taken over only with its `proof`. Returns (TTL, last seq, registration secret or
+        b"" for an unchanged refresh); raises `RegistrationConflict`."""
         self._checked(info.node_id, check_node_info, info)
         ttl = self.config.clamp_ttl(lease_ttl_s)
         node = self._nodes.get(info.node_id)
+        secret = self.registrations.admit(None if node is None else node.info, info, proof)
         restarted = node is not None and node.epoch != info.epoch
         if node is None:
             node = self._nodes[info.node_id] = _Node(pb.NodeInfo(), ttl, info.epoch)
@@ -119,7 +131,16 @@ class MetadataService:
         self._touch(node)
         self.store.node_up(node.info, ttl, restarted)
         self.node_watch.notify(pb.NodeChange.UP, node.info)
-        return ttl, node.seq
+        return ttl, node.seq, secret
+
+    def release_node(self, node_id: NodeId) -> bool:
+        """An operator's action: forget the id's registration (and its blocks), so that a
+        new key may register it at once. False if it was not registered."""
+        self.registrations.forget(node_id)
+        released = self._drop(node_id)
+        if released:
+            self.store.node_down(node_id)
+        return released
 
     def heartbeat(self, node_id: NodeId, epoch: int) -> bool:
         node = self._nodes.get(node_id)
@@ -341,6 +362,7 @@ class MetadataService:
 
     def _drop(self, node_id: NodeId) -> bool:
         node = self._nodes.pop(node_id, None)
+        self.registrations.forget(node_id)  # the id is free: the next key takes it
         if node is None:
             return False
         self.index.remove_node(node_id)

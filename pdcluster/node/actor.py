@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
-from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.credentials import ClusterSecret, node_principal
 from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.config import EngineConfig
 from pdcluster.node.config import NodeConfig
@@ -23,14 +23,14 @@ class NodeActor:
     role: ClassVar[str]
 
     def __init__(self, node_id: str, model: str, **options: Any) -> None:
-        # The launcher hands the secret over as its hex text in the `cluster_secret` constructor
-        # option (Ray keeps constructor arguments out of logs and the dashboard, unlike a
-        # runtime_env); without it, the worker's own $PDCLUSTER_CLUSTER_SECRET[_FILE].
-        secret = options.get("cluster_secret")
-        if isinstance(secret, str):
-            options["cluster_secret"] = ClusterSecret.from_text(secret)
-        elif secret is None:
-            options["cluster_secret"] = ClusterSecret.from_env()
+        # The launcher hands each node its own bootstrap credential (the token of principal
+        # node/<node_id>, good for registering that id only) as a constructor option: Ray
+        # keeps constructor arguments out of logs and the dashboard, unlike a runtime_env.
+        # Without one, it is derived from the worker's own $PDCLUSTER_CLUSTER_SECRET[_FILE].
+        if options.get("bootstrap_token") is None:
+            secret = ClusterSecret.from_env()
+            if secret is not None:
+                options["bootstrap_token"] = secret.metadata_token(node_principal(node_id))
         if options.get("host") == "auto":  # this pod's address on a cluster, loopback here
             options["host"] = os.environ.get(POD_IP_ENV) or "127.0.0.1"
         engine = EngineConfig.from_options(model, options.pop("engine_options", None) or {})

@@ -1,7 +1,8 @@
 """`BlockingNodeClient`: a blocking client of `NodeServer` (a DEALER socket speaking core.node_wire)
 for tools, benchmarks and tests. Torch-free. The router has its own asyncio link
 (`router.routing.node_link.NodeLink`).
-`curve`: the cluster's CURVE key pair (core.curve); a node refuses a client without it."""
+`curve`: the client's CURVE key pair, `server_key` the node's public key (core.curve; default:
+the shared pair's own, the test mode). A node admits only keys its directory names."""
 
 from __future__ import annotations
 
@@ -11,15 +12,24 @@ import zmq
 
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.curve import secure_client
-from pdcluster.core.node_wire import NodeMessage, RequestError, TokenDelta, decode, encode
+from pdcluster.core.node_wire import (
+    MAX_FRAME_BYTES,
+    NodeMessage,
+    RequestError,
+    TokenDelta,
+    decode,
+    encode,
+)
 
 
 class BlockingNodeClient:
-    def __init__(self, address: str, *, curve: CurveKeys | None) -> None:
+    def __init__(self, address: str, *, curve: CurveKeys | None,
+                 server_key: bytes | None = None) -> None:
         self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if curve is not None:
-            secure_client(self.socket, curve)
+            secure_client(self.socket, curve, server_key)
         self.socket.connect(address)
 
     def send(self, msg: NodeMessage) -> None:

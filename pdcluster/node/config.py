@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.roles import NODE_ROLES, role_names
 from pdcluster.core.tls import ClientTLS
 from pdcluster.engine.config import EngineConfig
@@ -33,9 +33,14 @@ class NodeConfig:
     metadata_tls_cert: str | None = None
     metadata_tls_key: str | None = None
     metadata_tls_server_name: str | None = None
-    # Required (None is refused below): the node's CURVE keys and its metadata-service
-    # credential (principal node/<node_id>) derive from it. Nothing serves a stranger.
-    cluster_secret: ClusterSecret | None = None
+    # The node's bootstrap credential: the metadata-service token of principal node/<node_id>
+    # (ClusterSecret.metadata_token), good for registering this id and nothing else. With it,
+    # the node makes its own CURVE key pair, registers the public half and admits only the
+    # routers and nodes the metadata service names (core.identity).
+    bootstrap_token: str | None = None
+    # The shared-key mode, for unit tests and benchmarks only: serve and connect with this
+    # one pair and admit its holders for everything. None in a cluster.
+    shared_curve: CurveKeys | None = None
     lease_ttl_s: int = 10
     publish_interval_s: float = 0.05
     kv_protocol: str = "tcp"  # "rdma" on a GPU cluster
@@ -63,16 +68,18 @@ class NodeConfig:
             raise ValueError(f"min_pull_blocks must be >= 1, got {self.min_pull_blocks}")
         if not isinstance(self.engine, EngineConfig):
             raise ValueError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
-        if not isinstance(self.cluster_secret, ClusterSecret):
-            raise ValueError(f"node {self.node_id}: cluster_secret (a ClusterSecret, "
-                             "core/credentials.py) is required: a node never serves without it")
+        if self.shared_curve is not None and not isinstance(self.shared_curve, CurveKeys):
+            raise ValueError(f"node {self.node_id}: shared_curve must be CurveKeys")
+        if self.bootstrap_token is not None and not self.bootstrap_token.startswith(
+                f"node/{self.node_id}:"):
+            raise ValueError(f"node {self.node_id}: bootstrap_token is not a credential of "
+                             f"principal node/{self.node_id}")
+        if self.shared_curve is None and (self.metadata_address is None
+                                          or self.bootstrap_token is None):
+            raise ValueError(f"node {self.node_id}: a node needs a metadata service and its "
+                             "bootstrap_token (its identity comes from there), or shared_curve "
+                             "(the shared-key test mode): it never serves strangers")
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
-
-    @property
-    def secret(self) -> ClusterSecret:
-        """`cluster_secret`, which `__post_init__` makes sure is there."""
-        assert self.cluster_secret is not None, "NodeConfig refuses a node without a secret"
-        return self.cluster_secret
 
     @property
     def model(self) -> str:

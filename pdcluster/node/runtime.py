@@ -2,16 +2,24 @@
 (when a metadata service is configured) registration under a lease plus KV event publishing.
 
     runtime = NodeRuntime(NodeConfig(node_id="p0", role="prefill", engine=EngineConfig(path),
-                                     cluster_secret=secret)).start()
+                                     metadata_address=addr, bootstrap_token=token)).start()
     runtime.info()        # addresses: requests, KV side channel, metrics ("" if none)
     runtime.stop()        # drain, deregister, release
+
+Identity (core.identity): the node makes its own CURVE key pair here, serves its request
+socket and KV side channel with it, and registers the public half, its addresses and its
+transfer-engine session with the metadata service under its bootstrap credential. Its key
+directory follows the metadata service (registered nodes and routers), and is what its
+sockets admit and authorise per message. `NodeConfig.shared_curve` is the shared-key test mode.
 """
 
 from __future__ import annotations
 
 import logging
 
-from pdcluster.core.credentials import node_principal
+from pdcluster.core.credentials import CurveKeys, node_principal
+from pdcluster.core.curve import forget_directory
+from pdcluster.core.identity import ROUTER_PREFIX, Directory, Peer
 from pdcluster.engine.api import NodeEngine
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.node.config import NodeConfig
@@ -21,27 +29,43 @@ from pdcluster.node.metrics import MetricsServer, NodeMetrics
 from pdcluster.node.server import NodeServer
 
 logger = logging.getLogger(__name__)
+DIRECTORY_REFRESH_S = 2.0
 
 
 def metadata_client(config: NodeConfig) -> MetadataClient:
     """The node's client of the metadata service: its own principal (the service lets it act
     only as itself), over TLS when the config names a CA."""
     assert config.metadata_address is not None, "no metadata service configured"
-    token = config.secret.metadata_token(node_principal(config.node_id))
-    return MetadataClient(config.metadata_address, token=token,
+    return MetadataClient(config.metadata_address, token=config.bootstrap_token,
                           tls_ca_file=config.metadata_tls_ca,
                           tls_cert_file=config.metadata_tls_cert,
                           tls_key_file=config.metadata_tls_key,
                           tls_server_name=config.metadata_tls_server_name)
 
 
+def registered_peers(client: MetadataClient) -> list[Peer]:
+    """Every key the metadata service vouches for: live nodes' and routers'."""
+    peers = [Peer(node_principal(n.node_id), n.curve_public_key.encode(), n.request_address,
+                  n.kv_address, n.kv_session)
+             for n in client.list_nodes() if n.curve_public_key]
+    peers += [Peer(ROUTER_PREFIX + c.client_id, c.curve_public_key.encode())
+              for c in client.list_clients()]
+    return peers
+
+
 class NodeRuntime:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        curve = config.secret.curve_keys()  # request socket and KV side channel
-        self.engine, self.kv_address = make_engine(config, curve)
+        self.keys = config.shared_curve or CurveKeys.generate()  # never leaves this node
+        self.directory = None if config.shared_curve is not None else self._directory()
+        self.engine, self.kv_address, self.kv_session = make_engine(config, self.keys,
+                                                                    self.directory)
         self.server = NodeServer(self.engine, config.node_id, config.role, config.host,
-                                 config.port, on_step=self._on_step, curve=curve)
+                                 config.port, on_step=self._on_step, curve=self.keys,
+                                 directory=self.directory)
+        if self.directory is not None:  # itself, before the metadata service says so
+            self.directory.grant(Peer(node_principal(config.node_id), self.keys.public,
+                                      self.server.address, self.kv_address, self.kv_session))
         self.metrics = NodeMetrics(config.node_id, config.role)
         self.metrics.observe(self.engine)  # the engine thread has not started yet
         self.metrics_server = (None if config.metrics_port is None else
@@ -54,13 +78,19 @@ class NodeRuntime:
         """Where the node's Prometheus metrics are served; "" when they are not."""
         return self.metrics_server.address if self.metrics_server is not None else ""
 
+    def _directory(self) -> Directory:
+        client = metadata_client(self.config)
+        return Directory(refresh=lambda: registered_peers(client))
+
     def _publisher(self) -> EventPublisherThread:
         cfg, engine = self.config, self.engine
         info = make_node_info(cfg.node_id, cfg.role, request_address=self.server.address,
                               kv_address=self.kv_address, model=cfg.model,
                               metrics_address=self.metrics_address,
                               block_size=engine.block_size,
-                              capacity_blocks=engine.num_kv_blocks)
+                              capacity_blocks=engine.num_kv_blocks,
+                              curve_public_key=b"" if self.directory is None
+                              else self.keys.public, kv_session=self.kv_session)
         return EventPublisherThread(metadata_client(cfg), info, engine.cached_block_media,
                                     cfg.lease_ttl_s, cfg.publish_interval_s)
 
@@ -70,6 +100,9 @@ class NodeRuntime:
             if not self.events.wait_registered(registration_timeout_s):
                 logger.warning("node %s: metadata service not reachable yet; serving anyway, "
                                "registration retries in the background", self.config.node_id)
+        if self.directory is not None:
+            self.directory.refresh_now(force=True)
+            self.directory.follow(DIRECTORY_REFRESH_S)
         self.server.start()
         return self
 
@@ -95,4 +128,7 @@ class NodeRuntime:
         if self.metrics_server is not None:
             self.metrics_server.stop()
         self.engine.close()
+        if self.directory is not None:
+            self.directory.close()
+            forget_directory(self.directory)
         return drained

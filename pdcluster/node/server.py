@@ -14,9 +14,13 @@ dropped request.
 `stop(drain=True)` stops admitting (new requests get "draining"), lets running requests and
 pinned transfers finish, then exits.
 
-Authentication: `curve` is the cluster's CURVE key pair; the socket is a CURVE server that
-admits only clients holding it (core.curve), so nobody without the cluster's credentials can
-submit, abort or query anything. `curve=None` is plaintext, for unit tests only.
+Authentication: `curve` is the node's own CURVE key pair and `directory` the key directory
+(core.identity) that says who each client key is; the socket is a CURVE server that admits
+only keys the directory names (core.curve). Per message: generate requests and load queries
+are served to routers only (a node's own key, or any other, gets "forbidden"), and an abort
+only from the principal that submitted the request. Without a directory, `curve` is the
+shared pair of the test mode (its holders may do everything); `curve=None` is plaintext, for
+unit tests only.
 
 `on_step` (optional) runs after every step on the server thread; nodes use it to hand the
 engine's KV events (`NodeEngine.take_kv_events`) to their metadata publisher. `call(fn)` runs
@@ -38,7 +42,8 @@ from typing import Any
 import zmq
 
 from pdcluster.core.credentials import CurveKeys
-from pdcluster.core.curve import secure_server
+from pdcluster.core.curve import secure_server, sender_principal
+from pdcluster.core.identity import MEMBER, Directory, is_router
 from pdcluster.core.kv_transfer import (
     SOURCE_LOST,
     KVTransferParams,
@@ -47,6 +52,7 @@ from pdcluster.core.kv_transfer import (
     RemotePrefill,
 )
 from pdcluster.core.node_wire import (
+    MAX_FRAME_BYTES,
     AbortRequest,
     GenerateRequest,
     LoadQuery,
@@ -60,6 +66,7 @@ from pdcluster.core.node_wire import (
     decode,
     encode,
 )
+from pdcluster.core.throttle import Throttle
 from pdcluster.core.wire import WireError
 from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.outputs import RequestOutput
@@ -68,9 +75,8 @@ from pdcluster.engine.pins import OverloadedError
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 2
 _IDLE_REFRESH_S = 0.5
-# A frame larger than this is dropped by ZMQ before it is read (the peer is disconnected):
-# a 1M-token prompt packs into about 5 MiB of msgpack.
-MAX_REQUEST_BYTES = 16 << 20
+# A frame larger than this is dropped by ZMQ before it is read (the peer is disconnected).
+MAX_REQUEST_BYTES = MAX_FRAME_BYTES
 
 
 @dataclass(slots=True)
@@ -79,12 +85,13 @@ class ServerStats:
     num_refused: int = 0
     num_malformed: int = 0
     num_aborted: int = 0
+    num_forbidden: int = 0  # messages refused for their sender's principal
 
 
 class NodeServer:
     def __init__(self, engine: NodeEngine, node_id: str, role: str, host: str = "127.0.0.1",
                  port: int = 0, on_step: Callable[[NodeEngine], None] | None = None, *,
-                 curve: CurveKeys | None) -> None:
+                 curve: CurveKeys | None, directory: Directory | None = None) -> None:
         self.engine = engine
         self.node_id, self.role = node_id, role
         self.on_step = on_step
@@ -93,17 +100,20 @@ class NodeServer:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client is not an error
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._curve = curve
         if curve is not None:
-            secure_server(self._socket, curve)
+            secure_server(self._socket, curve, directory)
         if port:
             self._socket.bind(f"tcp://{host}:{port}")
         else:
             port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._owners: dict[str, bytes] = {}  # request id -> client identity
+        self._submitters: dict[str, str] = {}  # request id -> the principal that submitted it
         self._prompt_lens: dict[str, int] = {}
         self._calls: queue.SimpleQueue[tuple[Callable[[NodeEngine], Any], Future]] = \
             queue.SimpleQueue()
+        self._forbid_log = Throttle()
         self._draining = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"node-{node_id}")
@@ -197,27 +207,37 @@ class NodeServer:
     def _drain_socket(self) -> None:
         while True:
             try:
-                identity, frame = self._socket.recv_multipart(zmq.NOBLOCK)
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            except ValueError:  # not exactly two frames
+            if len(frames) != 2:
                 self.stats.num_malformed += 1
                 continue
             try:
-                msg = decode(frame)
+                msg = decode(frames[1].bytes)
             except WireError as exc:
                 self.stats.num_malformed += 1
                 logger.warning("node %s rejected a malformed message: %s", self.node_id, exc)
                 continue
-            self._dispatch(identity, msg)
+            self._dispatch(frames[0].bytes, self._principal(frames[1]), msg)
 
-    def _dispatch(self, identity: bytes, msg: NodeMessage) -> None:
-        if isinstance(msg, GenerateRequest):
-            self._on_generate(identity, msg)
+    def _principal(self, frame: zmq.Frame) -> str | None:
+        if self._curve is None:
+            return MEMBER  # plaintext: unit tests of this room only
+        return sender_principal(self._socket.context, frame)
+
+    def _dispatch(self, identity: bytes, principal: str | None, msg: NodeMessage) -> None:
+        """Each message type for the principals it is for: generate requests and load
+        queries from routers only; an abort from the principal that submitted the request."""
+        if isinstance(msg, GenerateRequest | LoadQuery) and not _may_submit(principal):
+            self._forbid(principal, type(msg).__name__)
+            if isinstance(msg, GenerateRequest):
+                self._send(identity, RequestError(msg.request_id, "forbidden",
+                                                  "only a router may send requests to a node"))
+        elif isinstance(msg, GenerateRequest):
+            self._on_generate(identity, principal, msg)
         elif isinstance(msg, AbortRequest):
-            if self.engine.abort_request(msg.request_id):
-                self.stats.num_aborted += 1
-            self._forget(msg.request_id)
+            self._on_abort(principal, msg)
         elif isinstance(msg, LoadQuery):
             self._send(identity, self.load_report())
         elif isinstance(msg, PrefillLost):
@@ -225,9 +245,26 @@ class NodeServer:
         else:
             self.stats.num_malformed += 1  # a reply type sent to a node
 
+    def _on_abort(self, principal: str | None, msg: AbortRequest) -> None:
+        submitter = self._submitters.get(msg.request_id)
+        if submitter is not None and submitter != principal:
+            self._forbid(principal, "AbortRequest of another's request")
+            return
+        if self.engine.abort_request(msg.request_id):
+            self.stats.num_aborted += 1
+        self._forget(msg.request_id)
+
+    def _forbid(self, principal: str | None, what: str) -> None:
+        self.stats.num_forbidden += 1
+        if self._forbid_log.ready():
+            logger.warning("node %s refused a %s from %s (%d refusals not logged)",
+                           self.node_id, what, principal or "an unknown key",
+                           self._forbid_log.take_suppressed())
+
     # ---- requests ---------------------------------------------------------------------
 
-    def _on_generate(self, identity: bytes, msg: GenerateRequest) -> None:
+    def _on_generate(self, identity: bytes, principal: str | None,
+                     msg: GenerateRequest) -> None:
         if self.draining:
             self._refuse(identity, msg.request_id, "draining", "the node is shutting down")
             return
@@ -249,6 +286,7 @@ class NodeServer:
             return
         self.stats.num_requests += 1
         self._owners[msg.request_id] = identity
+        self._submitters[msg.request_id] = principal or ""
         self._prompt_lens[msg.request_id] = len(msg.prompt_token_ids)
 
     def _on_prefill_lost(self, identity: bytes, msg: PrefillLost) -> None:
@@ -303,6 +341,7 @@ class NodeServer:
 
     def _forget(self, request_id: str) -> None:
         self._owners.pop(request_id, None)
+        self._submitters.pop(request_id, None)
         self._prompt_lens.pop(request_id, None)
 
     def _send(self, identity: bytes, msg: NodeMessage) -> None:
@@ -316,6 +355,10 @@ class NodeServer:
         return LoadReport(self.node_id, self.role, load.num_waiting, load.num_running,
                           load.num_free_blocks, load.num_blocks, load.num_queued_tokens,
                           self.draining, self.engine.kv_costs())
+
+
+def _may_submit(principal: str | None) -> bool:
+    return principal == MEMBER or is_router(principal)
 
 
 def _new_top_logprobs(top: list[list[tuple[int, float]]] | None, num_new: int

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
 from pdcluster.core.roles import Role, role_names
 from pdcluster.core.tls import ClientTLS
 from pdcluster.router.routing.baselines import ROUTINGS
 from pdcluster.router.routing.policy import PolicyConfig
+from pdcluster.router.tenants import ApiKeys
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,7 @@ class NodeSpec:
     role: str
     request_address: str
     kv_address: str = ""
+    curve_public_key: bytes = b""  # the node's own key (Z85); b"": the shared-key test mode
 
     def __post_init__(self) -> None:
         if self.role not in tuple(Role):
@@ -47,10 +49,20 @@ class RouterConfig:
     metadata_tls_cert: str | None = None
     metadata_tls_key: str | None = None
     metadata_tls_server_name: str | None = None
-    # Required (None is refused below): the router's CURVE keys for the node sockets and its
-    # metadata-service credential (principal SERVICE) derive from it.
-    cluster_secret: ClusterSecret | None = None
+    # The router's client credential: its metadata-service token (principal SERVICE: read the
+    # index, register this router's key; never act as a node). The router makes its own CURVE
+    # key pair and registers it, so that nodes admit it. It holds no cluster secret.
+    metadata_token: str | None = None
+    # The shared-key mode, for unit tests and benchmarks only: connect to nodes with this one
+    # pair (static nodes without a metadata service). None in a cluster.
+    shared_curve: CurveKeys | None = None
+    # "tenant:key" or "key" entries (router.tenants): a tenant's requests share a KV
+    # cache with nobody else's
     api_keys: tuple[str, ...] = ()
+    # /metrics and the detailed /health without a key, on their own listener (keep it off
+    # the Ingress); None: the public port serves them behind the API key
+    admin_port: int | None = None
+    admin_host: str = "127.0.0.1"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     # How the nodes name their blocks, so the router can name a prompt's: the own engine's
     # scheme, or vLLM's (core.vllm_hashing) when the nodes run vLLM.
@@ -99,16 +111,18 @@ class RouterConfig:
             raise ValueError("node ids must be unique")
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
-        if not isinstance(self.cluster_secret, ClusterSecret):
-            raise ValueError("cluster_secret (a ClusterSecret, core/credentials.py) is required: "
-                             "the router reaches nodes and the metadata service with it")
+        if self.admin_port is not None and not 0 <= self.admin_port < 65536:
+            raise ValueError(f"admin_port must be in [0, 65536), got {self.admin_port}")
+        if self.shared_curve is not None and not isinstance(self.shared_curve, CurveKeys):
+            raise ValueError("shared_curve must be CurveKeys")
+        if self.metadata_address is not None and not self.metadata_token:
+            raise ValueError("a router with a metadata service needs its metadata_token (the "
+                             "client credential of principal 'service')")
+        if self.shared_curve is None and self.metadata_address is None:
+            raise ValueError("a router needs a metadata service (nodes admit it once it has "
+                             "registered its key there), or shared_curve (the test mode)")
+        ApiKeys(self.api_keys)  # ValueError for a malformed entry
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
-
-    @property
-    def secret(self) -> ClusterSecret:
-        """`cluster_secret`, which `__post_init__` makes sure is there."""
-        assert self.cluster_secret is not None, "RouterConfig refuses a router without a secret"
-        return self.cluster_secret
 
     @property
     def metadata_tls(self) -> ClientTLS | None:

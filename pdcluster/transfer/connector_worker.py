@@ -9,18 +9,22 @@ told. Everything is keyed by transfer id; duplicate and late messages are answer
 ignored, never fatal. Timeouts: a receive not done in `timeout_s` fails (D aborts it at P);
 a send whose request has not come in `timeout_s` releases its blocks. Keep the data plane's
 own timeout (Mooncake's MC_TRANSFER_TIMEOUT) below `timeout_s`, so a write can no longer
-land in blocks D has given up on. Prefix pulls (global prefix reuse, either side) are in
-`transfer.pull_worker.PullWorker`, a part handed the state it shares with this worker
-(`transfer.worker_state.WorkerState`), with the same timeouts and abort rules.
+land in blocks D has given up on. With `peers` (the key directory, core.identity), each
+incoming message is first checked against its sender (transfer/peer_rules.py). Prefix pulls
+(global prefix reuse, either side) are in `transfer.pull_worker.PullWorker`, a part handed
+the state it shares with this worker (`transfer.worker_state.WorkerState`), with the same
+timeouts and abort rules.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from pdcluster.core.identity import Directory
 from pdcluster.core.kv_connector import (
     ConnectorPlan,
     ConnectorResults,
@@ -40,6 +44,8 @@ from pdcluster.core.kv_transfer import (
     XferRequest,
 )
 from pdcluster.transfer.descriptors import coalesce
+from pdcluster.transfer.errors import error_text
+from pdcluster.transfer.peer_rules import PeerRules
 from pdcluster.transfer.pull_worker import Outbox, PullWorker
 from pdcluster.transfer.transport import Transport
 from pdcluster.transfer.worker_state import Recv, Send, WorkerState, WorkerStats
@@ -51,7 +57,7 @@ __all__ = ["ConnectorWorker", "WorkerStats"]
 
 class ConnectorWorker(KVConnectorWorker):
     def __init__(self, transport: Transport, timeout_s: float = 30.0, clock=time.monotonic,
-                 max_parallel_sends: int = 2) -> None:
+                 max_parallel_sends: int = 2, peers: Directory | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
         self._state = WorkerState(transport, timeout_s, clock)
@@ -64,7 +70,9 @@ class ConnectorWorker(KVConnectorWorker):
         # Called (side-channel thread) when a peer's pull waits for the engine to look it up:
         # an engine in other processes (vLLM) may be idle and must be woken to do it.
         self.on_lookup: Callable[[], None] | None = None
-        transport.start(self._on_message)
+        rules = None if peers is None else PeerRules(peers, self._state, self._requester_of,
+                                                     transport.public_key)
+        transport.start(self._on_message, rules)
 
     # ---- engine-facing ----------------------------------------------------------------
 
@@ -246,7 +254,7 @@ class ConnectorWorker(KVConnectorWorker):
                             num_descriptors=num_descriptors)
         except Exception as exc:  # report every failure to D rather than let it time out
             logger.warning("KV send %s for %s failed: %s", tid, job.request_id, exc)
-            done = XferDone(tid, False, error=f"{type(exc).__name__}: {exc}")
+            done = XferDone(tid, False, error=error_text(exc))
         with self._lock:
             self._sends.pop(tid, None)
             self._state.remember(tid, "transfer already finished")
@@ -298,6 +306,13 @@ class ConnectorWorker(KVConnectorWorker):
         return len(src), sum(lengths)
 
     # ---- both sides -------------------------------------------------------------------
+
+    def _requester_of(self, tid: TransferId) -> str | None:
+        """Who asked for `tid` here: its requester's reply address (lock held)."""
+        entry = self._sends.get(tid)
+        if entry is not None and entry.request is not None:
+            return entry.request.reply_addr
+        return self._pulls.requester(tid)
 
     def _on_message(self, msg: SideChannelMessage) -> None:
         if isinstance(msg, XferRequest):
@@ -351,16 +366,26 @@ class ConnectorWorker(KVConnectorWorker):
             outbox.append((entry.request.reply_addr, XferDone(tid, False, error=reason)))
 
     def _flush(self, outbox: Outbox) -> None:
+        """Hand messages to the transport, which never blocks (the engine thread calls this):
+        a request whose source turns out unreachable fails its receive when the transport
+        says so, from its own thread."""
         for address, msg in outbox:
+            on_failure = None
+            if isinstance(msg, XferRequest | PrefixPullRequest):
+                on_failure = functools.partial(self._source_unreachable, msg.transfer_id)
             try:
-                self.transport.send(address, msg)
-            except Exception as exc:  # a dead peer must not break this node
+                self.transport.send(address, msg, on_failure)
+            except Exception as exc:  # a bad or dead peer must not break this node
                 logger.warning("side-channel send to %s failed: %s", address, exc)
-                if isinstance(msg, XferRequest | PrefixPullRequest):
-                    self._fail_recv(msg.transfer_id, f"KV source unreachable: {exc}")
+                if on_failure is not None:
+                    on_failure(str(exc))
+
+    def _source_unreachable(self, tid: TransferId, reason: str) -> None:
+        self._fail_recv(tid, f"KV source unreachable: {reason}")
 
     def _fail_recv(self, tid: TransferId, error: str) -> None:
         with self._lock:
             recv = self._state.recvs.pop(tid, None)
             if recv is not None:
                 self._finish_recv(recv, False, error=error)
+

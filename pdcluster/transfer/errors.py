@@ -7,6 +7,8 @@ Argument mistakes (mismatched lists, non-positive lengths) are `ValueError`, not
 
 from __future__ import annotations
 
+from pdcluster.core.kv_transfer import MAX_ERROR_CHARS
+
 
 class TransferError(RuntimeError):
     """A data-plane operation failed. `code` is the C return code when Mooncake gave one."""
@@ -18,3 +20,8 @@ class TransferError(RuntimeError):
 
 class TransferTimeout(TransferError):
     """A transfer did not complete within the transfer engine's timeout."""
+
+
+def error_text(exc: Exception) -> str:
+    """An exception as the `error` of an `XferDone` (capped on the wire: a long one is cut)."""
+    return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]

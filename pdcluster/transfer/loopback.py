@@ -10,10 +10,11 @@ import ctypes
 import itertools
 import queue
 import threading
+from collections.abc import Callable
 
 from pdcluster.core.kv_transfer import SideChannelMessage, decode, encode
 from pdcluster.transfer.errors import TransferError
-from pdcluster.transfer.side_channel import MessageHandler
+from pdcluster.transfer.side_channel import Authorizer, MessageHandler
 from pdcluster.transfer.transport import Transport
 
 
@@ -76,8 +77,8 @@ class LoopbackTransport(Transport):
     def session_id(self) -> str:
         return self._session_id
 
-    def start(self, on_message: MessageHandler) -> None:
-        self._handler = on_message
+    def start(self, on_message: MessageHandler, authorize: Authorizer | None = None) -> None:
+        self._handler = on_message  # the fake cannot tell senders apart: all are accepted
 
     def deliver(self, msg: SideChannelMessage) -> None:
         if self._handler is not None:
@@ -86,8 +87,9 @@ class LoopbackTransport(Transport):
     def register(self, addr: int, nbytes: int) -> None:
         self._regions.append((addr, nbytes))
 
-    def send(self, address: str, msg: SideChannelMessage) -> None:
-        self._fabric.post(address, msg)
+    def send(self, address: str, msg: SideChannelMessage,
+             on_failure: Callable[[str], None] | None = None) -> None:
+        self._fabric.post(address, msg)  # a lost message is lost silently: the peer times out
 
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
         peer = self._fabric.node(session)

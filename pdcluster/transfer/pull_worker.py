@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdcluster.core.kv_connector import PrefixTokens, PullJob, PullLookup, PullResult, ServeJob
 from pdcluster.core.kv_transfer import PrefixPullRequest, SideChannelMessage, TransferId, XferDone
+from pdcluster.transfer.errors import error_text
 from pdcluster.transfer.worker_state import Recv, ServeTable, WorkerState
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,10 @@ class PullWorker:
         self._write = write
         self._flush = flush
         self._serves = ServeTable()
+
+    def requester(self, transfer_id: TransferId) -> str | None:
+        """The reply address of the peer pulling `transfer_id` from here (lock held)."""
+        return self._serves.requester(transfer_id)
 
     @property
     def num_waiting_lookups(self) -> int:
@@ -120,7 +125,7 @@ class PullWorker:
                             num_descriptors=num_descriptors)
         except Exception as exc:  # report every failure rather than let the requester wait
             logger.warning("prefix pull %s for %s failed: %s", tid, msg.request_id, exc)
-            done = XferDone(tid, False, error=f"{type(exc).__name__}: {exc}")
+            done = XferDone(tid, False, error=error_text(exc))
         with state.lock:
             self._serves.finish(tid)
             state.remember(tid, "transfer already finished")
@@ -152,3 +157,4 @@ class PullWorker:
             reason = "prefix pull expired on the holder"
             self._state.remember(msg.transfer_id, reason)
             outbox.append((msg.reply_addr, XferDone(msg.transfer_id, False, error=reason)))
+

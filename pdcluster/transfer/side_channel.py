@@ -8,17 +8,17 @@ API:
   decodes each frame and calls `handler(msg)`. Bad frames are rejected and counted
   (`.num_rejected`), handler exceptions are counted (`.num_handler_errors`); neither stops
   the loop. `close()` returns within about `poll_interval_s`. Context manager.
-- `SideChannelClient(send_timeout_s=0.5, *, curve=keys)`: `send(address, msg)`, fire and
-  forget, over one cached DEALER socket per address; thread-safe. `close()`.
+- `SideChannelClient` (transfer/side_channel_client.py, re-exported here): `send(address, msg,
+  on_failure)`, fire and forget, never blocking its caller; bounded sockets and queue.
 
-Authentication: with `curve` (the cluster's key pair, `ClusterSecret.curve_keys()`), both ends
-speak ZMQ CURVE (core.curve): a peer without the cluster's keys cannot complete the handshake,
-so it can send nothing (no forged XferRequest, XferDone or PrefixPullRequest) and read nothing.
-`curve=None` is plaintext, for unit tests of this room only; nodes always pass the keys.
+Authentication: with `curve` (the node's own key pair) and `directory` (core.identity: who
+each key is), both ends speak ZMQ CURVE (core.curve): a peer whose key names no registered
+node cannot complete the handshake, so it can send nothing and read nothing. Authorisation:
+`authorize(msg, principal)` (the connector worker's) sees each decoded message with its
+sender's principal before the handler does, and refuses what that principal may not send
+(counted in `num_forbidden`). Without a directory, `curve` is the shared pair of the test
+mode; `curve=None` is plaintext, for unit tests of this room only.
 
-Delivery: `send` returning means the message was queued for a connected peer, not that it was
-handled. If no peer is connected at `address` within `send_timeout_s`, `send` raises
-`TransferError`; it never blocks longer. `close()` drops messages still queued (LINGER=0).
 Both sides share the process's `zmq.Context.instance()` and close only their own sockets.
 """
 
@@ -32,65 +32,62 @@ from collections.abc import Callable
 import zmq
 
 from pdcluster.core.credentials import CurveKeys
-from pdcluster.core.curve import secure_client, secure_server
-from pdcluster.core.kv_transfer import MAX_MESSAGE_BYTES, SideChannelMessage, decode, encode
+from pdcluster.core.curve import secure_server, sender_principal
+from pdcluster.core.identity import MEMBER, Directory
+from pdcluster.core.kv_transfer import MAX_MESSAGE_BYTES, SideChannelMessage, decode
+from pdcluster.core.throttle import Throttle as _Throttle
 from pdcluster.core.wire import WireError
-from pdcluster.transfer.errors import TransferError
+from pdcluster.transfer.side_channel_client import SideChannelClient
+
+__all__ = ["MAX_FRAME_BYTES", "Authorizer", "MessageHandler", "SideChannelClient",
+           "SideChannelServer"]
 
 logger = logging.getLogger(__name__)
 
 MessageHandler = Callable[[SideChannelMessage], None]
+# (message, the sender's principal) -> None to accept it, or why it is refused
+Authorizer = Callable[[SideChannelMessage, str | None], str | None]
 # Frames beyond this are dropped by ZMQ itself (it disconnects the sender) before any memory
-# is spent; frames between MAX_MESSAGE_BYTES and this are received and counted as rejected.
-MAX_FRAME_BYTES = 2 * MAX_MESSAGE_BYTES
-_SEND_HWM = 10_000
+# or decryption is spent; frames between MAX_MESSAGE_BYTES and this are received and counted
+# as rejected.
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + (64 << 10)
 _REASON_CHARS = 200
-
-
-class _Throttle:
-    """Allows a log line at most once per `interval_s`; counts what it suppressed."""
-
-    def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
-        self._interval_s = interval_s
-        self._clock = clock
-        self._next = float("-inf")
-        self.suppressed = 0
-
-    def ready(self) -> bool:
-        now = self._clock()
-        if now < self._next:
-            self.suppressed += 1
-            return False
-        self._next = now + self._interval_s
-        return True
-
-    def take_suppressed(self) -> int:
-        count, self.suppressed = self.suppressed, 0
-        return count
+MAX_STRIKES_PER_S = 50
 
 
 class SideChannelServer:
     """Receives side-channel messages on a ROUTER socket and hands them to `handler` on a
     daemon thread, one at a time, in arrival order per sender. Counters (written by that
     thread only): `num_received` every message, `num_rejected` those refused as malformed,
-    `num_handler_errors` those whose handler raised."""
+    `num_forbidden` those `authorize` refused for their sender, `num_dropped` those dropped
+    undecoded from a sender past `max_strikes_per_s` refused or malformed messages in the
+    current second (with `authorize`: a peer's flood of bad messages costs a lookup each, not
+    a decode), `num_handler_errors` those whose handler raised."""
 
     def __init__(self, handler: MessageHandler, host: str = "127.0.0.1", port: int = 0, *,
-                 curve: CurveKeys | None, poll_interval_s: float = 0.05,
-                 log_interval_s: float = 10.0) -> None:
+                 curve: CurveKeys | None, directory: Directory | None = None,
+                 authorize: Authorizer | None = None, poll_interval_s: float = 0.05,
+                 log_interval_s: float = 10.0,
+                 max_strikes_per_s: int = MAX_STRIKES_PER_S) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {port}")
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be positive, got {poll_interval_s}")
         self._handler = handler
+        self._authorize = authorize
+        self._plaintext = curve is None
         self._poll_ms = max(1, round(poll_interval_s * 1000))
         self.num_received = 0
         self.num_rejected = 0
         self.num_handler_errors = 0
+        self.num_forbidden = 0
+        self.num_dropped = 0
+        self._strikes = _Strikes(max_strikes_per_s)
+        self._forbid_log = _Throttle(log_interval_s)
         self._reject_log = _Throttle(log_interval_s)
         self._error_log = _Throttle(log_interval_s)
         self._stop = threading.Event()
-        self._socket = _router_socket(host, port, curve)
+        self._socket = _router_socket(host, port, curve, directory)
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         # From here on only the loop thread touches the socket (zmq sockets are not
         # thread-safe); it also closes it.
@@ -130,21 +127,35 @@ class SideChannelServer:
     def _drain(self) -> None:
         while not self._stop.is_set():
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self._on_frames(frames)
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
         self.num_received += 1
+        principal = None
+        if self._authorize is not None and len(frames) == 2:
+            principal = (MEMBER if self._plaintext
+                         else sender_principal(self._socket.context, frames[1]))
+            if self._strikes.penalized(principal):
+                self.num_dropped += 1  # a flood of bad messages: not even decoded
+                return
         if len(frames) != 2:  # ROUTER prepends the sender's identity to its one frame
             self._reject(f"expected 1 frame, got {len(frames) - 1}")
             return
         try:
-            msg = decode(frames[1])
+            msg = decode(frames[1].bytes)
         except WireError as exc:
+            self._strikes.strike(principal)
             self._reject(str(exc))
             return
+        if self._authorize is not None:
+            reason = self._authorize(msg, principal)
+            if reason is not None:
+                self._strikes.strike(principal)
+                self._forbid(type(msg).__name__, principal, reason)
+                return
         try:
             self._handler(msg)
         except Exception:
@@ -154,6 +165,13 @@ class SideChannelServer:
                                  "not logged)", self.address, type(msg).__name__,
                                  self._error_log.take_suppressed())
 
+    def _forbid(self, kind: str, principal: str | None, reason: str) -> None:
+        self.num_forbidden += 1
+        if self._forbid_log.ready():
+            logger.warning("side channel %s: refused a %s from %s: %s (%d refusals not "
+                           "logged)", self.address, kind, principal or "an unknown key",
+                           reason[:_REASON_CHARS], self._forbid_log.take_suppressed())
+
     def _reject(self, reason: str) -> None:
         self.num_rejected += 1
         if self._reject_log.ready():
@@ -162,91 +180,40 @@ class SideChannelServer:
                            self._reject_log.take_suppressed(), self.num_rejected)
 
 
-def _router_socket(host: str, port: int, curve: CurveKeys | None) -> zmq.Socket:
+class _Strikes:
+    """Refused or malformed messages per sender principal in the current one-second window
+    (principals are registered ones: the table is as small as the cluster)."""
+
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._limit = limit
+        self._clock = clock
+        self._window = 0.0
+        self._counts: dict[str | None, int] = {}
+
+    def strike(self, principal: str | None) -> None:
+        self._roll()
+        self._counts[principal] = self._counts.get(principal, 0) + 1
+
+    def penalized(self, principal: str | None) -> bool:
+        self._roll()
+        return self._counts.get(principal, 0) >= self._limit
+
+    def _roll(self) -> None:
+        now = self._clock()
+        if now - self._window >= 1.0:
+            self._window, self._counts = now, {}
+
+
+def _router_socket(host: str, port: int, curve: CurveKeys | None,
+                   directory: Directory | None) -> zmq.Socket:
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     if curve is not None:
-        secure_server(sock, curve)
+        secure_server(sock, curve, directory)
     try:
         sock.bind(f"tcp://{host}:{port or '*'}")
     except zmq.ZMQError:
         sock.close(linger=0)
         raise
     return sock
-
-
-class SideChannelClient:
-    """Sends side-channel messages, fire and forget. One DEALER socket per destination,
-    created on first use and guarded by its own lock, so a slow peer holds up only its own
-    senders."""
-
-    def __init__(self, send_timeout_s: float = 0.5, *, curve: CurveKeys | None) -> None:
-        if send_timeout_s <= 0:
-            raise ValueError(f"send_timeout_s must be positive, got {send_timeout_s}")
-        self._send_timeout_ms = max(1, round(send_timeout_s * 1000))
-        self._curve = curve
-        self._lock = threading.Lock()
-        self._sockets: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
-        self._closed = False
-
-    def send(self, address: str, msg: SideChannelMessage) -> None:
-        """Queue `msg` for `address` ("tcp://host:port"). Raises `TransferError` if no peer is
-        connected there within the send timeout, `WireError` if `msg` is too large."""
-        payload = encode(msg)
-        if len(payload) > MAX_MESSAGE_BYTES:
-            raise WireError(f"{type(msg).__name__} of {len(payload)} bytes exceeds "
-                            f"{MAX_MESSAGE_BYTES}")
-        sock, lock = self._socket_for(address)
-        with lock:
-            if self._closed:
-                raise TransferError("side-channel client is closed")
-            try:
-                sock.send(payload, 0, copy=len(payload) < 65536)
-            except zmq.Again:
-                raise TransferError(f"no side-channel peer accepted a message at {address} "
-                                    f"within {self._send_timeout_ms} ms") from None
-
-    def close(self) -> None:
-        """Close every socket (queued messages are dropped). Idempotent."""
-        with self._lock:
-            self._closed = True
-            sockets, self._sockets = list(self._sockets.values()), {}
-        for sock, lock in sockets:
-            with lock:
-                sock.close(linger=0)
-
-    def __enter__(self) -> SideChannelClient:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _socket_for(self, address: str) -> tuple[zmq.Socket, threading.Lock]:
-        with self._lock:
-            if self._closed:
-                raise TransferError("side-channel client is closed")
-            entry = self._sockets.get(address)
-            if entry is None:
-                entry = (self._dealer_socket(address), threading.Lock())
-                self._sockets[address] = entry
-            return entry
-
-    def _dealer_socket(self, address: str) -> zmq.Socket:
-        if not address.startswith("tcp://"):
-            raise ValueError(f"side-channel address must be tcp://host:port, got {address!r}")
-        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # IMMEDIATE: queue only on completed connections, so a dead peer makes send time out
-        # instead of piling messages up; SNDTIMEO also covers a connection still being made.
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
-        sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
-        if self._curve is not None:
-            secure_client(sock, self._curve)
-        try:
-            sock.connect(address)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise ValueError(f"bad side-channel address {address!r}: {exc}") from exc
-        return sock

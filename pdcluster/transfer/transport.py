@@ -9,11 +9,18 @@ in-process fake for unit tests.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from pdcluster.core.credentials import CurveKeys
+from pdcluster.core.identity import Directory
 from pdcluster.core.kv_transfer import SideChannelMessage
 from pdcluster.transfer.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
-from pdcluster.transfer.side_channel import MessageHandler, SideChannelClient, SideChannelServer
+from pdcluster.transfer.side_channel import (
+    Authorizer,
+    MessageHandler,
+    SideChannelClient,
+    SideChannelServer,
+)
 
 
 class Transport(ABC):
@@ -27,16 +34,25 @@ class Transport(ABC):
     def session_id(self) -> str:
         """How peers address this node's registered memory."""
 
+    @property
+    def public_key(self) -> bytes | None:
+        """This end's CURVE public key (None: it has none)."""
+        return None
+
     @abstractmethod
-    def start(self, on_message: MessageHandler) -> None:
-        """Begin delivering incoming messages to `on_message` (from a background thread)."""
+    def start(self, on_message: MessageHandler, authorize: Authorizer | None = None) -> None:
+        """Begin delivering incoming messages to `on_message` (from a background thread),
+        those `authorize(msg, sender principal)` accepts (a transport that cannot tell the
+        sender delivers everything)."""
 
     @abstractmethod
     def register(self, addr: int, nbytes: int) -> None: ...
 
     @abstractmethod
-    def send(self, address: str, msg: SideChannelMessage) -> None:
-        """Fire and forget; never blocks on a dead peer."""
+    def send(self, address: str, msg: SideChannelMessage,
+             on_failure: Callable[[str], None] | None = None) -> None:
+        """Fire and forget; never blocks. A message that cannot be delivered later calls
+        `on_failure(reason)` from another thread (a transport that cannot tell drops it)."""
 
     @abstractmethod
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
@@ -48,14 +64,19 @@ class Transport(ABC):
 
 class MooncakeTransport(Transport):
     """The real transport: ZMQ + msgpack side channel, Mooncake Transfer Engine for bytes
-    (RDMA on a GPU cluster, TCP here). `curve`: the cluster's CURVE key pair, which every
-    side-channel peer must hold (None: plaintext, for unit tests only)."""
+    (RDMA on a GPU cluster, TCP here). `curve`: this node's CURVE key pair, `directory` the
+    registered nodes (core.identity): the side channel admits and writes to those only
+    (without a directory, `curve` is the shared pair of the test mode; None: plaintext, for
+    unit tests only)."""
 
     def __init__(self, mooncake: MooncakeConfig | None = None, host: str = "127.0.0.1",
-                 port: int = 0, *, curve: CurveKeys | None) -> None:
+                 port: int = 0, *, curve: CurveKeys | None,
+                 directory: Directory | None = None) -> None:
         self._engine = MooncakeTransferEngine(mooncake)
-        self._client = SideChannelClient(curve=curve)
+        self._client = SideChannelClient(
+            curve=curve, server_key_for=None if directory is None else directory.server_key_for)
         self._host, self._port, self._curve = host, port, curve
+        self._directory = directory
         self._server: SideChannelServer | None = None
 
     @property
@@ -68,14 +89,20 @@ class MooncakeTransport(Transport):
     def session_id(self) -> str:
         return self._engine.session_id
 
-    def start(self, on_message: MessageHandler) -> None:
-        self._server = SideChannelServer(on_message, self._host, self._port, curve=self._curve)
+    @property
+    def public_key(self) -> bytes | None:
+        return None if self._curve is None else self._curve.public
+
+    def start(self, on_message: MessageHandler, authorize: Authorizer | None = None) -> None:
+        self._server = SideChannelServer(on_message, self._host, self._port, curve=self._curve,
+                                         directory=self._directory, authorize=authorize)
 
     def register(self, addr: int, nbytes: int) -> None:
         self._engine.register(addr, nbytes)
 
-    def send(self, address: str, msg: SideChannelMessage) -> None:
-        self._client.send(address, msg)
+    def send(self, address: str, msg: SideChannelMessage,
+             on_failure: Callable[[str], None] | None = None) -> None:
+        self._client.send(address, msg, on_failure)
 
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
         self._engine.write(session, src, dst, lengths)

@@ -117,6 +117,11 @@ class ServeTable:
     def finish(self, transfer_id: TransferId) -> None:
         self._serves.pop(transfer_id, None)
 
+    def requester(self, transfer_id: TransferId) -> str | None:
+        """The reply address of the peer whose pull this is, or None."""
+        serve = self._serves.get(transfer_id)
+        return None if serve is None else serve.request.reply_addr
+
     def cancel(self, transfer_id: TransferId) -> PrefixPullRequest | None:
         """Forget a pull not yet being written; returns its request (to answer), or None if
         it is unknown or its write is under way (the write answers)."""

@@ -28,7 +28,12 @@ from pdcluster.transfer.connector_worker import ConnectorWorker
 from pdcluster.transfer.mooncake_engine import MooncakeConfig
 from pdcluster.transfer.transport import MooncakeTransport
 from pdcluster.vllm_backend.connector_scheduler import StepPlan
-from pdcluster.vllm_backend.handshake import endpoint, take_curve, write_kv_address
+from pdcluster.vllm_backend.handshake import (
+    endpoint,
+    read_directory,
+    take_curve,
+    write_kv_address,
+)
 from pdcluster.vllm_backend.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
@@ -66,11 +71,12 @@ def _layer_order(name: str) -> tuple[int, str]:
 
 class VllmWorkerSide:
     def __init__(self, settings: ConnectorSettings) -> None:
+        directory = read_directory(settings.handshake_dir)  # None: the shared-key mode
         transport = MooncakeTransport(
             MooncakeConfig(hostname=settings.host, protocol=settings.protocol,
                            device_name=settings.device),
-            host=settings.host, curve=take_curve(settings.handshake_dir))
-        self.worker = ConnectorWorker(transport, timeout_s=settings.timeout_s)
+            host=settings.host, curve=take_curve(settings.handshake_dir), directory=directory)
+        self.worker = ConnectorWorker(transport, timeout_s=settings.timeout_s, peers=directory)
         self.worker.on_lookup = self._announce_lookup
         self._handshake_dir = settings.handshake_dir
         self._announcers: list[zmq.Socket] = []
@@ -86,7 +92,8 @@ class VllmWorkerSide:
         logger.info("pdcluster connector: %d KV segments of %d blocks x %d bytes registered",
                     region.num_segments, num_blocks, region.block_nbytes)
         # Only now can peers be served: tell the node where to send KV requests.
-        write_kv_address(self._handshake_dir, self.worker.transport.reply_address)
+        transport = self.worker.transport
+        write_kv_address(self._handshake_dir, transport.reply_address, transport.session_id)
 
     def start_loads(self, step: StepPlan) -> None:
         plan = step.plan

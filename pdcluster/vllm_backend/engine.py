@@ -30,6 +30,7 @@ from typing import Any
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.events import KVEvent
 from pdcluster.core.hashing import HashConfig
+from pdcluster.core.identity import Directory
 from pdcluster.core.kv_transfer import (
     KVTransferParams,
     PrefixPull,
@@ -65,11 +66,13 @@ class _Tracked:
 
 class VllmEngine(NodeEngine):
     """`connector`: the KV connector's settings (None: no connector, a node that neither
-    sends nor receives KV); `curve`: the node's CURVE keys for the connector's side channel."""
+    sends nor receives KV); `curve`: the node's CURVE keys for the connector's side channel,
+    `directory` the node's key directory (core.identity), copied to the connector's
+    processes (None: the shared-key mode of `curve`)."""
 
     def __init__(self, config: EngineConfig, connector: ConnectorSettings | None = None,
-                 curve: CurveKeys | None = None, start_timeout_s: float = START_TIMEOUT_S
-                 ) -> None:
+                 curve: CurveKeys | None = None, directory: Directory | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
         check_supported(config)
         # vLLM's events must carry the digests the router computes, not a 64-bit fold.
         os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"
@@ -80,6 +83,8 @@ class VllmEngine(NodeEngine):
         self.config = config
         self._handshake = Handshake()
         self._handshake.write_curve(curve)
+        if directory is not None:  # the connector's processes admit whom the node admits
+            directory.subscribe(self._handshake.write_peers)
         settings = connector or ConnectorSettings(str(self._handshake.dir))
         settings = ConnectorSettings(**{**settings.as_extra_config(),
                                         "handshake_dir": str(self._handshake.dir)})
@@ -96,6 +101,7 @@ class VllmEngine(NodeEngine):
             self._llm = self._run(self._start(args), start_timeout_s)
             self.kv_address = (self._handshake.wait_kv_address(start_timeout_s)
                                if connector is not None else "")
+            self.kv_session = self._handshake.kv_session()
         except BaseException:
             self._wake.close()
             self._shutdown_loop()
@@ -112,6 +118,7 @@ class VllmEngine(NodeEngine):
         self._step_times: list[float] = []
         self._has_connector = connector is not None
         self._curve = curve
+        self._directory = directory
         self._notices: SideChannelClient | None = None
 
     async def _start(self, args: dict[str, Any]) -> Any:
@@ -192,7 +199,8 @@ class VllmEngine(NodeEngine):
         if not self._has_connector:
             return False
         if self._notices is None:
-            self._notices = SideChannelClient(curve=self._curve)
+            lookup = None if self._directory is None else self._directory.server_key_for
+            self._notices = SideChannelClient(curve=self._curve, server_key_for=lookup)
         try:
             self._notices.send(self.kv_address, XferDone(transfer_id, False, error=reason))
         except Exception as exc:  # the worker is gone: its receive times out

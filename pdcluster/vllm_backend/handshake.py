@@ -9,8 +9,12 @@ connector through this folder (mode 0700, files 0600, removed when the engine cl
   takes it once (`take_curve`) and leaves a marker in its place: a node killed later (no
   `close`, so the folder stays behind) leaves no key on disk, and a second reader fails
   instead of silently serving without CURVE.
-- `kv-address`: written by the connector's worker once its side channel is bound: the
-  address peers send KV requests to, which the node registers in the metadata service.
+- `kv-address`, `kv-session`: written by the connector's worker once its side channel is
+  bound: the address peers send KV requests to and its transfer-engine session, which the
+  node registers in the metadata service.
+- `peers`: the node's key directory (core.identity), rewritten whenever it changes: whom the
+  connector's side channel admits and which principal may send what (absent: the shared-key
+  mode of `curve`).
 - `kv-events`, `kv-replay`: the `ipc://` endpoints of vLLM's KV event publisher.
 - `wake` (the node listens) and `lookups` (the connector's scheduler side listens): the
   connector's worker announces a peer's prefix pull, which vLLM's scheduler must look up,
@@ -30,9 +34,12 @@ import time
 from pathlib import Path
 
 from pdcluster.core.credentials import CurveKeys
+from pdcluster.core.identity import Directory, Peer
 
 _CURVE = "curve"
 _KV_ADDRESS = "kv-address"
+_KV_SESSION = "kv-session"
+_PEERS = "peers"
 
 
 class Handshake:
@@ -46,6 +53,18 @@ class Handshake:
             return
         payload = json.dumps({"public": keys.public.decode(), "secret": keys.secret.decode()})
         _write_private(self.dir / _CURVE, payload)
+
+    def write_peers(self, peers: list[Peer]) -> None:
+        payload = json.dumps([{"principal": p.principal, "public_key": p.public_key.decode(),
+                               "request_address": p.request_address,
+                               "kv_address": p.kv_address, "kv_session": p.kv_session}
+                              for p in peers])
+        _write_private(self.dir / _PEERS, payload)
+
+    def kv_session(self) -> str:
+        """The connector's transfer-engine session (once the KV address is there)."""
+        path = self.dir / _KV_SESSION
+        return path.read_text().strip() if path.is_file() else ""
 
     def wait_kv_address(self, timeout_s: float, alive=lambda: True) -> str:
         """The connector's side-channel address, once its worker has bound it. `alive`: a
@@ -81,8 +100,25 @@ def take_curve(folder: str | Path) -> CurveKeys | None:
     return CurveKeys(public=data["public"].encode(), secret=data["secret"].encode())
 
 
-def write_kv_address(folder: str | Path, address: str) -> None:
+def write_kv_address(folder: str | Path, address: str, session: str = "") -> None:
+    _write_private(Path(folder) / _KV_SESSION, session)  # before the address: read after it
     _write_private(Path(folder) / _KV_ADDRESS, address)
+
+
+def read_directory(folder: str | Path) -> Directory | None:
+    """The connector's side: a key directory that follows the node's `peers` file (None when
+    the node runs in the shared-key mode)."""
+    path = Path(folder) / _PEERS
+    if not path.is_file():
+        return None
+
+    def peers() -> list[Peer]:
+        return [Peer(p["principal"], p["public_key"].encode(), p["request_address"],
+                     p["kv_address"], p["kv_session"]) for p in json.loads(path.read_text())]
+
+    directory = Directory(refresh=peers, min_refresh_s=0.05)
+    directory.refresh_now(force=True)
+    return directory.follow(0.5)
 
 
 def _write_private(path: Path, text: str) -> None:

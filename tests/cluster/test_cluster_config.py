@@ -8,7 +8,7 @@ from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.launch import router_config
 from pdcluster.engine.config import EngineConfig
 from pdcluster.node.config import NodeConfig
-from tests.cluster_secret import TEST_SECRET
+from tests.cluster_secret import TEST_SECRET, node_token
 
 
 def test_yaml_sections_map_to_fields(tmp_path):
@@ -61,7 +61,7 @@ def test_metadata_tls_reaches_the_router_and_the_node_options():
     assert (tls.ca_file, tls.cert_file, tls.key_file, tls.server_name) == \
         ("/tls/ca.crt", "/c/tls.crt", "/c/tls.key", "meta.svc")
     assert NodeConfig(node_id="p0", role="prefill", engine=EngineConfig("m"),
-                      cluster_secret=TEST_SECRET,
+                      bootstrap_token=node_token("p0"),
                       metadata_address="meta:50061", **fields).metadata_tls == tls
     assert router_config(ClusterConfig(model="m"), "x:1", TEST_SECRET).metadata_tls is None
 

@@ -15,11 +15,20 @@ import pytest
 from pdcluster.cluster import launch
 from pdcluster.cluster.cli_services import _serve_secret
 from pdcluster.cluster.config import ClusterConfig
+from pdcluster.cluster.launch import router_config
 from pdcluster.cluster.ray_cluster import RayCluster
-from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, write_secret_file
+from pdcluster.core.credentials import (
+    ROUTER_TOKEN_ENV,
+    ROUTER_TOKEN_FILE_ENV,
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    SERVICE,
+    ClusterSecret,
+    write_secret_file,
+)
 from pdcluster.node.actor import NodeActor
 from pdcluster.router.config import RouterConfig
-from tests.cluster_secret import TEST_SECRET
+from tests.cluster_secret import TEST_SECRET, node_token
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,15 +44,29 @@ def _env_without_secret(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def test_router_serve_refuses_to_start_without_the_secret(tmp_path) -> None:
+def test_router_serve_refuses_to_start_without_its_client_credential(tmp_path) -> None:
+    """The router takes a client credential, never the cluster secret: the secret alone in
+    its environment is not enough."""
     (tmp_path / "config.json").write_text("{}")
+    env = _env_without_secret(**{SECRET_ENV: TEST_SECRET.to_text()})
+    env.pop(ROUTER_TOKEN_ENV, None)
+    env.pop(ROUTER_TOKEN_FILE_ENV, None)
     proc = subprocess.run(
         [sys.executable, "-m", "pdcluster.cluster.cli", "router", "serve", "--model", str(tmp_path),
          "--metadata", "127.0.0.1:1"],
-        cwd=ROOT, env=_env_without_secret(), capture_output=True, text=True, timeout=60)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "pdcluster router serve needs the cluster secret" in proc.stderr
-    assert SECRET_FILE_ENV in proc.stderr and SECRET_ENV in proc.stderr
+    assert "pdcluster router serve needs the router's client credential" in proc.stderr
+    assert ROUTER_TOKEN_FILE_ENV in proc.stderr and ROUTER_TOKEN_ENV in proc.stderr
+
+
+def test_the_router_token_printed_for_the_router_is_the_service_credential(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdcluster.cluster.cli", "metadata", "router-token"],
+        cwd=ROOT, env=_env_without_secret(**{SECRET_ENV: TEST_SECRET.to_text()}),
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == TEST_SECRET.metadata_token(SERVICE)
 
 
 def test_a_malformed_secret_is_a_usage_error(tmp_path) -> None:
@@ -95,16 +118,20 @@ def test_serve_uses_the_secret_from_the_environment(no_secret_env, monkeypatch, 
     assert capsys.readouterr().out == ""
 
 
-def test_configs_refuse_to_run_without_a_secret() -> None:
-    with pytest.raises(ValueError, match="cluster_secret"):
+def test_configs_refuse_to_run_without_credentials() -> None:
+    with pytest.raises(ValueError, match="metadata service"):
         RouterConfig(model_dir="m")
+    with pytest.raises(ValueError, match="metadata_token"):
+        RouterConfig(model_dir="m", metadata_address="meta:50061")
     with pytest.raises(ValueError, match="external metadata service needs its cluster secret"):
         RayCluster(ClusterConfig(model="m", metadata_address="meta:50061"))
     assert RayCluster(ClusterConfig(model="m")).cluster_secret is not None  # all embedded
 
 
-def test_a_node_actor_takes_the_secret_as_hex_text_or_from_the_environment(
-        no_secret_env, monkeypatch) -> None:
+def test_a_node_actor_gets_its_own_bootstrap_credential_only(no_secret_env,
+                                                             monkeypatch) -> None:
+    """The launcher hands each node actor the token of its own principal, never the secret;
+    without one, the actor derives its own from the worker's secret (if any)."""
     seen = []
     monkeypatch.setattr("pdcluster.node.actor.NodeRuntime",
                         lambda config: seen.append(config) or _Started())
@@ -112,13 +139,25 @@ def test_a_node_actor_takes_the_secret_as_hex_text_or_from_the_environment(
     class Prefill(NodeActor):
         role = "prefill"
 
-    Prefill("p0", "m", cluster_secret=TEST_SECRET.to_text())
+    Prefill("p0", "m", metadata_address="meta:1", bootstrap_token=node_token("p0"))
     monkeypatch.setenv(SECRET_ENV, TEST_SECRET.to_text())
-    Prefill("p1", "m")
-    assert [c.cluster_secret for c in seen] == [TEST_SECRET, TEST_SECRET]
+    Prefill("p1", "m", metadata_address="meta:1")
+    assert [c.bootstrap_token for c in seen] == [node_token("p0"), node_token("p1")]
+    assert not any(isinstance(v, ClusterSecret) for c in seen
+                   for v in (getattr(c, f) for f in c.__dataclass_fields__))
     monkeypatch.delenv(SECRET_ENV)
-    with pytest.raises(ValueError, match="cluster_secret"):
-        Prefill("p2", "m")
+    with pytest.raises(ValueError, match="bootstrap_token"):
+        Prefill("p2", "m", metadata_address="meta:1")
+    with pytest.raises(ValueError, match="not a credential of principal node/p3"):
+        Prefill("p3", "m", metadata_address="meta:1", bootstrap_token=node_token("p0"))
+
+
+def test_the_launcher_gives_the_router_a_client_credential_only() -> None:
+    config = router_config(ClusterConfig(model="m"), "meta:1", TEST_SECRET)
+    assert config.metadata_token == TEST_SECRET.metadata_token(SERVICE)
+    assert not any(isinstance(getattr(config, f), ClusterSecret)
+                   for f in config.__dataclass_fields__)
+    assert config.shared_curve is None  # its own key pair, made when it starts
 
 
 class _Started:

@@ -21,6 +21,7 @@ import pytest
 
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.ray_cluster import RayCluster
+from pdcluster.core.credentials import SERVICE
 from pdcluster.core.hashing import hash_block_tokens
 from pdcluster.metadata_service.client import MetadataClient
 from pdcluster.router.api.server import RouterApp
@@ -56,7 +57,7 @@ class Router:
         self.thread.start()
         config = RouterConfig(model_dir=model_dir, port=0,
                               metadata_address=cluster.metadata_address,
-                              cluster_secret=cluster.cluster_secret,
+                              metadata_token=cluster.cluster_secret.metadata_token(SERVICE),
                               policy=PolicyConfig(block_size=BLOCK, local_prefill_threshold=16),
                               load_interval_s=0.2, node_timeout_s=1.0,
                               max_migrations=max_migrations)

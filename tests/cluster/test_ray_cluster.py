@@ -14,8 +14,9 @@ from pdcluster.cluster.ray_cluster import RayCluster
 from pdcluster.core.hashing import hash_block_tokens
 from pdcluster.core.node_wire import GenerateRequest, PrefixSource, SamplingSpec, TransferSpec
 from pdcluster.metadata_service.client import MetadataClient
-from pdcluster.node.client import BlockingNodeClient, tokens_of
-from tests.cluster_secret import TEST_CURVE, TEST_SECRET
+from pdcluster.node.client import tokens_of
+from tests.cluster_secret import TEST_SECRET
+from tests.identity import router_clients
 from tests.models import random_prompts
 
 ray = pytest.importorskip("ray")
@@ -67,9 +68,12 @@ def wait_restarted(actor, timeout_s: float = 120.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def clients(nodes):
-    made = {n["node_id"]: BlockingNodeClient(n["request_address"], curve=TEST_CURVE)
-            for role in nodes.values() for n in role}
+def clients(nodes, cluster):
+    """A client per node, as a registered router (the nodes admit the keys the metadata
+    service vouches for)."""
+    made = router_clients(cluster.metadata_address, cluster.cluster_secret,
+                          {n["node_id"]: n["request_address"]
+                           for role in nodes.values() for n in role})
     yield made
     for client in made.values():
         client.close()

@@ -87,5 +87,5 @@ def test_encode_refuses_what_the_wire_cannot_carry():
     numpy = pytest.importorskip("numpy")
     with pytest.raises(WireError, match="cannot encode"):
         node_wire.encode(TokenDelta("r", [numpy.int64(3)]))
-    with pytest.raises(WireError, match="exceeds"):
-        kv_transfer.encode(XferDone("t", False, error="x" * (kv_transfer.MAX_MESSAGE_BYTES + 1)))
+    with pytest.raises(WireError, match="XferDone.error holds 4097 items, more than its cap"):
+        kv_transfer.encode(XferDone("t", False, error="x" * (kv_transfer.MAX_ERROR_CHARS + 1)))

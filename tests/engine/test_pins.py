@@ -11,7 +11,13 @@ import time
 
 import pytest
 
-from pdcluster.core.kv_connector import ConnectorResults, PrefixTokens, PullLookup, PullResult
+from pdcluster.core.kv_connector import (
+    ConnectorResults,
+    PrefixTokens,
+    PullLookup,
+    PullResult,
+    RecvResult,
+)
 from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill
 from pdcluster.engine.block_pool import BlockPool
 from pdcluster.engine.kv_cache_manager import KVCacheManager
@@ -43,8 +49,9 @@ def remote_decode(request_id: str, prompt_len: int = 8):
 def test_budget_unit_rules():
     clock = FakeClock()
     budget = PinBudget(4, 1.0, clock)
-    assert budget.try_reserve(("send", "a"), 6)  # alone, it may pass the bound
-    assert not budget.try_reserve(("send", "b"), 1) and budget.num_refused == 1
+    assert not budget.try_reserve(("send", "a"), 6)  # not even alone may one pass the bound
+    assert budget.try_reserve(("send", "a"), 4)
+    assert not budget.try_reserve(("send", "b"), 1) and budget.num_refused == 2
     budget.release(("send", "a"))
     assert budget.try_reserve(("send", "b"), 3) and budget.grant(("serve", "x"), 5) == 1
     assert budget.grant(("serve", "y"), 2) == 0 and budget.num_serves_cut == 2
@@ -126,11 +133,11 @@ def test_served_pulls_are_cut_to_what_the_budget_has_left():
 
 
 def test_a_pull_past_the_budget_is_not_made_and_the_prefix_is_computed():
-    sched, pool, connector = make_scheduler(max_pinned_blocks=4)
+    sched, pool, connector = make_scheduler(max_pinned_blocks=6)
     first, second = pulling(22, 5, "first"), pulling(22, 5, "second")
     sched.add_request(first)
     sched.add_request(second)
-    (chunk,) = step(sched).chunks  # "first" parks (alone, 5 blocks may pass the bound)
+    (chunk,) = step(sched).chunks  # "first" parks: 5 of the 6 blocks
     assert chunk.request_id == "second" and chunk.start == 0  # computed, not pulled
     assert len(connector.build_plan().pulls) == 1 and sched.pulls.num_pulls_skipped >= 1
     assert sched.pins.num_used == 5
@@ -183,3 +190,50 @@ def test_an_unclaimed_send_is_released_after_the_pin_timeout(model_dirs, hf_refe
     finally:
         prefill.close()
         decode.close()
+
+
+def remote_prefill(request_id: str, prompt_len: int):
+    req = make_request(request_id, prompt_len, max_tokens=2)
+    req.kv_transfer = RemotePrefill(f"t-{request_id}", "tcp://prefill:1")
+    return req
+
+
+def test_remote_prefills_hold_their_blocks_within_the_budget():
+    """Blocks a decode node parks for a prefill node's write count against the budget: past
+    it, a remote prefill waits for room (like a request the pool cannot take yet)."""
+    sched, pool, connector = make_scheduler(max_pinned_blocks=6)
+    for name in "abc":
+        sched.add_request(remote_prefill(name, 3 * BLOCK_SIZE))  # 3 blocks each
+    step(sched)
+    assert sorted(sched.waiting_for_remote) == ["a", "b"] and sched.pins.num_used == 6
+    assert [r.request_id for r in sched.waiting] == ["c"]
+    assert [job.request_id for job in connector.build_plan().recvs] == ["a", "b"]
+    sched.apply_connector_results(ConnectorResults(received=[RecvResult("a", True, 5, None)]))
+    assert sched.pins.num_used == 3  # a's blocks are its own now
+    step(sched)
+    assert sorted(sched.waiting_for_remote) == ["b", "c"] and sched.pins.num_used == 6
+    sched.finish_request("b", RequestStatus.FINISHED_ABORTED)  # pinned until P answers
+    sched.apply_connector_results(ConnectorResults(
+        received=[RecvResult("b", False, error="aborted"), RecvResult("c", False, error="x")]))
+    assert sched.pins.num_used == 0  # b released, c recomputes its prompt itself
+    run_all(sched)
+    assert_pool_clean(pool)
+
+
+def test_a_remote_prefill_past_the_whole_budget_computes_its_prompt():
+    sched, pool, connector = make_scheduler(max_pinned_blocks=2)
+    sched.add_request(remote_prefill("big", 3 * BLOCK_SIZE))
+    (chunk,) = step(sched).chunks
+    assert (chunk.request_id, chunk.start) == ("big", 0)  # computed here, not parked
+    assert connector.build_plan().cancelled == ["t-big"]
+    assert sched.num_remote_prefills_computed == 1 and sched.pins.num_used == 0
+    run_all(sched)
+    assert_pool_clean(pool)
+
+
+def test_a_remote_decode_past_the_whole_budget_is_refused_even_alone():
+    sched, pool, _ = make_scheduler(max_pinned_blocks=4)
+    with pytest.raises(OverloadedError, match="more than this node holds for other nodes"):
+        sched.add_request(remote_decode("big", prompt_len=5 * BLOCK_SIZE))
+    assert sched.pins.num_used == 0 and sched.pins.num_refused == 1
+    assert_pool_clean(pool)

@@ -10,6 +10,7 @@ from pdcluster.core.kv_connector import ConnectorResults, PrefixTokens, PullLook
 from pdcluster.core.kv_transfer import PrefixPull, RemoteDecode
 from pdcluster.engine.block_pool import BlockPool
 from pdcluster.engine.kv_cache_manager import KVCacheManager
+from pdcluster.engine.prefix_pulls import _Lookup
 from pdcluster.engine.request import RequestStatus
 from pdcluster.engine.scheduler import Scheduler, SchedulerConfig
 from pdcluster.transfer.connector_scheduler import ConnectorScheduler
@@ -139,4 +140,58 @@ def test_holder_honours_the_cache_salt(salt, block_size, expect_blocks):
     (serve,) = connector.build_plan().serves
     assert len(serve.block_ids) == expect_blocks
     sched.apply_connector_results(ConnectorResults(served=["pull-1"]))
+    assert_pool_clean(pool)
+
+
+def test_a_huge_lookup_is_hashed_a_bounded_slice_per_step():
+    """A peer naming 64 blocks costs at most `max_hash_blocks_per_step` hashes per step; the
+    lookup resolves over several steps, and stops at the first block this node lacks."""
+    sched, pool, connector = make_scheduler(num_blocks=16)
+    held = make_request("h", 22)
+    sched.add_request(held)
+    run_all(sched)
+    sched.pulls.max_hash_blocks_per_step = 2
+    tokens = list(held.prompt_token_ids[:20]) + [7] * (60 * BLOCK_SIZE)
+    lookup = PullLookup("pull-1", PrefixTokens(tokens, BLOCK_SIZE, 0))
+    sched.apply_connector_results(ConnectorResults(lookups=[lookup]))
+    assert len(sched.pulls.pending["pull-1"].hashes) == 2 and sched.pulls.pending
+    assert not connector.build_plan().serves  # not resolved yet: the engine steps on
+    steps = 1
+    while sched.pulls.pending:
+        sched.apply_connector_results(ConnectorResults())
+        steps += 1
+    (serve,) = connector.build_plan().serves
+    assert len(serve.block_ids) == 5 and steps == 3  # 6 blocks hashed: 5 hits, then a miss
+    sched.apply_connector_results(ConnectorResults(served=["pull-1"]))
+    assert_pool_clean(pool)
+
+
+def test_a_lookup_never_hashes_past_what_the_pool_could_hold():
+    sched, pool, connector = make_scheduler(num_blocks=16)
+    hashed: list[int] = []
+    advance = _Lookup.advance
+
+    def counting(self, budget, kv):
+        hashed.append(advance(self, budget, kv))
+        return hashed[-1]
+
+    prefix = PrefixTokens([1] * (1000 * BLOCK_SIZE), BLOCK_SIZE, 100)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_Lookup, "advance", counting)
+        sched.apply_connector_results(ConnectorResults(lookups=[PullLookup("pull-1", prefix)]))
+    assert sum(hashed) == 100 + 16  # the requester's own blocks, then at most a pool's worth
+    (serve,) = connector.build_plan().serves
+    assert serve.block_ids == []
+    sched.apply_connector_results(ConnectorResults(served=["pull-1"]))
+    assert_pool_clean(pool)
+
+
+def test_a_lookup_released_while_being_hashed_references_nothing():
+    sched, pool, connector = make_scheduler()
+    sched.pulls.max_hash_blocks_per_step = 1
+    prefix = PrefixTokens([1] * (8 * BLOCK_SIZE), BLOCK_SIZE, 0)
+    sched.apply_connector_results(ConnectorResults(lookups=[PullLookup("pull-1", prefix)]))
+    sched.apply_connector_results(ConnectorResults(served=["pull-1"]))  # expired meanwhile
+    assert not sched.pulls.pending and not sched.pulls.serving
+    assert sched.pins.num_used == 0
     assert_pool_clean(pool)

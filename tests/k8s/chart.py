@@ -59,7 +59,8 @@ VALUE_SETS: dict[str, dict] = {
                  "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"}},
     },
     "rdma-off": {"rdma": {"enabled": False}},
-    "rdma-host-network": {"rdma": {"enabled": True, "hostNetwork": True},
+    "rdma-host-network": {"rdma": {"enabled": True, "hostNetwork": True,
+                                   "acknowledgeUnfencedHostNetwork": True},
                           "networkPolicy": {"nodeCIDRs": ["10.0.0.0/16", "fd00:10::/64"]}},
     "launcher-job": {"launcher": {"mode": "job", "job": {"workingDir": "/opt/pdcluster"}}},
     "launcher-rayjob-http": {"launcher": {"rayJob": {"submissionMode": "HTTPMode"}}},
@@ -79,7 +80,8 @@ VALUE_SETS: dict[str, dict] = {
                        "grafanaDashboard": {"enabled": True}},
     },
     "existing-secret-no-ray-auth": {"secrets": {"existingSecret": "pd-secrets"},
-                                    "ray": {"auth": {"enabled": False}}},
+                                    "ray": {"auth": {"enabled": False,
+                                                     "acknowledgeDisabled": True}}},
     "network-policy-off": {"networkPolicy": {"enabled": False},
                            "router": {"host": "0.0.0.0"}},
     "network-policy-restricted": {
@@ -136,9 +138,23 @@ def write_values(values: dict, folder: Path) -> Path:
     return path
 
 
+# The chart refuses an open router (issue 24): a value set that gives no API keys, no existing
+# Secret and no acknowledgement renders with this test key.
+TEST_API_KEYS = ["sk-chart-test-0123456789"]
+
+
+def with_api_keys(values: dict) -> dict:
+    values = copy.deepcopy(values)
+    router = values.setdefault("router", {})
+    if not ((values.get("secrets") or {}).get("existingSecret") or "apiKeys" in router
+            or router.get("acknowledgeOpenApi")):
+        router["apiKeys"] = TEST_API_KEYS
+    return values
+
+
 def template(values: dict, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_values(values, Path(tmp))
+        path = write_values(with_api_keys(values), Path(tmp))
         return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(path),
                     *extra, check=check)
 

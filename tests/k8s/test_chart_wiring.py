@@ -30,6 +30,7 @@ from tests.k8s.chart import (
     pod_specs,
     pod_templates,
     render,
+    with_api_keys,
     write_values,
 )
 
@@ -135,7 +136,8 @@ def test_pdbs_can_be_disabled() -> None:
 
 @pytest.mark.parametrize("release", ["pd", "a-rather-long-release-name-for-a-production-cluster"])
 def test_names_fit_kubernetes_limits(release: str) -> None:
-    out = helm("template", release, str(CHART), "--set", "launcher.mode=job").stdout
+    out = helm("template", release, str(CHART), "--set", "launcher.mode=job",
+               "--set", "router.acknowledgeOpenApi=true").stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     for doc in docs:
         name = doc["metadata"]["name"]
@@ -150,24 +152,28 @@ def test_names_fit_kubernetes_limits(release: str) -> None:
 def test_secret_holds_given_secrets_and_api_keys() -> None:
     import base64
 
-    values = {"secrets": {"clusterSecret": "ab" * 32, "rayAuthToken": "r" * 32},
+    values = {"secrets": {"clusterSecret": "ab" * 32, "rayAuthToken": "r" * 32,
+                          "routerToken": "t" * 40},
               "router": {"apiKeys": ["sk-aaaaaaaaaaaaaaaa", "sk-bbbbbbbbbbbbbbbb"]}}
     secret = one(render(values), "Secret")
     data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
     assert data == {"cluster-secret": "ab" * 32, "auth_token": "r" * 32,
+                    "router-token": "t" * 40,
                     "api-keys": "sk-aaaaaaaaaaaaaaaa,sk-bbbbbbbbbbbbbbbb"}
+    # an uninstall or a GitOps prune keeps the credentials every pod holds
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
 def test_generated_secrets_and_no_api_keys_by_default() -> None:
     import base64
 
-    secret = one(render({}), "Secret")
-    assert set(secret["data"]) == {"cluster-secret", "auth_token"}
+    secret = one(render({"router": {"acknowledgeOpenApi": True}}), "Secret")
+    assert set(secret["data"]) == {"cluster-secret", "router-token", "auth_token"}
     cluster_secret = base64.b64decode(secret["data"]["cluster-secret"]).decode()
     # 32 bytes as hex: what core.credentials.ClusterSecret.from_text reads
     assert re.fullmatch(r"[0-9a-f]{64}", cluster_secret), cluster_secret
     # generated afresh by each render (an install); an upgrade reads the live one back
-    again = one(render({"router": {"port": 8001}}), "Secret")
+    again = one(render({"router": {"port": 8001, "acknowledgeOpenApi": True}}), "Secret")
     assert again["data"]["cluster-secret"] != secret["data"]["cluster-secret"]
 
 
@@ -231,8 +237,13 @@ def test_router_command_env_and_service() -> None:
             "--global-reuse-min-tokens=512"} <= set(router["args"])
     env = env_of(router)
     assert env["PDCLUSTER_API_KEYS"]["valueFrom"]["secretKeyRef"]["key"] == "api-keys"
-    assert env["PDCLUSTER_CLUSTER_SECRET_FILE"]["value"] \
-        == "/var/run/secrets/pdcluster/cluster-secret"
+    # the router holds its client credential, never the cluster secret
+    assert env["PDCLUSTER_ROUTER_TOKEN_FILE"]["value"] \
+        == "/var/run/secrets/pdcluster-router/router-token"
+    assert "PDCLUSTER_CLUSTER_SECRET_FILE" not in env
+    assert "--admin-port=9091" in router["args"]
+    assert {p["name"]: p["containerPort"] for p in router["ports"]} == {"http": 8000,
+                                                                        "admin": 9091}
     assert router["readinessProbe"]["httpGet"]["path"] == "/health"
     ingress = one(docs, "Ingress")
     assert ingress["spec"]["ingressClassName"] == "nginx"
@@ -332,14 +343,14 @@ def render_notes(values: dict, tmp_path: Path) -> str:
     (chart / "templates" / "test-notes.yaml").write_text(
         "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
         '  notes: {{ include "test.notes" . | quote }}\n')
-    path = write_values(values, tmp_path)
+    path = write_values(with_api_keys(values), tmp_path)
     out = helm("template", RELEASE, str(chart), "--namespace", "serving", "-f", str(path),
                "--show-only", "templates/test-notes.yaml").stdout
     return yaml.safe_load(out)["data"]["notes"]
 
 
 def test_notes_tell_how_to_call_the_endpoint(tmp_path) -> None:
-    notes = render_notes({}, tmp_path)
+    notes = render_notes({"router": {"acknowledgeOpenApi": True}}, tmp_path)
     # the router binds its pod IP: no port-forward, a client pod calls the Service
     assert "port-forward svc/pd-pdcluster-router" not in notes
     assert "run pd-client --rm -it --restart=Never --image=curlimages/curl -- sh" in notes

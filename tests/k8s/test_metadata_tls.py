@@ -17,7 +17,7 @@ from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.launch import router_config
 from pdcluster.metadata_service.config import MetadataConfig
 from pdcluster.router.config import RouterConfig
-from tests.cluster_secret import TEST_SECRET
+from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET
 from tests.k8s.chart import (
     CHART,
     KUBE_VERSIONS,
@@ -142,7 +142,7 @@ def test_flags_and_cluster_yaml_build_tls_configs(name: str) -> None:
     router_args = parser.parse_args(command_of(values, "router"))
     assert metadata_tls_fields(router_args) == expected
     RouterConfig(model_dir=router_args.model, metadata_address=router_args.metadata,
-                 cluster_secret=TEST_SECRET, **metadata_tls_fields(router_args))
+                 metadata_token=SERVICE_TOKEN, **metadata_tls_fields(router_args))
     service = parser.parse_args(command_of(values, "metadata"))
     assert (service.tls_cert, service.tls_key) == (f"{SERVER_DIR}/tls.crt",
                                                    f"{SERVER_DIR}/tls.key")

@@ -35,8 +35,12 @@ pytestmark = needs_helm
 SETS = sorted(VALUE_SETS)
 SECRET_DIR = "/var/run/secrets/pdcluster"
 SECRET_FILE = f"{SECRET_DIR}/cluster-secret"
-# Pods that run pdcluster code, hence present cluster credentials.
+# Pods that run pdcluster code, hence present credentials: the cluster secret everywhere but
+# in the router, which holds its client credential only (issue 24); the metadata service
+# holds both (it accepts the router's).
 CONSUMERS = {"router", "metadata", "ray-head", "ray-prefill", "ray-decode"}
+ROUTER_TOKEN_DIR = "/var/run/secrets/pdcluster-router"
+CREDENTIALS = {"router": ["router-token"], "metadata": ["cluster-secret", "router-token"]}
 
 
 def values_of(name: str) -> dict:
@@ -69,22 +73,33 @@ def test_cluster_secret_is_mounted_into_every_consumer(name: str) -> None:
             # etcd and the launcher Job run no pdcluster code: they get no credential
             assert not volumes, component
             continue
-        (volume,) = volumes
-        assert volume["secret"] == {"secretName": secret_name, "defaultMode": 0o400,
-                                    "items": [{"key": "cluster-secret",
-                                               "path": "cluster-secret"}]}, component
+        keys = CREDENTIALS.get(component, ["cluster-secret"])
+        assert [v["secret"]["items"][0]["key"] for v in volumes] == keys, component
         (container,) = spec["containers"]
-        mounts = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
-        assert mounts == [{"name": volume["name"], "mountPath": SECRET_DIR, "readOnly": True}]
-        assert env_of(container)["PDCLUSTER_CLUSTER_SECRET_FILE"] == {
-            "name": "PDCLUSTER_CLUSTER_SECRET_FILE", "value": SECRET_FILE}
-        assert "PDCLUSTER_CLUSTER_SECRET" not in env_of(container)  # never in the env
+        env = env_of(container)
+        for volume in volumes:
+            key = volume["secret"]["items"][0]["key"]
+            assert volume["secret"] == {"secretName": secret_name, "defaultMode": 0o400,
+                                        "items": [{"key": key, "path": key}]}, component
+            mounts = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+            directory = SECRET_DIR if key == "cluster-secret" else ROUTER_TOKEN_DIR
+            assert mounts == [{"name": volume["name"], "mountPath": directory,
+                               "readOnly": True}]
+        assert ("PDCLUSTER_CLUSTER_SECRET_FILE" in env) == ("cluster-secret" in keys)
+        if "cluster-secret" in keys:
+            assert env["PDCLUSTER_CLUSTER_SECRET_FILE"] == {
+                "name": "PDCLUSTER_CLUSTER_SECRET_FILE", "value": SECRET_FILE}
+        if "router-token" in keys:
+            assert env["PDCLUSTER_ROUTER_TOKEN_FILE"]["value"] == \
+                f"{ROUTER_TOKEN_DIR}/router-token"
+        assert "PDCLUSTER_CLUSTER_SECRET" not in env  # never in the env
         user = container.get("securityContext", {}).get("runAsUser", 0)
         if user:
             # a Secret's files are root's: the pod's fsGroup is what lets the service read it
             assert spec["securityContext"]["fsGroup"] == user, component
         for init in spec.get("initContainers", []):
-            assert not any(m["name"] == volume["name"] for m in init.get("volumeMounts", []))
+            assert not any(m["name"] == v["name"] for v in volumes
+                           for m in init.get("volumeMounts", []))
 
 
 def test_long_cluster_secret_is_accepted() -> None:
@@ -307,10 +322,14 @@ def test_network_policies(name: str) -> None:
                                                           operator_ns)
     if "launcher" in pods:
         assert not ok(STRANGER, "launcher", 8080) and not ok("ray-head", "launcher", 8080)
-    # metrics: Prometheus (in its namespace) scrapes the router and the Ray pods' metrics port
+    # metrics: Prometheus (in its namespace) scrapes the router's admin port and the Ray
+    # pods' metrics port; nobody else reaches the router's admin port
     metrics_ns = "monitoring"
     prom = PROMETHEUS
-    assert ok(prom, "router", router_port, metrics_ns)
+    admin_port = values["router"]["adminPort"]
+    assert ok(prom, "router", admin_port, metrics_ns)
+    assert not ok(STRANGER, "router", admin_port)
+    assert not ok(prom, "router", admin_port, "elsewhere")  # the label alone is not enough
     for dst in ray:
         assert ok(prom, dst, 8080, metrics_ns), dst
         assert not ok(prom, dst, 6379, metrics_ns), dst
@@ -339,3 +358,40 @@ def test_network_policies_render_the_given_peers() -> None:
     (rule,) = head["spec"]["ingress"]
     assert rule["from"][1:] == values["rayDashboardFrom"]
     assert {"ipBlock": {"cidr": "192.168.0.0/24"}} in rule["from"]
+
+
+# --- what the chart refuses without an acknowledgement (issue 24) ---------------------------
+
+
+@pytest.mark.parametrize("values, match", [
+    ({"ray": {"auth": {"enabled": False}}}, "ray.auth.enabled is false"),
+    ({"router": {"apiKeys": []}}, "router.apiKeys is empty"),
+    ({"rdma": {"enabled": True, "hostNetwork": True},
+      "networkPolicy": {"nodeCIDRs": ["10.0.0.0/16"]}}, "rdma.hostNetwork puts the Ray"),
+    ({"networkPolicy": {"metricsFrom": [{"namespaceSelector": {}, "podSelector": {
+        "matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]}},
+     "networkPolicy.metricsFrom: a namespaceSelector must name"),
+    ({"networkPolicy": {"rayDashboardFrom": [{"namespaceSelector": {"matchLabels": {
+        "team": "ops"}}}]}}, "networkPolicy.rayDashboardFrom: a namespaceSelector"),
+    ({"networkPolicy": {"routerIngressFrom": [{"namespaceSelector": {}}]}},
+     "networkPolicy.routerIngressFrom"),
+], ids=["ray-auth-off", "open-api", "host-network", "any-namespace-metrics",
+        "other-label-dashboard", "any-namespace-ingress"])
+def test_the_chart_refuses_an_unfenced_setting_unless_acknowledged(values, match) -> None:
+    refused = template(values, check=False)
+    assert refused.returncode != 0 and match in refused.stderr, refused.stderr[-500:]
+
+
+@pytest.mark.parametrize("values", [
+    {"ray": {"auth": {"enabled": False, "acknowledgeDisabled": True}}},
+    {"router": {"apiKeys": [], "acknowledgeOpenApi": True}},
+    {"secrets": {"existingSecret": "pd-secrets"}},  # the keys are that Secret's business
+    {"rdma": {"enabled": True, "hostNetwork": True, "acknowledgeUnfencedHostNetwork": True},
+     "networkPolicy": {"nodeCIDRs": ["10.0.0.0/16"]}},
+    {"networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In",
+         "values": ["monitoring"]}]}}]}},
+], ids=["ray-auth-off-acknowledged", "open-api-acknowledged", "existing-secret",
+        "host-network-acknowledged", "namespace-by-expression"])
+def test_the_acknowledged_or_fenced_setting_renders(values) -> None:
+    assert template(values).returncode == 0

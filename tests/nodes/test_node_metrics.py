@@ -6,6 +6,7 @@ registration in the metadata service."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
@@ -19,7 +20,7 @@ from pdcluster.node.client import BlockingNodeClient, tokens_of
 from pdcluster.node.config import NodeConfig
 from pdcluster.node.metrics import MetricsServer, NodeMetrics
 from pdcluster.node.runtime import NodeRuntime
-from tests.cluster_secret import TEST_CURVE, TEST_SECRET
+from tests.cluster_secret import TEST_CURVE, TEST_SECRET, node_credentials
 from tests.metadata_service.helpers import make_config
 from tests.models import random_prompts
 
@@ -30,7 +31,7 @@ def start_node(model: str, node_id: str, role: str, metadata_address: str | None
     return NodeRuntime(NodeConfig(node_id=node_id, role=role,
                                   engine=EngineConfig(model, **OPTIONS), metrics_port=0,
                                   metadata_address=metadata_address, publish_interval_s=0.02,
-                                  cluster_secret=TEST_SECRET)).start()
+                                  **node_credentials(node_id))).start()
 
 
 def scrape(node: NodeRuntime) -> dict[tuple[str, tuple], float]:
@@ -45,6 +46,17 @@ def scrape(node: NodeRuntime) -> dict[tuple[str, tuple], float]:
             extra = tuple(sorted((k, v) for k, v in s.labels.items()
                                  if k not in ("node", "role")))
             samples[(s.name, extra)] = s.value
+    return samples
+
+
+def scrape_settled(node: NodeRuntime) -> dict[tuple[str, tuple], float]:
+    """`scrape` once the last step's figures are in: the server sends a step's outputs before
+    its `on_step` observes the engine, so a client can see its last token first."""
+    deadline = time.monotonic() + 5
+    samples = scrape(node)
+    while samples[("pdcluster_node_requests_running", ())] and time.monotonic() < deadline:
+        time.sleep(0.02)
+        samples = scrape(node)
     return samples
 
 
@@ -71,7 +83,7 @@ def test_prefix_hit_tokens_move_after_a_repeated_prompt(model_dirs):
         for rid in ("first", "again"):
             wire.send(GenerateRequest(rid, prompt, sampling(3)))
             assert len(tokens_of(wire.collect({rid})[rid])) == 3
-        after = scrape(node)
+        after = scrape_settled(node)
         # 41 tokens = 5 full blocks of 8: the second run finds all 40 of them cached
         assert after[("pdcluster_node_prefix_queried_tokens_total", ())] == 82
         assert after[("pdcluster_node_prefix_hit_tokens_total", ())] == 40
@@ -132,7 +144,7 @@ def test_blocks_sent_and_received_move_after_a_transfer(model_dirs, metadata):
 def test_no_metrics_endpoint_unless_asked(model_dirs):
     node = NodeRuntime(NodeConfig(node_id="quiet", role="decode",
                                   engine=EngineConfig(model_dirs["llama-gqa"], **OPTIONS),
-                                  cluster_secret=TEST_SECRET)).start()
+                                  **node_credentials("quiet"))).start()
     try:
         assert node.metrics_address == "" and node.info()["metrics_address"] == ""
         assert b"pdcluster_node_requests_waiting" in node.metrics.render()
@@ -155,7 +167,7 @@ def test_a_port_in_use_falls_back_to_a_free_one():
 def test_metrics_port_is_validated():
     with pytest.raises(ValueError, match="metrics port"):
         NodeConfig(node_id="x", role="prefill", engine=EngineConfig("m"), metrics_port=70000,
-                   cluster_secret=TEST_SECRET)
+                   **node_credentials("x"))
 
 
 def test_speculative_decoding_acceptance_is_exported(model_dirs):
@@ -164,7 +176,7 @@ def test_speculative_decoding_acceptance_is_exported(model_dirs):
     model = model_dirs["llama-gqa"]
     engine = EngineConfig(model, speculative=f"draft:{model},k=3", **OPTIONS)
     node = NodeRuntime(NodeConfig(node_id="d-spec", role="decode", engine=engine,
-                                  metrics_port=0, cluster_secret=TEST_SECRET)).start()
+                                  metrics_port=0, **node_credentials("d-spec"))).start()
     client = BlockingNodeClient(node.server.address, curve=TEST_CURVE)
     try:
         prompt = random_prompts(1, 12, 12, seed=5)[0]

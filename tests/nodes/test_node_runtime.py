@@ -16,7 +16,7 @@ from pdcluster.metadata_service.server import ServerThread
 from pdcluster.node.client import BlockingNodeClient, tokens_of
 from pdcluster.node.config import NodeConfig
 from pdcluster.node.runtime import NodeRuntime
-from tests.cluster_secret import TEST_CURVE, TEST_SECRET
+from tests.cluster_secret import TEST_CURVE, TEST_SECRET, node_credentials, node_token
 from tests.helpers import assert_pool_clean
 from tests.metadata_service.helpers import make_config
 from tests.models import random_prompts
@@ -36,7 +36,7 @@ def start_node(model: str, node_id: str, role: str, metadata_address: str | None
     return NodeRuntime(NodeConfig(node_id=node_id, role=role, engine=EngineConfig(model, **OPTIONS),
                                   metadata_address=metadata_address,
                                   lease_ttl_s=2, publish_interval_s=0.02,
-                                  cluster_secret=TEST_SECRET)).start()
+                                  **node_credentials(node_id))).start()
 
 
 def until(condition, timeout_s: float = 10.0) -> None:
@@ -81,7 +81,7 @@ def test_node_serves_without_a_reachable_metadata_service(model_dirs):
     engine = EngineConfig(model_dirs["llama-gqa"], **OPTIONS)
     node = NodeRuntime(NodeConfig(node_id="lonely", role="decode", engine=engine,
                                   metadata_address="127.0.0.1:1",
-                                  publish_interval_s=0.02, cluster_secret=TEST_SECRET))
+                                  publish_interval_s=0.02, **node_credentials("lonely")))
     node.start(registration_timeout_s=0.5)
     wire = BlockingNodeClient(node.server.address, curve=TEST_CURVE)
     try:
@@ -96,13 +96,13 @@ def test_node_serves_without_a_reachable_metadata_service(model_dirs):
 def test_config_is_validated():
     engine = EngineConfig("m")
     with pytest.raises(ValueError, match="role"):
-        NodeConfig(node_id="x", role="both", engine=engine, cluster_secret=TEST_SECRET)
+        NodeConfig(node_id="x", role="both", engine=engine, shared_curve=TEST_CURVE)
     with pytest.raises(ValueError, match="node id"):
-        NodeConfig(node_id="bad id", role="prefill", engine=engine, cluster_secret=TEST_SECRET)
+        NodeConfig(node_id="bad id", role="prefill", engine=engine, shared_curve=TEST_CURVE)
     with pytest.raises(ValueError, match="EngineConfig"):
-        NodeConfig(node_id="x", role="prefill", engine={"model": "m"}, cluster_secret=TEST_SECRET)
+        NodeConfig(node_id="x", role="prefill", engine={"model": "m"}, shared_curve=TEST_CURVE)
     assert NodeConfig(node_id="x", role="prefill", engine=engine,
-                      cluster_secret=TEST_SECRET).model == "m"
+                      shared_curve=TEST_CURVE).model == "m"
 
 
 def test_engine_options_from_the_launcher_are_checked_by_name():
@@ -116,10 +116,16 @@ def test_engine_options_from_the_launcher_are_checked_by_name():
         EngineConfig.from_options("m", {"block_size": 0})
 
 
-def test_a_node_without_the_cluster_secret_is_refused():
+def test_a_node_without_an_identity_is_refused():
+    """A node serves nobody without credentials: its identity comes from the metadata service
+    (and its bootstrap token, for its own id only), or from the shared-key test mode."""
     engine = EngineConfig("m")
-    with pytest.raises(ValueError, match="cluster_secret"):
+    with pytest.raises(ValueError, match="bootstrap_token"):
         NodeConfig(node_id="x", role="prefill", engine=engine)
-    with pytest.raises(ValueError, match="cluster_secret"):
-        NodeConfig(node_id="x", role="prefill", engine=engine,
-                   cluster_secret=TEST_SECRET.to_text())
+    with pytest.raises(ValueError, match="bootstrap_token"):
+        NodeConfig(node_id="x", role="prefill", engine=engine, metadata_address="m:1")
+    with pytest.raises(ValueError, match="not a credential of principal node/x"):
+        NodeConfig(node_id="x", role="prefill", engine=engine, metadata_address="m:1",
+                   bootstrap_token=node_token("y"))
+    assert NodeConfig(node_id="x", role="prefill", engine=engine, metadata_address="m:1",
+                      bootstrap_token=node_token("x")).shared_curve is None

@@ -15,7 +15,7 @@ from pdcluster.core.node_wire import GenerateRequest, PrefixSource, SamplingSpec
 from pdcluster.decode_node.actor import DecodeNodeActor
 from pdcluster.node.client import BlockingNodeClient, tokens_of
 from pdcluster.prefill_node.actor import PrefillNodeActor
-from tests.cluster_secret import TEST_CURVE, TEST_SECRET
+from tests.cluster_secret import TEST_CURVE
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 
@@ -23,7 +23,7 @@ BLOCK = 8
 KV_TIMEOUT_S = 5.0
 GREEDY = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
 OPTIONS = {"engine_options": {"num_kv_blocks": 128, "block_size": BLOCK},
-           "kv_timeout_s": KV_TIMEOUT_S, "cluster_secret": TEST_SECRET}
+           "kv_timeout_s": KV_TIMEOUT_S, "shared_curve": TEST_CURVE}
 
 
 @pytest.fixture(scope="module")

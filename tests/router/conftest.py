@@ -13,7 +13,7 @@ import pytest
 
 from pdcluster.router.api.server import RouterApp
 from pdcluster.router.config import NodeSpec, RouterConfig
-from tests.cluster_secret import TEST_SECRET
+from tests.cluster_secret import ROUTER_CREDENTIALS
 from tests.router.fake_node import FakeNode
 
 MAX_MODEL_LEN = 256
@@ -55,9 +55,9 @@ def start_router(model_dir: Path) -> Iterator[Callable[..., RunningRouter]]:
     def start(nodes: list[FakeNode] | None = None, **overrides) -> RunningRouter:
         specs = tuple(NodeSpec(n.node_id, n.role, n.address, n.kv_address)
                       for n in nodes or [])
-        config = RouterConfig(model_dir=str(model_dir), model_name="tiny", port=0, nodes=specs,
-                              load_interval_s=0.1, node_timeout_s=0.5,
-                              **{"cluster_secret": TEST_SECRET, **overrides})
+        config = RouterConfig(**{"model_dir": str(model_dir), "model_name": "tiny", "port": 0,
+                                 "nodes": specs, "load_interval_s": 0.1, "node_timeout_s": 0.5,
+                                 **ROUTER_CREDENTIALS, **overrides})
         app = RouterApp(config)
         asyncio.run_coroutine_threadsafe(app.start(), loop).result(10)
         started.append(app)

@@ -12,7 +12,7 @@ from pdcluster.router.config import RouterConfig
 from pdcluster.router.errors import NoHealthyNode
 from pdcluster.router.routing.baselines import RoundRobin, least_loaded_config
 from pdcluster.router.routing.policy import NodeView, PolicyConfig, route
-from tests.cluster_secret import TEST_SECRET
+from tests.cluster_secret import ROUTER_CREDENTIALS
 
 CONFIG = PolicyConfig(block_size=16, local_prefill_threshold=32)
 
@@ -52,6 +52,6 @@ def test_least_loaded_ignores_the_work_memory_and_never_pulls():
 
 
 def test_routing_is_validated():
-    assert RouterConfig(model_dir="m", cluster_secret=TEST_SECRET).routing == "kv"
+    assert RouterConfig(model_dir="m", **ROUTER_CREDENTIALS).routing == "kv"
     with pytest.raises(ValueError, match="routing"):
-        RouterConfig(model_dir="m", cluster_secret=TEST_SECRET, routing="random")
+        RouterConfig(model_dir="m", **ROUTER_CREDENTIALS, routing="random")

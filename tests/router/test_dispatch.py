@@ -12,7 +12,7 @@ from pdcluster.router.config import NodeSpec, RouterConfig
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.routing.dispatch import Dispatcher
 from pdcluster.router.routing.policy import PolicyConfig
-from tests.cluster_secret import TEST_SECRET
+from tests.cluster_secret import ROUTER_CREDENTIALS
 
 HALF_LIFE_S = 30.0
 
@@ -42,7 +42,7 @@ def test_dispatched_work_is_counted_decayed_and_routed_on(make_node) -> None:
     nodes = [make_node("a"), make_node("b")]
     config = RouterConfig(
         model_dir="unused", nodes=tuple(NodeSpec(n.node_id, n.role, n.address) for n in nodes),
-        load_interval_s=60.0, node_timeout_s=1.0, seed=0, cluster_secret=TEST_SECRET,
+        load_interval_s=60.0, node_timeout_s=1.0, seed=0, **ROUTER_CREDENTIALS,
         policy=PolicyConfig(work_half_life_s=HALF_LIFE_S, output_token_weight=10.0))
     clock = FakeClock()
 
@@ -71,7 +71,7 @@ def test_remote_prefill_charges_the_prompt_to_p_and_the_output_to_d(make_node) -
     config = RouterConfig(
         model_dir="unused", nodes=tuple(NodeSpec(n.node_id, n.role, n.address, n.kv_address)
                                         for n in nodes),
-        load_interval_s=60.0, node_timeout_s=1.0, cluster_secret=TEST_SECRET,
+        load_interval_s=60.0, node_timeout_s=1.0, **ROUTER_CREDENTIALS,
         policy=PolicyConfig(local_prefill_threshold=16, output_token_weight=10.0))
     clock = FakeClock()
 

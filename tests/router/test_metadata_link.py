@@ -19,7 +19,7 @@ from pdcluster.router.config import RouterConfig
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.routing.dispatch import Dispatcher
 from pdcluster.router.routing.metadata_link import MetadataLink
-from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
+from tests.cluster_secret import ROUTER_CREDENTIALS, SERVICE_TOKEN, TEST_SECRET, node_token
 from tests.metadata_service.helpers import (
     free_port,
     make_chain,
@@ -266,7 +266,7 @@ def test_dispatcher_reaches_an_mtls_service_with_its_configs_files(tmp_path) -> 
 
     async def scenario(address: str, client: MetadataClient) -> None:
         router = RouterConfig(model_dir="unused", metadata_address=address,
-                              cluster_secret=TEST_SECRET, node_timeout_s=0.2,
+                              **ROUTER_CREDENTIALS, node_timeout_s=0.2,
                               metadata_tls_ca=pki.ca, metadata_tls_cert=pki.client_cert,
                               metadata_tls_key=pki.client_key,
                               metadata_tls_server_name="localhost")

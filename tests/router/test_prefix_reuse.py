@@ -13,7 +13,7 @@ from pdcluster.router.config import NodeSpec, RouterConfig
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.routing.dispatch import Dispatcher, Placement
 from pdcluster.router.routing.policy import PolicyConfig
-from tests.cluster_secret import TEST_SECRET
+from tests.cluster_secret import ROUTER_CREDENTIALS
 from tests.router.test_dispatch import make_request
 
 POLICY = PolicyConfig(block_size=16, local_prefill_threshold=16, global_reuse_min_tokens=128)
@@ -24,7 +24,7 @@ def run_one(nodes, hits: dict[str, int], busy: str, num_prompt_tokens: int,
     """Decide with `hits`, the node `busy` loaded with a backlog, then run the request."""
     config = RouterConfig(
         model_dir="unused", load_interval_s=60.0, node_timeout_s=1.0, seed=0, policy=POLICY,
-        cluster_secret=TEST_SECRET,
+        **ROUTER_CREDENTIALS,
         nodes=tuple(NodeSpec(n.node_id, n.role, n.address, n.kv_address) for n in nodes))
 
     async def scenario():

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from tests.cluster_secret import TEST_SECRET
+from tests.cluster_secret import SERVICE_TOKEN
 from tests.serve_process import ROOT
 
 
@@ -44,7 +44,7 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 60) ->
 
 def test_health_is_503_when_the_router_knows_no_decode_node(model_dir) -> None:
     port = _free_port()
-    env = {**os.environ, "PDCLUSTER_CLUSTER_SECRET": TEST_SECRET.to_text()}
+    env = {**os.environ, "PDCLUSTER_ROUTER_TOKEN": SERVICE_TOKEN}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdcluster.cluster.cli", "router", "serve", "--model",
          str(model_dir), "--port", str(port), "--metadata", f"127.0.0.1:{_free_port()}"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import subprocess
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import openai
 
-from pdcluster.core.credentials import SERVICE, ClusterSecret
+from pdcluster.core.credentials import SERVICE, ClusterSecret, CurveKeys, node_principal
 from pdcluster.core.curve import secure_client
 from tests.serve_process import start_serve, stop_serve, wait_until_answering
 
@@ -67,7 +68,9 @@ def _nodes(served: Served) -> dict[str, dict[str, str]]:
     deadline = time.monotonic() + 60
     while True:
         nodes = {_role(n.role): {"node_id": n.node_id, "request_address": n.request_address,
-                                 "kv_address": n.kv_address} for n in client.list_nodes()}
+                                 "kv_address": n.kv_address, "kv_session": n.kv_session,
+                                 "curve_public_key": n.curve_public_key}
+                 for n in client.list_nodes()}
         if len(nodes) == 2 or time.monotonic() > deadline:
             client.close()
             return nodes
@@ -78,6 +81,47 @@ def _role(role: int) -> str:
     from pdcluster.proto import metadata_pb2 as pb
 
     return "prefill" if role == pb.PREFILL else "decode"
+
+
+def server_key(served: Served, role: str) -> bytes:
+    """The node's own public key, as the metadata service publishes it."""
+    return served.nodes[role]["curve_public_key"].encode()
+
+
+def router_member(served: Served) -> CurveKeys:
+    """A router's key, registered with the router's credential (principal service): what a
+    router (or a pod holding the router's credential) presents to nodes."""
+    from pdcluster.metadata_service.client import MetadataClient
+
+    keys = CurveKeys.generate()
+    with MetadataClient(served.metadata_address,
+                        token=served.secret.metadata_token(SERVICE)) as client:
+        client.register_client(f"test-{secrets.token_hex(4)}", keys.public, 300)
+    return keys
+
+
+def node_member(served: Served, node_id: str, kv_address: str, kv_session: str,
+                keys: CurveKeys) -> bytes:
+    """Register node `node_id` (its own bootstrap credential, its own key and addresses): a
+    decode pod as the cluster would have it, compromised or not. Returns the proof."""
+    from pdcluster.metadata_service.client import MetadataClient, make_node_info
+
+    token = served.secret.metadata_token(node_principal(node_id))
+    # no request address: the router leaves it alone (it serves no generate requests)
+    info = make_node_info(node_id, "decode", kv_address=kv_address, kv_session=kv_session,
+                          curve_public_key=keys.public)
+    with MetadataClient(served.metadata_address, token=token) as client:
+        return client.register(info, 300).registration_secret
+
+
+def key_directory(served: Served):
+    """The registered keys (core.identity), as a node sees them."""
+    from pdcluster.core.identity import Directory
+    from pdcluster.metadata_service.client import MetadataClient
+    from pdcluster.node.runtime import registered_peers
+
+    client = MetadataClient(served.metadata_address, token=served.secret.metadata_token(SERVICE))
+    return Directory(refresh=lambda: registered_peers(client), min_refresh_s=0.05)
 
 
 def dealer(address: str, keys=None, server_key: bytes | None = None):

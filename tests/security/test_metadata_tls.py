@@ -92,7 +92,7 @@ def node_config(service: Service, node_id: str, *, client_cert: bool) -> NodeCon
     pki = service.pki
     cert = {"metadata_tls_cert": pki.client_cert, "metadata_tls_key": pki.client_key}
     return NodeConfig(node_id=node_id, role="prefill", engine=EngineConfig("unused"),
-                      metadata_address=service.address, cluster_secret=TEST_SECRET,
+                      metadata_address=service.address, bootstrap_token=node_token(node_id),
                       metadata_tls_ca=pki.ca, **(cert if client_cert else {}))
 
 
@@ -249,8 +249,9 @@ def test_node_runtime_registers_over_mtls(mtls_service, model_dirs) -> None:
     pki = mtls_service.pki
     engine = EngineConfig(model_dirs["llama-gqa"], num_kv_blocks=32, block_size=8)
     config = NodeConfig(node_id="d-runtime", role="decode", engine=engine,
-                        metadata_address=mtls_service.address, cluster_secret=TEST_SECRET,
-                        lease_ttl_s=5, metadata_tls_ca=pki.ca, metadata_tls_cert=pki.client_cert,
+                        metadata_address=mtls_service.address,
+                        bootstrap_token=node_token("d-runtime"), lease_ttl_s=5,
+                        metadata_tls_ca=pki.ca, metadata_tls_cert=pki.client_cert,
                         metadata_tls_key=pki.client_key, metadata_tls_server_name="localhost")
     runtime = NodeRuntime(config).start()
     reader = MetadataClient(mtls_service.address, cluster_secret=TEST_SECRET, principal=SERVICE,

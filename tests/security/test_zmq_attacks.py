@@ -8,16 +8,27 @@ cluster without CURVE: there, every stranger's message is served."""
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import pytest
 
-from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.kv_transfer import PrefixPullRequest, XferDone, XferRequest
 from pdcluster.core.kv_transfer import encode as encode_kv
 from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TokenDelta, TransferSpec, decode
 from pdcluster.core.node_wire import encode as encode_node
-from tests.security.served import API_KEY, BLOCK_SIZE, Memory, block_nbytes, dealer
+from tests.security.served import (
+    API_KEY,
+    BLOCK_SIZE,
+    Memory,
+    block_nbytes,
+    dealer,
+    key_directory,
+    node_member,
+    router_member,
+    server_key,
+)
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -25,8 +36,14 @@ PROMPT = list(range(100, 164))  # 4 full blocks
 QUIET_S = 2.0  # how long a refused stranger waits for an answer that never comes
 
 
-def _members_keys(served):
-    return served.secret.curve_keys()
+def _member_node(served, memory, inbox_keys=None):
+    """A registered decode node (its own key, its inbox's address, `memory`'s session): a
+    cluster member's side channel. Returns (keys, inbox)."""
+    keys = inbox_keys or CurveKeys.generate()
+    inbox = _Inbox(keys, key_directory(served))
+    node_member(served, f"m-{secrets.token_hex(3)}", inbox.address, memory.engine.session_id,
+                keys)
+    return keys, inbox
 
 
 def _generate(request_id: str, **kw) -> bytes:
@@ -56,18 +73,18 @@ def test_a_stranger_cannot_generate_on_a_node(served, role):
     address = served.nodes[role]["request_address"]
     strangers = {
         "plaintext": dealer(address),
-        "another cluster's keys": dealer(address, ClusterSecret.generate().curve_keys()),
-        # knows the node's public key (keys are not secret) but holds no cluster key pair:
-        # the node's ZAP handler refuses it
+        "the shared key of the test mode": dealer(address, served.secret.curve_keys()),
+        # knows the node's public key (keys are not secret) but its own key is registered
+        # nowhere: the node's ZAP handler refuses it
         "right server key, own key pair": dealer(
-            address, ClusterSecret.generate().curve_keys(), _members_keys(served).public),
+            address, CurveKeys.generate(), server_key(served, role)),
     }
     for name, sock in strangers.items():
         sock.send(_generate(f"attack-{role}-{name}"))
     for name, sock in strangers.items():
         assert _answer(sock) is None, f"a stranger ({name}) was served by the {role} node"
         sock.close()
-    member = dealer(address, _members_keys(served))
+    member = dealer(address, router_member(served), server_key(served, role))
     member.send(_generate(f"member-{role}"))
     reply = _answer(member, 30)
     assert isinstance(reply, TokenDelta), reply  # the same message from a member is served
@@ -101,18 +118,22 @@ def test_a_stranger_cannot_poison_a_decode_nodes_cache(served):
 @pytest.mark.parametrize("member_control", [False, True])
 def test_side_channel_refuses_strangers(served, member_control):
     """XferRequest and PrefixPullRequest to P's side channel asking it to write a cached
-    prompt's KV into the sender's memory: a member gets the bytes, a stranger nothing."""
+    prompt's KV into the sender's memory: a registered member node gets the bytes (into its
+    own registered session), a stranger nothing."""
     prefill = served.nodes["prefill"]
-    member = dealer(prefill["request_address"], _members_keys(served))
+    member = dealer(prefill["request_address"], router_member(served),
+                    server_key(served, "prefill"))
     member.send(_generate("cache-it"))  # P now caches PROMPT's blocks
     while not getattr(_answer(member, 30), "finished", True):
         pass
     member.close()
     nbytes = block_nbytes(served.model_dir)
     memory = Memory(8 * nbytes)
-    replies = _Inbox(_members_keys(served) if member_control else None)
-    keys = _members_keys(served) if member_control else None
-    sock = dealer(prefill["kv_address"], keys)
+    if member_control:
+        keys, replies = _member_node(served, memory)
+        sock = dealer(prefill["kv_address"], keys, server_key(served, "prefill"))
+    else:
+        replies, sock = _Inbox(None), dealer(prefill["kv_address"])
     pull = PrefixPullRequest("pull-1", "r", replies.address, memory.engine.session_id, nbytes,
                              BLOCK_SIZE, 0, PROMPT, [memory.addr(i * nbytes) for i in range(4)])
     sock.send(encode_kv(pull))
@@ -135,8 +156,9 @@ def test_side_channel_refuses_strangers(served, member_control):
 def test_a_member_cannot_pull_another_tenants_blocks(served):
     """Pulls honour the cache salt: the same tokens without the tenant's salt name other
     blocks, so even a cluster member gets none of a salted tenant's KV."""
-    prefill, keys = served.nodes["prefill"], _members_keys(served)
-    member = dealer(prefill["request_address"], keys)
+    prefill = served.nodes["prefill"]
+    member = dealer(prefill["request_address"], router_member(served),
+                    server_key(served, "prefill"))
     salted = [t + 1000 for t in PROMPT]  # cached only under the tenant's salt
     member.send(encode_node(GenerateRequest("salted", salted, SamplingSpec(max_tokens=4),
                                             cache_salt="tenant-a")))
@@ -146,8 +168,9 @@ def test_a_member_cannot_pull_another_tenants_blocks(served):
     nbytes = block_nbytes(served.model_dir)
     results = {}
     for salt in (None, "tenant-b", "tenant-a"):
-        memory, replies = Memory(4 * nbytes), _Inbox(keys)
-        sock = dealer(prefill["kv_address"], keys)
+        memory = Memory(4 * nbytes)
+        keys, replies = _member_node(served, memory)
+        sock = dealer(prefill["kv_address"], keys, server_key(served, "prefill"))
         sock.send(encode_kv(PrefixPullRequest(
             f"pull-{salt}", "r", replies.address, memory.engine.session_id, nbytes, BLOCK_SIZE,
             0, salted, [memory.addr(i * nbytes) for i in range(4)], cache_salt=salt)))
@@ -163,11 +186,12 @@ def test_a_member_cannot_pull_another_tenants_blocks(served):
 class _Inbox:
     """A side-channel server receiving the node's replies (CURVE when given keys)."""
 
-    def __init__(self, keys) -> None:
+    def __init__(self, keys, directory=None) -> None:
         from pdcluster.transfer.side_channel import SideChannelServer
 
         self.messages: list = []
-        self._server = SideChannelServer(self.messages.append, curve=keys)
+        self._directory = directory
+        self._server = SideChannelServer(self.messages.append, curve=keys, directory=directory)
         self.address = self._server.address
 
     def wait(self, timeout_s: float) -> list:
@@ -179,3 +203,7 @@ class _Inbox:
 
     def close(self) -> None:
         self._server.close()
+        if self._directory is not None:
+            from pdcluster.core.curve import forget_directory
+
+            forget_directory(self._directory)

@@ -26,7 +26,7 @@ from pdcluster.core.kv_transfer import (
     XferRequest,
     encode,
 )
-from pdcluster.transfer import side_channel
+from pdcluster.transfer import side_channel_client
 from pdcluster.transfer.errors import TransferError
 from pdcluster.transfer.side_channel import SideChannelClient, SideChannelServer, _Throttle
 from tests.cluster_secret import TEST_CURVE
@@ -209,15 +209,57 @@ def test_handler_exception_is_counted_and_loop_survives(caplog) -> None:
     assert len(errors) == 1  # the other two were suppressed by the rate limit
 
 
-def test_send_to_nobody_raises_transfer_error_promptly(client) -> None:
+def test_send_to_nobody_fails_through_on_failure_and_never_blocks(client) -> None:
     with socket.socket() as reserved:  # bound, never listening: connections are refused
         reserved.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{reserved.getsockname()[1]}"
         for _ in range(2):  # the second send reuses the cached socket
+            failures: list[str] = []
             start = time.monotonic()
-            with pytest.raises(TransferError, match="no side-channel peer"):
-                client.send(address, XferAbort("t"))
+            client.send(address, XferAbort("t"), failures.append)
+            assert time.monotonic() - start < 0.05  # queued, not waited on
+            assert wait_until(lambda failures=failures: bool(failures), timeout_s=2)
+            assert "no side-channel peer" in failures[0]
             assert time.monotonic() - start < 1.0
+
+
+def test_a_dead_peer_holds_up_no_other_peer(server, client, collector) -> None:
+    with socket.socket() as reserved:
+        reserved.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{reserved.getsockname()[1]}"
+        client.send(server.address, XferAbort("warm"))
+        collector.wait_for(1)
+        failures: list[str] = []
+        for i in range(20):
+            client.send(dead, XferAbort(f"dead-{i}"), failures.append)
+        start = time.monotonic()
+        client.send(server.address, XferAbort("live"))
+        collector.wait_for(2)
+        assert time.monotonic() - start < 0.1  # not behind the dead peer's 0.5 s
+        assert wait_until(lambda: len(failures) == 20, timeout_s=3)
+
+
+def test_ten_thousand_reply_addresses_cost_a_bounded_number_of_sockets(server, collector):
+    client = SideChannelClient(curve=TEST_CURVE, max_peers=64)
+    failures: list[str] = []
+    try:
+        client.send(server.address, XferAbort("warm"))  # peers keep their connections
+        collector.wait_for(1)
+        for port in range(1, 10_001):  # nothing listens on 127.0.0.2:1..10000
+            try:
+                client.send(f"tcp://127.0.0.2:{port}", XferAbort(f"t-{port}"),
+                            failures.append)
+            except TransferError as exc:  # the queue is bounded too: refused at once
+                failures.append(str(exc))
+            assert client.num_sockets <= 64
+        start = time.monotonic()
+        client.send(server.address, XferAbort("live"))
+        assert collector.wait_for(2)[-1] == XferAbort("live")
+        assert time.monotonic() - start < 0.5
+        assert wait_until(lambda: len(failures) == 10_000, timeout_s=30), len(failures)
+        assert client.num_sockets <= 64 and client.num_evicted > 0
+    finally:
+        client.close()
 
 
 def test_sends_resume_when_a_peer_comes_back_at_the_same_address(client, collector) -> None:
@@ -227,16 +269,14 @@ def test_sends_resume_when_a_peer_comes_back_at_the_same_address(client, collect
     port = int(address.rsplit(":", 1)[1])
     assert wait_until(lambda: _refused(client, address), timeout_s=3)
     with rebind(collector, port):
-        assert wait_until(lambda: not _refused(client, address), timeout_s=3)
+        assert wait_until(lambda: not _refused(client, address), timeout_s=5)
         assert collector.wait_for(1)[0] == XferAbort("again")
 
 
 def _refused(client: SideChannelClient, address: str) -> bool:
-    try:
-        client.send(address, XferAbort("again"))
-    except TransferError:
-        return True
-    return False
+    failed = threading.Event()
+    client.send(address, XferAbort("again"), lambda reason: failed.set())
+    return failed.wait(1.0)
 
 
 def test_close_is_prompt_and_releases_the_port(collector) -> None:
@@ -298,7 +338,7 @@ def test_many_messages_from_several_threads_all_arrive(server, client, collector
 
 def test_client_refuses_oversize_messages_and_sends_after_close(server, monkeypatch) -> None:
     cli = SideChannelClient(curve=TEST_CURVE)
-    monkeypatch.setattr(side_channel, "MAX_MESSAGE_BYTES", 1000)  # a 16 MiB message is slow
+    monkeypatch.setattr(side_channel_client, "MAX_MESSAGE_BYTES", 1000)  # 16 MiB is slow
     cli.send(server.address, make_request(num_addrs=50))
     with pytest.raises(WireError, match="exceeds"):
         cli.send(server.address, make_request(num_addrs=200))

@@ -29,7 +29,7 @@ openai = pytest.importorskip("openai")
 from pdcluster.benchmarks.chaos_bench import fault_load, fault_outcomes  # noqa: E402
 from pdcluster.benchmarks.chaos_load import LoadSpec, make_prompts  # noqa: E402
 from pdcluster.core.node_wire import GenerateRequest, SamplingSpec  # noqa: E402
-from pdcluster.node.client import BlockingNodeClient, tokens_of  # noqa: E402
+from pdcluster.node.client import tokens_of  # noqa: E402
 from tests.chaos.conftest import Chaos, start_chaos  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -147,9 +147,8 @@ def decode_alone(chaos: Chaos, prompts: list[list[int]]) -> list[list[int]]:
 
     decode = chaos.cluster.actors["d0"]
     assert ray.get(decode.reset_prefix_cache.remote(), timeout=30)
-    address = next(n["request_address"] for n in chaos.cluster.ray.nodes()
-                   if n["node_id"] == "d0")
-    node = BlockingNodeClient(address, curve=chaos.cluster.secret.curve_keys())
+    clients = chaos.cluster.ray.router_clients()  # as a registered router: each node's key
+    node = clients["d0"]
     spec = SamplingSpec(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     out = []
     try:
@@ -157,5 +156,6 @@ def decode_alone(chaos: Chaos, prompts: list[list[int]]) -> list[list[int]]:
             node.send(GenerateRequest(f"alone-{i}", prompt, spec))
             out.append(tokens_of(node.collect({f"alone-{i}"})[f"alone-{i}"]))
     finally:
-        node.socket.close()
+        for client in clients.values():
+            client.socket.close()
     return out

@@ -27,10 +27,11 @@ from pdcluster.core.node_wire import (  # noqa: E402
 from pdcluster.engine.config import EngineConfig  # noqa: E402
 from pdcluster.metadata_service.client import MetadataClient  # noqa: E402
 from pdcluster.metadata_service.server import ServerThread  # noqa: E402
-from pdcluster.node.client import BlockingNodeClient, tokens_of  # noqa: E402
+from pdcluster.node.client import tokens_of  # noqa: E402
 from pdcluster.node.config import NodeConfig  # noqa: E402
 from pdcluster.node.runtime import NodeRuntime  # noqa: E402
-from tests.cluster_secret import TEST_CURVE, TEST_SECRET  # noqa: E402
+from tests.cluster_secret import TEST_SECRET, node_token  # noqa: E402
+from tests.identity import router_clients  # noqa: E402
 from tests.metadata_service.helpers import make_config  # noqa: E402
 from tests.models import random_prompts  # noqa: E402
 
@@ -48,11 +49,13 @@ class Pair:
         for node_id, role in (("p0", "prefill"), ("d0", "decode")):
             self.nodes[node_id] = NodeRuntime(NodeConfig(
                 node_id=node_id, role=role, engine=engine, metadata_address=metadata_address,
-                lease_ttl_s=5, publish_interval_s=0.02, cluster_secret=TEST_SECRET,
+                lease_ttl_s=5, publish_interval_s=0.02, bootstrap_token=node_token(node_id),
                 kv_timeout_s=KV_TIMEOUT_S)).start(registration_timeout_s=30)
         self.p, self.d = self.nodes["p0"], self.nodes["d0"]
-        self.to_p = BlockingNodeClient(self.p.server.address, curve=TEST_CURVE)
-        self.to_d = BlockingNodeClient(self.d.server.address, curve=TEST_CURVE)
+        # each node with its own keys, the test a registered router (as in a cluster)
+        clients = router_clients(metadata_address, TEST_SECRET,
+                                 {n: node.server.address for n, node in self.nodes.items()})
+        self.to_p, self.to_d = clients["p0"], clients["d0"]
 
     def disaggregated(self, rid: str, prompt: list[int], max_tokens: int = 8,
                       source: str | None = None) -> list:

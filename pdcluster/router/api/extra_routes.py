@@ -6,12 +6,13 @@
   `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` null unless asked);
 - `POST /detokenize`: `{"tokens": [int]}` -> `{"prompt": str}` (special tokens kept);
 - `GET /version`: `{"version": ...}` from the installed package's metadata;
-- `GET /health`: 200 when the router can serve, else 503 with the `reason` (no node known, no
-  healthy decode node); always the nodes' and the metadata link's state. A metadata service
-  that is down does not stop serving (routing falls back to load only), so on its own it is
-  not a reason.
+- `GET /health`: 200 when the router can serve, else 503. Without an API key (probes carry
+  none) only `{"status"}`; with one, or on the admin port, also the `reason` (no node known,
+  no healthy decode node), the nodes' and the metadata link's state. A metadata service that
+  is down does not stop serving (routing falls back to load only), so on its own it is not a
+  reason.
 
-The first three take the API key like /v1/*; /health does not (probes carry none).
+The first three take the API key like /v1/*.
 
 API: `ExtraRoutes`, `serving_problem`.
 """
@@ -27,11 +28,12 @@ from aiohttp import web
 from pdcluster.core.roles import Role
 from pdcluster.router.api.edge import RETRY_AFTER_S, json_error
 from pdcluster.router.api.protocol import parse_chat
-from pdcluster.router.api.request_prep import check_auth, read_json
+from pdcluster.router.api.request_prep import read_json
 from pdcluster.router.api.tokenizer import RouterTokenizer
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.errors import ApiError
 from pdcluster.router.routing.dispatch import Dispatcher
+from pdcluster.router.tenants import ApiKeys
 
 # vLLM's chat-tokenize fields that change the rendering and that this router does not do:
 # refused when set rather than ignored.
@@ -57,10 +59,10 @@ class ExtraRoutes:
                  dispatcher: Dispatcher) -> None:
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
         self.dispatcher = dispatcher
-        self._keys = [k.encode() for k in config.api_keys]
+        self._api_keys = ApiKeys(config.api_keys)
 
     async def _body(self, request: web.Request) -> dict:
-        check_auth(request, self._keys)
+        self._api_keys.authenticate(request)
         body = await read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", None, "invalid_body")
@@ -118,18 +120,24 @@ class ExtraRoutes:
 
     @_api_errors
     async def version(self, request: web.Request) -> web.Response:
-        check_auth(request, self._keys)
+        self._api_keys.authenticate(request)
         return web.json_response({"version": package_version()})
 
     async def health(self, request: web.Request) -> web.Response:
+        """The public probe: the status alone, unless the caller holds an API key (or the
+        router has none); the internals (node ids, the metadata address) are for operators."""
+        if self._api_keys.enabled and self._api_keys.tenant_of(request) is None:
+            return self._health_response({"status": self._status()})
+        return await self.admin_health(request)
+
+    async def admin_health(self, request: web.Request) -> web.Response:
         dispatcher = self.dispatcher
         nodes = {n.node_id: {"role": n.spec.role, "healthy": n.healthy,
                              "connected": not n.disconnected, "inflight": n.num_inflight}
                  for n in dispatcher.nodes.values()}
         problem = serving_problem(dispatcher)
         link = dispatcher.metadata
-        body = {"status": "ok" if problem is None else "unavailable", "reason": problem,
-                "nodes": nodes,
+        body = {"status": self._status(), "reason": problem, "nodes": nodes,
                 "routing": _routing(self.config.routing, dispatcher.prefix_aware),
                 "metadata": None if link is None else {
                     "address": link.address, "available": link.available,
@@ -137,7 +145,14 @@ class ExtraRoutes:
                     "mirror_blocks": link.mirror_blocks, "watch_error": link.watch_error,
                     "mirror_node_blocks": link.mirror_node_blocks(),
                     "stale_answers": link.stale_answers}}
-        if problem is None:
+        return self._health_response(body)
+
+    def _status(self) -> str:
+        return "ok" if serving_problem(self.dispatcher) is None else "unavailable"
+
+    @staticmethod
+    def _health_response(body: dict) -> web.Response:
+        if body["status"] == "ok":
             return web.json_response(body)
         return web.json_response(body, status=503, headers={"Retry-After": RETRY_AFTER_S})
 

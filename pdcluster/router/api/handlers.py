@@ -23,12 +23,13 @@ from pdcluster.router.api.edge import json_error
 from pdcluster.router.api.fanout import local_placement
 from pdcluster.router.api.generation import EndedWithError, Generation
 from pdcluster.router.api.protocol import CompletionRequest, parse_chat, parse_completion
-from pdcluster.router.api.request_prep import check_auth, read_json, resolve_prompt
+from pdcluster.router.api.request_prep import read_json, resolve_prompt
 from pdcluster.router.api.tokenizer import RouterTokenizer
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.errors import ApiError, NodeFailure, NoHealthyNode, api_error
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.routing.dispatch import Dispatcher, Placement
+from pdcluster.router.tenants import ApiKeys, tenant_salt
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class Handlers:
                  metrics: RouterMetrics, dispatcher: Dispatcher) -> None:
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
         self._metrics, self.dispatcher = metrics, dispatcher
-        self._keys = [k.encode() for k in config.api_keys]
+        self._api_keys = ApiKeys(config.api_keys)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -48,7 +49,7 @@ class Handlers:
 
     async def models(self, request: web.Request) -> web.Response:
         try:
-            check_auth(request, self._keys)
+            self._api_keys.authenticate(request)
         except ApiError as exc:
             return json_error(exc)
         card = {"id": self.model_name, "object": "model", "created": 0,
@@ -56,6 +57,17 @@ class Handlers:
         return web.json_response({"object": "list", "data": [card]})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        """On the public port, behind the API key (refused outright when an admin port
+        serves them): the router's counters are every tenant's."""
+        try:
+            if self.config.admin_port is not None:
+                raise ApiError(404, "metrics are served on the admin port", None, "not_found")
+            self._api_keys.authenticate(request)
+        except ApiError as exc:
+            return json_error(exc)
+        return await self.admin_metrics(request)
+
+    async def admin_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(),
                             content_type="text/plain", charset="utf-8")
 
@@ -78,10 +90,11 @@ class Handlers:
         return response
 
     async def _checked(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        check_auth(request, self._keys)
+        tenant = self._api_keys.authenticate(request)
         body = await read_json(request, self.config.max_body_bytes,
                                self.config.body_timeout_s)
         req = parse_chat(body) if chat else parse_completion(body)
+        req.cache_salt = tenant_salt(tenant, req.cache_salt)  # tenants never share a cache
         prompt = resolve_prompt(req, self.tokenizer, self.model_name,
                                 self.config.max_tokens_limit)
         placement = await self.dispatcher.place(prompt.token_ids, req.cache_salt)

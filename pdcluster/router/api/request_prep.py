@@ -4,14 +4,13 @@ the prompt (model name, tokenize or apply the chat template, context and max_tok
 and build the node's `GenerateRequest`. Every client mistake is an `ApiError` (4xx).
 Nothing here writes into the parsed `CompletionRequest`: resolved values are returned.
 
-API: `check_auth`, `read_json`, `ResolvedPrompt`, `resolve_prompt`, `make_generate`,
+API: `read_json`, `ResolvedPrompt`, `resolve_prompt`, `make_generate`,
 `make_samples`, `sample_seed`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import uuid
 from dataclasses import dataclass, replace
@@ -35,18 +34,6 @@ class ResolvedPrompt:
     token_ids: list[int]
     max_tokens: int
     text: str = ""  # the prompt as text, for `echo` (completions only)
-
-
-def check_auth(request: web.Request, keys: list[bytes]) -> None:
-    if not keys:
-        return
-    header = request.headers.get("Authorization", "")
-    # aiohttp keeps undecodable header bytes as surrogates: give them back as they came
-    given = header[7:].encode("utf-8", "surrogateescape") if header.startswith("Bearer ") \
-        else b""
-    if not any(hmac.compare_digest(given, key) for key in keys):
-        raise ApiError(401, "invalid or missing API key", None, "invalid_api_key",
-                       "authentication_error")
 
 
 async def read_json(request: web.Request, limit: int, timeout_s: float) -> object:

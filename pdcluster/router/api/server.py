@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions (SSE
 streaming with an optional final usage chunk, or one JSON body), /v1/models, vLLM's
-/tokenize, /detokenize and /version, /health (503 with a reason when the router cannot serve)
-and /metrics (Prometheus).
+/tokenize, /detokenize and /version, /health (503 when the router cannot serve; the reason and
+the nodes' state only with an API key) and /metrics (Prometheus; behind the API key, or on the
+admin port `admin_port`, which also serves the detailed /health without a key).
 
 Every client mistake is a 4xx in OpenAI's error shape (never a traceback), and so is every
 other error status: unknown routes, wrong methods, oversized or slow requests, unexpected
@@ -13,7 +14,8 @@ down; the generation handlers are in router.api.handlers, the other endpoints in
 router.api.extra_routes, the request checks in router.api.request_prep and the errors and their HTTP
 statuses in router.errors.
 
-API: `RouterApp` (`start()` / `stop()`, `port`), `build_app`, `serve_forever(config)`.
+API: `RouterApp` (`start()` / `stop()`, `port`, `admin_port`), `build_apps`,
+`serve_forever(config)`.
 """
 
 from __future__ import annotations
@@ -43,26 +45,46 @@ class RouterApp:
         self.metrics = RouterMetrics()
         self.dispatcher = Dispatcher(config, self.metrics)
         self._runner: web.AppRunner | None = None
+        self._admin_runner: web.AppRunner | None = None
         self.port = config.port
+        self.admin_port = config.admin_port
 
     async def start(self) -> None:
         await self.dispatcher.start()
-        self._runner = EdgeRunner(build_app(self), self.config)
+        public, admin = build_apps(self)
+        self._runner = EdgeRunner(public, self.config)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
+        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
         self.port = self._runner.addresses[0][1]
+        if admin is not None:
+            self._admin_runner = EdgeRunner(admin, self.config)
+            await self._admin_runner.setup()
+            await web.TCPSite(self._admin_runner, self.config.admin_host,
+                              self.config.admin_port).start()
+            self.admin_port = self._admin_runner.addresses[0][1]
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        for runner in (self._runner, self._admin_runner):
+            if runner is not None:
+                await runner.cleanup()
         await self.dispatcher.close()
 
 
-def build_app(router: RouterApp) -> web.Application:
+def build_apps(router: RouterApp) -> tuple[web.Application, web.Application | None]:
+    """The public app, and the admin app (/metrics, the detailed /health; no API key) when
+    `admin_port` is set."""
     handlers = Handlers(router.config, router.tokenizer, router.model_name, router.metrics,
                         router.dispatcher)
     extra = ExtraRoutes(router.config, router.tokenizer, router.model_name, router.dispatcher)
+    admin = None
+    if router.config.admin_port is not None:
+        admin = web.Application(middlewares=[error_middleware])
+        admin.router.add_get("/metrics", handlers.admin_metrics)
+        admin.router.add_get("/health", extra.admin_health)
+    return _public_app(router, handlers, extra), admin
+
+
+def _public_app(router: RouterApp, handlers: Handlers, extra: ExtraRoutes) -> web.Application:
     app = web.Application(client_max_size=router.config.max_body_bytes + 1,
                           middlewares=[error_middleware])
     app.router.add_post("/v1/completions", handlers.completions)

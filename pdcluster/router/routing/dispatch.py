@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -36,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import zmq.asyncio
 
-from pdcluster.core.credentials import SERVICE
+from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.hashing import BlockExtra, hash_block_tokens
 from pdcluster.core.node_wire import (
     GenerateRequest,
@@ -60,6 +61,10 @@ from pdcluster.router.routing.policy import (
 )
 
 logger = logging.getLogger(__name__)
+KEY_LEASE_S = 30  # the router's key stays registered this long without a renewal
+# renewed often: a metadata service that restarted empty (memory backend) knows the key again
+# within this, before the nodes' directories let it go (core.identity's grace)
+KEY_RENEW_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,23 +88,43 @@ class Dispatcher:
         self.views = NodeViews(self.work, self._policy, clock)  # the policy's view of each node
         self.metadata: MetadataLink | None = None
         self._context = zmq.asyncio.Context()
-        self._curve = config.secret.curve_keys()  # nodes admit only cluster members
+        # the router's own key pair, registered with the metadata service (nodes admit the
+        # keys it names); the shared pair in the test mode
+        self._curve = config.shared_curve or CurveKeys.generate()
+        self.client_id = secrets.token_hex(8)
+        self._key_renewed_at = float("-inf")
         self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         if self.config.metadata_address:
             self.metadata = MetadataLink(
-                self.config.metadata_address,
-                token=self.config.secret.metadata_token(SERVICE),
+                self.config.metadata_address, token=self.config.metadata_token,
                 timeout_s=self.config.metadata_timeout_s, retry_s=self.config.metadata_retry_s,
                 mirror=self.config.index_mirror, tls=self.config.metadata_tls)
+        await self._renew_key()
         self._sync_nodes(list(self.config.nodes))
         await self.refresh()
         self._loop_task = asyncio.create_task(self._refresh_forever(), name="router-load")
 
+    async def _renew_key(self) -> None:
+        """Register this router's key (again, within a third of its lease)."""
+        if self.metadata is None or self.config.shared_curve is not None:
+            return
+        now = self.clock()
+        if now - self._key_renewed_at < KEY_RENEW_S:
+            return
+        if await self.metadata.register_client(self.client_id, self._curve.public, KEY_LEASE_S):
+            self._key_renewed_at = now
+        else:
+            logger.error("could not register the router's key with the metadata service (%s); "
+                         "nodes will not admit this router until it can",
+                         self.metadata.last_error)
+
     def _sync_nodes(self, specs: list[NodeSpec]) -> None:
         for spec in specs:
+            if not spec.curve_public_key and self.config.shared_curve is None:
+                continue  # a node without a key of its own: this router cannot check it
             known = self.nodes.get(spec.node_id)
             if known is not None and known.spec == spec:
                 continue
@@ -111,6 +136,7 @@ class Dispatcher:
 
     async def refresh(self) -> None:
         """Discover nodes (metadata service) and poll every node's load once."""
+        await self._renew_key()
         if self.metadata is not None:
             discovered = await self.metadata.list_nodes()
             if discovered is not None:

@@ -175,7 +175,19 @@ class MetadataLink:
             return None
         self._recover()
         return [NodeSpec(n.node_id, _ROLE_NAMES.get(n.role, Role.BOTH), n.request_address,
-                         n.kv_address) for n in nodes if n.request_address]
+                         n.kv_address, n.curve_public_key.encode())
+                for n in nodes if n.request_address]
+
+    async def register_client(self, client_id: str, public_key: bytes, ttl_s: int) -> bool:
+        """Register (or renew) this router's CURVE key; False if the service is unreachable
+        or refused (logged: nodes will not admit this router until it succeeds)."""
+        try:
+            await self._client.register_client(client_id, public_key, ttl_s)
+        except MetadataError as exc:
+            self._fail(exc)
+            return False
+        self._recover()
+        return True
 
     async def close(self) -> None:
         task, self._watch_task = self._watch_task, None

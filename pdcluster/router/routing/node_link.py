@@ -18,9 +18,10 @@ missed-poll rule stays as the backstop for a node that hangs while its connectio
 Streams ended this way are marked `lost` (the node is gone, it did not refuse the request), so
 the router may move the request elsewhere (router.routing.migration).
 
-Authentication: the socket is a CURVE client with the cluster's key pair (core.curve); nodes
-admit nobody else. A failed handshake (a node holding another cluster's secret) is logged as
-such, and the node stays unhealthy.
+Authentication: the socket is a CURVE client presenting the router's own key pair and
+expecting the node's registered public key (`NodeSpec.curve_public_key`; core.curve); the
+node admits the router once the metadata service vouches for its key. A failed handshake is
+logged once, ZMQ retries it on every reconnect, and the node stays unhealthy meanwhile.
 
 API: `NodeLink`, `NodeStream`.
 """
@@ -28,6 +29,7 @@ API: `NodeLink`, `NodeStream`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -39,6 +41,7 @@ from zmq.utils.monitor import recv_monitor_message
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.curve import secure_client
 from pdcluster.core.node_wire import (
+    MAX_FRAME_BYTES,
     AbortRequest,
     GenerateRequest,
     LoadQuery,
@@ -57,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 
 DEAD_AFTER_MISSED_POLLS = 3
+HANDSHAKE_RETRY_S = 1.0
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
@@ -97,8 +101,10 @@ class NodeLink:
         self.version = 0
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # a node's frame past this is dropped by ZMQ before the router reads a byte of it
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if curve is not None:
-            secure_client(self._socket, curve)
+            secure_client(self._socket, curve, spec.curve_public_key or None)
         self._monitor = self._socket.get_monitor_socket(_MONITORED)
         self._socket.connect(spec.request_address)
         self._streams: dict[str, NodeStream] = {}
@@ -207,13 +213,30 @@ class NodeLink:
             self.disconnected, self.healthy = True, False
             self.version += 1
             self.fail_streams(f"node {self.node_id} disconnected")
-        elif event & _HANDSHAKE_FAILED and not self.refused_us:
-            self.refused_us = True  # logged once: ZMQ retries the handshake every reconnect
-            logger.error("node %s refused the router's credentials (is it a member of another "
-                         "cluster, with another cluster secret?)", self.node_id)
+        elif event & _HANDSHAKE_FAILED:
+            if not self.refused_us:  # logged once
+                logger.error("node %s refused the router's key (not registered with its "
+                             "metadata service yet, or another cluster's node?); retrying",
+                             self.node_id)
+            self.refused_us = True
+            # libzmq does not retry a handshake the peer's ZAP handler refused: reconnect
+            # ourselves, once the key may have been registered
+            loop = asyncio.get_running_loop()
+            loop.call_later(HANDSHAKE_RETRY_S, self._reconnect)
+        elif event == zmq.EVENT_CONNECTED and self.refused_us:
+            self.refused_us = False
+            logger.info("node %s admitted the router", self.node_id)
         elif event == zmq.EVENT_CONNECTED and self.disconnected:
             logger.info("node %s reconnected", self.node_id)
             self.disconnected = False  # healthy again once it answers a load poll
+
+    def _reconnect(self) -> None:
+        if self._socket.closed or not self.refused_us:
+            return
+        address = self.spec.request_address
+        with contextlib.suppress(zmq.ZMQError):  # already gone: connect again all the same
+            self._socket.disconnect(address)
+        self._socket.connect(address)
 
     def _dispatch(self, msg: NodeMessage) -> None:
         if isinstance(msg, LoadReport):
