@@ -23,7 +23,8 @@ from pdcluster.core.curve import secure_client
 from tests.serve_process import start_serve, stop_serve, wait_until_answering
 
 API_KEY = "sk-security-test"
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # the own engine's nodes here
+VLLM_BLOCK_SIZE = 32  # vLLM's CPU kernels take multiples of 32
 
 
 @dataclass
@@ -34,25 +35,33 @@ class Served:
     secret: ClusterSecret
     nodes: dict[str, dict[str, str]]  # role -> {"request_address", "kv_address", "node_id"}
     model_dir: str
+    engine: str = "pdcluster"  # the nodes' engine: "pdcluster" or "vllm"
+
+    @property
+    def block_size(self) -> int:
+        return VLLM_BLOCK_SIZE if self.engine == "vllm" else BLOCK_SIZE
 
     def stop(self) -> None:
         stop_serve(self.proc)
 
 
-def start_served(model_dir: str, port: int) -> Served:
+def start_served(model_dir: str, port: int, engine: str = "pdcluster") -> Served:
     secret = ClusterSecret.generate()
     env = {**os.environ, "PDCLUSTER_CLUSTER_SECRET": secret.to_text(),
-           "PDCLUSTER_API_KEYS": API_KEY}
+           "PDCLUSTER_API_KEYS": API_KEY, "VLLM_LOGGING_LEVEL": "WARNING"}
     # Run it as a user would: whatever keeps Ray on the host must come from pdcluster itself.
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-    proc, ready = start_serve(["--model", model_dir, "--num-prefill", "1", "--num-decode",
-                               "1", "--port", str(port), "--block-size", str(BLOCK_SIZE),
-                               "--kv-cache-gib", "0.05"], env)
+    block_size = VLLM_BLOCK_SIZE if engine == "vllm" else BLOCK_SIZE
+    proc, ready = start_serve(["--engine", engine, "--model", model_dir, "--num-prefill", "1",
+                               "--num-decode", "1", "--port", str(port), "--block-size",
+                               str(block_size), "--kv-cache-gib",
+                               "0.25" if engine == "vllm" else "0.05"], env)
     found = re.search(r"metadata service at (\S+?)\)", ready)
     if found is None:
         stop_serve(proc)
         raise RuntimeError(f"pdcluster serve named no metadata service: {ready}")
-    served = Served(proc, f"http://127.0.0.1:{port}/v1", found.group(1), secret, {}, model_dir)
+    served = Served(proc, f"http://127.0.0.1:{port}/v1", found.group(1), secret, {}, model_dir,
+                    engine)
     served.nodes = _nodes(served)
     client = openai.OpenAI(base_url=served.base_url, api_key=API_KEY, max_retries=0,
                            timeout=120)
@@ -139,12 +148,12 @@ def dealer(address: str, keys=None, server_key: bytes | None = None):
     return sock
 
 
-def block_nbytes(model_dir: str) -> int:
+def block_nbytes(model_dir: str, block_size: int = BLOCK_SIZE) -> int:
     """Bytes of one KV block of `model_dir` in float32 (the engine's block-contiguous
     layout: K and V of every layer)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * BLOCK_SIZE * 4
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * block_size * 4
 
 
 class Memory:

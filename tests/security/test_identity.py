@@ -103,7 +103,7 @@ def test_the_routers_credential_cannot_register_a_node(served):
 
 
 def test_a_decode_node_cannot_send_a_generate_request_to_a_prefill_node(served):
-    memory = Memory(block_nbytes(served.model_dir))
+    memory = Memory(block_nbytes(served.model_dir, served.block_size))
     keys, inbox = _member_node(served, memory)  # a registered decode node
     try:
         attacker = dealer(served.nodes["prefill"]["request_address"], keys,
@@ -127,7 +127,7 @@ def test_only_the_submitter_aborts_a_request(served):
     address, key = served.nodes["decode"]["request_address"], server_key(served, "decode")
     owner = dealer(address, router_member(served), key)
     other_router = dealer(address, router_member(served), key)
-    memory = Memory(block_nbytes(served.model_dir))
+    memory = Memory(block_nbytes(served.model_dir, served.block_size))
     d9_keys, inbox = _member_node(served, memory)
     d9 = dealer(address, d9_keys, key)
     try:
@@ -157,7 +157,7 @@ def test_a_member_cannot_make_a_prefill_node_write_elsewhere(served):
     """d9 asks P for a prompt's KV but names a third party's memory as the destination (a
     confused deputy): refused, the third party untouched. The same request naming d9's own
     registered session is served."""
-    nbytes = block_nbytes(served.model_dir)
+    nbytes = block_nbytes(served.model_dir, served.block_size)
     prefill = served.nodes["prefill"]
     router = dealer(prefill["request_address"], router_member(served),
                     server_key(served, "prefill"))
@@ -183,7 +183,7 @@ def test_a_member_cannot_make_a_prefill_node_write_elsewhere(served):
 def test_xfer_done_is_accepted_only_from_the_node_asked(served):
     """D waits for KV from the node its request names. A forged XferDone from another
     member is refused (the request gets no first token); the node asked completes it."""
-    nbytes = block_nbytes(served.model_dir)
+    nbytes = block_nbytes(served.model_dir, served.block_size)
     memory = Memory(4 * nbytes)
     asked_keys, asked = _member_node(served, memory)  # the node D is told to take KV from
     forger_memory = Memory(nbytes)

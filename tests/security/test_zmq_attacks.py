@@ -20,7 +20,6 @@ from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TokenDelta, 
 from pdcluster.core.node_wire import encode as encode_node
 from tests.security.served import (
     API_KEY,
-    BLOCK_SIZE,
     Memory,
     block_nbytes,
     dealer,
@@ -32,7 +31,7 @@ from tests.security.served import (
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
-PROMPT = list(range(100, 164))  # 4 full blocks
+PROMPT = list(range(100, 228))  # 4 full blocks of vLLM's 32 tokens (8 of the own engine's 16)
 QUIET_S = 2.0  # how long a refused stranger waits for an answer that never comes
 
 
@@ -127,7 +126,7 @@ def test_side_channel_refuses_strangers(served, member_control):
     while not getattr(_answer(member, 30), "finished", True):
         pass
     member.close()
-    nbytes = block_nbytes(served.model_dir)
+    nbytes = block_nbytes(served.model_dir, served.block_size)
     memory = Memory(8 * nbytes)
     if member_control:
         keys, replies = _member_node(served, memory)
@@ -135,7 +134,8 @@ def test_side_channel_refuses_strangers(served, member_control):
     else:
         replies, sock = _Inbox(None), dealer(prefill["kv_address"])
     pull = PrefixPullRequest("pull-1", "r", replies.address, memory.engine.session_id, nbytes,
-                             BLOCK_SIZE, 0, PROMPT, [memory.addr(i * nbytes) for i in range(4)])
+                             served.block_size, 0, PROMPT,
+                             [memory.addr(i * nbytes) for i in range(4)])
     sock.send(encode_kv(pull))
     sock.send(encode_kv(XferRequest("xfer-1", "r", replies.address, memory.engine.session_id,
                                     nbytes, 4, 0, [memory.addr((4 + i) * nbytes)
@@ -165,15 +165,16 @@ def test_a_member_cannot_pull_another_tenants_blocks(served):
     while not getattr(_answer(member, 30), "finished", True):
         pass
     member.close()
-    nbytes = block_nbytes(served.model_dir)
+    nbytes = block_nbytes(served.model_dir, served.block_size)
     results = {}
     for salt in (None, "tenant-b", "tenant-a"):
         memory = Memory(4 * nbytes)
         keys, replies = _member_node(served, memory)
         sock = dealer(prefill["kv_address"], keys, server_key(served, "prefill"))
         sock.send(encode_kv(PrefixPullRequest(
-            f"pull-{salt}", "r", replies.address, memory.engine.session_id, nbytes, BLOCK_SIZE,
-            0, salted, [memory.addr(i * nbytes) for i in range(4)], cache_salt=salt)))
+            f"pull-{salt}", "r", replies.address, memory.engine.session_id, nbytes,
+            served.block_size, 0, salted, [memory.addr(i * nbytes) for i in range(4)],
+            cache_salt=salt)))
         (done,) = replies.wait(10)
         results[salt] = (done.num_blocks_sent, memory.touched)
         sock.close()

@@ -125,9 +125,10 @@ def test_a_prefill_node_killed_mid_transfer_is_recomputed_exactly(chaos):
     # told, not timed out: the decode node recomputed at once
     assert result["router"]["router_prefill_lost_total"] >= 1
     # Never by waiting out the KV timeout (30 s): the requests in flight at the kill finish
-    # well before it (a second or two on a quiet machine; 12 s seen under a load of 9). (vLLM's worker reports its transfer counters with its steps' stats,
-    # which under load may not yet include the receive the node gave up; the router's count
-    # above is the one read here.)
+    # well before it (a second or two on a quiet machine; 12 s seen under a load of 9).
+    # (vLLM's worker reports its transfer counters with its steps' stats, which under load
+    # may not yet include the receive the node gave up; the router's count above is the one
+    # read here.)
     assert result["decode_transfers"]["timeouts"] == 0, result["decode_transfers"]
     assert result["inflight_done_after_fault_s_max"] < 20
     # vLLM's engine core and worker died with the node
