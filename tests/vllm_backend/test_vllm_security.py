@@ -19,6 +19,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
 pytest.importorskip("ray")
 
 from tests.cluster.test_serve_e2e import free_port  # noqa: E402
+from tests.security import test_zmq_attacks  # noqa: E402
 from tests.security.listeners import listening_sockets, process_tree  # noqa: E402
 from tests.security.served import start_served  # noqa: E402
 from tests.security.test_identity import (  # noqa: E402, F401
@@ -33,7 +34,6 @@ from tests.security.test_zmq_attacks import (  # noqa: E402, F401
     test_a_stranger_cannot_generate_on_a_node,
     test_a_stranger_cannot_poison_a_decode_nodes_cache,
     test_router_api_keys_cannot_be_bypassed,
-    test_side_channel_refuses_strangers,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -46,9 +46,9 @@ def served(model_dirs):
     cluster.stop()
 
 
-@pytest.fixture(params=[False])  # the stranger only: see the module's docstring
-def member_control(request):
-    return request.param
+def test_the_side_channel_refuses_strangers(served) -> None:
+    """The stranger half of tests/security's side-channel probe (see the docstring above)."""
+    test_zmq_attacks.test_side_channel_refuses_strangers(served, member_control=False)
 
 
 def test_a_vllm_cluster_listens_on_the_host_only(served) -> None:
