@@ -32,23 +32,38 @@ have_system_packages() {
     command -v etcd >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '
 }
 
+# libtcmalloc-minimal4: the allocator vLLM's CPU docs (and docs/engine.md) advise preloading;
+# `bench peers` preloads it where it is installed and runs without it where not, so failing to
+# install it never fails the setup.
+have_tcmalloc() {
+    ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal\.so\.4 '
+}
+
+apt_install_tcmalloc() {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        libtcmalloc-minimal4 || echo "setup: libtcmalloc-minimal4 not installed" >&2
+}
+
 install_system_packages() {
-    if have_system_packages; then
+    if have_system_packages && have_tcmalloc; then
         return
     fi
-    if [[ $(id -u) -ne 0 ]]; then
-        echo "setup: etcd or libibverbs.so.1 missing and not root; skipping apt-get" \
-             "(later issues need etcd-server etcd-client libibverbs1)" >&2
+    if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
+        if ! have_system_packages; then
+            echo "setup: etcd or libibverbs.so.1 missing and no apt-get as root; install" \
+                 "etcd-server etcd-client libibverbs1 (and libtcmalloc-minimal4) by hand" >&2
+        fi
         return
     fi
-    if ! command -v apt-get >/dev/null 2>&1; then
-        echo "setup: etcd or libibverbs.so.1 missing and no apt-get; install them by hand" >&2
+    if have_system_packages; then  # only the optional allocator is missing: no update
+        apt_install_tcmalloc
         return
     fi
-    echo "setup: installing etcd-server etcd-client libibverbs1"
+    echo "setup: installing etcd-server etcd-client libibverbs1 libtcmalloc-minimal4"
     apt-get update
     DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         etcd-server etcd-client libibverbs1
+    apt_install_tcmalloc
 }
 
 # The .proto files are part of the stamp so that a contract change regenerates the stubs.

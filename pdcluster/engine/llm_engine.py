@@ -324,7 +324,7 @@ class LLMEngine:
         text = ""
         if req.params.stop and req.status is not RequestStatus.FINISHED_ERROR:
             text = self._stop_strings(req)
-        elif req.is_finished and self.tokenizer is not None:
+        elif req.is_finished and self.tokenizer is not None and req.params.detokenize:
             text = self._stops.decode(req)
         if req.is_finished:
             self._forget(req.request_id)

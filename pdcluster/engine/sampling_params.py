@@ -33,7 +33,8 @@ MAX_GUIDED_SPEC_CHARS = 256 << 10
 class SamplingParams:
     """The fields of `core.sampling.SamplingSpec` (same names, meanings and defaults) plus
     the text options only the engine uses. Stop strings end generation and are cut from the
-    text unless `include_stop_str_in_output`.
+    text unless `include_stop_str_in_output`. `detokenize=False` (vLLM's option) leaves the
+    output's text empty: token ids only; stop strings need the text, so they refuse it.
     """
 
     max_tokens: int = 16
@@ -48,6 +49,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -82,6 +84,8 @@ class SamplingParams:
         self._validate_stops()
 
     def _validate_stops(self) -> None:
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
