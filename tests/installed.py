@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_ROOMS = ("core", "engine", "transfer", "metadata_service", "node", "prefill_node",
-                 "decode_node", "router", "cluster", "proto", "benchmarks")
+                 "decode_node", "router", "cluster", "proto", "benchmarks", "vllm_backend")
 _SKIP_DIRS = {".git", ".venv", ".cache", "build", "dist", "tests", "__pycache__", "docs", "k8s",
               "docker", ".pytest_cache", ".ruff_cache", ".mypy_cache", ".hypothesis"}
 
@@ -62,6 +62,12 @@ def fresh_venv(wheel: Path, env_dir: Path) -> Path:
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
          "--no-index", str(wheel)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The `ray` command a pip-installed Ray puts beside python (its console script), which
+    # the chart's launcher runs: the dependencies came in through the .pth line, not pip.
+    ray = env_dir / "bin" / "ray"
+    ray.write_text(f"#!{python}\nimport sys\nfrom ray.scripts.scripts import main\n"
+                   "sys.exit(main())\n")
+    ray.chmod(0o755)
     return python
 
 

@@ -25,6 +25,9 @@ MODEL_VARIANTS = {
     "llama-yarn-tied": {"arch": "llama", "tie_word_embeddings": True, "num_hidden_layers": 3,
                         "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                          "original_max_position_embeddings": 256}},
+    # vLLM's CPU attention kernels take head sizes of 32 and up (tests/vllm_backend).
+    "llama-vllm": {"arch": "llama", "hidden_size": 128, "num_attention_heads": 4,
+                   "num_key_value_heads": 2},
 }
 
 

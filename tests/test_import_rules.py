@@ -31,14 +31,14 @@ PACKAGE = REPO_ROOT / "pdcluster"
 
 ROOMS = frozenset({
     "core", "engine", "transfer", "metadata_service", "node", "prefill_node", "decode_node",
-    "router", "cluster", "proto", "benchmarks",
+    "router", "cluster", "proto", "benchmarks", "vllm_backend",
 })
 # A service's published client library, importable where its room is not (docs/architecture.md):
 # the clients and the errors they raise. These modules import only core, proto, grpc and each
 # other (plus the codec and wire helpers), never the server.
 CLIENT_MODULES = ("pdcluster.metadata_service.client", "pdcluster.metadata_service.publisher",
                   "pdcluster.metadata_service.errors")
-HEAVY = frozenset({"torch", "ray"})
+HEAVY = frozenset({"torch", "ray", "vllm"})
 RUNTIME_FORBIDDEN = frozenset({"torch", "ray", "engine"})  # engine: pdcluster.engine
 
 
@@ -63,12 +63,16 @@ def _all_rooms_but(*allowed: str) -> frozenset[str]:
 FORBIDDEN: dict[str, frozenset[str]] = {
     "core": HEAVY | _all_rooms_but("core"),
     # The engine knows nothing of the node wire protocol or its sockets (node/ serves it).
-    "engine": {"ray", "zmq"} | _all_rooms_but("engine", "core"),
-    "transfer": {"ray"} | _all_rooms_but("transfer", "core"),
+    "engine": {"ray", "zmq", "vllm"} | _all_rooms_but("engine", "core"),
+    "transfer": {"ray", "vllm"} | _all_rooms_but("transfer", "core"),
     "router": HEAVY | _all_rooms_but("router", "core", "proto"),
     "metadata_service": HEAVY | _all_rooms_but("metadata_service", "core", "proto"),
-    # The node runtime shared by both node kinds (docs/architecture.md): no Ray in it.
-    "node": {"ray"} | _all_rooms_but("node", "engine", "transfer", "core", "proto"),
+    # The node runtime shared by both node kinds (docs/architecture.md): no Ray in it, and
+    # vLLM only through the vLLM backend (which it loads when a node's engine is vLLM).
+    "node": {"ray", "vllm"} | _all_rooms_but("node", "engine", "transfer", "core", "proto",
+                                              "vllm_backend"),
+    # vLLM behind the node's engine interface: the only room that imports vllm.
+    "vllm_backend": {"ray"} | _all_rooms_but("vllm_backend", "engine", "transfer", "core"),
     "prefill_node": _all_rooms_but("prefill_node", "node", "engine", "transfer", "core",
                                    "proto"),
     "decode_node": _all_rooms_but("decode_node", "node", "engine", "transfer", "core", "proto"),
@@ -424,14 +428,28 @@ _BARE_MODULE_PATH = re.compile(
     rf"^({'|'.join(sorted(ROOMS))})\.[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 
 
+def _names_a_module(text: str) -> bool:
+    """Whether `room.a.b[:attr]` starts with a real module of the package below its room
+    (`engine.models.llama`), as opposed to a file name or a metric (`cluster.yaml`)."""
+    parts = text.split(":")[0].split(".")
+    folder = PACKAGE / parts[0]
+    for part in parts[1:]:
+        if (folder / f"{part}.py").is_file():
+            return True
+        folder = folder / part
+        if not (folder / "__init__.py").is_file():
+            return False
+    return True
+
+
 def bare_module_path_strings(source: str, filename: str) -> list[str]:
-    """'file:line: "x"' for each string literal that looks like a module path of a room without
-    the package (`"engine.models.llama:CausalLM"`): importlib, Ray, `-m` and monkeypatch
-    targets resolve such a name only where the repository root happens to be on sys.path."""
+    """'file:line: "x"' for each string literal that names a module of a room without the
+    package (`"engine.models.llama:CausalLM"`): importlib, Ray, `-m` and monkeypatch targets
+    resolve such a name only where the repository root happens to be on sys.path."""
     return [f"{filename}:{node.lineno}: {node.value!r}"
             for node in ast.walk(ast.parse(source, filename=filename))
             if isinstance(node, ast.Constant) and isinstance(node.value, str)
-            and _BARE_MODULE_PATH.match(node.value)]
+            and _BARE_MODULE_PATH.match(node.value) and _names_a_module(node.value)]
 
 
 def test_no_module_path_string_names_a_bare_room() -> None:
@@ -446,7 +464,8 @@ def test_no_module_path_string_names_a_bare_room() -> None:
 
 
 def test_module_path_string_check_catches_an_offender() -> None:
-    source = 'A = "engine.models.llama:CausalLM"\nB = "pdcluster.engine.llm"\nC = "node.x"\n' \
-             'D = "router_bench"\nE = "engine.tok_s is a metric name"\n'
+    source = 'A = "engine.models.llama:CausalLM"\nB = "pdcluster.engine.llm"\n' \
+             'C = "node.server.NodeServer"\nD = "router_bench"\n' \
+             'E = "engine.tok_s is a metric name"\nF = "cluster.yaml"\nG = "engine.tok_s"\n'
     assert bare_module_path_strings(source, "x.py") == [
-        "x.py:1: 'engine.models.llama:CausalLM'", "x.py:3: 'node.x'"]
+        "x.py:1: 'engine.models.llama:CausalLM'", "x.py:3: 'node.server.NodeServer'"]

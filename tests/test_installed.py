@@ -194,7 +194,8 @@ def test_the_peer_bench_driver_runs_outside_the_package(wheel_install: Installed
     base_python = Path(sys.base_prefix) / "bin" / "python3"
     shim.write_text(f'#!/bin/sh\nPYTHONPATH={fake}:{deps} exec {base_python} "$@"\n')
     shim.chmod(0o755)
-    probe = subprocess.run([str(shim), "-c", "import pdcluster"], capture_output=True)
+    probe = subprocess.run([str(shim), "-c", "import pdcluster"], capture_output=True,
+                           cwd=tmp_path)
     assert probe.returncode != 0, "the stand-in peer venv must not see pdcluster"
     from pdcluster.benchmarks import peers_bench
 

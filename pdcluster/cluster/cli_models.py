@@ -97,7 +97,10 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="KV cache blocks (default: the engine sizes the cache itself)",
     )
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV block (default: 16; 32 with --engine vllm)")
+    parser.add_argument("--engine", choices=("pdcluster", "vllm"), default="pdcluster",
+                        help="the project's own engine, or vLLM (`make setup-vllm`)")
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -111,6 +114,8 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     require_device(args.device)
     model = resolve_model_arg(args.model)
+    if args.engine == "vllm":
+        return _generate_with_vllm(args, model)
     from pdcluster.engine import LLM, SamplingParams
 
     extra = {} if args.num_blocks is None else {"num_kv_blocks": args.num_blocks}
@@ -127,7 +132,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             model,
             dtype=args.dtype,
             device=args.device,
-            block_size=args.block_size,
+            block_size=args.block_size or 16,
             **extra,
         )
     loaded = time.perf_counter()
@@ -141,6 +146,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         f"(model load {loaded - started:.3f} s)",
         file=sys.stderr,
     )
+    return 0
+
+
+def _generate_with_vllm(args: argparse.Namespace, model: str) -> int:
+    from pdcluster.core.sampling import SamplingSpec
+
+    try:
+        from pdcluster.vllm_backend.offline import generate
+    except ImportError as exc:
+        raise UsageError(f"--engine vllm needs vLLM (`make setup-vllm`): {exc}") from exc
+    extra = {} if args.num_blocks is None else {"num_kv_blocks": args.num_blocks}
+    spec = SamplingSpec(max_tokens=args.max_tokens, temperature=args.temperature,
+                        top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    prompt = args.prompt if args.prompt is not None else args.prompt_ids
+    started = time.perf_counter()
+    with config_errors_as_usage():
+        token_ids, text = generate(model, prompt, spec, dtype=args.dtype, device=args.device,
+                                   block_size=args.block_size or 32, **extra)
+    print(f"prompt: {prompt}")
+    print(f"output: {text}")
+    print(f"generated {len(token_ids)} tokens with vLLM in {time.perf_counter() - started:.3f} s "
+          "(engine start included)", file=sys.stderr)
     return 0
 
 

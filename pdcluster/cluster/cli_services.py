@@ -40,9 +40,12 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="address of a running metadata service (default: an embedded "
                         "in-memory one)")
     add_metadata_tls_args(parser)
+    add_engine_arg(parser)
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="weights and KV dtype (default: float32 on CPU, half on CUDA)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV block (default: 16; 32 with --engine vllm, whose "
+                        "CPU kernels take multiples of 32)")
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="KV cache memory per node (default: the engine's own)")
     parser.add_argument("--gpus-per-node", type=float, default=0.0,
@@ -61,6 +64,16 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "(0: a free port each, listed in the metadata service; default: none)")
 
 
+def add_engine_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("pdcluster", "vllm"), default="pdcluster",
+                        help="the nodes' engine: pdcluster's own, or vLLM (`make setup-vllm`; "
+                        "every node runs it, behind the same connector, index and router)")
+
+
+def default_block_size(args: argparse.Namespace) -> int:
+    return args.block_size or (32 if args.engine == "vllm" else 16)
+
+
 def add_routing_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", choices=("kv", "round_robin", "least_loaded"),
                         default="kv", help="kv: by cached prefix and load; round_robin / "
@@ -72,7 +85,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pdcluster.cluster.config import ClusterConfig
     from pdcluster.cluster.launch import serve
 
-    engine = {"block_size": args.block_size}
+    engine: dict[str, object] = {"block_size": default_block_size(args)}
+    if args.engine != "pdcluster":
+        engine["backend"] = args.engine
     if args.dtype:
         engine["dtype"] = args.dtype
     if args.kv_cache_gib:
@@ -164,7 +179,9 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--model-name", default="", help="served model name (default: folder)")
     serve.add_argument("--metadata", required=True, help="metadata service address host:port")
     add_metadata_tls_args(serve)
-    serve.add_argument("--block-size", type=int, default=16, help="the nodes' KV block size")
+    serve.add_argument("--block-size", type=int, default=None,
+                       help="the nodes' KV block size (default: 16; 32 with --engine vllm)")
+    add_engine_arg(serve)
     serve.add_argument("--local-prefill-threshold", type=int, default=256,
                        help="uncached prompt tokens below which the decode node prefills")
     serve.add_argument("--max-migrations", type=int, default=1,
@@ -193,12 +210,22 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
             metadata_address=args.metadata, api_keys=api_keys_from_env(),
             cluster_secret=secret, **metadata_tls_fields(args),
             max_migrations=args.max_migrations, index_mirror=args.index_mirror,
-            routing=args.routing,
-            policy=PolicyConfig(block_size=args.block_size,
+            routing=args.routing, hash_config=_hash_config(args.engine),
+            policy=PolicyConfig(block_size=default_block_size(args),
                                 local_prefill_threshold=args.local_prefill_threshold,
                                 global_reuse_min_tokens=args.global_reuse_min_tokens))
     asyncio.run(serve_forever(config))
     return 0
+
+
+def _hash_config(engine: str):
+    """The nodes' block-hash scheme by their engine (the router pod imports no engine)."""
+    from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
+    from pdcluster.core.vllm_hashing import VLLM_DEFAULT_SEED, VLLM_HASH_ALGORITHM
+
+    if engine == "vllm":
+        return HashConfig(VLLM_HASH_ALGORITHM, VLLM_DEFAULT_SEED)
+    return DEFAULT_HASH_CONFIG
 
 
 def add_metadata(subparsers: argparse._SubParsersAction) -> None:

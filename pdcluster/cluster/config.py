@@ -6,7 +6,9 @@ cluster.yaml:
     num_prefill: 2
     num_decode: 2
     engine: {dtype: bfloat16, block_size: 16, max_num_seqs: 64, max_num_batched_tokens: 2048,
-             speculative: "ngram:k=4"}         # speculative decoding: decode nodes only
+             speculative: "ngram:k=4",         # speculative decoding: decode nodes only
+             backend: pdcluster}               # or vllm: every node runs vLLM (docs/engines.md),
+                                               # with tensor_parallel_size, gpu_memory_utilization
     transfer: {protocol: rdma, device_name: "", timeout_s: 30}
     metadata: {address: "metadata:50061",      # absent: an embedded in-memory service
                tls_ca: /tls/ca.crt,            # TLS to it (router and nodes); absent: plaintext
@@ -96,6 +98,12 @@ class ClusterConfig:
         if tls is not None and self.metadata_address is None:
             raise ValueError("metadata TLS settings need an external metadata service (its "
                              "address): the embedded one serves plaintext on 127.0.0.1")
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The nodes' engine (one backend per cluster): the router names a prompt's blocks
+        with its block size and hash scheme."""
+        return EngineConfig.from_options(self.model, self.engine)
 
     def engine_options(self, role: str) -> dict[str, Any]:
         """EngineConfig keywords for a node of `role`. Speculative decoding runs on decode

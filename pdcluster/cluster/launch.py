@@ -64,13 +64,14 @@ def router_config(config: ClusterConfig, metadata_address: str, cluster_secret: 
     from pdcluster.router.config import RouterConfig
     from pdcluster.router.routing.policy import PolicyConfig
 
-    policy = PolicyConfig(block_size=config.engine.get("block_size", 16),
+    policy = PolicyConfig(block_size=config.engine_config.block_size,
                           local_prefill_threshold=config.local_prefill_threshold_tokens,
                           global_reuse_min_tokens=config.global_reuse_min_tokens)
     return RouterConfig(model_dir=config.model, host=config.router_host,
                         port=config.router_port, metadata_address=metadata_address,
                         cluster_secret=cluster_secret, **config.metadata_tls_fields(),
-                        api_keys=api_keys_from_env(), policy=policy, routing=config.routing)
+                        api_keys=api_keys_from_env(), policy=policy, routing=config.routing,
+                        hash_config=config.engine_config.hash_config)
 
 
 def api_keys_from_env() -> tuple[str, ...]:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdcluster.core.types import BlockHash
+from pdcluster.core.vllm_hashing import VLLM_HASH_ALGORITHM, vllm_block_hash, vllm_root_hash
 
 # Bump the version whenever the encoding below changes: hashes live in the global index and
 # in every node's prefix cache, and a silent change would make old and new nodes disagree.
@@ -32,7 +33,8 @@ _BLOCK_TAG = bytes([(_ENCODING_VERSION << 4) | 0x1])
 _HAS_SALT = 0x1
 _HAS_LORA = 0x2
 
-_DIGEST_SIZES = {"sha256": 32, "xxh3_128": 16}
+# VLLM_HASH_ALGORITHM is vLLM's own chain (core/vllm_hashing.py), for nodes that run vLLM.
+_DIGEST_SIZES = {"sha256": 32, "xxh3_128": 16, VLLM_HASH_ALGORITHM: 32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,10 @@ class HashConfig:
             )
         if not self.root_seed:
             raise ValueError("root_seed must be a non-empty string")
+
+    @property
+    def is_vllm(self) -> bool:
+        return self.algorithm == VLLM_HASH_ALGORITHM
 
     @property
     def digest_size(self) -> int:
@@ -117,9 +123,31 @@ def _digest_block(
     return digest(_BLOCK_TAG + parent + packed + extra_bytes)
 
 
+# (parent, block tokens, is block 0) -> the block's hash, for one config and extra keys.
+ChainFn = Callable[[BlockHash, Sequence[int], bool], BlockHash]
+
+
+def _chain_fn(config: HashConfig, extra: BlockExtra) -> ChainFn:
+    if config.is_vllm:
+        if extra.lora_id is not None:
+            raise ValueError("vLLM's block hash names a LoRA by name; lora_id is not supported "
+                             "with it")
+        salt = extra.cache_salt
+
+        def vllm_chain(parent: BlockHash, tokens: Sequence[int], first: bool) -> BlockHash:
+            _pack_tokens(tokens)  # the same token checks as the own scheme
+            return vllm_block_hash(parent, tokens, salt, first)
+
+        return vllm_chain
+    digest, extra_bytes = _digest_fn(config.algorithm), _encode_extra(extra)
+    return lambda parent, tokens, first: _digest_block(digest, parent, tokens, extra_bytes)
+
+
 @functools.cache
 def root_hash(config: HashConfig = DEFAULT_HASH_CONFIG) -> BlockHash:
     """The hash of the root seed: the parent of block 0."""
+    if config.is_vllm:
+        return vllm_root_hash(config.root_seed)
     return _digest_fn(config.algorithm)(_ROOT_TAG + config.root_seed.encode("utf-8"))
 
 
@@ -135,7 +163,7 @@ def hash_block(
             f"parent hash has {len(parent)} bytes, {config.algorithm} digests have "
             f"{config.digest_size}"
         )
-    return _digest_block(_digest_fn(config.algorithm), parent, token_ids, _encode_extra(extra))
+    return _chain_fn(config, extra)(parent, token_ids, parent == root_hash(config))
 
 
 def _check_block_size(block_size: int) -> None:
@@ -151,13 +179,12 @@ def hash_block_tokens(
 ) -> list[BlockHash]:
     """Hashes of every full block of ``token_ids``; a trailing partial block gets none."""
     _check_block_size(block_size)
-    digest = _digest_fn(config.algorithm)
-    extra_bytes = _encode_extra(extra)
+    chain = _chain_fn(config, extra)
     parent = root_hash(config)
     hashes: list[BlockHash] = []
     num_full = len(token_ids) // block_size * block_size
     for start in range(0, num_full, block_size):
-        parent = _digest_block(digest, parent, token_ids[start:start + block_size], extra_bytes)
+        parent = chain(parent, token_ids[start:start + block_size], start == 0)
         hashes.append(parent)
     _pack_tokens(token_ids[num_full:])  # the partial block must be valid too
     return hashes
@@ -174,12 +201,12 @@ class BlockHasher:
 
     __slots__ = (
         "_block_size",
-        "_digest",
-        "_extra_bytes",
+        "_chain_block",
         "_hashes",
         "_num_tokens",
         "_parent",
         "_pending",
+        "_root",
     )
 
     def __init__(
@@ -190,12 +217,12 @@ class BlockHasher:
     ) -> None:
         _check_block_size(block_size)
         self._block_size = block_size
-        self._digest = _digest_fn(config.algorithm)
-        self._extra_bytes = _encode_extra(extra)
+        self._chain_block = _chain_fn(config, extra)
         self._pending: list[int] = []
         self._hashes: list[BlockHash] = []
         self._num_tokens = 0
-        self._parent = root_hash(config)
+        self._root = root_hash(config)
+        self._parent = self._root
 
     @property
     def block_hashes(self) -> list[BlockHash]:
@@ -227,5 +254,6 @@ class BlockHasher:
         return new_hashes
 
     def _chain(self, block: Sequence[int]) -> BlockHash:
-        self._parent = _digest_block(self._digest, self._parent, block, self._extra_bytes)
+        # Only block 0 chains onto the root (`_hashes` grows after the whole `extend`).
+        self._parent = self._chain_block(self._parent, block, self._parent is self._root)
         return self._parent

@@ -32,17 +32,61 @@ from pdcluster.core.types import ReqId
 
 @dataclass(frozen=True, slots=True)
 class KVRegion:
-    """The engine's KV cache as one registered memory region."""
+    """An engine's KV cache as the transfer engine sees it: `num_blocks` blocks, each made of
+    one run of `block_nbytes` bytes in every segment. Block b of segment s starts at
+    `base_addr + segment_offsets[s] + b * block_stride`.
+
+    The own engine's cache is one segment whose blocks are packed back to back (a block is
+    one contiguous range across all layers: `block_stride == block_nbytes`). vLLM's is one
+    segment per layer (each layer a tensor of its own), so a run of consecutive blocks is one
+    descriptor per layer. `nbytes` is what the single-segment form registers; multi-segment
+    layouts register `memory_ranges()`."""
 
     base_addr: int
     nbytes: int
     block_nbytes: int
     num_blocks: int
+    block_stride: int = 0  # 0: block_nbytes (blocks back to back)
+    segment_offsets: tuple[int, ...] = (0,)
+
+    def __post_init__(self) -> None:
+        if self.block_nbytes <= 0 or self.num_blocks < 0:
+            raise ValueError("a KVRegion needs block_nbytes > 0 and num_blocks >= 0")
+        if self.block_stride and self.block_stride < self.block_nbytes:
+            raise ValueError(f"block_stride {self.block_stride} < block_nbytes "
+                             f"{self.block_nbytes}: blocks would overlap")
+        if not self.segment_offsets or self.segment_offsets[0] != 0:
+            raise ValueError("segment_offsets must start with 0 (segment 0 is the base)")
+
+    @property
+    def stride(self) -> int:
+        return self.block_stride or self.block_nbytes
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segment_offsets)
 
     def block_addr(self, block_id: int) -> int:
+        """Where block `block_id` starts in segment 0 (add a segment's offset for the others)."""
         if not 0 <= block_id < self.num_blocks:
             raise ValueError(f"block id {block_id} outside [0, {self.num_blocks})")
-        return self.base_addr + block_id * self.block_nbytes
+        return self.base_addr + block_id * self.stride
+
+    def memory_ranges(self) -> list[tuple[int, int]]:
+        """(address, bytes) ranges to register with the transfer engine: the whole region
+        for one packed segment, else each segment's span, merged where they touch."""
+        if self.num_segments == 1 and self.stride == self.block_nbytes:
+            return [(self.base_addr, self.nbytes)]
+        span = (self.num_blocks - 1) * self.stride + self.block_nbytes if self.num_blocks else 0
+        ranges = sorted((self.base_addr + off, span) for off in self.segment_offsets)
+        merged: list[tuple[int, int]] = []
+        for addr, nbytes in ranges:
+            if merged and addr <= merged[-1][0] + merged[-1][1]:
+                start, length = merged[-1]
+                merged[-1] = (start, max(length, addr + nbytes - start))
+            else:
+                merged.append((addr, nbytes))
+        return merged
 
 
 @dataclass(frozen=True, slots=True)

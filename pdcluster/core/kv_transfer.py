@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdcluster.core.types import ReqId
 from pdcluster.core.wire import Protocol, WireError
@@ -26,6 +26,12 @@ from pdcluster.core.wire import Protocol, WireError
 TransferId = str
 WIRE_VERSION = 2  # 2: PrefixPullRequest names blocks by tokens + salt
 MAX_MESSAGE_BYTES = 16 << 20
+# A KV layout has one segment per layer at most twice over (K and V apart): far below this.
+MAX_SEGMENTS = 4096
+
+
+def _one_segment() -> list[int]:
+    return [0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,10 @@ class XferRequest:
     num_blocks: int  # blocks of the whole prompt
     skip_blocks: int  # leading blocks D already holds (its own prefix hit)
     dest_block_addrs: list[int]  # address of D's block i for i in [skip_blocks, num_blocks)
+    # Where each segment of D's layout lies relative to segment 0 (core.kv_connector.KVRegion):
+    # one segment ([0]) for the own engine, one per layer for vLLM. Both sides must agree on
+    # the count and on block_nbytes (bytes of one block in one segment).
+    dest_segment_offsets: list[int] = field(default_factory=_one_segment)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +102,7 @@ class PrefixPullRequest:
     dest_block_addrs: list[int]
     cache_salt: str | None = None
     lora_id: int | None = None
+    dest_segment_offsets: list[int] = field(default_factory=_one_segment)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +139,14 @@ def decode(data: bytes) -> SideChannelMessage:
     return msg
 
 
+def _check_segments(offsets: list[int], where: str) -> None:
+    if not 1 <= len(offsets) <= MAX_SEGMENTS or offsets[0] != 0:
+        raise WireError(f"{where}.dest_segment_offsets must hold 1 to {MAX_SEGMENTS} offsets, "
+                        "the first 0")
+
+
 def _check_request(msg: XferRequest) -> None:
+    _check_segments(msg.dest_segment_offsets, "XferRequest")
     if not all(a > 0 for a in msg.dest_block_addrs):
         raise WireError("XferRequest.dest_block_addrs must be positive integers")
     if not 0 <= msg.skip_blocks <= msg.num_blocks:
@@ -140,6 +158,7 @@ def _check_request(msg: XferRequest) -> None:
 
 
 def _check_pull(msg: PrefixPullRequest) -> None:
+    _check_segments(msg.dest_segment_offsets, "PrefixPullRequest")
     if msg.block_size <= 0 or msg.first_block < 0 or not msg.dest_block_addrs:
         raise WireError("PrefixPullRequest needs block_size > 0, first_block >= 0 and at "
                         "least one destination")

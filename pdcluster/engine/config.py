@@ -8,15 +8,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pdcluster.core.hashing import HashConfig
+from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
+from pdcluster.core.vllm_hashing import VLLM_DEFAULT_SEED, VLLM_HASH_ALGORITHM
 from pdcluster.engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The engine a node runs: the project's own (this package) or vLLM (pdcluster.vllm_backend).
+BACKENDS = ("pdcluster", "vllm")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str
+    # "pdcluster" (the own engine) or "vllm" (vLLM behind the same node interface). A vLLM
+    # node hashes blocks as vLLM does (`core.vllm_hashing`), which the defaults below switch to.
+    backend: str = "pdcluster"
     dtype: str = "auto"  # float32 on CPU; the checkpoint's half type (else bfloat16) on CUDA
     device: str = "auto"  # cuda when available, else cpu
     block_size: int = 16
@@ -38,8 +44,20 @@ class EngineConfig:
     # Speculative decoding (engine/spec_decode): a SpeculativeConfig or its text form
     # ("ngram:k=4", "draft:PATH,k=4"), turned into the config here; None: off.
     speculative: SpeculativeConfig | str | None = None
+    # vLLM only (the own engine refuses values other than these): tensor parallelism, the
+    # share of GPU memory vLLM may take (None: vLLM's default), and eager mode on GPUs (on
+    # CPU vLLM always runs eager here: no minute-long compile per engine).
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "vllm" and self.hash_algorithm == DEFAULT_HASH_CONFIG.algorithm \
+                and self.hash_seed == DEFAULT_HASH_CONFIG.root_seed:
+            object.__setattr__(self, "hash_algorithm", VLLM_HASH_ALGORITHM)
+            object.__setattr__(self, "hash_seed", VLLM_DEFAULT_SEED)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -66,6 +84,16 @@ class EngineConfig:
                              f"{self.max_pinned_fraction}")
         if not self.pin_timeout_s > 0:
             raise ValueError(f"pin_timeout_s must be > 0, got {self.pin_timeout_s}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.backend == "pdcluster" and (self.tensor_parallel_size != 1
+                                            or self.gpu_memory_utilization is not None):
+            raise ValueError("tensor_parallel_size and gpu_memory_utilization are vLLM "
+                             "options (backend: vllm); the own engine runs on one device")
 
     @classmethod
     def from_options(cls, model: str, options: Mapping[str, Any]) -> EngineConfig:

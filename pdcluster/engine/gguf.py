@@ -24,6 +24,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pdcluster.core import paths
+
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
@@ -95,7 +97,7 @@ def resolve_model(model: str | Path, cache_dir: str | Path | None = None) -> str
     if not is_gguf(model):
         return str(model)
     check_gguf(model)
-    root = Path(cache_dir) if cache_dir is not None else cache_dir()
+    root = Path(cache_dir) if cache_dir is not None else paths.cache_dir()
     out = root / "gguf" / file_sha256(model)[:16] / Path(model).stem
     if (out / "config.json").is_file():
         return str(out)

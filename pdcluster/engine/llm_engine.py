@@ -21,58 +21,69 @@ prefix from another node when that saves enough blocks, computing whatever does 
 the engine also serves other nodes' pulls from its own prefix cache. Each step first applies
 the connector's results, then schedules and runs the model, then hands the connector the
 step's plan.
+
+Building the parts from the config is engine/engine_setup.py; turning a request into its
+`RequestOutput` (stop strings included) is engine/output_builder.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
 from pathlib import Path
 
-import torch
-
 from pdcluster.core.events import KVEvent
-from pdcluster.core.hashing import BlockExtra
+from pdcluster.core.hashing import BlockExtra, HashConfig
 from pdcluster.core.kv_connector import KVConnector, KVRegion
 from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, RemotePrefill
+from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash, ReqId
+from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.block_pool import BlockPool
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
-from pdcluster.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdcluster.engine.engine_setup import (
+    kv_cache_spec,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_len,
+)
+from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.kv_cache_manager import KVCacheManager
 from pdcluster.engine.model_config import ModelConfig
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.models.loader import load_model
-from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput, StopStringChecker
+from pdcluster.engine.output_builder import OutputBuilder
+from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdcluster.engine.spec_decode.decoder import SpecDecoder, build_proposer
 from pdcluster.engine.spec_decode.stats import SpecDecodeStats
-from pdcluster.engine.spec_decode.stops import cut_at_first_stop
 from pdcluster.engine.structured_output import GrammarCompiler
 from pdcluster.engine.validation import RequestLimits, validate_keys, validate_request
 
 logger = logging.getLogger(__name__)
-_CPU_KV_GIB = 1.0
-_CUDA_MEMORY_FRACTION = 0.9
 _STEP_TIMES_KEPT = 4096  # step durations kept for `take_step_times` (oldest dropped)
 
 
-class LLMEngine:
+class LLMEngine(NodeEngine):
     def __init__(self, config: EngineConfig, kv_connector: KVConnector | None = None) -> None:
+        if config.backend != "pdcluster":
+            raise ValueError(f"backend {config.backend!r} is not this engine: nodes build it "
+                             "through pdcluster.node.engines")
         self.config = config
         self.connector = kv_connector
         self.model_config = ModelConfig.from_pretrained(config.model)
-        self.device = _resolve_device(config.device)
-        self.dtype = _resolve_dtype(config.dtype, self.device, self.model_config)
-        self.max_model_len = _resolve_max_len(config, self.model_config)
-        self.tokenizer = _load_tokenizer(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
+        self.max_model_len = resolve_max_len(config, self.model_config)
+        self.tokenizer = load_tokenizer(config.model)
         model = load_model(config.model, self.model_config, self.dtype, self.device,
                            self.max_model_len)
-        self.kv_spec = self._kv_spec()
+        self.kv_spec = kv_cache_spec(config, self.model_config, self.dtype, self.device,
+                                     self.max_model_len)
         self.runner = ModelRunner(model, PagedKVCache(self.kv_spec, self.dtype, self.device),
                                   self.device, config.seed)
         pool = BlockPool(self.kv_spec.num_blocks, config.block_size,
@@ -87,7 +98,7 @@ class LLMEngine:
             config.hash_config)
         if kv_connector is not None:
             kv_connector.worker.register_kv_region(self.kv_region)
-        self._stops = StopStringChecker(self.tokenizer)
+        self._outputs = OutputBuilder(self.tokenizer, self.scheduler.finish_request)
         self.grammars = self._grammar_compiler()
         self._num_steps, self._step_seconds = 0, 0.0
         self._step_times: deque[float] = deque(maxlen=_STEP_TIMES_KEPT)
@@ -134,27 +145,49 @@ class LLMEngine:
         return KVRegion(self.kv_cache.data_ptr(), spec.total_nbytes, spec.block_nbytes,
                         spec.num_blocks)
 
-    def _kv_spec(self) -> KVCacheSpec:
-        cfg, mc = self.config, self.model_config
-        planes, heads, dim = mc.kv_layout
-        spec = KVCacheSpec(1, mc.num_layers, cfg.block_size, heads, dim,
-                           torch.finfo(self.dtype).bits // 8, planes)
-        num_blocks = cfg.num_kv_blocks or self._blocks_for_memory(spec.block_nbytes)
-        return dataclasses.replace(spec, num_blocks=num_blocks)
+    # ---- NodeEngine: what a node asks (engine/api.py) ----------------------------------
 
-    def _blocks_for_memory(self, block_nbytes: int) -> int:
-        gib = self.config.kv_cache_memory_gib
-        if gib is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * _CUDA_MEMORY_FRACTION)
-        else:
-            budget = int((gib or _CPU_KV_GIB) * 2**30)
-        # Never more than every sequence slot at full length needs.
-        useful = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size)
-        num_blocks = min(budget // block_nbytes, useful)
-        if num_blocks < 1:
-            raise ValueError("the KV cache memory budget is smaller than one block")
-        return num_blocks
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_spec.num_blocks
+
+    @property
+    def hash_config(self) -> HashConfig:
+        return self.config.hash_config
+
+    @property
+    def accepts_prefix_pulls(self) -> bool:
+        return self.connector is not None
+
+    def submit(self, request_id: ReqId, prompt_token_ids: list[int], sampling: SamplingSpec,
+               *, cache_salt: str | None = None, kv_transfer: KVTransferParams | None = None,
+               prefix_pull: PrefixPull | None = None) -> None:
+        self.add_request(request_id, prompt_token_ids, SamplingParams.from_spec(sampling),
+                         cache_salt=cache_salt, kv_transfer=kv_transfer,
+                         prefix_pull=prefix_pull)
+
+    def transfer_counters(self) -> dict[str, int]:
+        return self.connector.worker.counters() if self.connector is not None else {}
+
+    def take_transfer_latencies(self) -> list[tuple[str, float]]:
+        return self.connector.worker.take_latencies() if self.connector is not None else []
+
+    def recent_write_times(self) -> list[float]:
+        worker = self.connector.worker if self.connector is not None else None
+        stats = getattr(worker, "stats", None)  # the Mooncake worker keeps them
+        return list(stats.recent_write_s) if stats is not None else []
+
+    def pool_state(self) -> dict[str, int]:
+        pool = self.block_pool
+        return {"num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
+                "num_held_blocks": sum(1 for b in pool.blocks if b.ref_cnt),
+                "num_pinned_requests": len(self.scheduler.pinned),
+                "num_unfinished": int(self.has_unfinished_requests())}
+
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -304,57 +337,15 @@ class LLMEngine:
 
     def _output_or_error(self, req: Request, step_s: float) -> RequestOutput:
         try:
-            return self._output(req, step_s)
+            out = self._outputs.output(req, step_s)
         except Exception:
             logger.exception("building the output of request %s failed", req.request_id)
             self.scheduler.fail_request(req, "detokenising its output failed on the node")
             self._forget(req.request_id)
-            return self._error_output(req, step_s)
-
-    def _error_output(self, req: Request, step_s: float) -> RequestOutput:
-        new_token_ids = req.output_token_ids[req.num_emitted_tokens:]
-        req.num_emitted_tokens = req.num_output_tokens
-        return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), new_token_ids=new_token_ids, finished=True,
-            finish_reason=RequestStatus.FINISHED_ERROR.value, error=req.error,
-            num_cached_tokens=max(req.num_cached_tokens, 0), metrics={"step_s": step_s})
-
-    def _output(self, req: Request, step_s: float) -> RequestOutput:
-        text = ""
-        if req.params.stop and req.status is not RequestStatus.FINISHED_ERROR:
-            text = self._stop_strings(req)
-        elif req.is_finished and self.tokenizer is not None and req.params.detokenize:
-            text = self._stops.decode(req)
-        if req.is_finished:
+            return self._outputs.error_output(req, step_s)
+        if out.finished:
             self._forget(req.request_id)
-        new_token_ids = req.output_token_ids[req.num_emitted_tokens:]
-        req.num_emitted_tokens = req.num_output_tokens
-        return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), new_token_ids=new_token_ids,
-            finished=req.is_finished,
-            finish_reason=req.status.value if req.is_finished else None,
-            stop_reason=req.stop_reason, error=req.error, text=text,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
-            num_cached_tokens=max(req.num_cached_tokens, 0), metrics={"step_s": step_s})
-
-    def _stop_strings(self, req: Request) -> str:
-        """Decode, and finish the request at its first stop string — also when the same step
-        ended it by length: the stop string wins, as the text was cut there."""
-        text = self._stops.decode(req)
-        hit = self._stops.find(req, text)
-        if hit is None:
-            return text
-        if req.num_output_tokens - req.num_emitted_tokens > 1:  # a verified run of tokens
-            hit = cut_at_first_stop(self._stops, req, req.num_emitted_tokens) or hit
-        req.stop_reason, text = hit
-        if req.is_finished:
-            req.status = RequestStatus.FINISHED_STOPPED
-        else:
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-        return text
+        return out
 
     def stats(self) -> dict[str, float]:
         pool, pins = self.block_pool, self.scheduler.pins
@@ -371,40 +362,6 @@ class LLMEngine:
         """Speculative decoding's counters (proposed, accepted, per position), None when
         off: what a node maps to its metrics."""
         return None if self.spec_decoder is None else self.spec_decoder.stats
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but CUDA is not available")
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype: str, device: torch.device, mc: ModelConfig) -> torch.dtype:
-    if dtype != "auto":
-        return getattr(torch, dtype)
-    if device.type == "cpu":
-        return torch.float32
-    return torch.float16 if mc.torch_dtype == "float16" else torch.bfloat16
-
-
-def _resolve_max_len(config: EngineConfig, mc: ModelConfig) -> int:
-    if config.max_model_len is None:
-        return mc.max_model_len
-    if config.max_model_len > mc.max_model_len:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit "
-                         f"{mc.max_model_len}")
-    return config.max_model_len
-
-
-def _load_tokenizer(path: str):
-    folder = Path(path)
-    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 __all__ = ["LLMEngine", "SchedulerOutput"]

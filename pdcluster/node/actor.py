@@ -7,11 +7,16 @@ import os
 from typing import Any, ClassVar
 
 from pdcluster.core.credentials import ClusterSecret
+from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.config import EngineConfig
 from pdcluster.node.config import NodeConfig
 from pdcluster.node.runtime import NodeRuntime
 
 POD_IP_ENV = "POD_IP"
+
+
+def _transfer_stats(engine: NodeEngine) -> dict[str, Any]:
+    return {**engine.transfer_counters(), "recent_write_s": engine.recent_write_times()}
 
 
 class NodeActor:
@@ -40,19 +45,13 @@ class NodeActor:
         return {name: getattr(report, name) for name in report.__dataclass_fields__}
 
     def transfer_stats(self) -> dict[str, Any]:
-        stats = self.runtime.engine.connector.worker.stats
-        out = {name: getattr(stats, name) for name in stats.__dataclass_fields__}
-        out["recent_write_s"] = list(stats.recent_write_s)
-        return out
+        """The KV connector's running totals (`WorkerStats` by name) and the durations of its
+        recent writes (`recent_write_s`)."""
+        return self.runtime.server.call(_transfer_stats)
 
     def pool_state(self) -> dict[str, int]:
         """For leak checks: blocks free, in total, held by requests, and pinned requests."""
-        engine = self.runtime.engine
-        pool = engine.block_pool
-        return {"num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
-                "num_held_blocks": sum(1 for b in pool.blocks if b.ref_cnt),
-                "num_pinned_requests": len(engine.scheduler.pinned),
-                "num_unfinished": int(engine.has_unfinished_requests())}
+        return self.runtime.server.call(lambda engine: engine.pool_state())
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache between benchmark runs; False while requests run."""

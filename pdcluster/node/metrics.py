@@ -47,7 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
-from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.outputs import EngineCounters
 
 logger = logging.getLogger(__name__)
@@ -88,15 +88,13 @@ class NodeMetrics:
     def snapshot(self) -> _Snapshot:
         return self._snapshot
 
-    def observe(self, engine: LLMEngine, num_admitted: int = 0, num_refused: int = 0) -> None:
+    def observe(self, engine: NodeEngine, num_admitted: int = 0, num_refused: int = 0) -> None:
         """Take the engine's figures (on the thread that steps it)."""
-        worker = engine.connector.worker if engine.connector is not None else None
-        self.update(engine.counters(), worker.counters() if worker is not None else {},
-                    num_admitted, num_refused)
+        self.update(engine.counters(), engine.transfer_counters(), num_admitted, num_refused)
         labels = (self.node_id, self.role)
         for seconds in engine.take_step_times():
             self.step_seconds.labels(*labels).observe(seconds)
-        for kind, seconds in worker.take_latencies() if worker is not None else ():
+        for kind, seconds in engine.take_transfer_latencies():
             self.transfer_seconds.labels(*labels, kind).observe(seconds)
 
     def update(self, counters: EngineCounters, worker_counters: dict[str, int],

@@ -10,20 +10,15 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 from pdcluster.core.credentials import node_principal
-from pdcluster.core.kv_connector import KVConnector
-from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.api import NodeEngine
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.node.config import NodeConfig
+from pdcluster.node.engines import make_engine
 from pdcluster.node.events import EventPublisherThread
 from pdcluster.node.metrics import MetricsServer, NodeMetrics
 from pdcluster.node.server import NodeServer
-from pdcluster.transfer.connector_scheduler import ConnectorScheduler
-from pdcluster.transfer.connector_worker import ConnectorWorker
-from pdcluster.transfer.mooncake_engine import MooncakeConfig
-from pdcluster.transfer.transport import MooncakeTransport
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +39,7 @@ class NodeRuntime:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         curve = config.cluster_secret.curve_keys()  # request socket and KV side channel
-        transport = MooncakeTransport(MooncakeConfig(hostname=config.host,
-                                                     protocol=config.kv_protocol,
-                                                     device_name=config.kv_device),
-                                      host=config.host, curve=curve)
-        worker = ConnectorWorker(transport, timeout_s=config.kv_timeout_s)
-        connector = KVConnector(ConnectorScheduler(config.recompute_on_failure,
-                                                   config.min_pull_blocks), worker)
-        engine_config = replace(config.engine,
-                                enable_kv_events=config.metadata_address is not None)
-        self.engine = LLMEngine(engine_config, connector)
-        self.kv_address = transport.reply_address
+        self.engine, self.kv_address = make_engine(config, curve)
         self.server = NodeServer(self.engine, config.node_id, config.role, config.host,
                                  config.port, on_step=self._on_step, curve=curve)
         self.metrics = NodeMetrics(config.node_id, config.role)
@@ -74,8 +59,8 @@ class NodeRuntime:
         info = make_node_info(cfg.node_id, cfg.role, request_address=self.server.address,
                               kv_address=self.kv_address, model=cfg.model,
                               metrics_address=self.metrics_address,
-                              block_size=engine.config.block_size,
-                              capacity_blocks=engine.kv_spec.num_blocks)
+                              block_size=engine.block_size,
+                              capacity_blocks=engine.num_kv_blocks)
         return EventPublisherThread(metadata_client(cfg), info, engine.cached_block_hashes,
                                     cfg.lease_ttl_s, cfg.publish_interval_s)
 
@@ -88,7 +73,7 @@ class NodeRuntime:
         self.server.start()
         return self
 
-    def _on_step(self, engine: LLMEngine) -> None:
+    def _on_step(self, engine: NodeEngine) -> None:
         if self.events is not None:
             self.events.put(engine.take_kv_events())
         stats = self.server.stats
@@ -96,7 +81,7 @@ class NodeRuntime:
 
     def reset_prefix_cache(self) -> bool:
         """Empty the node's prefix cache (the global index follows); False while busy."""
-        return self.server.call(LLMEngine.reset_prefix_cache)
+        return self.server.call(lambda engine: engine.reset_prefix_cache())
 
     def info(self) -> dict[str, str]:
         return {"node_id": self.config.node_id, "role": self.config.role,

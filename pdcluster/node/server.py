@@ -1,5 +1,6 @@
-"""`NodeServer`: one `LLMEngine` served over the node protocol (`core.node_wire`) on a ZMQ
-ROUTER socket — the request endpoint of a prefill or decode node.
+"""`NodeServer`: one engine (`engine.api.NodeEngine`: the own engine or vLLM) served over the
+node protocol (`core.node_wire`) on a ZMQ ROUTER socket — the request endpoint of a prefill or
+decode node.
 
 One thread owns both the engine and the socket (neither is thread-safe): it drains incoming
 messages, runs an engine step when there is work, and sends each request's new tokens back
@@ -18,9 +19,9 @@ admits only clients holding it (core.curve), so nobody without the cluster's cre
 submit, abort or query anything. `curve=None` is plaintext, for unit tests only.
 
 `on_step` (optional) runs after every step on the server thread; nodes use it to hand the
-engine's KV events (`LLMEngine.take_kv_events`) to their metadata publisher. `call(fn)` runs
+engine's KV events (`NodeEngine.take_kv_events`) to their metadata publisher. `call(fn)` runs
 `fn(engine)` on the server thread from any other thread (the engine is not thread-safe), then
-`on_step`, and returns its result (e.g. `LLMEngine.reset_prefix_cache`).
+`on_step`, and returns its result (e.g. `NodeEngine.reset_prefix_cache`).
 """
 
 from __future__ import annotations
@@ -53,13 +54,13 @@ from pdcluster.core.node_wire import (
     encode,
 )
 from pdcluster.core.wire import WireError
-from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.engine.pins import OverloadedError
-from pdcluster.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 2
+_IDLE_REFRESH_S = 0.5
 # A frame larger than this is dropped by ZMQ before it is read (the peer is disconnected):
 # a 1M-token prompt packs into about 5 MiB of msgpack.
 MAX_REQUEST_BYTES = 16 << 20
@@ -74,8 +75,8 @@ class ServerStats:
 
 
 class NodeServer:
-    def __init__(self, engine: LLMEngine, node_id: str, role: str, host: str = "127.0.0.1",
-                 port: int = 0, on_step: Callable[[LLMEngine], None] | None = None, *,
+    def __init__(self, engine: NodeEngine, node_id: str, role: str, host: str = "127.0.0.1",
+                 port: int = 0, on_step: Callable[[NodeEngine], None] | None = None, *,
                  curve: CurveKeys | None) -> None:
         self.engine = engine
         self.node_id, self.role = node_id, role
@@ -94,7 +95,7 @@ class NodeServer:
         self.address = f"tcp://{host}:{port}"
         self._owners: dict[str, bytes] = {}  # request id -> client identity
         self._prompt_lens: dict[str, int] = {}
-        self._calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future]] = \
+        self._calls: queue.SimpleQueue[tuple[Callable[[NodeEngine], Any], Future]] = \
             queue.SimpleQueue()
         self._draining = threading.Event()
         self._stop = threading.Event()
@@ -128,7 +129,7 @@ class NodeServer:
         self._socket.close()
         return drained
 
-    def call(self, fn: Callable[[LLMEngine], Any], timeout_s: float = 30.0) -> Any:
+    def call(self, fn: Callable[[NodeEngine], Any], timeout_s: float = 30.0) -> Any:
         """`fn(engine)` on the server thread, between steps; its result (or exception)."""
         if not self._thread.is_alive():
             raise RuntimeError(f"node {self.node_id} is not serving")
@@ -157,6 +158,7 @@ class NodeServer:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        last_step = time.monotonic()
         while not self._stop.is_set():
             runnable = self.engine.has_runnable_requests()
             if poller.poll(0 if runnable else _IDLE_POLL_MS):
@@ -164,6 +166,12 @@ class NodeServer:
             self._run_calls()
             if self._busy():
                 self._step()
+                last_step = time.monotonic()
+            elif self.on_step is not None and time.monotonic() - last_step > _IDLE_REFRESH_S:
+                # An idle engine still changes (an engine in other processes reports its
+                # last figures and events after its last output): keep on_step's view fresh.
+                self.on_step(self.engine)
+                last_step = time.monotonic()
         for request_id in list(self._owners):  # stopped without draining
             self.engine.abort_request(request_id)
 
@@ -215,11 +223,10 @@ class NodeServer:
             self._refuse(identity, msg.request_id, "draining", "the node is shutting down")
             return
         try:
-            params = SamplingParams.from_spec(msg.sampling)
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
-                                    cache_salt=msg.cache_salt,
-                                    kv_transfer=_transfer_params(msg.transfer),
-                                    prefix_pull=self._prefix_pull(msg.prefix_source))
+            self.engine.submit(msg.request_id, msg.prompt_token_ids, msg.sampling,
+                               cache_salt=msg.cache_salt,
+                               kv_transfer=_transfer_params(msg.transfer),
+                               prefix_pull=self._prefix_pull(msg.prefix_source))
         except OverloadedError as exc:
             self._refuse(identity, msg.request_id, "overloaded", str(exc))
             return
@@ -236,8 +243,8 @@ class NodeServer:
         self._prompt_lens[msg.request_id] = len(msg.prompt_token_ids)
 
     def _prefix_pull(self, source: PrefixSource | None) -> PrefixPull | None:
-        if source is None or self.engine.connector is None:
-            return None  # a hint: a node without a connector just computes
+        if source is None or not self.engine.accepts_prefix_pulls:
+            return None  # a hint: a node that cannot pull just computes
         return PrefixPull(source.kv_address, source.num_blocks)
 
     def _refuse(self, identity: bytes, request_id: str, code: str, message: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
 from pdcluster.core.roles import Role, role_names
 from pdcluster.core.tls import ClientTLS
 from pdcluster.router.routing.baselines import ROUTINGS
@@ -51,6 +52,9 @@ class RouterConfig:
     cluster_secret: ClusterSecret | None = None
     api_keys: tuple[str, ...] = ()
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # How the nodes name their blocks, so the router can name a prompt's: the own engine's
+    # scheme, or vLLM's (core.vllm_hashing) when the nodes run vLLM.
+    hash_config: HashConfig = DEFAULT_HASH_CONFIG
     # "kv": the policy (prefix hits and load); "round_robin" / "least_loaded": the cache-blind
     # baselines of router.routing.baselines, for benchmarks against the KV policy
     routing: str = "kv"

@@ -54,6 +54,11 @@ class ConnectorScheduler(KVConnectorScheduler):
         self._plan = ConnectorPlan()
 
     @property
+    def receiving(self) -> frozenset[ReqId]:
+        """Requests whose KV is on its way from a prefill node."""
+        return frozenset(self._receiving)
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._receiving) + len(self._sending) + len(self._pulling)
 

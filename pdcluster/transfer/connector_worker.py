@@ -64,7 +64,8 @@ class ConnectorWorker(KVConnectorWorker):
     # ---- engine-facing ----------------------------------------------------------------
 
     def register_kv_region(self, region: KVRegion) -> None:
-        self.transport.register(region.base_addr, region.nbytes)
+        for addr, nbytes in region.memory_ranges():
+            self.transport.register(addr, nbytes)
         self._state.region = region
 
     def execute(self, plan: ConnectorPlan) -> None:
@@ -90,6 +91,12 @@ class ConnectorWorker(KVConnectorWorker):
             results = self._state.take_results()
         self._flush(outbox)
         return results
+
+    def release_at_source(self, transfer_id: TransferId, source_addr: str) -> None:
+        """D will not ask for `transfer_id` after all (its own cache held the whole prompt, or
+        the request ended before its blocks existed): the prefill node frees what it holds
+        for it now rather than at its timeout."""
+        self._flush([(source_addr, XferAbort(transfer_id))])
 
     def has_pending_work(self) -> bool:
         with self._lock:
@@ -136,7 +143,8 @@ class ConnectorWorker(KVConnectorWorker):
             reply_addr=self.transport.reply_address, dest_session=self.transport.session_id,
             block_nbytes=region.block_nbytes, num_blocks=len(job.block_ids),
             skip_blocks=job.skip_blocks,
-            dest_block_addrs=[region.block_addr(b) for b in job.block_ids[job.skip_blocks:]])
+            dest_block_addrs=[region.block_addr(b) for b in job.block_ids[job.skip_blocks:]],
+            dest_segment_offsets=list(region.segment_offsets))
         return job.transfer.source_addr, request
 
     def _on_done(self, msg: XferDone) -> None:
@@ -150,8 +158,9 @@ class ConnectorWorker(KVConnectorWorker):
                 return
             self.stats.blocks_received += msg.num_blocks_sent
             self.stats.descriptors_received += msg.num_descriptors
-            block_nbytes = self._state.require_region().block_nbytes
-            self.stats.bytes_received += msg.num_blocks_sent * block_nbytes
+            region = self._state.require_region()
+            self.stats.bytes_received += (msg.num_blocks_sent * region.block_nbytes
+                                          * region.num_segments)
             if msg.ok:
                 self.stats.latencies.append(("recv", self._state.clock() - recv.started))
             self._finish_recv(recv, msg.ok, msg.first_token, msg.first_logprob, msg.error)
@@ -222,7 +231,8 @@ class ConnectorWorker(KVConnectorWorker):
         block_ids = job.block_ids[request.skip_blocks:request.num_blocks]
         started = time.perf_counter()
         num_descriptors, nbytes = self._write(block_ids, request.dest_block_addrs,
-                                              request.dest_session, request.block_nbytes)
+                                              request.dest_session, request.block_nbytes,
+                                              request.dest_segment_offsets)
         with self._lock:
             self.stats.recent_write_s.append(time.perf_counter() - started)
             self.stats.latencies.append(("send", time.perf_counter() - started))
@@ -232,14 +242,25 @@ class ConnectorWorker(KVConnectorWorker):
         return num_descriptors
 
     def _write(self, block_ids: list[int], dest_addrs: list[int], dest_session: str,
-               block_nbytes: int) -> tuple[int, int]:
-        """Write local blocks to a peer's addresses: (descriptors, bytes) written."""
+               block_nbytes: int, dest_offsets: list[int]) -> tuple[int, int]:
+        """Write local blocks to a peer's addresses, every segment of the layout:
+        (descriptors, bytes) written. Consecutive blocks coalesce within a segment."""
         region = self._state.require_region()
-        if block_nbytes != region.block_nbytes:
-            raise ValueError(f"block size mismatch: {block_nbytes} bytes asked, "
-                             f"{region.block_nbytes} held (same model, dtype, block size?)")
-        src, dst, lengths = coalesce([region.block_addr(b) for b in block_ids], dest_addrs,
-                                     region.block_nbytes)
+        if block_nbytes != region.block_nbytes or len(dest_offsets) != region.num_segments:
+            raise ValueError(
+                f"KV layout mismatch: {len(dest_offsets)} segments of {block_nbytes} bytes "
+                f"asked, {region.num_segments} of {region.block_nbytes} held (same model, "
+                "dtype, block size and engine on both nodes?)")
+        local = [region.block_addr(b) for b in block_ids]
+        src: list[int] = []
+        dst: list[int] = []
+        lengths: list[int] = []
+        for src_offset, dst_offset in zip(region.segment_offsets, dest_offsets, strict=True):
+            s, d, n = coalesce([a + src_offset for a in local],
+                               [a + dst_offset for a in dest_addrs], region.block_nbytes)
+            src += s
+            dst += d
+            lengths += n
         if src:
             self.transport.write(dest_session, src, dst, lengths)
         return len(src), sum(lengths)

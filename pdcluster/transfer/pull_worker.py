@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 Outbox = list[tuple[str, SideChannelMessage]]
 # (local block ids, peer addresses, peer session, block bytes) -> (descriptors, bytes)
-WriteFn = Callable[[list[int], list[int], str, int], tuple[int, int]]
+WriteFn = Callable[[list[int], list[int], str, int, list[int]], tuple[int, int]]
 
 
 class PullWorker:
@@ -65,7 +65,8 @@ class PullWorker:
             block_nbytes=region.block_nbytes, block_size=job.prefix.block_size,
             first_block=job.prefix.first_block, token_ids=list(job.prefix.token_ids),
             dest_block_addrs=[region.block_addr(b) for b in job.block_ids],
-            cache_salt=job.prefix.cache_salt, lora_id=job.prefix.lora_id)
+            cache_salt=job.prefix.cache_salt, lora_id=job.prefix.lora_id,
+            dest_segment_offsets=list(region.segment_offsets))
         return job.source_addr, request
 
     def finish(self, recv: Recv, ok: bool, num_blocks: int, error: str | None) -> None:
@@ -74,7 +75,8 @@ class PullWorker:
         if ok:
             stats.pulls_ok += 1
             stats.blocks_pulled += num_blocks
-            stats.bytes_pulled += num_blocks * self._state.require_region().block_nbytes
+            region = self._state.require_region()
+            stats.bytes_pulled += num_blocks * region.block_nbytes * region.num_segments
             stats.latencies.append(("pull", self._state.clock() - recv.started))
         else:
             stats.pulls_failed += 1
@@ -111,7 +113,8 @@ class PullWorker:
         try:
             num_descriptors, _ = self._write(job.block_ids[:num_blocks],
                                              msg.dest_block_addrs[:num_blocks],
-                                             msg.dest_session, msg.block_nbytes)
+                                             msg.dest_session, msg.block_nbytes,
+                                             msg.dest_segment_offsets)
             done = XferDone(tid, True, num_blocks_sent=num_blocks,
                             num_descriptors=num_descriptors)
         except Exception as exc:  # report every failure rather than let the requester wait
@@ -124,7 +127,8 @@ class PullWorker:
             if done.ok:
                 state.stats.pull_requests_served += 1
                 state.stats.blocks_served += num_blocks
-                state.stats.bytes_served += num_blocks * msg.block_nbytes
+                state.stats.bytes_served += (num_blocks * msg.block_nbytes
+                                             * len(msg.dest_segment_offsets))
             else:
                 state.stats.pull_serves_failed += 1
         self._flush([(msg.reply_addr, done)])

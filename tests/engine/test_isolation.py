@@ -111,7 +111,7 @@ def test_a_failing_stop_check_fails_alone(engine, model_dir, hf_reference,
 
 def test_a_failing_detokenisation_fails_alone(engine, model_dir, hf_reference,
                                               monkeypatch) -> None:
-    stops = engine._stops
+    stops = engine._outputs.stops
     monkeypatch.setattr(stops, "decode", fails_for_bad(stops.decode))
     final = run(engine, SamplingParams(max_tokens=N_OUT, temperature=0.0, ignore_eos=True,
                                        stop=["never-seen-stop-string"]))

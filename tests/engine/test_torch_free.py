@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCH_FREE = [f"pdcluster.engine.{name}" for name in (
-    "block_pool", "kv_cache_manager", "scheduler", "request", "sampling_params", "outputs",
+    "block_pool", "kv_cache_manager", "scheduler", "request_queues", "request", "sampling_params",
+    "outputs", "output_builder",
     "model_config", "config", "prefix_pulls", "scheduler_output", "pins", "validation",
     "spec_decode.config", "spec_decode.ngram", "spec_decode.decoder", "spec_decode.stats",
     "spec_decode.stops")]

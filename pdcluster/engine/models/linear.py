@@ -23,19 +23,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """float32 always; bfloat16 only where this CPU has oneDNN's bf16 kernels (AVX-512
+    BF16 / AMX: an AVX2-only CPU refuses to build the primitive)."""
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
+
+
 def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _onednn_dtypes() -> tuple[torch.dtype, ...]:
-    """bfloat16 only where the CPU has a bfloat16 GEMM (AVX-512 BF16 / AMX): on an AVX2-only
-    CPU oneDNN cannot build the primitive and raises."""
-    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+_ONEDNN_DTYPES = _onednn_dtypes() if _onednn_available() else ()
 
 
 _ONEDNN = _onednn_available()
-_ONEDNN_DTYPES = _onednn_dtypes() if _ONEDNN else ()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

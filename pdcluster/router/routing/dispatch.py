@@ -154,7 +154,7 @@ class Dispatcher:
         if self.metadata is None:
             return None
         chain = hash_block_tokens(prompt_ids, self.config.policy.block_size,
-                                  BlockExtra(cache_salt=salt))
+                                  BlockExtra(cache_salt=salt), self.config.hash_config)
         started = time.perf_counter()
         hits = await self.metadata.prefix_hits(chain)
         self.metrics.metadata_latency.observe(time.perf_counter() - started)

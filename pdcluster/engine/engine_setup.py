@@ -1,0 +1,81 @@
+"""How an `LLMEngine` turns its `EngineConfig` into parts: the device, the dtype, the longest
+sequence, the tokenizer (if the model folder has one) and the size of the paged KV cache.
+
+`kv_cache_spec` fills the configured KV memory (1 GiB on CPU by default, 90% of free memory on
+CUDA) with blocks, never more than every sequence slot at full length can use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.kv_cache import KVCacheSpec
+from pdcluster.engine.kv_cache_manager import cdiv
+from pdcluster.engine.model_config import ModelConfig
+
+_CPU_KV_GIB = 1.0
+_CUDA_MEMORY_FRACTION = 0.9
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, mc: ModelConfig) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if mc.torch_dtype == "float16" else torch.bfloat16
+
+
+def resolve_max_len(config: EngineConfig, mc: ModelConfig) -> int:
+    if config.max_model_len is None:
+        return mc.max_model_len
+    if config.max_model_len > mc.max_model_len:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit "
+                         f"{mc.max_model_len}")
+    return config.max_model_len
+
+
+def load_tokenizer(path: str):
+    folder = Path(path)
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def kv_cache_spec(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
+                  device: torch.device, max_model_len: int) -> KVCacheSpec:
+    planes, heads, dim = mc.kv_layout
+    spec = KVCacheSpec(1, mc.num_layers, config.block_size, heads, dim,
+                       torch.finfo(dtype).bits // 8, planes)
+    num_blocks = config.num_kv_blocks or _blocks_for_memory(config, device, max_model_len,
+                                                            spec.block_nbytes)
+    return dataclasses.replace(spec, num_blocks=num_blocks)
+
+
+def _blocks_for_memory(config: EngineConfig, device: torch.device, max_model_len: int,
+                       block_nbytes: int) -> int:
+    gib = config.kv_cache_memory_gib
+    if gib is None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * _CUDA_MEMORY_FRACTION)
+    else:
+        budget = int((gib or _CPU_KV_GIB) * 2**30)
+    # Never more than every sequence slot at full length needs.
+    useful = config.max_num_seqs * cdiv(max_model_len, config.block_size)
+    num_blocks = min(budget // block_nbytes, useful)
+    if num_blocks < 1:
+        raise ValueError("the KV cache memory budget is smaller than one block")
+    return num_blocks

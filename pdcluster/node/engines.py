@@ -1,0 +1,53 @@
+"""The engine a node runs, built from its config: the project's own (`engine.LLMEngine` with
+the KV connector of `transfer/` over Mooncake) or vLLM (`pdcluster.vllm_backend`, whose
+connector runs inside vLLM's processes). Either way the node gets a `NodeEngine` and the
+address its peers send KV requests to; nothing else in `node/` asks which it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pdcluster.core.credentials import CurveKeys
+from pdcluster.core.kv_connector import KVConnector
+from pdcluster.engine.api import NodeEngine
+from pdcluster.node.config import NodeConfig
+from pdcluster.transfer.connector_scheduler import ConnectorScheduler
+from pdcluster.transfer.connector_worker import ConnectorWorker
+from pdcluster.transfer.mooncake_engine import MooncakeConfig
+from pdcluster.transfer.transport import MooncakeTransport
+
+
+def make_engine(config: NodeConfig, curve: CurveKeys) -> tuple[NodeEngine, str]:
+    """(the engine, its KV side-channel address) for `config`."""
+    if config.engine.backend == "vllm":
+        return _vllm_engine(config, curve)
+    return _own_engine(config, curve)
+
+
+def _own_engine(config: NodeConfig, curve: CurveKeys) -> tuple[NodeEngine, str]:
+    from pdcluster.engine.llm_engine import LLMEngine
+
+    transport = MooncakeTransport(MooncakeConfig(hostname=config.host,
+                                                 protocol=config.kv_protocol,
+                                                 device_name=config.kv_device),
+                                  host=config.host, curve=curve)
+    worker = ConnectorWorker(transport, timeout_s=config.kv_timeout_s)
+    connector = KVConnector(ConnectorScheduler(config.recompute_on_failure,
+                                               config.min_pull_blocks), worker)
+    engine_config = replace(config.engine, enable_kv_events=config.metadata_address is not None)
+    return LLMEngine(engine_config, connector), transport.reply_address
+
+
+def _vllm_engine(config: NodeConfig, curve: CurveKeys) -> tuple[NodeEngine, str]:
+    # Imported here: vLLM is an optional install, and only vLLM nodes pay for its import.
+    from pdcluster.vllm_backend.engine import VllmEngine
+    from pdcluster.vllm_backend.settings import ConnectorSettings
+
+    settings = ConnectorSettings(handshake_dir="", host=config.host,
+                                 protocol=config.kv_protocol, device=config.kv_device,
+                                 timeout_s=config.kv_timeout_s,
+                                 recompute_on_failure=config.recompute_on_failure,
+                                 min_pull_blocks=config.min_pull_blocks)
+    engine = VllmEngine(config.engine, settings, curve)
+    return engine, engine.kv_address

@@ -1,0 +1,13 @@
+"""vLLM as a node's engine: the only code of the project that imports vllm.
+
+- `engine.VllmEngine`: vLLM's `AsyncLLM` behind the node's engine interface
+  (`engine.api.NodeEngine`), chosen by `EngineConfig(backend="vllm")` (node/engines.py).
+- `connector.PdclusterConnector`: pdcluster's KV connector as a vLLM `KVConnectorBase_V1`
+  (remote prefill over Mooncake with the project's side channel), which vLLM loads by module
+  path inside its own processes.
+- `events`, `stats`, `sampling`, `settings`, `handshake`: what crosses between the node and
+  vLLM (KV events, load figures, sampling options, engine arguments, the private folder).
+
+Nothing here is imported unless a node runs vLLM; `make setup-vllm` installs it
+(docs/engines.md).
+"""

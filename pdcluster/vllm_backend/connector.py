@@ -1,0 +1,194 @@
+"""`PdclusterConnector`: pdcluster's KV connector as a vLLM `KVConnectorBase_V1`.
+
+vLLM loads it by module path (`kv_connector_module_path`, settings.py) in two roles: in its
+engine-core process as the scheduler side (connector_scheduler.py) and in its worker process
+as the worker side (connector_worker.py). This class only routes vLLM's calls to the side that
+answers them and wraps what crosses between the two in vLLM's metadata types:
+
+    scheduler --(StepPlan in PdclusterMetadata, with the step's scheduler output)--> worker
+    worker --(ConnectorResults in PdclusterWorkerMetadata, with its model output)--> scheduler
+
+The worker's transfer counters and latencies travel in `TransferStats`, which vLLM hands to
+the node's stat logger (vllm_backend/stats.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.request import RequestStatus
+
+from pdcluster.core.kv_connector import ConnectorResults
+from pdcluster.vllm_backend.connector_scheduler import StepPlan, VllmSchedulerSide
+from pdcluster.vllm_backend.connector_worker import VllmWorkerSide, _merge
+from pdcluster.vllm_backend.settings import ConnectorSettings
+
+_NORMAL_FINISH = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+class PdclusterMetadata(KVConnectorMetadata):
+    def __init__(self, step: StepPlan) -> None:
+        self.step = step
+
+
+@dataclass
+class PdclusterWorkerMetadata(KVConnectorWorkerMetadata):
+    results: ConnectorResults = field(default_factory=ConnectorResults)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, PdclusterWorkerMetadata), type(other)
+        return PdclusterWorkerMetadata(_merge(self.results, other.results))
+
+
+@dataclass
+class TransferStats(KVConnectorStats):
+    """`data`: "counters" (the worker's running totals, a snapshot), "latencies" ((kind,
+    seconds) finished since the last report) and "in_flight" (the scheduler side's)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = dict(self.data)
+        for key, value in other.data.items():
+            if key == "latencies":
+                merged[key] = list(merged.get(key, [])) + list(value)
+            else:
+                merged[key] = value
+        return TransferStats(merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        counters = self.data.get("counters", {})
+        return {name: value for name, value in counters.items()
+                if isinstance(value, int | float)}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class PdclusterConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        settings = ConnectorSettings.from_extra_config(dict(extra))
+        self._scheduler: VllmSchedulerSide | None = None
+        self._worker: VllmWorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = VllmSchedulerSide(settings, vllm_config.cache_config.block_size)
+        else:
+            self._worker = VllmWorkerSide(settings)
+        self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
+
+    # ---- scheduler side --------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_allocated(request, _first_group(blocks.get_block_ids()),
+                                     num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return PdclusterMetadata(self._scheduler.build())
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, PdclusterWorkerMetadata):
+            self._scheduler.update(meta.results)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
+        assert self._scheduler is not None
+        normally = request.status in _NORMAL_FINISH
+        return self._scheduler.on_finished(request, _first_group(block_ids), normally), None
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._scheduler is not None:
+            return TransferStats({"in_flight": self._scheduler.sched.num_in_flight})
+        assert self._worker is not None
+        return TransferStats({"counters": self._worker.worker.counters(),
+                              "latencies": self._worker.worker.take_latencies()})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return TransferStats(dict(data or {}))
+
+    # ---- worker side -----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        num_blocks = self._num_blocks or next(iter(kv_caches.values())).shape[0]
+        self._worker.register(kv_caches, num_blocks)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdclusterMetadata), type(meta)
+        self._worker.start_loads(meta.step)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # receives complete before vLLM schedules the request (async loading)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # nothing is saved per layer: a prefill node writes whole blocks when asked
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.after_forward()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                set[str] | None]:
+        assert self._worker is not None
+        sending, recving, _ = self._worker.take_results()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        assert self._worker is not None
+        sending, recving, failed = self._worker.take_results()
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        results = self._worker.take_worker_results()
+        if not (results.received or results.released or results.pulled or results.lookups
+                or results.served):
+            return None
+        return PdclusterWorkerMetadata(results)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    """The block ids of the (only) KV cache group: vLLM passes one list per group."""
+    if block_ids and isinstance(block_ids[0], list | tuple):
+        return list(block_ids[0])
+    return list(block_ids)

@@ -1,0 +1,124 @@
+"""The scheduler side of pdcluster's connector inside vLLM (its engine-core process).
+
+vLLM asks the connector, per request: how many tokens beyond the local prefix hit arrive from
+outside (`get_num_new_matched_tokens`), which blocks were allocated for them
+(`update_state_after_alloc`), and, when the request ends, whether its blocks must outlive it
+(`request_finished`). The answers come from the project's own `ConnectorScheduler`
+(transfer/connector_scheduler.py), the same bookkeeping the own engine uses, driven here with
+vLLM's request ids and block ids; its plan travels to the worker side inside vLLM's
+per-step connector metadata, and the worker's results come back in vLLM's worker metadata.
+
+A request's part in a transfer is named by its `kv_transfer_params` (vllm_backend/engine.py
+sets them from the router's `TransferSpec`):
+- `{"pd": "remote_prefill", "transfer_id", "source_addr"}` on the decode node: the prompt's KV
+  past the local hit arrives from the prefill node (unless less than a block is left, which
+  the decode node computes itself); vLLM recomputes the last prompt token itself to sample
+  the first output token.
+- `{"pd": "remote_decode", "transfer_id"}` on the prefill node: when the request ends (it
+  generates one token), its blocks stay allocated until the decode node's write is served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcluster.core.kv_connector import ConnectorPlan, ConnectorResults
+from pdcluster.core.kv_transfer import KVTransferParams, RemoteDecode, RemotePrefill, TransferId
+from pdcluster.transfer.connector_scheduler import ConnectorScheduler
+from pdcluster.vllm_backend.settings import ConnectorSettings
+
+PD_KEY = "pd"
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the scheduler side hands its worker for one step (pickled by vLLM with the
+    scheduler output): the connector plan, and transfers to give up at their source without
+    a receive (a decode node whose own cache held the whole prompt)."""
+
+    plan: ConnectorPlan = field(default_factory=ConnectorPlan)
+    released: list[tuple[TransferId, str]] = field(default_factory=list)  # (id, source addr)
+
+
+def transfer_params(params: dict[str, Any] | None) -> KVTransferParams | None:
+    """The transfer a request takes part in, from its `kv_transfer_params`."""
+    if not params or PD_KEY not in params:
+        return None
+    if params[PD_KEY] == "remote_prefill":
+        return RemotePrefill(str(params["transfer_id"]), str(params["source_addr"]))
+    if params[PD_KEY] == "remote_decode":
+        return RemoteDecode(str(params["transfer_id"]))
+    raise ValueError(f"unknown pd role {params[PD_KEY]!r} in kv_transfer_params")
+
+
+class VllmSchedulerSide:
+    """vLLM's scheduler-side connector calls, answered by `ConnectorScheduler`."""
+
+    def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
+        self.block_size = block_size
+        self.sched = ConnectorScheduler(settings.recompute_on_failure, settings.min_pull_blocks)
+        self._local_hit: dict[str, int] = {}  # request -> local prefix tokens, until allocated
+        self._started: set[str] = set()  # requests whose transfer has been planned
+        self._released: list[tuple[TransferId, str]] = []
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        transfer = transfer_params(request.kv_transfer_params)
+        if not isinstance(transfer, RemotePrefill) or request.request_id in self._started:
+            return 0, False
+        num_external = self.sched.num_external_tokens(
+            request.request_id, transfer, request.num_prompt_tokens, num_computed_tokens)
+        self._local_hit[request.request_id] = num_computed_tokens
+        if num_external < self.block_size:
+            # Less than a block left past the local hit (vLLM never counts the last prompt
+            # token as a hit): computing it costs less than the round trip, and the prefill
+            # node is released (on_allocated).
+            return 0, False
+        return num_external, True
+
+    def on_allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        transfer = transfer_params(request.kv_transfer_params)
+        rid = request.request_id
+        if not isinstance(transfer, RemotePrefill) or rid in self._started:
+            return
+        self._started.add(rid)
+        num_local = self._local_hit.pop(rid, 0)
+        if num_external_tokens <= 0:
+            # The whole prompt was cached here: the prefill node holds blocks for nothing.
+            self._released.append((transfer.transfer_id, transfer.source_addr))
+            return
+        num_blocks = -(-request.num_prompt_tokens // self.block_size)
+        self.sched.on_allocated(rid, transfer, block_ids[:num_blocks],
+                                num_local // self.block_size)
+
+    def on_finished(self, request: Any, block_ids: list[int], normally: bool) -> bool:
+        """True: vLLM must keep the blocks until the worker reports the request."""
+        rid = request.request_id
+        self._local_hit.pop(rid, None)
+        started = rid in self._started
+        self._started.discard(rid)
+        transfer = transfer_params(request.kv_transfer_params)
+        if isinstance(transfer, RemoteDecode):
+            if normally:
+                return self.sched.on_finished(rid, transfer, block_ids,
+                                              list(request.output_token_ids), [])
+            return self.sched.on_aborted(rid, transfer)
+        if isinstance(transfer, RemotePrefill):
+            if rid in self.sched.receiving:  # aborted while the KV is on its way
+                return self.sched.on_aborted(rid, transfer)
+            if not started:  # aborted before its blocks existed: tell the prefill node
+                self._released.append((transfer.transfer_id, transfer.source_addr))
+        return False
+
+    def build(self) -> StepPlan:
+        step = StepPlan(self.sched.build_plan(), self._released)
+        self._released = []
+        return step
+
+    def update(self, results: ConnectorResults) -> None:
+        self.sched.update_from_results(results)
+
+    def has_pending_work(self) -> bool:
+        """Transfers in flight keep vLLM's engine stepping (its loop idles otherwise, and
+        the worker's results would wait for the next request)."""
+        return self.sched.num_in_flight > 0 or bool(self._released)

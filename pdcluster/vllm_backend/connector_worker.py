@@ -1,0 +1,129 @@
+"""The worker side of pdcluster's connector inside vLLM (its worker process): the project's
+`ConnectorWorker` over Mooncake and the CURVE side channel, on vLLM's paged KV cache.
+
+- `kv_region` describes vLLM's per-layer cache tensors as one `KVRegion` of many segments
+  (one per layer, two when a layer keeps K and V apart): block b of a layer is one byte run,
+  so n consecutive blocks travel as one descriptor per segment. Both nodes run the same model
+  and engine, so their segments line up one to one (the worker checks count and size).
+- Each step's plan (built by the scheduler side) is executed: receives, pulls and cancels
+  when the step's loads start; sends after the step's forward (`wait_for_save`), so a
+  prefill node never sends KV its model has not finished writing.
+- The worker's results become vLLM's: sends released (`finished_sending`), receives done
+  (`finished_recving`, failures also in `failed_recving`, with the blocks they should have
+  filled reported as load errors so vLLM recomputes them), and the whole `ConnectorResults`
+  goes back to the scheduler side in the worker metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from pdcluster.core.kv_connector import ConnectorPlan, ConnectorResults, KVRegion
+from pdcluster.transfer.connector_worker import ConnectorWorker
+from pdcluster.transfer.mooncake_engine import MooncakeConfig
+from pdcluster.transfer.transport import MooncakeTransport
+from pdcluster.vllm_backend.connector_scheduler import StepPlan
+from pdcluster.vllm_backend.handshake import read_curve, write_kv_address
+from pdcluster.vllm_backend.settings import ConnectorSettings
+
+logger = logging.getLogger(__name__)
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def kv_region(kv_caches: dict[str, Any], num_blocks: int) -> KVRegion:
+    """vLLM's per-layer cache tensors (layer name -> tensor) as one multi-segment region."""
+    segments = []
+    for name in sorted(kv_caches, key=_layer_order):
+        cache = kv_caches[name]
+        if cache.shape[0] == num_blocks:
+            segments.append(cache)
+        elif cache.shape[0] == 2 and cache.ndim > 1 and cache.shape[1] == num_blocks:
+            segments.extend((cache[0], cache[1]))  # K and V apart (vLLM's GPU layouts)
+        else:
+            raise ValueError(f"KV cache layout of {name} {tuple(cache.shape)} has no block "
+                             f"dimension of {num_blocks} first: not supported by this connector")
+    first = segments[0]
+    block_nbytes = first[0].nbytes
+    stride = first.stride(0) * first.element_size()
+    for segment in segments:
+        if not segment[0].is_contiguous() or segment[0].nbytes != block_nbytes \
+                or segment.stride(0) * segment.element_size() != stride:
+            raise ValueError("vLLM's KV cache segments differ in block size or stride")
+    base = first.data_ptr()
+    return KVRegion(base, 0, block_nbytes, num_blocks, block_stride=stride,
+                    segment_offsets=tuple(s.data_ptr() - base for s in segments))
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    match = _LAYER_INDEX.search(f".{name}.")
+    return (int(match.group(1)) if match else -1, name)
+
+
+class VllmWorkerSide:
+    def __init__(self, settings: ConnectorSettings) -> None:
+        transport = MooncakeTransport(
+            MooncakeConfig(hostname=settings.host, protocol=settings.protocol,
+                           device_name=settings.device),
+            host=settings.host, curve=read_curve(settings.handshake_dir))
+        self.worker = ConnectorWorker(transport, timeout_s=settings.timeout_s)
+        self._handshake_dir = settings.handshake_dir
+        self._recv_blocks: dict[str, list[int]] = {}  # request -> blocks awaiting remote KV
+        self._sends = ConnectorPlan()
+        self._results = ConnectorResults()
+        self._load_errors: set[int] = set()
+
+    def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+        region = kv_region(kv_caches, num_blocks)
+        self.worker.register_kv_region(region)
+        logger.info("pdcluster connector: %d KV segments of %d blocks x %d bytes registered",
+                    region.num_segments, num_blocks, region.block_nbytes)
+        # Only now can peers be served: tell the node where to send KV requests.
+        write_kv_address(self._handshake_dir, self.worker.transport.reply_address)
+
+    def start_loads(self, step: StepPlan) -> None:
+        plan = step.plan
+        for recv in plan.recvs:
+            self._recv_blocks[recv.request_id] = recv.block_ids[recv.skip_blocks:]
+        self.worker.execute(ConnectorPlan(recvs=plan.recvs, cancelled=plan.cancelled,
+                                          pulls=plan.pulls))
+        self._sends = ConnectorPlan(sends=plan.sends, serves=plan.serves)
+        for transfer_id, source_addr in step.released:
+            self.worker.release_at_source(transfer_id, source_addr)
+
+    def after_forward(self) -> None:
+        sends, self._sends = self._sends, ConnectorPlan()
+        if not sends.is_empty:
+            self.worker.execute(sends)
+
+    def take_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) request ids; the full
+        results wait for `take_worker_results`."""
+        results = self.worker.get_results()
+        self._results = _merge(self._results, results)
+        done_sending = set(results.released)
+        done_recving, failed = set(), set()
+        for recv in results.received:
+            done_recving.add(recv.request_id)
+            blocks = self._recv_blocks.pop(recv.request_id, [])
+            if not recv.ok:
+                failed.add(recv.request_id)
+                self._load_errors.update(blocks)
+        return done_sending, done_recving, failed
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_worker_results(self) -> ConnectorResults:
+        results, self._results = self._results, ConnectorResults()
+        return results
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def _merge(a: ConnectorResults, b: ConnectorResults) -> ConnectorResults:
+    return ConnectorResults(a.received + b.received, a.released + b.released,
+                            a.pulled + b.pulled, a.lookups + b.lookups, a.served + b.served)

@@ -1,0 +1,288 @@
+"""`VllmEngine`: vLLM behind the node's engine interface (`engine.api.NodeEngine`).
+
+vLLM runs as vLLM runs itself: `AsyncLLM` in the node process, its scheduler in an
+engine-core process and its model in a worker process, pdcluster's KV connector inside both
+(connector.py). `AsyncLLM` lives on an asyncio loop of its own thread; the node's engine
+thread never waits on vLLM:
+
+- `submit` checks the request, turns the spec and transfer into vLLM's `SamplingParams` and
+  `kv_transfer_params`, and starts a task that iterates vLLM's output stream (deltas) into a
+  queue; `step` drains that queue (waiting at most a few milliseconds when it is empty).
+- `abort_request` forgets the request at once and asks vLLM to abort it in the background.
+- Load and counters come from vLLM's stats (stats.py), KV events from vLLM's event
+  publisher (events.py), the connector's KV address from the handshake folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster.core.credentials import CurveKeys
+from pdcluster.core.events import KVEvent
+from pdcluster.core.hashing import HashConfig
+from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, RemoteDecode, RemotePrefill
+from pdcluster.core.sampling import SamplingSpec
+from pdcluster.core.types import BlockHash, ReqId
+from pdcluster.engine.api import NodeEngine
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput
+from pdcluster.vllm_backend.connector_scheduler import PD_KEY
+from pdcluster.vllm_backend.events import EventSubscriber
+from pdcluster.vllm_backend.handshake import Handshake
+from pdcluster.vllm_backend.sampling import to_node_output, to_vllm_params
+from pdcluster.vllm_backend.settings import ConnectorSettings, check_supported, engine_args
+from pdcluster.vllm_backend.stats import EngineStats, logger_factory
+
+logger = logging.getLogger(__name__)
+_STEP_WAIT_S = 0.002
+START_TIMEOUT_S = 900.0
+
+
+@dataclass(slots=True)
+class _Tracked:
+    num_top: int
+    prompt_len: int
+    started: bool = False  # produced its first token
+
+
+class VllmEngine(NodeEngine):
+    """`connector`: the KV connector's settings (None: no connector, a node that neither
+    sends nor receives KV); `curve`: the node's CURVE keys for the connector's side channel."""
+
+    def __init__(self, config: EngineConfig, connector: ConnectorSettings | None = None,
+                 curve: CurveKeys | None = None, start_timeout_s: float = START_TIMEOUT_S
+                 ) -> None:
+        check_supported(config)
+        # vLLM's events must carry the digests the router computes, not a 64-bit fold.
+        os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"
+        self.config = config
+        self._handshake = Handshake()
+        self._handshake.write_curve(curve)
+        settings = connector or ConnectorSettings(str(self._handshake.dir))
+        settings = ConnectorSettings(**{**settings.as_extra_config(),
+                                        "handshake_dir": str(self._handshake.dir)})
+        self._stats = EngineStats()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="vllm-engine")
+        self._thread.start()
+        args = engine_args(config, settings, self._handshake.dir,
+                           with_connector=connector is not None)
+        try:
+            self._llm = self._run(self._start(args), start_timeout_s)
+            self.kv_address = (self._handshake.wait_kv_address(start_timeout_s)
+                               if connector is not None else "")
+        except BaseException:
+            self._shutdown_loop()
+            self._handshake.close()
+            raise
+        vllm_config = self._llm.vllm_config
+        self._num_blocks = int(vllm_config.cache_config.num_gpu_blocks or 0)
+        self._max_model_len = int(vllm_config.model_config.max_model_len)
+        self._vocab_size = int(vllm_config.model_config.get_vocab_size())
+        self._events = EventSubscriber(f"ipc://{self._handshake.dir / 'kv-events'}",
+                                       f"ipc://{self._handshake.dir / 'kv-replay'}")
+        self._outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._requests: dict[ReqId, _Tracked] = {}
+        self._step_times: list[float] = []
+        self._has_connector = connector is not None
+
+    async def _start(self, args: dict[str, Any]) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # Constructed on the loop, so that its output handler starts on it.
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args),
+                                         stat_loggers=[logger_factory(self._stats)])
+
+    def _run(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    # ---- NodeEngine: the request path ------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def hash_config(self) -> HashConfig:
+        return self.config.hash_config
+
+    @property
+    def accepts_prefix_pulls(self) -> bool:
+        return False  # pulls between vLLM nodes: docs/engines.md says what is built
+
+    def submit(self, request_id: ReqId, prompt_token_ids: list[int], sampling: SamplingSpec,
+               *, cache_salt: str | None = None, kv_transfer: KVTransferParams | None = None,
+               prefix_pull: PrefixPull | None = None) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self._check_prompt(prompt_token_ids, sampling)
+        params = to_vllm_params(sampling, _transfer_dict(kv_transfer), self.config.max_logprobs)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
+        if cache_salt:
+            prompt["cache_salt"] = cache_salt
+        self._requests[request_id] = _Tracked(sampling.logprobs or 0, len(prompt_token_ids))
+        self._spawn(self._generate(request_id, prompt, params, sampling.logprobs or 0))
+
+    def _check_prompt(self, prompt: list[int], sampling: SamplingSpec) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) + sampling.max_tokens > self._max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens "
+                             f"({sampling.max_tokens}) exceeds the model's context of "
+                             f"{self._max_model_len} tokens")
+        if min(prompt) < 0 or max(prompt) >= self._vocab_size:
+            raise ValueError(f"token ids must be in [0, {self._vocab_size})")
+
+    async def _generate(self, request_id: ReqId, prompt: dict[str, Any], params: Any,
+                        num_top: int) -> None:
+        try:
+            async for out in self._llm.generate(prompt, params, request_id):
+                self._outputs.put(to_node_output(out, num_top))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # this request alone fails; the node goes on
+            logger.warning("vLLM failed request %s: %s", request_id, exc)
+            self._outputs.put(RequestOutput(request_id, [], [], [], True, "error",
+                                            error=f"{type(exc).__name__}: {exc}"))
+
+    def abort_request(self, request_id: ReqId) -> bool:
+        if self._requests.pop(request_id, None) is None:
+            return False
+        self._spawn(self._llm.abort(request_id))
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        try:
+            outputs.append(self._outputs.get(timeout=_STEP_WAIT_S))
+            while True:
+                outputs.append(self._outputs.get_nowait())
+        except queue.Empty:
+            pass
+        kept = []
+        for out in outputs:
+            tracked = self._requests.get(out.request_id)
+            if tracked is None:
+                continue  # aborted by its client: late outputs are dropped
+            tracked.started = tracked.started or bool(out.new_token_ids)
+            if out.finished:
+                del self._requests[out.request_id]
+            kept.append(out)
+        if kept:
+            self._step_times.append(time.perf_counter() - started)
+        return kept
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def has_runnable_requests(self) -> bool:
+        return bool(self._requests)
+
+    def has_pinned_blocks(self) -> bool:
+        with self._stats.lock:
+            return self._stats.transfers_in_flight > 0
+
+    # ---- NodeEngine: figures -----------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        with self._stats.lock:
+            running, waiting = self._stats.num_running, self._stats.num_waiting
+            free = round((1.0 - self._stats.kv_cache_usage) * self._num_blocks)
+        queued = sum(t.prompt_len for t in self._requests.values() if not t.started)
+        return EngineLoad(waiting, running, free, self._num_blocks, queued)
+
+    def counters(self) -> EngineCounters:
+        load = self.load()
+        stats = self._stats
+        with stats.lock:
+            return EngineCounters(
+                load, self._num_blocks - load.num_free_blocks,
+                len(self._events.cached_hashes()), stats.num_steps, 0.0,
+                stats.num_preemptions, stats.num_prefix_queried_tokens,
+                stats.num_prefix_hit_tokens)
+
+    def take_step_times(self) -> list[float]:
+        taken, self._step_times = self._step_times, []
+        return taken
+
+    def transfer_counters(self) -> dict[str, int]:
+        with self._stats.lock:
+            return dict(self._stats.transfer_counters)
+
+    def take_transfer_latencies(self) -> list[tuple[str, float]]:
+        return self._stats.take_latencies()
+
+    def pool_state(self) -> dict[str, int]:
+        load = self.load()
+        with self._stats.lock:
+            in_flight = self._stats.transfers_in_flight
+        return {"num_free_blocks": load.num_free_blocks, "num_blocks": load.num_blocks,
+                "num_held_blocks": load.num_blocks - load.num_free_blocks,
+                "num_pinned_requests": in_flight,
+                "num_unfinished": int(bool(self._requests))}
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self._events.take()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        return self._events.cached_hashes()
+
+    def reset_prefix_cache(self) -> bool:
+        if self._requests:
+            return False
+        reset = bool(self._run(self._llm.reset_prefix_cache()))
+        if reset:
+            self._events.note_cleared()
+        return reset
+
+    def describe(self) -> dict[str, Any]:
+        import vllm
+
+        return {"backend": "vllm", "version": vllm.__version__}
+
+    def close(self) -> None:
+        for request_id in list(self._requests):
+            self.abort_request(request_id)
+        llm, self._llm = self._llm, None
+        try:
+            llm.shutdown()
+            del llm  # its __del__ shuts down again: now, not at interpreter exit
+        finally:
+            self._events.close()
+            self._shutdown_loop()
+            self._handshake.close()
+
+    # ---- the loop thread ---------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _shutdown_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def _transfer_dict(transfer: KVTransferParams | None) -> dict[str, Any] | None:
+    """The node's transfer as the `kv_transfer_params` the connector reads."""
+    if isinstance(transfer, RemotePrefill):
+        return {PD_KEY: "remote_prefill", "transfer_id": transfer.transfer_id,
+                "source_addr": transfer.source_addr}
+    if isinstance(transfer, RemoteDecode):
+        return {PD_KEY: "remote_decode", "transfer_id": transfer.transfer_id}
+    return None

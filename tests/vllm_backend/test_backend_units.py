@@ -1,0 +1,211 @@
+"""The vLLM backend's parts, each against vLLM's own code where vLLM defines the behaviour:
+block hashes equal to vLLM's (so the router can name a vLLM node's blocks), the connector's
+scheduler side on real vLLM `Request`s, the KV layout of vLLM-shaped cache tensors, and the
+sampling options as vLLM's `SamplingParams`. No engine runs here (tests/vllm_backend/
+test_vllm_nodes.py runs them)."""
+
+from __future__ import annotations
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
+
+import torch  # noqa: E402
+from vllm.utils.hashing import sha256_cbor  # noqa: E402
+from vllm.v1.core import kv_cache_utils  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from pdcluster.core.hashing import BlockExtra, BlockHasher, HashConfig, hash_block_tokens  # noqa: E402,E501
+from pdcluster.core.kv_connector import ConnectorResults, RecvResult  # noqa: E402
+from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill  # noqa: E402
+from pdcluster.core.sampling import GuidedDecoding, SamplingSpec  # noqa: E402
+from pdcluster.core.vllm_hashing import VLLM_DEFAULT_SEED, VLLM_HASH_ALGORITHM  # noqa: E402
+from pdcluster.engine.config import EngineConfig  # noqa: E402
+from pdcluster.vllm_backend.connector_scheduler import (  # noqa: E402
+    VllmSchedulerSide,
+    transfer_params,
+)
+from pdcluster.vllm_backend.connector_worker import kv_region  # noqa: E402
+from pdcluster.vllm_backend.engine import _transfer_dict  # noqa: E402
+from pdcluster.vllm_backend.sampling import to_vllm_params  # noqa: E402
+from pdcluster.vllm_backend.settings import ConnectorSettings, check_supported  # noqa: E402
+
+VLLM_HASH = HashConfig(VLLM_HASH_ALGORITHM, VLLM_DEFAULT_SEED)
+BLOCK = 32
+
+
+def vllm_chain(tokens: list[int], salt: str | None = None) -> list[bytes]:
+    """vLLM's own block hashes of `tokens` (its functions, its `sha256_cbor`)."""
+    kv_cache_utils.init_none_hash(sha256_cbor)
+    parent, hashes = None, []
+    for start in range(0, len(tokens) // BLOCK * BLOCK, BLOCK):
+        extra = (("cache_salt", salt),) if salt and start == 0 else None
+        parent = kv_cache_utils.hash_block_tokens(sha256_cbor, parent,
+                                                  tokens[start:start + BLOCK], extra)
+        hashes.append(bytes(parent))
+    return hashes
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_block_hashes_equal_vllms(salt) -> None:
+    tokens = list(range(7, 7 + 5 * BLOCK + 9))
+    expected = vllm_chain(tokens, salt)
+    assert len(expected) == 5
+    assert hash_block_tokens(tokens, BLOCK, BlockExtra(cache_salt=salt), VLLM_HASH) == expected
+    hasher = BlockHasher(BLOCK, BlockExtra(cache_salt=salt), VLLM_HASH)
+    for start in range(0, len(tokens), 13):  # any split gives the same chain
+        hasher.extend(tokens[start:start + 13])
+    assert hasher.block_hashes == expected
+
+
+def test_salted_and_unsalted_chains_never_share_a_block() -> None:
+    tokens = list(range(3 * BLOCK))
+    assert not set(vllm_chain(tokens)) & set(vllm_chain(tokens, "t"))
+
+
+def test_vllm_hashes_refuse_a_lora_id() -> None:
+    with pytest.raises(ValueError, match="LoRA"):
+        hash_block_tokens(list(range(BLOCK)), BLOCK, BlockExtra(lora_id=1), VLLM_HASH)
+
+
+def test_a_vllm_engine_config_hashes_as_vllm_does() -> None:
+    config = EngineConfig("m", backend="vllm", block_size=BLOCK)
+    assert config.hash_config == VLLM_HASH
+    check_supported(config)
+    with pytest.raises(ValueError, match="speculative"):
+        check_supported(EngineConfig("m", backend="vllm", block_size=BLOCK,
+                                     speculative="ngram:k=2"))
+    with pytest.raises(ValueError, match="block_size 16"):
+        check_supported(EngineConfig("m", backend="vllm", block_size=16))
+    with pytest.raises(ValueError, match="vLLM options"):
+        EngineConfig("m", tensor_parallel_size=2)  # the own engine runs on one device
+
+
+# ---- the connector's scheduler side on vLLM's Request ----------------------------------
+
+
+def make_request(rid: str, num_tokens: int, transfer=None, max_tokens: int = 4) -> Request:
+    params = to_vllm_params(SamplingSpec(max_tokens=max_tokens, temperature=0.0),
+                            _transfer_dict(transfer), 20)
+    return Request(rid, list(range(1, num_tokens + 1)), params, None)
+
+
+def scheduler_side() -> VllmSchedulerSide:
+    return VllmSchedulerSide(ConnectorSettings(handshake_dir=""), BLOCK)
+
+
+def test_decode_side_asks_for_the_prompt_past_its_local_hit_then_plans_one_receive() -> None:
+    side = scheduler_side()
+    transfer = RemotePrefill("t1", "tcp://127.0.0.1:5555")
+    request = make_request("d1", 100, transfer)
+    assert transfer_params(request.kv_transfer_params) == transfer
+    assert side.num_new_matched_tokens(request, 32) == (68, True)
+    side.on_allocated(request, [7, 8, 9, 10], 68)
+    plan = side.build().plan
+    (recv,) = plan.recvs
+    assert (recv.request_id, recv.block_ids, recv.skip_blocks) == ("d1", [7, 8, 9, 10], 1)
+    assert side.num_new_matched_tokens(request, 32) == (0, False)  # planned once
+    assert side.has_pending_work()
+    side.update(ConnectorResults(received=[RecvResult("d1", True)]))
+    assert not side.has_pending_work()
+
+
+def test_less_than_a_block_past_the_local_hit_is_computed_and_releases_the_prefill_node(
+        ) -> None:
+    side = scheduler_side()
+    request = make_request("d1", 65, RemotePrefill("t1", "tcp://p:1"))
+    assert side.num_new_matched_tokens(request, 64) == (0, False)
+    side.on_allocated(request, [1, 2, 3], 0)
+    step = side.build()
+    assert step.plan.recvs == [] and step.released == [("t1", "tcp://p:1")]
+
+
+def test_prefill_side_keeps_a_finished_requests_blocks_until_released() -> None:
+    side = scheduler_side()
+    request = make_request("p1", 70, RemoteDecode("t1"), max_tokens=1)
+    assert side.num_new_matched_tokens(request, 0) == (0, False)
+    request.append_output_token_ids(42)
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert side.on_finished(request, [3, 4, 5], normally=True)
+    (send,) = side.build().plan.sends
+    assert (send.request_id, send.block_ids, send.first_token) == ("p1", [3, 4, 5], 42)
+    assert side.has_pending_work()
+    side.update(ConnectorResults(released=["p1"]))
+    assert not side.has_pending_work()
+
+
+def test_aborts_on_either_side_cancel_the_transfer() -> None:
+    side = scheduler_side()
+    waiting = make_request("d1", 64, RemotePrefill("t1", "tcp://p:1"))
+    side.num_new_matched_tokens(waiting, 0)
+    side.on_allocated(waiting, [1, 2], 64)
+    side.build()
+    # aborted while its KV is on the way: blocks stay until the worker reports the receive
+    assert side.on_finished(waiting, [1, 2], normally=False)
+    assert side.build().plan.cancelled == ["t1"]
+    running = make_request("p1", 64, RemoteDecode("t2"), max_tokens=1)
+    assert not side.on_finished(running, [5, 6], normally=False)  # nothing to send
+    assert side.build().plan.cancelled == ["t2"]
+    never_allocated = make_request("d2", 64, RemotePrefill("t3", "tcp://p:1"))
+    assert not side.on_finished(never_allocated, [], normally=False)
+    assert side.build().released == [("t3", "tcp://p:1")]
+
+
+def test_an_unknown_pd_role_is_refused() -> None:
+    with pytest.raises(ValueError, match="pd role"):
+        transfer_params({"pd": "sideways", "transfer_id": "t"})
+
+
+# ---- the KV layout of vLLM's cache tensors ----------------------------------------------
+
+
+def test_cpu_layout_is_one_segment_per_layer_with_block_major_runs() -> None:
+    num_blocks = 6
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(num_blocks, 2, BLOCK, 64)
+              for i in (1, 0)}  # vLLM CPU: [blocks, kv heads, block, 2 x head size]
+    region = kv_region(caches, num_blocks)
+    first = caches["model.layers.0.self_attn.attn"]
+    second = caches["model.layers.1.self_attn.attn"]
+    assert region.num_segments == 2 and region.base_addr == first.data_ptr()
+    assert region.segment_offsets == (0, second.data_ptr() - first.data_ptr())
+    assert region.block_nbytes == first[0].nbytes == region.stride
+    assert region.block_addr(5) == first[5].data_ptr()
+    spans = dict(region.memory_ranges())
+    assert spans[first.data_ptr()] == first.nbytes and spans[second.data_ptr()] == second.nbytes
+
+
+def test_k_and_v_kept_apart_are_two_segments_per_layer() -> None:
+    num_blocks = 5
+    cache = torch.zeros(2, num_blocks, BLOCK, 2, 32)  # vLLM's GPU layouts: [K|V, blocks, ...]
+    region = kv_region({"model.layers.0.attn": cache}, num_blocks)
+    assert region.num_segments == 2
+    assert region.segment_offsets[1] == cache[1].data_ptr() - cache[0].data_ptr()
+    assert region.block_addr(3) == cache[0, 3].data_ptr()
+
+
+def test_a_layout_without_a_leading_block_dimension_is_refused() -> None:
+    with pytest.raises(ValueError, match="not supported"):
+        kv_region({"model.layers.0.attn": torch.zeros(BLOCK, 4, 3)}, 4)
+
+
+# ---- sampling -------------------------------------------------------------------------------
+
+
+def test_every_sampling_field_reaches_vllm() -> None:
+    spec = SamplingSpec(max_tokens=9, min_tokens=2, temperature=0.7, top_p=0.9, top_k=5,
+                        seed=3, stop=["\n"], stop_token_ids=[7], ignore_eos=True, logprobs=2,
+                        presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1,
+                        logit_bias={5: -1.0}, guided=GuidedDecoding("regex", "[ab]+"))
+    params = to_vllm_params(spec, None, 20)
+    assert (params.max_tokens, params.min_tokens, params.temperature, params.top_p,
+            params.top_k, params.seed) == (9, 2, 0.7, 0.9, 5, 3)
+    assert params.stop == ["\n"] and params.stop_token_ids == [7] and params.ignore_eos
+    assert (params.logprobs, params.presence_penalty, params.frequency_penalty,
+            params.repetition_penalty) == (2, 0.5, 0.25, 1.1)
+    assert params.logit_bias == {5: -1.0}
+    assert params.structured_outputs.regex == "[ab]+"
+    assert params.detokenize  # stop strings need the text
+    with pytest.raises(ValueError, match="logprobs=30"):
+        to_vllm_params(SamplingSpec(logprobs=30), None, 20)
+    with pytest.raises(ValueError):
+        to_vllm_params(SamplingSpec(temperature=-1.0), None, 20)  # vLLM's own range check

@@ -1,0 +1,176 @@
+"""Two vLLM nodes (NodeRuntime with `backend="vllm"`: vLLM's AsyncLLM with its engine-core and
+worker processes, pdcluster's connector inside them, Mooncake over TCP on 127.0.0.1, the CURVE
+side channel) registered with a real metadata service. Remote prefill from the prefill node
+into the decode node's paged cache gives exactly the tokens the decode node computes alone;
+vLLM's KV events reach the global index under the hashes the router computes; aborts, a
+prefill node that never comes and a dead one end in recompute or release, with every vLLM
+block free afterwards."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
+
+from pdcluster.core.hashing import hash_block_tokens  # noqa: E402
+from pdcluster.core.node_wire import (  # noqa: E402
+    AbortRequest,
+    GenerateRequest,
+    SamplingSpec,
+    TokenDelta,
+    TransferSpec,
+)
+from pdcluster.engine.config import EngineConfig  # noqa: E402
+from pdcluster.metadata_service.client import MetadataClient  # noqa: E402
+from pdcluster.metadata_service.server import ServerThread  # noqa: E402
+from pdcluster.node.client import BlockingNodeClient, tokens_of  # noqa: E402
+from pdcluster.node.config import NodeConfig  # noqa: E402
+from pdcluster.node.runtime import NodeRuntime  # noqa: E402
+from tests.cluster_secret import TEST_CURVE, TEST_SECRET  # noqa: E402
+from tests.metadata_service.helpers import make_config  # noqa: E402
+from tests.models import random_prompts  # noqa: E402
+
+pytestmark = pytest.mark.slow
+BLOCK = 32
+KV_TIMEOUT_S = 6.0
+DEAD_ADDRESS = "tcp://127.0.0.1:9"  # nothing listens on the discard port
+
+
+class Pair:
+    def __init__(self, model: str, metadata_address: str) -> None:
+        engine = EngineConfig(model, backend="vllm", block_size=BLOCK, num_kv_blocks=192,
+                              max_num_seqs=8)
+        self.nodes = {}
+        for node_id, role in (("p0", "prefill"), ("d0", "decode")):
+            self.nodes[node_id] = NodeRuntime(NodeConfig(
+                node_id=node_id, role=role, engine=engine, metadata_address=metadata_address,
+                lease_ttl_s=5, publish_interval_s=0.02, cluster_secret=TEST_SECRET,
+                kv_timeout_s=KV_TIMEOUT_S)).start(registration_timeout_s=30)
+        self.p, self.d = self.nodes["p0"], self.nodes["d0"]
+        self.to_p = BlockingNodeClient(self.p.server.address, curve=TEST_CURVE)
+        self.to_d = BlockingNodeClient(self.d.server.address, curve=TEST_CURVE)
+
+    def disaggregated(self, rid: str, prompt: list[int], max_tokens: int = 8,
+                      source: str | None = None) -> list:
+        spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.to_d.send(GenerateRequest(f"{rid}-d", prompt, spec, TransferSpec(
+            "remote_prefill", rid, source or self.p.kv_address)))
+        if source is None:
+            self.to_p.send(GenerateRequest(f"{rid}-p", prompt, SamplingSpec(
+                max_tokens=1, temperature=0.0), TransferSpec("remote_decode", rid)))
+            self.to_p.collect({f"{rid}-p"})
+        return self.to_d.collect({f"{rid}-d"})[f"{rid}-d"]
+
+    def local(self, rid: str, prompt: list[int], max_tokens: int = 8) -> list[int]:
+        spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.to_d.send(GenerateRequest(rid, prompt, spec))
+        return tokens_of(self.to_d.collect({rid})[rid])
+
+    def assert_idle(self, timeout_s: float = 10.0) -> None:
+        """Every block of both engines free again (vLLM's own KV usage back to zero) and no
+        transfer in flight."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = {n: node.server.call(lambda e: e.pool_state())
+                      for n, node in self.nodes.items()}
+            if all(s["num_held_blocks"] == 0 and s["num_pinned_requests"] == 0
+                   and s["num_unfinished"] == 0 for s in states.values()):
+                return
+            assert time.monotonic() < deadline, f"blocks still held: {states}"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.to_p.close()
+        self.to_d.close()
+        for node in self.nodes.values():
+            node.stop(drain=False)
+
+
+@pytest.fixture(scope="module")
+def metadata():
+    with ServerThread(make_config(cluster_secret=TEST_SECRET)) as server, \
+            MetadataClient(server.address, cluster_secret=TEST_SECRET) as client:
+        yield server, client
+
+
+@pytest.fixture(scope="module")
+def pair(model_dirs, metadata):
+    pair = Pair(model_dirs["llama-vllm"], metadata[0].address)
+    yield pair
+    pair.close()
+
+
+def test_remote_prefill_gives_the_tokens_the_decode_node_computes_alone(pair) -> None:
+    prompts = random_prompts(4, BLOCK, 140, seed=3) + [list(range(5, 5 + BLOCK))]
+    before = pair.d.engine.transfer_counters().get("blocks_received", 0)
+    for i, prompt in enumerate(prompts):
+        got = pair.disaggregated(f"t{i}", prompt)
+        assert all(isinstance(m, TokenDelta) for m in got), got
+        pair.d.server.call(lambda e: e.reset_prefix_cache())  # the local run must compute
+        assert tokens_of(got) == pair.local(f"l{i}", prompt), f"prompt {i} ({len(prompt)})"
+    counters = pair.d.engine.transfer_counters()
+    assert counters["recvs_failed"] == 0
+    expected = sum(-(-len(p) // BLOCK) for p in prompts)
+    assert counters["blocks_received"] - before == expected
+    # one descriptor per layer per run of consecutive blocks (2 layers)
+    assert counters["descriptors_received"] <= 2 * len(prompts) * 2
+    pair.assert_idle()
+
+
+def test_vllm_events_reach_the_index_under_the_routers_hashes(pair, metadata) -> None:
+    _, client = metadata
+    prompt = random_prompts(1, 3 * BLOCK + 5, 3 * BLOCK + 5, seed=11)[0]
+    pair.disaggregated("ev", prompt)
+    chain = hash_block_tokens(prompt, BLOCK, config=pair.d.engine.hash_config)
+    deadline = time.monotonic() + 10
+    while dict(client.query(chain)) != {"p0": 3, "d0": 3}:
+        assert time.monotonic() < deadline, dict(client.query(chain))
+        time.sleep(0.05)
+    assert set(chain) <= set(pair.d.engine.cached_block_hashes())
+    # an emptied cache leaves the index at once (AllBlocksCleared)
+    assert pair.d.server.call(lambda e: e.reset_prefix_cache())
+    deadline = time.monotonic() + 10
+    while dict(client.query(chain)) != {"p0": 3}:
+        assert time.monotonic() < deadline, dict(client.query(chain))
+        time.sleep(0.05)
+
+
+def test_a_prompt_cached_on_the_decode_node_releases_the_prefill_node(pair) -> None:
+    # 2 blocks + 1 token: cached on D, only the last token is left to compute
+    prompt = random_prompts(1, 2 * BLOCK + 1, 2 * BLOCK + 1, seed=21)[0]
+    expected = pair.local("warm", prompt)
+    sends = pair.p.engine.transfer_counters().get("sends_ok", 0)
+    assert tokens_of(pair.disaggregated("cached", prompt)) == expected
+    assert pair.p.engine.transfer_counters().get("sends_ok", 0) == sends  # nothing sent
+    pair.assert_idle(timeout_s=3)  # P let go at once, not at its timeout
+
+
+def test_an_unreachable_prefill_node_means_recompute(pair) -> None:
+    prompt = random_prompts(1, 90, 90, seed=31)[0]
+    started = time.monotonic()
+    got = pair.disaggregated("dead", prompt, source=DEAD_ADDRESS)
+    assert time.monotonic() - started < KV_TIMEOUT_S + 10
+    pair.d.server.call(lambda e: e.reset_prefix_cache())
+    assert tokens_of(got) == pair.local("dead-local", prompt)
+    pair.assert_idle()
+
+
+def test_aborts_free_both_sides(pair) -> None:
+    prompt = random_prompts(1, 100, 100, seed=41)[0]
+    spec = SamplingSpec(max_tokens=8, temperature=0.0)
+    # D waits for KV that never comes (no prefill request): its client gives up
+    pair.to_d.send(GenerateRequest("ab-d", prompt, spec,
+                                   TransferSpec("remote_prefill", "ab", pair.p.kv_address)))
+    time.sleep(1.0)
+    pair.to_d.send(AbortRequest("ab-d"))
+    # P computed a prefill that no decode node asks for: held until its timeout, then freed
+    pair.to_p.send(GenerateRequest("ab2-p", prompt, SamplingSpec(max_tokens=1),
+                                   TransferSpec("remote_decode", "ab2")))
+    pair.to_p.collect({"ab2-p"})
+    pair.assert_idle(timeout_s=KV_TIMEOUT_S + 10)
+    # and the pair still serves
+    again = random_prompts(1, 50, 50, seed=42)[0]
+    pair.d.server.call(lambda e: e.reset_prefix_cache())
+    assert tokens_of(pair.disaggregated("after", again)) == pair.local("after-l", again)
