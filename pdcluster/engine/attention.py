@@ -39,9 +39,6 @@ import torch.nn.functional as F
 from pdcluster.engine import kernels
 from pdcluster.engine.kv_cache import PagedKVCache
 
-# The engine's own kernels where built (engine.kernels); tests turn them off to compare paths.
-USE_KERNELS = True
-
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -109,9 +106,12 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    cache_written: bool = False,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H, D]."""
-    kv_cache.write(layer, meta.slot_rows, k, v)
+    """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H, D]. `cache_written`: k and v are in
+    their cache slots already (the kernels' fused RoPE wrote them)."""
+    if not cache_written:
+        kv_cache.write(layer, meta.slot_rows, k, v)
     k_cache, v_cache = kv_cache.layer_kv(layer)
     out = torch.empty_like(q)
     if meta.num_decodes:
@@ -125,21 +125,12 @@ def paged_attention(
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    ops = _kernel_ops(q, k_cache)
+    ops = kernels.ops_for(q, k_cache)
     if ops is not None and meta.decode_lens is not None:
         return _kernel_decode_attention(ops, q, k_cache, v_cache, meta, scale)
     if meta.cascade is not None:
         return _cascade_decode_attention(q, k_cache, v_cache, meta, scale)
     return _batched_decode_attention(q, k_cache, v_cache, meta, scale)
-
-
-def _kernel_ops(q: torch.Tensor, cache: torch.Tensor):
-    """`torch.ops.pdcluster` when its kernels apply here (CPU, float32), else None."""
-    if not USE_KERNELS or q.device.type != "cpu" or q.dtype != torch.float32:
-        return None
-    if cache.dtype != torch.float32:
-        return None
-    return kernels.ops()
 
 
 def _kernel_decode_attention(ops, q, k_cache, v_cache, meta: AttentionMetadata,

@@ -22,10 +22,14 @@ onednn = pytest.mark.skipif(not linear_mod._ONEDNN, reason="torch built without 
 
 @pytest.fixture(params=[True, False], ids=["onednn", "f_linear"])
 def backend(request, monkeypatch):
-    """Run a test on the oneDNN path and on the F.linear fallback (CUDA, or no oneDNN)."""
+    """Run a test on the oneDNN path and on the F.linear fallback (CUDA, or no oneDNN); the
+    engine's GEMV for single rows is off here (tests/engine/test_kernels.py covers it)."""
+    from pdcluster.engine import kernels
+
     if request.param and not linear_mod._ONEDNN:
         pytest.skip("torch built without oneDNN")
     monkeypatch.setattr(linear_mod, "_ONEDNN", request.param)
+    monkeypatch.setattr(kernels, "ENABLED", False)
     return request.param
 
 
@@ -211,10 +215,10 @@ def test_decodes_sharing_a_prompt_prefix_match_transformers(model_dirs, hf_refer
     """End to end: decodes behind a shared cached prefix take the cascade path, and their
     greedy tokens still equal transformers'. (The torch path; tests/engine/test_kernels.py
     runs the same with the engine's C++ kernel.)"""
-    from pdcluster.engine import LLM, SamplingParams, attention
+    from pdcluster.engine import LLM, SamplingParams, attention, kernels
     from tests.models import random_prompts
 
-    monkeypatch.setattr(attention, "USE_KERNELS", False)
+    monkeypatch.setattr(kernels, "ENABLED", False)
     calls = count_calls(monkeypatch, attention, "_cascade_decode_attention")
     model = model_dirs["llama-gqa"]
     llm = LLM(model, num_kv_blocks=128, block_size=4)

@@ -114,7 +114,7 @@ def test_engine_through_the_kernel_matches_transformers(ops, model_dirs, hf_refe
     for prompts, outs in zip(batches, got, strict=True):
         for prompt, tokens in zip(prompts, outs, strict=True):
             assert tokens == hf_reference(model, prompt, 10)
-    monkeypatch.setattr(attention, "USE_KERNELS", False)
+    monkeypatch.setattr(kernels, "ENABLED", False)
     assert [_generate(model, prompts) for prompts in batches] == got
 
 

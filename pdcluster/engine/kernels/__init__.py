@@ -2,7 +2,11 @@
 them, with its compiler and for its CPU, and loaded as `torch.ops.pdcluster.*`.
 
 - `paged_attention`: decode attention reading the paged KV cache in place (engine/attention.py
-  uses it on CPU for float32 caches).
+  uses it on CPU for float32 caches);
+- `gemv`, `gemv_swiglu`: one row times a weight matrix at the memory's rate (batch-1 decode's
+  projections, engine/models/linear.py);
+- `rms_norm`, `add_rms_norm_`, `rope_and_cache_`: a decoder layer's small steps as one op each
+  (engine/models/llama.py).
 
 `build()` compiles the sources with g++ against the installed torch (`python -m
 pdcluster.engine.kernels`; scripts/setup.sh runs it) into `cache_dir()/kernels/<key>/`, where the
@@ -11,7 +15,8 @@ source, torch or machine gets its own build. `ops()` loads that library when it 
 returns `torch.ops.pdcluster`, else None: the engine then takes its pure-torch paths, which give
 the same tokens. Nothing compiles at run time. `PDCLUSTER_KERNELS=0` turns the kernels off.
 
-API: `ops()`, `build(force=False)`, `library_path()`, `DISABLE_ENV`.
+API: `ops()`, `ops_for(*tensors)`, `ENABLED`, `build(force=False)`, `library_path()`,
+`DISABLE_ENV`.
 """
 
 from __future__ import annotations
@@ -33,11 +38,15 @@ from pdcluster.core.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PDCLUSTER_KERNELS"
-SOURCES = (Path(__file__).with_name("csrc") / "paged_attention.cpp",)
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("paged_attention.cpp", "gemv.cpp", "layer_ops.cpp"))
 # -march=native: built for the machine it runs on (the key holds its instruction sets).
 # -fopenmp: at::parallel_for is inline OpenMP; the library links libgomp.so.1 by soname,
 # which resolves to the copy torch has already loaded (one thread pool, not two).
-CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+# -ffp-contract=off: `a * b + c` rounds twice, as torch's separate ops do (RoPE stays
+# bit-identical to transformers'); the attention and GEMV kernels ask for FMAs explicitly.
+CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared",
+            "-fPIC")
 _NAME = "pdcluster_kernels"
 
 
@@ -89,6 +98,21 @@ def build(force: bool = False) -> Path:
             raise RuntimeError(f"building the engine's kernels failed:\n{done.stderr[-4000:]}")
         os.replace(partial, path)  # atomic: a concurrent loader sees all or nothing
     return path
+
+
+# Tests turn the kernels off in-process (monkeypatch) to compare against the torch paths.
+ENABLED = True
+
+
+def ops_for(*tensors: torch.Tensor):
+    """`ops()` when every tensor is a float32 CPU tensor (the only kind the kernels take) and
+    the kernels are on, else None."""
+    if not ENABLED:
+        return None
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32:
+            return None
+    return ops()
 
 
 @cache
