@@ -88,6 +88,117 @@ def test_paged_attention_refuses_bad_inputs(ops) -> None:
         ops.paged_attention(torch.randn(1, 3, 2, 16), k_cache, v_cache, table, lens, 1.0)
 
 
+@pytest.mark.parametrize("n, k", [(40, 48), (7, 576), (13, 20), (1, 8)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_gemv_equals_f_linear(ops, n, k, bias) -> None:
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    torch.testing.assert_close(ops.gemv(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert ops.gemv(x[0], w, b).shape == (n,)  # a 1-D row stays 1-D
+    rows = torch.randn(n, k + 5, generator=gen)[:, :k]  # rows contiguous, stride k + 5
+    torch.testing.assert_close(ops.gemv(x, rows, b), F.linear(x, rows, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gemv_swiglu_is_swiglu(ops, bias) -> None:
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(3)
+    inter, hidden = 300, 64  # more rows than one chunk of the kernel
+    x = torch.randn(1, hidden, generator=gen)
+    w = torch.randn(2 * inter, hidden, generator=gen) / hidden**0.5
+    b = torch.randn(2 * inter, generator=gen) if bias else None
+    gate, up = F.linear(x, w, b).split(inter, dim=-1)
+    torch.testing.assert_close(ops.gemv_swiglu(x, w, b, inter), F.silu(gate) * up,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_refuses_what_it_cannot_take(ops) -> None:
+    w = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="one contiguous float32 CPU row"):
+        ops.gemv(torch.randn(2, 8), w, None)
+    with pytest.raises(RuntimeError, match="K = x's width"):
+        ops.gemv(torch.randn(1, 9), w, None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.gemv(torch.randn(1, 8), w, torch.randn(5))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ops.gemv(torch.randn(1, 4), w.t(), None)
+
+
+def test_linear_takes_the_gemv_for_one_row_only(ops, monkeypatch) -> None:
+    from pdcluster.engine.models import linear as linear_mod
+
+    calls = count_calls(monkeypatch, linear_mod, "_gemv_ops")
+    w = torch.randn(6, 8)
+    linear_mod.linear(torch.randn(1, 8), w)
+    linear_mod.linear(torch.randn(3, 8), w)
+    assert [c[0].shape[0] for c in calls] == [1, 3]
+    assert linear_mod._gemv_ops(torch.randn(1, 8), w) is ops
+    assert linear_mod._gemv_ops(torch.randn(3, 8), w) is None
+    assert linear_mod._gemv_ops(torch.randn(1, 8).double(), w.double()) is None
+
+
+def test_rms_norms_equal_the_reference(ops) -> None:
+    from pdcluster.engine.models.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(4)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.randn(96, generator=gen)
+    x, residual = torch.randn(5, 96, generator=gen), torch.randn(5, 96, generator=gen)
+    with torch.no_grad():
+        monkey = kernels.ENABLED
+        kernels.ENABLED = False
+        try:
+            want = norm(x)
+            want_add, want_residual = norm.add_forward(x.clone(), residual.clone())
+        finally:
+            kernels.ENABLED = monkey
+        torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-5), want, rtol=1e-5,
+                                   atol=1e-6)
+        h, r = x.clone(), residual.clone()
+        ops.add_rms_norm_(h, r, norm.weight, 1e-5)  # in place: r = r + h, h = norm(r)
+        assert torch.equal(r, want_residual)  # the same additions, bit for bit
+        torch.testing.assert_close(h, want_add, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="disagree"):
+        ops.add_rms_norm_(x, residual[:4].clone(), norm.weight, 1e-5)
+
+
+def test_rope_and_cache_equal_rotation_and_write(ops) -> None:
+    """Bit-identical to the torch RoPE (so to transformers'), and the cache rows hold what
+    `PagedKVCache.write` would have written."""
+    from pdcluster.engine.model_config import RopeConfig
+    from pdcluster.engine.models.rope import RotaryEmbedding
+
+    heads, kv_heads, dim, layer = 6, 2, 16, 1
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0, rope_type="llama3", factor=8.0,
+                                      low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=32), dim, 128)
+    spec = KVCacheSpec(8, 3, 4, kv_heads, dim, 4)
+    fused, plain = (PagedKVCache(spec, torch.float32, torch.device("cpu")) for _ in range(2))
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=gen)
+    positions = torch.tensor([0, 3, 17, 90, 127])
+    slots = fused.slot_rows(torch.tensor([2, 0, 7, 7, 5]), positions % 4)
+    want = rope.rotate(positions, qkv[:, : (heads + kv_heads) * dim].view(5, -1, dim))
+    v = qkv[:, (heads + kv_heads) * dim :].view(5, kv_heads, dim)
+    plain.write(layer, slots, want[:, heads:], v)
+    got = qkv.clone()
+    ops.rope_and_cache_(got, positions, rope.cos, rope.sin, heads, kv_heads, fused.rows, slots,
+                        fused.key_row_offset(layer), spec.block_size)
+    assert torch.equal(got[:, : (heads + kv_heads) * dim].view(5, -1, dim), want)
+    assert torch.equal(got[:, (heads + kv_heads) * dim :], qkv[:, (heads + kv_heads) * dim :])
+    assert torch.equal(fused.tensor, plain.tensor)
+    with pytest.raises(RuntimeError, match="outside the RoPE table"):
+        ops.rope_and_cache_(qkv.clone(), torch.tensor([0, 1, 2, 3, 128]), rope.cos, rope.sin,
+                            heads, kv_heads, fused.rows, slots, 0, spec.block_size)
+    with pytest.raises(RuntimeError, match="outside the region"):
+        ops.rope_and_cache_(qkv.clone(), positions, rope.cos, rope.sin, heads, kv_heads,
+                            fused.rows, slots + 10_000, 0, spec.block_size)
+
+
 def _generate(model_dir: str, prompts, max_tokens: int = 10):
     from pdcluster.engine import LLM, SamplingParams
 
@@ -96,11 +207,14 @@ def _generate(model_dir: str, prompts, max_tokens: int = 10):
     return [out.token_ids for out in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-tied-bias-mha"])
-def test_engine_through_the_kernel_matches_transformers(ops, model_dirs, hf_reference,
-                                                        monkeypatch, variant) -> None:
-    """Decodes alone and behind a shared cached prefix (the cascade split) take the kernel;
-    greedy tokens equal transformers' and the torch path's."""
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-tied-bias-mha", "qwen3-headdim",
+                                     "mixtral-4x2", "deepseek-v3-yarn-shared2"])
+def test_engine_through_the_kernels_matches_transformers(ops, model_dirs, hf_reference,
+                                                         monkeypatch, variant) -> None:
+    """Decodes alone and behind a shared cached prefix (the cascade split) take the kernels;
+    greedy tokens equal transformers' and the torch paths'. Qwen3 (q/k norms: the torch
+    RoPE), Mixtral (MoE) and DeepSeek-V3 (MLA: its own attention) share the layer's fused
+    norms and GEMVs."""
     from tests.models import random_prompts
 
     calls = count_calls(monkeypatch, attention, "_kernel_decode_attention")
@@ -109,8 +223,9 @@ def test_engine_through_the_kernel_matches_transformers(ops, model_dirs, hf_refe
     batches = [[prefix + tail for tail in random_prompts(4, 1, 9, seed=8)],
                random_prompts(3, 3, 20, seed=9)]
     got = [_generate(model, prompts) for prompts in batches]
-    assert any(meta.cascade is not None for *_, meta, _ in calls), "no cascade step"
-    assert any(meta.cascade is None for *_, meta, _ in calls), "no plain decode step"
+    if not variant.startswith("deepseek"):  # MLA decodes through its own absorbed attention
+        assert any(meta.cascade is not None for *_, meta, _ in calls), "no cascade step"
+        assert any(meta.cascade is None for *_, meta, _ in calls), "no plain decode step"
     for prompts, outs in zip(batches, got, strict=True):
         for prompt, tokens in zip(prompts, outs, strict=True):
             assert tokens == hf_reference(model, prompt, 10)
