@@ -161,6 +161,21 @@ void accumulate_tile(RowState& st, const float* const* values, int64_t rows, int
   }
 }
 
+// Asks for the next tile's keys and values while this one computes: blocks sit anywhere in
+// the region, so the hardware prefetcher cannot guess the next one.
+inline void prefetch_tile(const Cache& k, const Cache& v, const int64_t* table, int64_t begin,
+                          int64_t end, int64_t block_size, int64_t head, int64_t dim) {
+  for (int64_t pos = begin; pos < end; ++pos) {
+    const int64_t block = table[pos / block_size], slot = pos % block_size;
+    const char* key = reinterpret_cast<const char*>(k.at(block, slot, head));
+    const char* value = reinterpret_cast<const char*>(v.at(block, slot, head));
+    for (int64_t off = 0; off < dim * 4; off += 64) {
+      __builtin_prefetch(key + off);
+      __builtin_prefetch(value + off);
+    }
+  }
+}
+
 // Rows [r0, r1) of one sequence against KV head `head` over its `ctx` tokens.
 void attend_rows(const float* q, const Cache& k, const Cache& v, const int64_t* table,
                  int64_t ctx, int64_t block_size, int64_t head, int64_t rows, int64_t dim,
@@ -184,6 +199,8 @@ void attend_rows(const float* q, const Cache& k, const Cache& v, const int64_t* 
       keys[t] = k.at(block, slot, head);
       values[t] = v.at(block, slot, head);
     }
+    prefetch_tile(k, v, table, start + kTile, std::min(ctx, start + 2 * kTile), block_size,
+                  head, dim);
     score_tile(st, keys, rows, dim, n);
     accumulate_tile(st, values, rows, dim, n);
   }
