@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from pdcluster.engine.attention import GatherWorkspace  # noqa: E402
+from pdcluster.engine.kernels import gemm  # noqa: E402
 from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from pdcluster.engine.models import linear as linear_mod  # noqa: E402
 from pdcluster.engine.models.linear import Linear, linear, silu_and_mul  # noqa: E402
@@ -29,6 +30,7 @@ def backend(request, monkeypatch):
     if request.param and not linear_mod._ONEDNN:
         pytest.skip("torch built without oneDNN")
     monkeypatch.setattr(linear_mod, "_ONEDNN", request.param)
+    monkeypatch.setattr(gemm, "choice", lambda: dict(gemm.DEFAULT))  # oneDNN where on
     monkeypatch.setattr(kernels, "ENABLED", False)
     return request.param
 
@@ -76,7 +78,8 @@ def test_silu_and_mul_is_swiglu(backend, rows, bias) -> None:
 @onednn
 def test_onednn_path_is_taken(monkeypatch) -> None:
     """The fast path really runs on CPU float32 (a silent fallback would pass the tests
-    above and lose the speed)."""
+    above and lose the speed) where the calibration chose it."""
+    monkeypatch.setattr(gemm, "choice", lambda: dict(gemm.DEFAULT))
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
 

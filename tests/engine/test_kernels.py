@@ -263,3 +263,58 @@ def test_a_failing_compiler_is_reported_not_raised(tmp_path, monkeypatch, capsys
     assert kernels.main() == 1
     assert "no C++ compiler" in capsys.readouterr().err
     assert not kernels.library_path().exists()
+
+
+def test_gemm_calibration_records_a_winner_per_use(tmp_path, monkeypatch) -> None:
+    from pdcluster.engine.kernels import gemm
+
+    if not gemm._onednn_available():
+        pytest.skip("torch built without oneDNN: nothing to choose")
+    monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path))
+    gemm.choice.cache_clear()
+    try:
+        assert gemm.choice() == gemm.DEFAULT  # nothing recorded: oneDNN
+        record = gemm.calibrate_if_needed()
+        assert gemm.choice_path().is_file() and gemm.choice_path().parent == tmp_path / "kernels"
+        for use in gemm.USES:
+            times = {b: record["seconds"][f"{use}/{b}"] for b in gemm.BACKENDS}
+            assert record[use] == min(times, key=times.get) and all(t > 0 for t in times.values())
+        assert gemm.choice() == {use: record[use] for use in gemm.USES}
+        assert gemm.calibrate_if_needed() == record  # once per machine: read back, not re-run
+        gemm.choice_path().write_text('{"linear": "cublas", "swiglu": "torch"}')
+        gemm.choice.cache_clear()
+        assert gemm.choice() == {"linear": "onednn", "swiglu": "torch"}  # unknown -> default
+    finally:
+        gemm.choice.cache_clear()
+
+
+@pytest.mark.parametrize("picked", ["onednn", "torch"])
+def test_linear_follows_the_calibration(picked, monkeypatch) -> None:
+    import torch.nn.functional as F
+
+    from pdcluster.engine.kernels import gemm
+    from pdcluster.engine.models import linear as linear_mod
+
+    if not linear_mod._ONEDNN:
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr(gemm, "choice", lambda: {"linear": picked, "swiglu": picked})
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    onednn_calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:
+        def __call__(self, *args):
+            onednn_calls.append(args[3])
+            return real(*args)
+
+        binary = real.binary
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Spy())
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    b = torch.randn(8)
+    torch.testing.assert_close(linear_mod.linear(x, w, b), F.linear(x, w, b), rtol=1e-5,
+                               atol=1e-5)
+    gate, up = F.linear(x, w, b).split(4, dim=-1)
+    torch.testing.assert_close(linear_mod.silu_and_mul(x, w, b, 4), F.silu(gate) * up,
+                               rtol=1e-5, atol=1e-5)
+    assert bool(onednn_calls) == (picked == "onednn")

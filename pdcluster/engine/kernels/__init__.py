@@ -50,7 +50,8 @@ CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17
 _NAME = "pdcluster_kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags (/proc/cpuinfo), part of every per-machine cache key."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -64,7 +65,7 @@ def library_path() -> Path:
     digest = hashlib.sha256()
     for source in SOURCES:
         digest.update(source.read_bytes())
-    digest.update(" ".join((torch.__version__, *CXXFLAGS, _cpu_flags())).encode())
+    digest.update(" ".join((torch.__version__, *CXXFLAGS, cpu_flags())).encode())
     return cache_dir() / "kernels" / digest.hexdigest()[:16] / f"{_NAME}.so"
 
 
@@ -139,7 +140,14 @@ def ops():
 
 
 def main() -> int:
-    """`python -m pdcluster.engine.kernels [--force]`: build, or say why not (exit 1)."""
+    """`python -m pdcluster.engine.kernels [--force]`: pick this machine's GEMM library
+    (engine/kernels/gemm.py), then build the kernels, or say why not (exit 1)."""
+    from pdcluster.engine.kernels import gemm
+
+    picked = gemm.calibrate_if_needed()
+    if picked is not None:
+        print(f"engine GEMMs: linear on {picked['linear']}, SwiGLU on {picked['swiglu']} "
+              f"({gemm.choice_path()})")
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         print("engine kernels: no C++ compiler (g++) found; the engine uses its torch paths",
               file=sys.stderr)

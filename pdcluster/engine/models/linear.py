@@ -1,8 +1,9 @@
 """Every projection of the models goes through `linear` (and the `Linear` module built on it).
 
 On CPU it runs oneDNN's GEMM (`torch.ops.mkldnn._linear_pointwise`, the op torch's own compiler
-emits for CPU linears) instead of `F.linear`'s MKL/OpenBLAS sgemm; on CUDA, or where torch was
-built without oneDNN, it is `F.linear`. Measured on this machine's 2 threads (benchmarks/
+emits for CPU linears) or `F.linear`'s MKL/OpenBLAS sgemm, whichever this machine's calibration
+chose (engine/kernels/gemm.py: neither wins on every CPU); on CUDA, or where torch was built
+without oneDNN, it is `F.linear`. Measured on an AVX-512 host's 2 threads (benchmarks/
 peers_bench.py measures the whole engine):
 
     [2048 x 576] @ [576 x 3072]   F.linear 153 GFLOP/s   oneDNN 189
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdcluster.engine import kernels
+from pdcluster.engine.kernels import gemm
 
 
 def _onednn_dtypes() -> tuple[torch.dtype, ...]:
@@ -56,12 +58,19 @@ def _gemv_ops(x: torch.Tensor, weight: torch.Tensor):
     return kernels.ops_for(x, weight)
 
 
+def _use_onednn(x: torch.Tensor, use: str) -> bool:
+    """oneDNN for this CPU input, where torch has it and this machine's calibration chose it
+    for `use` (engine/kernels/gemm.py)."""
+    return (_ONEDNN and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES
+            and gemm.choice()[use] == "onednn")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for x of any leading shape."""
     ops = _gemv_ops(x, weight)
     if ops is not None:
         return ops.gemv(x, weight, bias)
-    if _ONEDNN and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES:
+    if _use_onednn(x, "linear"):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -75,12 +84,15 @@ def silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ops = _gemv_ops(x, weight)
     if ops is not None:
         return ops.gemv_swiglu(x, weight, bias, intermediate)
-    if _ONEDNN and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES:
-        gate_bias, up_bias = (None, None) if bias is None else bias.split(intermediate)
+    gate_bias, up_bias = (None, None) if bias is None else bias.split(intermediate)
+    if _use_onednn(x, "swiglu"):
         gate = torch.ops.mkldnn._linear_pointwise(x, weight[:intermediate], gate_bias, "swish",
                                                   [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, weight[intermediate:],
                                                          up_bias, "mul")
+    if x.device.type == "cpu":  # two GEMMs, then silu and multiply in place: no [T, 2I] split
+        gate = F.silu(F.linear(x, weight[:intermediate], gate_bias), inplace=True)
+        return gate.mul_(F.linear(x, weight[intermediate:], up_bias))
     gate, up = F.linear(x, weight, bias).split(intermediate, dim=-1)
     return F.silu(gate) * up
 
