@@ -34,10 +34,11 @@ constexpr int64_t kMaxRows = 16;  // rows per task: enough to reuse a key, small
 constexpr int64_t kTile = 16;     // keys scored together: one transposed tile of the cache
 constexpr int64_t kMaxDim = 256;
 
-// exp(x) for x <= 0 (scores minus their running max), branch-free so that the loop calling it
-// vectorizes: Cephes' expf (range reduction by ln 2, degree-5 polynomial, 2^n from the
-// exponent bits); about 1 ulp. Below -87 it returns ~0, as a weight that small must.
+// exp(x) for x <= 0 (scores minus their running max), branch-free so that it vectorizes:
+// Cephes' expf (range reduction by ln 2, degree-5 polynomial, 2^n from the exponent bits);
+// about 1 ulp. Below -87 (and for -inf, a padded key) it is 0, as such a weight must be.
 inline float exp_nonpositive(float x) {
+  const bool underflow = x < -87.0f;
   x = std::max(x, -87.0f);
   const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
   x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
@@ -51,7 +52,7 @@ inline float exp_nonpositive(float x) {
   const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
   float pow2;
   std::memcpy(&pow2, &bits, sizeof(pow2));
-  return y * pow2;
+  return underflow ? 0.f : y * pow2;
 }
 
 struct Cache {
@@ -71,7 +72,37 @@ struct RowState {
   float m[kMaxRows], l[kMaxRows];
 };
 
+inline float dot(const float* a, const float* b, int64_t dim) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < dim; ++d) s += a[d] * b[d];
+  return s;
+}
+
 #ifdef __AVX2__
+// exp_nonpositive on eight lanes (the same polynomial and constants).
+inline __m256 exp8_nonpositive(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lowest);
+  const __m256 fx = _mm256_floor_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                    _mm256_set1_ps(0.5f)));
+  x = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f))),
+                    _mm256_mul_ps(fx, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  const __m256 out = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+  return _mm256_andnot_ps(underflow, out);
+}
+
 inline float hsum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -94,13 +125,6 @@ inline __m128 dot4(const float* q, const float* const* keys, int64_t dim) {
 }
 #endif
 
-inline float dot(const float* a, const float* b, int64_t dim) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < dim; ++d) s += a[d] * b[d];
-  return s;
-}
-
 // Scores of every row against the tile's n keys, then the online-softmax update.
 void score_tile(RowState& st, const float* const* keys, int64_t rows, int64_t dim, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -112,8 +136,10 @@ void score_tile(RowState& st, const float* const* keys, int64_t rows, int64_t di
       for (; t + 4 <= n; t += 4) _mm_storeu_ps(s + t, dot4(qr, keys + t, dim));
 #endif
     for (; t < n; ++t) s[t] = dot(qr, keys[t], dim);
-    float tile_max = -std::numeric_limits<float>::infinity();
-    for (t = 0; t < n; ++t) tile_max = std::max(tile_max, s[t]);
+    for (; t < kTile; ++t) s[t] = -std::numeric_limits<float>::infinity();  // padding: p = 0
+    float tile_max = s[0];
+#pragma omp simd reduction(max : tile_max)
+    for (t = 0; t < kTile; ++t) tile_max = std::max(tile_max, s[t]);
     const float m_new = std::max(st.m[r], tile_max);
     if (m_new > st.m[r]) {
       const float c = std::exp(st.m[r] - m_new);  // 0 on the first tile (m = -inf)
@@ -124,10 +150,21 @@ void score_tile(RowState& st, const float* const* keys, int64_t rows, int64_t di
       st.m[r] = m_new;
     }
     float* p = st.p + r * kTile;
-#pragma omp simd
-    for (t = 0; t < kTile; ++t) p[t] = exp_nonpositive(s[t] - m_new);
     float sum = 0.f;
-    for (t = 0; t < n; ++t) sum += p[t];
+#ifdef __AVX2__
+    static_assert(kTile == 16, "two vectors of eight");
+    const __m256 m8 = _mm256_set1_ps(m_new);
+    const __m256 p0 = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s), m8));
+    const __m256 p1 = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + 8), m8));
+    _mm256_storeu_ps(p, p0);
+    _mm256_storeu_ps(p + 8, p1);
+    sum = hsum(_mm256_add_ps(p0, p1));
+#else
+    for (t = 0; t < kTile; ++t) {
+      p[t] = exp_nonpositive(s[t] - m_new);
+      sum += p[t];
+    }
+#endif
     st.l[r] += sum;
   }
 }
