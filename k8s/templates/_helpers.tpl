@@ -52,6 +52,30 @@ app.kubernetes.io/component: {{ index . 1 }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
+{{/* The engine section of cluster.yaml: vLLM's own options only when the nodes run vLLM. */}}
+{{- define "pdcluster.engineConfig" -}}
+{{- $e := .Values.cluster.engine -}}
+{{- $engine := dict
+  "backend" $e.backend
+  "dtype" $e.dtype
+  "block_size" (int $e.blockSize)
+  "max_num_seqs" (int $e.maxNumSeqs)
+  "max_num_batched_tokens" (int $e.maxNumBatchedTokens)
+  "max_model_len" (ternary (int $e.maxModelLen) nil (not (kindIs "invalid" $e.maxModelLen))) -}}
+{{- if eq $e.backend "vllm" -}}
+{{- $_ := set $engine "tensor_parallel_size" (int $e.tensorParallelSize) -}}
+{{- if not (kindIs "invalid" $e.gpuMemoryUtilization) -}}
+{{- $_ := set $engine "gpu_memory_utilization" $e.gpuMemoryUtilization -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $engine -}}
+{{- end -}}
+
+{{/* The image of the Ray pods and the launcher: vLLM's when the nodes run vLLM. */}}
+{{- define "pdcluster.nodeImageKey" -}}
+{{- ternary "vllmNode" "node" (eq .Values.cluster.engine.backend "vllm") -}}
+{{- end -}}
+
 {{/* repository:tag of images.<key>: include "pdcluster.image" (list $ "node") */}}
 {{- define "pdcluster.image" -}}
 {{- $root := index . 0 -}}
@@ -110,12 +134,7 @@ its own Deployment), so router.host here is never bound.
   "model" (include "pdcluster.modelPath" .)
   "num_prefill" (int (include "pdcluster.numNodes" (list . "prefill")))
   "num_decode" (int (include "pdcluster.numNodes" (list . "decode")))
-  "engine" (dict
-    "dtype" $c.engine.dtype
-    "block_size" (int $c.engine.blockSize)
-    "max_num_seqs" (int $c.engine.maxNumSeqs)
-    "max_num_batched_tokens" (int $c.engine.maxNumBatchedTokens)
-    "max_model_len" (ternary (int $c.engine.maxModelLen) nil (not (kindIs "invalid" $c.engine.maxModelLen))))
+  "engine" (include "pdcluster.engineConfig" . | fromYaml)
   "transfer" (dict
     "protocol" (ternary "rdma" "tcp" .Values.rdma.enabled)
     "device_name" (ternary .Values.rdma.deviceName "" .Values.rdma.enabled)

@@ -51,8 +51,8 @@ spec:
         {{- end }}
         containers:
           - name: ray-head
-            image: {{ include "pdcluster.image" (list . "node") }}
-            imagePullPolicy: {{ .Values.images.node.pullPolicy }}
+            image: {{ include "pdcluster.image" (list . (include "pdcluster.nodeImageKey" .)) }}
+            imagePullPolicy: {{ (index .Values.images (include "pdcluster.nodeImageKey" .)).pullPolicy }}
             ports:
               - name: gcs-server
                 containerPort: 6379

@@ -143,8 +143,8 @@ Each pod advertises the Ray custom resource <groupResourcePrefix><role>, one uni
       {{- end }}
       containers:
         - name: ray-worker
-          image: {{ include "pdcluster.image" (list $root "node") }}
-          imagePullPolicy: {{ $root.Values.images.node.pullPolicy }}
+          image: {{ include "pdcluster.image" (list $root (include "pdcluster.nodeImageKey" $root)) }}
+          imagePullPolicy: {{ (index $root.Values.images (include "pdcluster.nodeImageKey" $root)).pullPolicy }}
           ports:
             - name: metrics
               containerPort: 8080

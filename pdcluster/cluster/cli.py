@@ -15,6 +15,7 @@ Subcommands:
   bench curve               run the CURVE-cost benchmark (JSON last)
   bench trace --trace FILE  replay a trace live against a local cluster, per policy (JSON last)
   bench client --url URL    load a served cluster with aiperf (JSON last)
+  bench chaos               faults under load on a local cluster, nothing lost (JSON last)
   bench peers               run the engine against vLLM (CPU), transformers, llama.cpp (JSON last)
   replay --trace FILE       replay a request trace through the routing policy (JSON last)
   replay --synthetic NAME   the same on a generated trace (router/sim/trace_gen.py)
@@ -34,7 +35,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from pdcluster.cluster import cli_models, cli_replay, cli_services
+from pdcluster.cluster import cli_chaos, cli_models, cli_replay, cli_services
 from pdcluster.cluster.cli_common import (
     DEVICES,
     UsageError,
@@ -73,6 +74,16 @@ BENCHMARKS = {
               "reset between them): TTFT and latency p50/p90, output tokens/s, the prefix hit "
               "ratio and blocks moved read from the nodes' metrics, next to what `pdcluster "
               "replay` predicts for the same slice."),
+    "chaos": ("chaos_bench", "Faults under load on a local served cluster (Ray, the metadata "
+              "service and the router as real processes): prefill and decode nodes killed, "
+              "an abort storm, the metadata service stalled and restarted, etcd restarted, "
+              "a node restarted under its id, a churn soak; per fault requests lost, latency "
+              "before/during/after, recovery, leaked KV blocks and whether the index is "
+              "exact again within a lease TTL."),
+    "vllm": ("vllm_bench", "vLLM as the nodes' engine: N x (256 -> 64) through the router of "
+             "a `serve --engine vllm` cluster against vLLM's offline LLM on the same token ids "
+             "and threads, the own engine's cluster beside it, and TTFT of a 2,048-token "
+             "prompt disaggregated vs colocated (same run)."),
     "client": ("client_bench", "A published load client (aiperf, installed by `make peers` "
                "in its own environment) against a served cluster at --url: TTFT, inter-token "
                "latency, request latency and throughput, against the router's own figures "
@@ -194,9 +205,15 @@ def _peers_bench_args(parser: argparse.ArgumentParser) -> None:
                         "build: tens of minutes on 2 cores)")
 
 
-_BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "metadata": _metadata_bench_args,
+def _vllm_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="model folder (default: the built-in model under the cache folder)")
+
+
+_BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "vllm": _vllm_bench_args,
+                     "metadata": _metadata_bench_args,
                      "client": _client_bench_args, "trace": _trace_bench_args,
-                     "peers": _peers_bench_args}
+                     "peers": _peers_bench_args, "chaos": cli_chaos.add_chaos_args}
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:

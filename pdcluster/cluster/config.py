@@ -16,7 +16,7 @@ cluster.yaml:
                tls_server_name: metadata}      # name in its certificate, if not the address's
     router: {host: 0.0.0.0, port: 8000, enabled: true,   # false: a router runs elsewhere
              routing: kv}                      # or round_robin / least_loaded (baselines)
-    node: {gpus: 1, max_restarts: 3, local_prefill_threshold_tokens: 32,
+    node: {gpus: 1, max_restarts: 3, lease_ttl_s: 10, local_prefill_threshold_tokens: 32,
            metrics_port: 9400,                 # Prometheus /metrics per node; 0: a free port
            global_reuse_min_tokens: 512,        # pull a cached prefix this long; 0: never
            role_resource_prefix: pdcluster_}   # actors ask for Ray resource <prefix><role>
@@ -71,6 +71,7 @@ class ClusterConfig:
     node_gpus: float = 0.0
     node_cpus: float = 1.0
     max_restarts: int = 3
+    lease_ttl_s: int = 10  # each node's lease with the metadata service
     local_prefill_threshold_tokens: int = LOCAL_PREFILL_THRESHOLD_TOKENS
     global_reuse_min_tokens: int = 512  # 0: prefilling nodes never pull a prefix
     role_resource_prefix: str | None = None
@@ -80,6 +81,8 @@ class ClusterConfig:
             raise ValueError("need at least one decode node (and zero or more prefill nodes)")
         if self.max_restarts < 0 or self.node_gpus < 0 or self.node_cpus < 0:
             raise ValueError("max_restarts, node_gpus and node_cpus must be >= 0")
+        if self.lease_ttl_s < 1:
+            raise ValueError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
         if self.local_prefill_threshold_tokens < 0 or self.global_reuse_min_tokens < 0:
             raise ValueError("local_prefill_threshold_tokens and global_reuse_min_tokens "
                              "must be >= 0")
@@ -156,6 +159,7 @@ class ClusterConfig:
             role_resource_prefix=node.get("role_resource_prefix"),
             node_gpus=node.get("gpus", 0.0), node_cpus=node.get("cpus", 1.0),
             max_restarts=node.get("max_restarts", 3),
+            lease_ttl_s=node.get("lease_ttl_s", 10),
             local_prefill_threshold_tokens=node.get("local_prefill_threshold_tokens",
                                                     LOCAL_PREFILL_THRESHOLD_TOKENS),
             global_reuse_min_tokens=node.get("global_reuse_min_tokens", 512))

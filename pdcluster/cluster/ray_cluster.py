@@ -102,7 +102,8 @@ class RayCluster:
                              # the hex text, as a constructor option (node/actor.py says why)
                              cluster_secret=self.cluster_secret.to_text(),
                              kv_protocol=cfg.kv_protocol, kv_device=cfg.kv_device,
-                             kv_timeout_s=cfg.kv_timeout_s, metrics_port=cfg.node_metrics_port)
+                             kv_timeout_s=cfg.kv_timeout_s, metrics_port=cfg.node_metrics_port,
+                             lease_ttl_s=cfg.lease_ttl_s)
 
     def nodes(self, timeout_s: float = 60.0) -> list[dict[str, str]]:
         import ray

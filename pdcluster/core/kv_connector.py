@@ -275,6 +275,14 @@ class KVConnectorWorker(ABC):
         none by default."""
         return []
 
+    def fail_receive(self, transfer_id: TransferId, reason: str) -> bool:
+        """Give up on receive `transfer_id` now: its source is known to be dead (its
+        connection closed), so no byte of it will land. It is reported failed with `reason`
+        at the next `get_results`, as a timeout would be, only sooner. False when no such
+        receive is waiting: one not started yet fails as soon as it starts, one already
+        done is left alone. None of this by default."""
+        return False
+
     @abstractmethod
     def close(self) -> None: ...
 

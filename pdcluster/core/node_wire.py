@@ -2,7 +2,8 @@
 versioned, typed. A node serves a ROUTER socket; a client (the router) talks through a DEALER.
 
 Client -> node: `GenerateRequest` (tokens in, streamed tokens out), `AbortRequest`,
-`LoadQuery`. Node -> client: `TokenDelta` (every step that produced tokens; the last one has
+`LoadQuery`, `PrefillLost` (a decode node's prefill node died: stop waiting for its KV).
+Node -> client: `TokenDelta` (every step that produced tokens; the last one has
 `finished=True`), `RequestError` (the request was refused or failed, with an error code),
 `LoadReport`. A request's sampling fields are `core.sampling.SamplingSpec`, which this
 module also exports. Text is the client's business (the router detokenizes); nodes deal in
@@ -24,8 +25,9 @@ NODE_WIRE_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20
 ERROR_CODES = ("invalid_request", "overloaded", "draining", "internal", "transfer_failed")
 __all__ = ["ERROR_CODES", "MAX_FRAME_BYTES", "NODE_WIRE_VERSION", "AbortRequest",
-           "GenerateRequest", "LoadQuery", "LoadReport", "NodeMessage", "PrefixSource",
-           "RequestError", "SamplingSpec", "TokenDelta", "TransferSpec", "decode", "encode"]
+           "GenerateRequest", "LoadQuery", "LoadReport", "NodeMessage", "PrefillLost",
+           "PrefixSource", "RequestError", "SamplingSpec", "TokenDelta", "TransferSpec",
+           "decode", "encode"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,18 @@ class GenerateRequest:
 @dataclass(frozen=True, slots=True)
 class AbortRequest:
     request_id: ReqId
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLost:
+    """Router -> decode node: the prefill node that was to send request `request_id`'s KV
+    under `transfer_id` is gone (its connection closed). The node stops waiting for that KV
+    at once and recomputes the prompt (or fails the request, by its policy) instead of
+    waiting out its KV timeout."""
+
+    request_id: ReqId
+    transfer_id: str
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +120,10 @@ class LoadReport:
 
 
 NodeMessage = (GenerateRequest | AbortRequest | LoadQuery | TokenDelta | RequestError
-               | LoadReport)
+               | LoadReport | PrefillLost)
 _PROTOCOL = Protocol(NODE_WIRE_VERSION, (GenerateRequest, AbortRequest, LoadQuery, TokenDelta,
-                                         RequestError, LoadReport), MAX_FRAME_BYTES)
+                                         RequestError, LoadReport, PrefillLost),
+                     MAX_FRAME_BYTES)
 
 
 def encode(msg: NodeMessage) -> bytes:

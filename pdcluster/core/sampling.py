@@ -1,10 +1,10 @@
 """`SamplingSpec`: the one definition of the sampling fields that cross the wire — what the
 router asks for and a node accepts (a field of `core.node_wire.GenerateRequest`).
 
-`engine.SamplingParams` carries these same fields (plus text options only the engine uses)
-and is built from a spec by `SamplingParams.from_spec`; the router builds a spec from an HTTP
-request with `router.api.protocol.CompletionRequest.sampling_spec`. A test keeps the engine's
-fields a superset of these, with the same defaults.
+Nothing else declares them: `engine.SamplingParams` inherits them (adding the text options
+only the engine uses, and the range checks) and is built from a spec by
+`SamplingParams.from_spec`; the router's `CompletionRequest` holds the client's as a spec and
+makes the node's with `CompletionRequest.sampling_spec` (tests/engine/test_sampling_fields.py).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from typing import Any
 
 from pdcluster.core.events import KVEvent
 from pdcluster.core.hashing import HashConfig
-from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull
+from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, TransferId
 from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash, ReqId
 from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput
@@ -94,6 +94,13 @@ class NodeEngine(ABC):
     @abstractmethod
     def take_transfer_latencies(self) -> list[tuple[str, float]]:
         """(kind, seconds) of the transfers finished since the last call."""
+
+    def kv_source_lost(self, transfer_id: TransferId, reason: str) -> bool:
+        """The prefill node that was to send transfer `transfer_id`'s KV is gone: stop
+        waiting for it and compute the prompt (or fail the request, by policy) at the next
+        step. False where there is no such receive waiting (it then fails when it starts),
+        or where the engine cannot be told (by default: it waits out its KV timeout)."""
+        return False
 
     def recent_write_times(self) -> list[float]:
         """Durations of this node's recent KV writes to peers, in seconds (none by

@@ -36,7 +36,7 @@ from pathlib import Path
 from pdcluster.core.events import KVEvent
 from pdcluster.core.hashing import BlockExtra, HashConfig
 from pdcluster.core.kv_connector import KVConnector, KVRegion
-from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, RemotePrefill
+from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, RemotePrefill, TransferId
 from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash, ReqId
 from pdcluster.engine.api import NodeEngine
@@ -175,6 +175,11 @@ class LLMEngine(NodeEngine):
 
     def take_transfer_latencies(self) -> list[tuple[str, float]]:
         return self.connector.worker.take_latencies() if self.connector is not None else []
+
+    def kv_source_lost(self, transfer_id: TransferId, reason: str) -> bool:
+        if self.connector is None:
+            return False
+        return self.connector.worker.fail_receive(transfer_id, reason)
 
     def recent_write_times(self) -> list[float]:
         worker = self.connector.worker if self.connector is not None else None

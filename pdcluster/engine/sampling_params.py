@@ -12,7 +12,7 @@ import json
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from pdcluster.core.sampling import GUIDED_KINDS, GuidedDecoding, SamplingSpec
 
@@ -30,37 +30,24 @@ MAX_GUIDED_SPEC_CHARS = 256 << 10
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """The fields of `core.sampling.SamplingSpec` (same names, meanings and defaults) plus
-    the text options only the engine uses. Stop strings end generation and are cut from the
-    text unless `include_stop_str_in_output`. `detokenize=False` (vLLM's option) leaves the
-    output's text empty: token ids only; stop strings need the text, so they refuse it.
+class SamplingParams(SamplingSpec):
+    """The wire's sampling fields, inherited from `core.sampling.SamplingSpec` (their one
+    declaration: same names, meanings and defaults), plus the text options only the engine
+    uses. Stop strings end generation and are cut from the text unless
+    `include_stop_str_in_output`. `detokenize=False` (vLLM's option) leaves the output's text
+    empty: token ids only; stop strings need the text, so they refuse it.
     """
 
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
-        # Accept lists (and a single stop string) from callers while staying hashable/frozen.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        # Accept tuples (and a single stop string) from callers, and keep copies: a caller's
+        # list changed later must not change a request already admitted.
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         self._validate()
 
@@ -100,8 +87,8 @@ class SamplingParams:
 
     @classmethod
     def from_spec(cls, spec: SamplingSpec) -> SamplingParams:
-        """From the wire's `SamplingSpec`: each of its fields, by name (this class has them
-        all, with the same defaults; the others keep their defaults). Validates."""
+        """From the wire's `SamplingSpec`: each of its fields (the engine-only ones keep
+        their defaults). Validates."""
         return cls(**{f.name: getattr(spec, f.name) for f in fields(spec)})
 
     @property

@@ -12,6 +12,13 @@ Snapshot of its whole block set as of its latest seq, which replaces what the in
 A batch is validated whole before any of it is applied: a malformed or oversize one is
 rejected (``InvalidBatch``), counted by reason, and leaves a gap that forces a resync.
 
+Leases: with the memory backend a sweeper drops nodes whose deadline passed; with etcd, etcd
+expires them and its watch reports the deletes. A sweep that runs late (``stall.StallClock``)
+means the process itself stalled (SIGSTOP, a frozen VM): every deadline moves by the stall
+first (``forgive_stall``), so a live node is never dropped for heartbeats the service could
+not read; and an etcd delete of a node whose (forgiven) deadline is still well ahead — etcd
+expired its lease while this replica stood still — writes the node back instead.
+
 API: ``MetadataService``, ``PublishStatus``.
 """
 
@@ -36,6 +43,7 @@ from pdcluster.metadata_service.events import (
     unpack_query,
     unpack_snapshot,
 )
+from pdcluster.metadata_service.stall import StallClock
 from pdcluster.metadata_service.store import IndexStore, NodeState
 from pdcluster.metadata_service.watch import NodeWatch, WatchedIndex
 from pdcluster.proto import metadata_pb2 as pb
@@ -69,6 +77,7 @@ class MetadataService:
         self._clock = clock
         self._nodes: dict[NodeId, _Node] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._stall = StallClock(config.sweep_interval_s, clock, self.forgive_stall)
         self.counters: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
 
@@ -81,8 +90,8 @@ class MetadataService:
         if states:
             logger.info("rebuilt the index from %s: %d nodes, %d blocks", self.store.name,
                         len(states), self.index.num_blocks)
-        if self.store.expires_leases_locally:
-            self._sweeper = asyncio.create_task(self._sweep_forever(), name="lease-sweeper")
+        self._stall.restart()
+        self._sweeper = asyncio.create_task(self._sweep_forever(), name="lease-sweeper")
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -250,6 +259,15 @@ class MetadataService:
         self.node_watch.notify(pb.NodeChange.UP, node.info)
 
     def remote_node_down(self, node_id: NodeId) -> None:
+        self._stall.tick()  # an etcd delete may come before the sweeper's overdue tick
+        node = self._nodes.get(node_id)
+        if node is not None and self._is_served_here(node_id, margin_s=node.lease_ttl_s / 4):
+            # etcd let the lease of a node this replica keeps alive expire: this process
+            # stood still past the TTL (the node's own lease was renewed well within it)
+            logger.warning("node %s: its etcd lease expired while the service stalled; "
+                           "writing it back", node_id)
+            self.store.node_up(node.info, node.lease_ttl_s, False)
+            return
         self._drop(node_id)
 
     def remote_delta(self, node_id: NodeId, delta: Delta) -> None:
@@ -281,9 +299,10 @@ class MetadataService:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _is_served_here(self, node_id: NodeId) -> bool:
+    def _is_served_here(self, node_id: NodeId, margin_s: float = 0.0) -> bool:
         node = self._nodes.get(node_id)
-        return node is not None and node.deadline is not None and node.deadline > self._clock()
+        return (node is not None and node.deadline is not None
+                and node.deadline > self._clock() + margin_s)
 
     def _install(self, state: NodeState) -> None:
         node_id = state.info.node_id
@@ -314,8 +333,21 @@ class MetadataService:
             self.store.node_down(node_id)
         return expired
 
+    def forgive_stall(self, stalled_s: float) -> None:
+        """This process did not run for `stalled_s` (stopped, starved, suspended): no node
+        could renew its lease meanwhile, so every deadline moves that much later. Without
+        it, a service stalled past the TTL would drop every live node's blocks at once the
+        moment it resumed, before it read the heartbeats queued for it."""
+        logger.warning("the service stalled for %.1f s: extending %d leases by as much",
+                       stalled_s, len(self._nodes))
+        for node in self._nodes.values():
+            if node.deadline is not None:
+                node.deadline += stalled_s
+
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
-            self.expire_leases()
+            self._stall.tick()
+            if self.store.expires_leases_locally:
+                self.expire_leases()
 

@@ -53,6 +53,15 @@ class NodeActor:
         """For leak checks: blocks free, in total, held by requests, and pinned requests."""
         return self.runtime.server.call(lambda engine: engine.pool_state())
 
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block hash in the prefix cache, read on the engine's thread: what the global
+        index should say this node holds (fault benchmarks compare the two)."""
+        return self.runtime.server.call(lambda engine: list(engine.cached_block_hashes()))
+
+    def pid(self) -> int:
+        """The actor's process id, for fault injection (signals) by benchmarks and tests."""
+        return os.getpid()
+
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache between benchmark runs; False while requests run."""
         return self.runtime.reset_prefix_cache()

@@ -48,6 +48,7 @@ def _vllm_engine(config: NodeConfig, curve: CurveKeys) -> tuple[NodeEngine, str]
                                  protocol=config.kv_protocol, device=config.kv_device,
                                  timeout_s=config.kv_timeout_s,
                                  recompute_on_failure=config.recompute_on_failure,
-                                 min_pull_blocks=config.min_pull_blocks)
+                                 min_pull_blocks=config.min_pull_blocks,
+                                 hash_seed=config.engine.hash_seed)
     engine = VllmEngine(config.engine, settings, curve)
     return engine, engine.kv_address

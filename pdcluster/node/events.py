@@ -5,8 +5,9 @@ The engine thread hands each step's events to `put` (a queue append). The publis
 sends them in batches every `interval_s`, heartbeats every lease TTL / 3, and re-registers
 when the lease is gone. A batch that cannot be sent is dropped: the next one leaves a
 sequence gap, which the service answers with a resync, and the node sends a snapshot — a
-copy of its block-hash map taken at that moment. Replaying later events over a newer snapshot
-converges to the exact set, because each block's last event wins.
+copy of its block-hash map taken at that moment. With no next batch (an idle node), the
+thread sends that snapshot itself once the service answers again. Replaying later events
+over a newer snapshot converges to the exact set, because each block's last event wins.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class EventPublisherThread:
         self.client = client
         self.interval_s = interval_s
         self.num_failures = 0
+        # a batch failed to send and no later batch has shown the service the gap yet: a
+        # snapshot is due, or the index would miss that batch while the node stays idle
+        self._resync_due = False
         self._queue: queue.SimpleQueue[list[KVEvent]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._registered = threading.Event()
@@ -67,7 +71,9 @@ class EventPublisherThread:
             self._stop.wait(self.interval_s)
             batch = self._drain()
             if batch:
-                self._try(self.publisher.publish, batch)
+                self._resync_due = not self._try(self.publisher.publish, batch)
+            elif self._resync_due:
+                self._resync_due = not self._try(self.publisher.resync)
             if time.monotonic() >= next_heartbeat:
                 self._try(self.publisher.heartbeat)
                 next_heartbeat = time.monotonic() + max(self.publisher.lease_ttl_s / 3, 0.2)

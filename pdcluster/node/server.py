@@ -46,6 +46,7 @@ from pdcluster.core.node_wire import (
     LoadQuery,
     LoadReport,
     NodeMessage,
+    PrefillLost,
     PrefixSource,
     RequestError,
     TokenDelta,
@@ -213,6 +214,8 @@ class NodeServer:
             self._forget(msg.request_id)
         elif isinstance(msg, LoadQuery):
             self._send(identity, self.load_report())
+        elif isinstance(msg, PrefillLost):
+            self._on_prefill_lost(identity, msg)
         else:
             self.stats.num_malformed += 1  # a reply type sent to a node
 
@@ -241,6 +244,12 @@ class NodeServer:
         self.stats.num_requests += 1
         self._owners[msg.request_id] = identity
         self._prompt_lens[msg.request_id] = len(msg.prompt_token_ids)
+
+    def _on_prefill_lost(self, identity: bytes, msg: PrefillLost) -> None:
+        """Stop waiting for the KV of a request whose prefill node died (only its submitter
+        may say so); the engine recomputes it, or fails it, at its next step."""
+        if self._owners.get(msg.request_id) == identity:
+            self.engine.kv_source_lost(msg.transfer_id, f"prefill node lost: {msg.reason}")
 
     def _prefix_pull(self, source: PrefixSource | None) -> PrefixPull | None:
         if source is None or not self.engine.accepts_prefix_pulls:

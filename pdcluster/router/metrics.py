@@ -58,6 +58,10 @@ class RouterMetrics:
                               "stop strings)", registry=r)
         self.migrations = Counter("router_migrations", "requests moved to another node after "
                                   "their decode node was lost mid-stream", registry=r)
+        self.prefill_lost = Counter("router_prefill_lost", "disaggregated requests whose "
+                                    "prefill node died (lost) or refused them (refused) "
+                                    "before their KV arrived: the decode node was told to "
+                                    "compute the prompt itself", ["why"], registry=r)
         self.migration_failures = Counter(
             "router_migration_failures", "requests whose decode node was lost and that could "
             "not move (no migration left, no healthy node)", ["reason"], registry=r)

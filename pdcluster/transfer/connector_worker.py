@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from pdcluster.core.kv_connector import (
@@ -59,6 +60,9 @@ class ConnectorWorker(KVConnectorWorker):
         self._sends: dict[TransferId, Send] = {}
         self._pool = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
         self._pulls = PullWorker(self._state, self._pool, self._write, self._flush)
+        # Called (side-channel thread) when a peer's pull waits for the engine to look it up:
+        # an engine in other processes (vLLM) may be idle and must be woken to do it.
+        self.on_lookup: Callable[[], None] | None = None
         transport.start(self._on_message)
 
     # ---- engine-facing ----------------------------------------------------------------
@@ -72,7 +76,7 @@ class ConnectorWorker(KVConnectorWorker):
         outbox: list[tuple[str, SideChannelMessage]] = []
         with self._lock:
             for recv in plan.recvs:
-                outbox.append(self._start_recv(recv))
+                self._start_recv(recv, outbox)
             for send in plan.sends:
                 self._add_send(send, outbox)
             for pull in plan.pulls:
@@ -116,8 +120,25 @@ class ConnectorWorker(KVConnectorWorker):
             self.stats.latencies.clear()
         return taken
 
+    def fail_receive(self, transfer_id: TransferId, reason: str) -> bool:
+        outbox: list[tuple[str, SideChannelMessage]] = []
+        with self._lock:
+            recv = self._state.recvs.get(transfer_id)
+            if recv is None or recv.is_pull:
+                # not started yet (the request still queued here): it fails when it starts
+                self._state.give_up(transfer_id, reason)
+                return False
+            del self._state.recvs[transfer_id]
+            self.stats.sources_lost += 1
+            self._finish_recv(recv, False, error=reason)
+            # should the source still be alive after all, it forgets the transfer
+            outbox.append((recv.source_addr, XferAbort(transfer_id)))
+        self._flush(outbox)
+        return True
+
     @property
     def num_pending_receives(self) -> int:
+        """Receives under way: asked of their source, not yet done, failed or expired."""
         with self._lock:
             return len(self._state.recvs)
 
@@ -133,11 +154,17 @@ class ConnectorWorker(KVConnectorWorker):
 
     # ---- decode side ------------------------------------------------------------------
 
-    def _start_recv(self, job: RecvJob) -> tuple[str, XferRequest]:
+    def _start_recv(self, job: RecvJob, outbox: Outbox) -> None:
         region = self._state.require_region()
         tid = job.transfer.transfer_id
-        self._state.recvs[tid] = Recv(job.request_id, job.transfer.source_addr,
-                                      self._state.deadline(), started=self._state.clock())
+        recv = Recv(job.request_id, job.transfer.source_addr, self._state.deadline(),
+                    started=self._state.clock())
+        reason = self._state.given_up.pop(tid, None)
+        if reason is not None:  # its source was reported lost before it started
+            self.stats.sources_lost += 1
+            self._finish_recv(recv, False, error=reason)
+            return
+        self._state.recvs[tid] = recv
         request = XferRequest(
             transfer_id=tid, request_id=job.request_id,
             reply_addr=self.transport.reply_address, dest_session=self.transport.session_id,
@@ -145,13 +172,15 @@ class ConnectorWorker(KVConnectorWorker):
             skip_blocks=job.skip_blocks,
             dest_block_addrs=[region.block_addr(b) for b in job.block_ids[job.skip_blocks:]],
             dest_segment_offsets=list(region.segment_offsets))
-        return job.transfer.source_addr, request
+        outbox.append((job.transfer.source_addr, request))
 
     def _on_done(self, msg: XferDone) -> None:
         with self._lock:
             recv = self._state.recvs.pop(msg.transfer_id, None)
             if recv is None:
                 self.stats.late_messages += 1
+                if not msg.ok:  # a receive not started yet fails as it starts
+                    self._state.give_up(msg.transfer_id, msg.error or "transfer failed")
                 return
             if recv.is_pull:
                 self._pulls.finish(recv, msg.ok, msg.num_blocks_sent, msg.error)
@@ -272,6 +301,8 @@ class ConnectorWorker(KVConnectorWorker):
             self._on_request(msg)
         elif isinstance(msg, PrefixPullRequest):
             self._pulls.on_request(msg)
+            if self.on_lookup is not None:
+                self.on_lookup()
         elif isinstance(msg, XferDone):
             self._on_done(msg)
         elif isinstance(msg, XferAbort):

@@ -33,6 +33,7 @@ class WorkerStats:
     recvs_ok: int = 0
     recvs_failed: int = 0
     timeouts: int = 0
+    sources_lost: int = 0  # receives given up because their source died (`fail_receive`)
     late_messages: int = 0
     blocks_sent: int = 0
     descriptors_sent: int = 0
@@ -134,7 +135,8 @@ class WorkerState:
     """What the worker's parts share. `transport`, `timeout_s` and `clock` are fixed; the
     rest is guarded by `lock`: the statistics, the results for the engine's next step, the
     receives in flight (transfers and pulls), the recently finished transfer ids (to answer
-    late messages) and the registered KV region."""
+    late messages), the receives given up before they started, and the registered KV
+    region."""
 
     def __init__(self, transport: Transport, timeout_s: float,
                  clock: Callable[[], float]) -> None:
@@ -146,6 +148,8 @@ class WorkerState:
         self.results = ConnectorResults()
         self.recvs: dict[TransferId, Recv] = {}
         self.finished: OrderedDict[TransferId, str] = OrderedDict()
+        # receives given up before they started (their source reported lost), with why
+        self.given_up: OrderedDict[TransferId, str] = OrderedDict()
         self.region: KVRegion | None = None
 
     def deadline(self) -> float:
@@ -159,6 +163,11 @@ class WorkerState:
         self.finished[tid] = reason
         while len(self.finished) > _FORGET_AFTER:
             self.finished.popitem(last=False)
+
+    def give_up(self, tid: TransferId, reason: str) -> None:
+        self.given_up[tid] = reason
+        while len(self.given_up) > _FORGET_AFTER:
+            self.given_up.popitem(last=False)
 
     def require_region(self) -> KVRegion:
         if self.region is None:

@@ -111,6 +111,10 @@ class PdclusterConnector(KVConnectorBase_V1):
         if isinstance(meta, PdclusterWorkerMetadata):
             self._scheduler.update(meta.results)
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self._scheduler is not None:  # prefix pulls served from vLLM's prefix cache
+            self._scheduler.pulls.bind_pool(gpu_block_pool)
+
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         assert self._scheduler is not None
         normally = request.status in _NORMAL_FINISH
@@ -185,6 +189,8 @@ class PdclusterConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.pulls.close()
 
 
 def _first_group(block_ids: Any) -> list[int]:

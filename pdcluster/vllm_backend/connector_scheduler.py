@@ -23,9 +23,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcluster.core.hashing import HashConfig
 from pdcluster.core.kv_connector import ConnectorPlan, ConnectorResults
-from pdcluster.core.kv_transfer import KVTransferParams, RemoteDecode, RemotePrefill, TransferId
+from pdcluster.core.kv_transfer import (
+    KVTransferParams,
+    PrefixPull,
+    RemoteDecode,
+    RemotePrefill,
+    TransferId,
+)
+from pdcluster.core.vllm_hashing import VLLM_HASH_ALGORITHM
 from pdcluster.transfer.connector_scheduler import ConnectorScheduler
+from pdcluster.vllm_backend.handshake import endpoint
+from pdcluster.vllm_backend.pulls import PULL_KEY, VllmPulls
 from pdcluster.vllm_backend.settings import ConnectorSettings
 
 PD_KEY = "pd"
@@ -52,19 +62,40 @@ def transfer_params(params: dict[str, Any] | None) -> KVTransferParams | None:
     raise ValueError(f"unknown pd role {params[PD_KEY]!r} in kv_transfer_params")
 
 
+def kv_transfer_params(transfer: KVTransferParams | None, pull: PrefixPull | None = None
+                   ) -> dict[str, Any] | None:
+    """The node's transfer (and prefix-pull hint) as the `kv_transfer_params` the connector
+    reads (connector_scheduler.py, pulls.py)."""
+    params: dict[str, Any] = {}
+    if isinstance(transfer, RemotePrefill):
+        params = {PD_KEY: "remote_prefill", "transfer_id": transfer.transfer_id,
+                  "source_addr": transfer.source_addr}
+    elif isinstance(transfer, RemoteDecode):
+        params = {PD_KEY: "remote_decode", "transfer_id": transfer.transfer_id}
+    if pull is not None:
+        params[PULL_KEY] = {"source_addr": pull.source_addr, "num_blocks": pull.num_blocks}
+    return params or None
+
+
 class VllmSchedulerSide:
     """vLLM's scheduler-side connector calls, answered by `ConnectorScheduler`."""
 
     def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
         self.block_size = block_size
         self.sched = ConnectorScheduler(settings.recompute_on_failure, settings.min_pull_blocks)
+        lookups = endpoint(settings.handshake_dir, "lookups") if settings.handshake_dir else None
+        self.pulls = VllmPulls(self.sched, block_size,
+                               HashConfig(VLLM_HASH_ALGORITHM, settings.hash_seed), lookups)
         self._local_hit: dict[str, int] = {}  # request -> local prefix tokens, until allocated
         self._started: set[str] = set()  # requests whose transfer has been planned
         self._released: list[tuple[TransferId, str]] = []
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         transfer = transfer_params(request.kv_transfer_params)
-        if not isinstance(transfer, RemotePrefill) or request.request_id in self._started:
+        if not isinstance(transfer, RemotePrefill):
+            num_pulled = self.pulls.num_new_tokens(request, num_computed_tokens)
+            return num_pulled, num_pulled > 0
+        if request.request_id in self._started:
             return 0, False
         num_external = self.sched.num_external_tokens(
             request.request_id, transfer, request.num_prompt_tokens, num_computed_tokens)
@@ -79,7 +110,10 @@ class VllmSchedulerSide:
     def on_allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         transfer = transfer_params(request.kv_transfer_params)
         rid = request.request_id
-        if not isinstance(transfer, RemotePrefill) or rid in self._started:
+        if not isinstance(transfer, RemotePrefill):
+            self.pulls.on_allocated(request, block_ids, num_external_tokens)
+            return
+        if rid in self._started:
             return
         self._started.add(rid)
         num_local = self._local_hit.pop(rid, 0)
@@ -95,6 +129,7 @@ class VllmSchedulerSide:
         """True: vLLM must keep the blocks until the worker reports the request."""
         rid = request.request_id
         self._local_hit.pop(rid, None)
+        self.pulls.forget(rid)
         started = rid in self._started
         self._started.discard(rid)
         transfer = transfer_params(request.kv_transfer_params)
@@ -108,7 +143,9 @@ class VllmSchedulerSide:
                 return self.sched.on_aborted(rid, transfer)
             if not started:  # aborted before its blocks existed: tell the prefill node
                 self._released.append((transfer.transfer_id, transfer.source_addr))
-        return False
+            return False
+        # no transfer: a pull of its prefix may still be writing into its blocks
+        return not normally and self.sched.on_aborted(rid, None)
 
     def build(self) -> StepPlan:
         step = StepPlan(self.sched.build_plan(), self._released)
@@ -117,8 +154,11 @@ class VllmSchedulerSide:
 
     def update(self, results: ConnectorResults) -> None:
         self.sched.update_from_results(results)
+        self.pulls.serve(results.lookups)
+        self.pulls.served(results.served)
 
     def has_pending_work(self) -> bool:
         """Transfers in flight keep vLLM's engine stepping (its loop idles otherwise, and
         the worker's results would wait for the next request)."""
-        return self.sched.num_in_flight > 0 or bool(self._released)
+        return (self.sched.num_in_flight > 0 or bool(self._released)
+                or self.pulls.has_pending_work())

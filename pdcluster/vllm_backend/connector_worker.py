@@ -16,16 +16,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from typing import Any
+
+import zmq
 
 from pdcluster.core.kv_connector import ConnectorPlan, ConnectorResults, KVRegion
 from pdcluster.transfer.connector_worker import ConnectorWorker
 from pdcluster.transfer.mooncake_engine import MooncakeConfig
 from pdcluster.transfer.transport import MooncakeTransport
 from pdcluster.vllm_backend.connector_scheduler import StepPlan
-from pdcluster.vllm_backend.handshake import read_curve, write_kv_address
+from pdcluster.vllm_backend.handshake import endpoint, read_curve, write_kv_address
 from pdcluster.vllm_backend.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
@@ -68,8 +71,11 @@ class VllmWorkerSide:
                            device_name=settings.device),
             host=settings.host, curve=read_curve(settings.handshake_dir))
         self.worker = ConnectorWorker(transport, timeout_s=settings.timeout_s)
+        self.worker.on_lookup = self._announce_lookup
         self._handshake_dir = settings.handshake_dir
+        self._announcers: list[zmq.Socket] = []
         self._recv_blocks: dict[str, list[int]] = {}  # request -> blocks awaiting remote KV
+        self._pull_blocks: dict[str, list[int]] = {}  # request -> blocks awaiting a pull
         self._sends = ConnectorPlan()
         self._results = ConnectorResults()
         self._load_errors: set[int] = set()
@@ -86,6 +92,8 @@ class VllmWorkerSide:
         plan = step.plan
         for recv in plan.recvs:
             self._recv_blocks[recv.request_id] = recv.block_ids[recv.skip_blocks:]
+        for pull in plan.pulls:
+            self._pull_blocks[pull.request_id] = list(pull.block_ids)
         self.worker.execute(ConnectorPlan(recvs=plan.recvs, cancelled=plan.cancelled,
                                           pulls=plan.pulls))
         self._sends = ConnectorPlan(sends=plan.sends, serves=plan.serves)
@@ -110,6 +118,10 @@ class VllmWorkerSide:
             if not recv.ok:
                 failed.add(recv.request_id)
                 self._load_errors.update(blocks)
+        for pulled in results.pulled:  # the holder may have had fewer: vLLM computes the rest
+            done_recving.add(pulled.request_id)
+            blocks = self._pull_blocks.pop(pulled.request_id, [])
+            self._load_errors.update(blocks[pulled.num_blocks:])
         return done_sending, done_recving, failed
 
     def take_load_errors(self) -> set[int]:
@@ -120,7 +132,23 @@ class VllmWorkerSide:
         results, self._results = self._results, ConnectorResults()
         return results
 
+    def _announce_lookup(self) -> None:
+        """A peer's pull waits for vLLM's scheduler (side-channel thread): tell the scheduler
+        side it is coming, and the node to wake vLLM's engine should it be asleep."""
+        if not self._announcers:
+            for name in ("lookups", "wake"):
+                sock = zmq.Context.instance().socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 64)
+                sock.connect(endpoint(self._handshake_dir, name))
+                self._announcers.append(sock)
+        for sock in self._announcers:
+            with contextlib.suppress(zmq.Again):  # plenty queued already: one wakes it
+                sock.send(b"lookup", zmq.NOBLOCK)
+
     def close(self) -> None:
+        for sock in self._announcers:
+            sock.close()
         self.worker.close()
 
 

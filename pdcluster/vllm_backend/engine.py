@@ -29,18 +29,25 @@ from typing import Any
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.events import KVEvent
 from pdcluster.core.hashing import HashConfig
-from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, RemoteDecode, RemotePrefill
+from pdcluster.core.kv_transfer import (
+    KVTransferParams,
+    PrefixPull,
+    TransferId,
+    XferDone,
+)
 from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash, ReqId
 from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput
-from pdcluster.vllm_backend.connector_scheduler import PD_KEY
+from pdcluster.transfer.side_channel import SideChannelClient
+from pdcluster.vllm_backend.connector_scheduler import kv_transfer_params
 from pdcluster.vllm_backend.events import EventSubscriber
-from pdcluster.vllm_backend.handshake import Handshake
+from pdcluster.vllm_backend.handshake import Handshake, endpoint
 from pdcluster.vllm_backend.sampling import to_node_output, to_vllm_params
 from pdcluster.vllm_backend.settings import ConnectorSettings, check_supported, engine_args
 from pdcluster.vllm_backend.stats import EngineStats, logger_factory
+from pdcluster.vllm_backend.wake import Waker
 
 logger = logging.getLogger(__name__)
 _STEP_WAIT_S = 0.002
@@ -64,6 +71,10 @@ class VllmEngine(NodeEngine):
         check_supported(config)
         # vLLM's events must carry the digests the router computes, not a 64-bit fold.
         os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"
+        # vLLM's CPU worker binds its threads to cores as if it had the machine to itself
+        # (and keeps one core for its scheduler): with several nodes on a host they would
+        # share one core. Unpinned unless the operator says otherwise.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self.config = config
         self._handshake = Handshake()
         self._handshake.write_curve(curve)
@@ -77,11 +88,13 @@ class VllmEngine(NodeEngine):
         self._thread.start()
         args = engine_args(config, settings, self._handshake.dir,
                            with_connector=connector is not None)
+        self._wake = Waker(endpoint(self._handshake.dir, "wake"), self._poke)
         try:
             self._llm = self._run(self._start(args), start_timeout_s)
             self.kv_address = (self._handshake.wait_kv_address(start_timeout_s)
                                if connector is not None else "")
         except BaseException:
+            self._wake.close()
             self._shutdown_loop()
             self._handshake.close()
             raise
@@ -95,6 +108,8 @@ class VllmEngine(NodeEngine):
         self._requests: dict[ReqId, _Tracked] = {}
         self._step_times: list[float] = []
         self._has_connector = connector is not None
+        self._curve = curve
+        self._notices: SideChannelClient | None = None
 
     async def _start(self, args: dict[str, Any]) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -103,6 +118,12 @@ class VllmEngine(NodeEngine):
         # Constructed on the loop, so that its output handler starts on it.
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**args),
                                          stat_loggers=[logger_factory(self._stats)])
+
+    def _poke(self) -> None:
+        """Make vLLM's engine core look at its input (a cheap utility call): an idle engine
+        then asks the connector whether it has work (a peer's pull to look up)."""
+        if self._llm is not None:
+            self._spawn(self._llm.is_sleeping())
 
     def _run(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None = 30.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
@@ -123,7 +144,7 @@ class VllmEngine(NodeEngine):
 
     @property
     def accepts_prefix_pulls(self) -> bool:
-        return False  # pulls between vLLM nodes: docs/engines.md says what is built
+        return self._has_connector
 
     def submit(self, request_id: ReqId, prompt_token_ids: list[int], sampling: SamplingSpec,
                *, cache_salt: str | None = None, kv_transfer: KVTransferParams | None = None,
@@ -131,7 +152,8 @@ class VllmEngine(NodeEngine):
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         self._check_prompt(prompt_token_ids, sampling)
-        params = to_vllm_params(sampling, _transfer_dict(kv_transfer), self.config.max_logprobs)
+        params = to_vllm_params(sampling, kv_transfer_params(kv_transfer, prefix_pull),
+                                self.config.max_logprobs)
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
         if cache_salt:
             prompt["cache_salt"] = cache_salt
@@ -159,6 +181,21 @@ class VllmEngine(NodeEngine):
             logger.warning("vLLM failed request %s: %s", request_id, exc)
             self._outputs.put(RequestOutput(request_id, [], [], [], True, "error",
                                             error=f"{type(exc).__name__}: {exc}"))
+
+    def kv_source_lost(self, transfer_id: TransferId, reason: str) -> bool:
+        """The connector's receive lives in vLLM's worker process: it is told through its own
+        side channel, as the prefill node's failure would be (a receive not started yet
+        fails as it starts)."""
+        if not self._has_connector:
+            return False
+        if self._notices is None:
+            self._notices = SideChannelClient(curve=self._curve)
+        try:
+            self._notices.send(self.kv_address, XferDone(transfer_id, False, error=reason))
+        except Exception as exc:  # the worker is gone: its receive times out
+            logger.warning("could not tell the connector that %s is lost: %s", transfer_id, exc)
+            return False
+        return True
 
     def abort_request(self, request_id: ReqId) -> bool:
         if self._requests.pop(request_id, None) is None:
@@ -264,6 +301,9 @@ class VllmEngine(NodeEngine):
             llm.shutdown()
             del llm  # its __del__ shuts down again: now, not at interpreter exit
         finally:
+            self._wake.close()
+            if self._notices is not None:
+                self._notices.close()
             self._events.close()
             self._shutdown_loop()
             self._handshake.close()
@@ -276,13 +316,3 @@ class VllmEngine(NodeEngine):
     def _shutdown_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
-
-
-def _transfer_dict(transfer: KVTransferParams | None) -> dict[str, Any] | None:
-    """The node's transfer as the `kv_transfer_params` the connector reads."""
-    if isinstance(transfer, RemotePrefill):
-        return {PD_KEY: "remote_prefill", "transfer_id": transfer.transfer_id,
-                "source_addr": transfer.source_addr}
-    if isinstance(transfer, RemoteDecode):
-        return {PD_KEY: "remote_decode", "transfer_id": transfer.transfer_id}
-    return None

@@ -9,6 +9,9 @@ connector through this folder (mode 0700, files 0600, removed when the engine cl
 - `kv-address`: written by the connector's worker once its side channel is bound: the
   address peers send KV requests to, which the node registers in the metadata service.
 - `kv-events`, `kv-replay`: the `ipc://` endpoints of vLLM's KV event publisher.
+- `wake` (the node listens) and `lookups` (the connector's scheduler side listens): the
+  connector's worker announces a peer's prefix pull, which vLLM's scheduler must look up,
+  while vLLM's engine may be asleep (vllm_backend/pulls.py).
 
 The folder lives under the system temp folder with a short name: a `ipc://` path must fit in
 a Unix socket address (107 bytes).
@@ -54,6 +57,11 @@ class Handshake:
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def endpoint(folder: str | Path, name: str) -> str:
+    """The `ipc://` endpoint `name` of the folder (`kv-events`, `wake`, `lookups`, ...)."""
+    return f"ipc://{Path(folder) / name}"
 
 
 def read_curve(folder: str | Path) -> CurveKeys | None:

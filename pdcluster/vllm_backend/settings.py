@@ -46,6 +46,7 @@ class ConnectorSettings:
     timeout_s: float = 30.0
     recompute_on_failure: bool = True
     min_pull_blocks: int = 2
+    hash_seed: str = VLLM_DEFAULT_SEED  # the seed vLLM hashes with (lookups hash the same)
 
     def as_extra_config(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -74,8 +75,11 @@ def check_supported(config: EngineConfig) -> None:
     if not _on_gpu() and config.block_size % CPU_BLOCK_MULTIPLE:
         refused.append(f"block_size {config.block_size} (vLLM's CPU kernels need a multiple "
                        f"of {CPU_BLOCK_MULTIPLE})")
-    if config.tensor_parallel_size > 1 and not _on_gpu():
-        refused.append("tensor_parallel_size > 1 on CPU")
+    if config.tensor_parallel_size > 1:
+        # Each tensor-parallel rank holds a slice of every block: the connector would need a
+        # side channel and a transfer per rank, matched rank to rank between nodes.
+        refused.append("tensor_parallel_size > 1 (KV transfer between tensor-parallel groups "
+                       "is not built yet)")
     if refused:
         raise ValueError("the vLLM backend does not support: " + "; ".join(refused))
     seed = os.environ.get("PYTHONHASHSEED")

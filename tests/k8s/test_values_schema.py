@@ -58,6 +58,11 @@ BAD_VALUES = {
     "submission mode": ({"launcher": {"rayJob": {"submissionMode": "SidecarModee"}}},
                         "submissionMode"),
     "pdb percentage": ({"pdb": {"maxUnavailable": "150%"}}, "/pdb/maxUnavailable"),
+    "an engine backend not built": ({"cluster": {"engine": {"backend": "sglang"}}},
+                                    "/cluster/engine/backend"),
+    # KV transfer between tensor-parallel groups is not built yet
+    "tensor parallelism": ({"cluster": {"engine": {"tensorParallelSize": 2}}},
+                           "/cluster/engine/tensorParallelSize"),
     "hpa target": ({"router": {"hpa": {"targetCPUUtilizationPercentage": 0}}},
                    "targetCPUUtilizationPercentage"),
     "toleration effect": ({"ray": {"prefill": {"tolerations": [{"key": "a",

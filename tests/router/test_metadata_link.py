@@ -183,7 +183,7 @@ def test_load_only_while_the_service_is_down() -> None:
     asyncio.run(scenario())
 
 
-def test_restarted_service_is_resynced_and_a_dead_one_means_load_only() -> None:
+def test_restarted_service_is_resynced_and_a_dead_one_answers_from_the_last_mirror() -> None:
     port = free_port()
     config = make_config(port=port)
 
@@ -194,7 +194,9 @@ def test_restarted_service_is_resynced_and_a_dead_one_means_load_only() -> None:
             p0.publish([n0.store(CHAINS[0][:9])])
             await mirrors(link, client, "the first service")
         await until(_out_of_sync(link), what="the stream to break")
-        assert await link.prefix_hits(CHAINS[0]) is None and not link.available
+        # the service is gone: routing goes on from the mirror it had (stale, not nothing)
+        assert await link.prefix_hits(CHAINS[0]) == {"p0": 9} and not link.available
+        assert link.stale_answers == 1 and link.answers_prefixes and link.mirror_blocks == 0
         with ServerThread(config) as server, MetadataClient(server.address) as client:
             p1, n1 = make_publisher(client, "p1", ttl=30)
             p1.publish([n1.store(CHAINS[0][:3]), n1.store(CHAINS[2][:5])])

@@ -119,9 +119,9 @@ def test_max_completion_tokens_and_n() -> None:
 
 
 def test_chat_logprobs() -> None:
-    assert chat(logprobs=True, top_logprobs=3).logprobs == 3
-    assert chat(logprobs=True).logprobs == 0
-    assert chat().logprobs is None
+    assert chat(logprobs=True, top_logprobs=3).sampling.logprobs == 3
+    assert chat(logprobs=True).sampling.logprobs == 0
+    assert chat().sampling.logprobs is None
     assert refused(chat, top_logprobs=2).param == "top_logprobs"
     assert refused(chat, echo=True).param == "echo"
 
@@ -167,13 +167,14 @@ def test_tool_choice_required_sets_the_guided_schema() -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}}}}}
     req = chat(tools=[tool], tool_choice="required", parallel_tool_calls=False)
-    schema = json.loads(req.guided.spec)
-    assert req.guided.kind == "json_schema" and schema["maxItems"] == 1
+    schema = json.loads(req.sampling.guided.spec)
+    assert req.sampling.guided.kind == "json_schema" and schema["maxItems"] == 1
     assert schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["f"]
     named = chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}})
-    assert json.loads(named.guided.spec) == tool["function"]["parameters"]
-    assert chat(tools=[tool]).tool_choice.mode == "auto" and chat(tools=[tool]).guided is None
-    assert chat(tools=[tool], tool_choice="none").guided is None
+    assert json.loads(named.sampling.guided.spec) == tool["function"]["parameters"]
+    auto = chat(tools=[tool])
+    assert auto.tool_choice.mode == "auto" and auto.sampling.guided is None
+    assert chat(tools=[tool], tool_choice="none").sampling.guided is None
     assert refused(chat, tools=[tool], tool_choice={"type": "function",
                                                     "function": {"name": "g"}}).param \
         == "tool_choice"

@@ -12,7 +12,8 @@ import sys
 def main(model: str, inp: str, out: str) -> None:
     from vllm import LLM, SamplingParams
 
-    job = json.loads(open(inp).read())
+    with open(inp) as f:
+        job = json.load(f)
     # As the nodes run it (pdcluster/vllm_backend/settings.py): float32 on CPU, eager,
     # the same block size and prefix-cache hash.
     llm = LLM(model=model, dtype="float32", block_size=job["block_size"], enforce_eager=True,

@@ -23,10 +23,10 @@ from pdcluster.core.vllm_hashing import VLLM_DEFAULT_SEED, VLLM_HASH_ALGORITHM  
 from pdcluster.engine.config import EngineConfig  # noqa: E402
 from pdcluster.vllm_backend.connector_scheduler import (  # noqa: E402
     VllmSchedulerSide,
+    kv_transfer_params,
     transfer_params,
 )
 from pdcluster.vllm_backend.connector_worker import kv_region  # noqa: E402
-from pdcluster.vllm_backend.engine import _transfer_dict  # noqa: E402
 from pdcluster.vllm_backend.sampling import to_vllm_params  # noqa: E402
 from pdcluster.vllm_backend.settings import ConnectorSettings, check_supported  # noqa: E402
 
@@ -86,7 +86,7 @@ def test_a_vllm_engine_config_hashes_as_vllm_does() -> None:
 
 def make_request(rid: str, num_tokens: int, transfer=None, max_tokens: int = 4) -> Request:
     params = to_vllm_params(SamplingSpec(max_tokens=max_tokens, temperature=0.0),
-                            _transfer_dict(transfer), 20)
+                            kv_transfer_params(transfer), 20)
     return Request(rid, list(range(1, num_tokens + 1)), params, None)
 
 

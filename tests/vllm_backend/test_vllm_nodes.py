@@ -18,6 +18,8 @@ from pdcluster.core.hashing import hash_block_tokens  # noqa: E402
 from pdcluster.core.node_wire import (  # noqa: E402
     AbortRequest,
     GenerateRequest,
+    PrefillLost,
+    PrefixSource,
     SamplingSpec,
     TokenDelta,
     TransferSpec,
@@ -154,6 +156,54 @@ def test_an_unreachable_prefill_node_means_recompute(pair) -> None:
     assert time.monotonic() - started < KV_TIMEOUT_S + 10
     pair.d.server.call(lambda e: e.reset_prefix_cache())
     assert tokens_of(got) == pair.local("dead-local", prompt)
+    pair.assert_idle()
+
+
+@pytest.mark.parametrize("before_it_starts", [False, True])
+def test_a_lost_prefill_node_means_recompute_at_once(pair, before_it_starts) -> None:
+    """The router's PrefillLost reaches the receive inside vLLM's worker process: the decode
+    node recomputes within a second, not at its KV timeout — also when the notice comes
+    right behind the request, before vLLM has started the receive."""
+    prompt = random_prompts(1, 100, 100, seed=51 + before_it_starts)[0]
+    rid, tid = f"lost{before_it_starts}", f"lost-t{before_it_starts}"
+    spec = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
+    started = time.monotonic()
+    pair.to_d.send(GenerateRequest(rid, prompt, spec,
+                                   TransferSpec("remote_prefill", tid, pair.p.kv_address)))
+    if not before_it_starts:
+        time.sleep(0.5)  # its receive is waiting for a prefill that never comes
+    pair.to_d.send(PrefillLost(rid, tid, "test: gone"))
+    got = pair.to_d.collect({rid})[rid]
+    assert time.monotonic() - started < KV_TIMEOUT_S - 1
+    pair.d.server.call(lambda e: e.reset_prefix_cache())
+    assert tokens_of(got) == pair.local(f"{rid}-local", prompt)
+    pair.assert_idle()
+
+
+@pytest.mark.parametrize("holder_still_caches", [True, False])
+def test_a_prefix_pulled_from_an_idle_vllm_node_gives_the_same_tokens(
+        pair, holder_still_caches) -> None:
+    """Global prefix reuse between vLLM nodes: the prefill node computed a prompt (and is idle
+    now); the decode node, told that it holds the prompt's blocks, pulls them instead of
+    computing them. A stale hint (the holder's cache emptied) costs only compute."""
+    prompt = random_prompts(1, 4 * BLOCK + 7, 4 * BLOCK + 7, seed=61 + holder_still_caches)[0]
+    spec = SamplingSpec(max_tokens=6, temperature=0.0, ignore_eos=True)
+    pair.to_p.send(GenerateRequest("hold", prompt, spec))
+    pair.to_p.collect({"hold"})
+    if not holder_still_caches:
+        assert pair.p.server.call(lambda e: e.reset_prefix_cache())
+    pair.d.server.call(lambda e: e.reset_prefix_cache())
+    pulled = pair.d.engine.transfer_counters().get("blocks_pulled", 0)
+    served = pair.p.engine.transfer_counters().get("blocks_served", 0)
+    pair.to_d.send(GenerateRequest("puller", prompt, spec,
+                                   prefix_source=PrefixSource(pair.p.kv_address, 4)))
+    got = tokens_of(pair.to_d.collect({"puller"})["puller"])
+    time.sleep(1.0)  # the workers' counters reach the nodes with vLLM's next stats
+    expected_blocks = 4 if holder_still_caches else 0
+    assert pair.d.engine.transfer_counters().get("blocks_pulled", 0) - pulled == expected_blocks
+    assert pair.p.engine.transfer_counters().get("blocks_served", 0) - served == expected_blocks
+    pair.d.server.call(lambda e: e.reset_prefix_cache())
+    assert got == pair.local("pull-local", prompt, max_tokens=6)
     pair.assert_idle()
 
 

@@ -182,3 +182,19 @@ def test_no_vllm_block_is_held_once_requests_are_done(served) -> None:
 def _router_hits(port: int) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return metric(text, "router_prefix_hit_tokens_total")
+
+
+def test_generate_with_vllm_from_another_folder(real_model_dir, real_reference, vllm_offline,
+                                                tmp_path) -> None:
+    """`pdcluster generate --engine vllm`: the same engine a vLLM node runs, alone, from a
+    folder outside the checkout."""
+    messages = chats()[0]
+    ids = ",".join(map(str, real_reference.chat_ids(messages)))
+    pdcluster = Path(sys.executable).with_name("pdcluster")
+    proc = subprocess.run([str(pdcluster), "generate", "--engine", "vllm", "--model",
+                           real_model_dir, "--prompt-ids", ids, "--max-tokens", str(MAX_TOKENS)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout.split("output: ", 1)[1].rstrip("\n")
+    assert output == vllm_offline[json.dumps(messages)]

@@ -134,7 +134,9 @@ class ExtraRoutes:
                 "metadata": None if link is None else {
                     "address": link.address, "available": link.available,
                     "last_error": link.last_error, "mirror_in_sync": link.mirror_in_sync,
-                    "mirror_blocks": link.mirror_blocks, "watch_error": link.watch_error}}
+                    "mirror_blocks": link.mirror_blocks, "watch_error": link.watch_error,
+                    "mirror_node_blocks": link.mirror_node_blocks(),
+                    "stale_answers": link.stale_answers}}
         if problem is None:
             return web.json_response(body)
         return web.json_response(body, status=503, headers={"Retry-After": RETRY_AFTER_S})

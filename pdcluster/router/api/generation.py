@@ -67,7 +67,7 @@ class Generation:
         prefix = "chatcmpl-" if req.chat else "cmpl-"
         self.response_id = prefix + (req.request_id or uuid.uuid4().hex)
         self.samples = make_samples(req, prompt, list(tokenizer.eos_token_ids))
-        self.choices = [Choice(IncrementalDetokenizer(tokenizer, req.stop))
+        self.choices = [Choice(IncrementalDetokenizer(tokenizer, req.sampling.stop))
                         for _ in self.samples]
         self.tool_format = tool_format(tokenizer.template_source)
         self.started = time.perf_counter()
@@ -123,11 +123,11 @@ class Generation:
         if req.chat:
             msg, finish = message(choice, req.tool_choice, self.tool_format)
             logprobs = (chat_logprobs(self.tokenizer, choice, 0, end, req.tokens_as_ids)
-                        if req.logprobs is not None else None)
+                        if req.sampling.logprobs is not None else None)
             return {"index": index, "message": msg, "logprobs": logprobs,
                     "finish_reason": finish}
         logprobs = (completion_logprobs(self.tokenizer, choice, 0, end, 0, req.tokens_as_ids)
-                    if req.logprobs is not None else None)
+                    if req.sampling.logprobs is not None else None)
         return {"index": index, "text": self.prompt.text + choice.text, "logprobs": logprobs,
                 "finish_reason": choice.finish_reason}
 
@@ -186,18 +186,18 @@ class Generation:
         if holding:
             return out + self._held_chat_choice(index, choice, sent)
         start, end = sent.num_tokens, len(choice.token_ids)
-        if not text and choice.finish_reason is None and (req.logprobs is None
+        if not text and choice.finish_reason is None and (req.sampling.logprobs is None
                                                           or start == end):
             return out
         sent.num_tokens = end
         if req.chat:
             logprobs = (chat_logprobs(self.tokenizer, choice, start, end, req.tokens_as_ids)
-                        if req.logprobs is not None else None)
+                        if req.sampling.logprobs is not None else None)
             out.append({"index": index, "delta": {"content": text}, "logprobs": logprobs,
                         "finish_reason": choice.finish_reason})
             return out
         logprobs = None
-        if req.logprobs is not None:
+        if req.sampling.logprobs is not None:
             logprobs = completion_logprobs(self.tokenizer, choice, start, end,
                                            sent.text_offset, req.tokens_as_ids)
             sent.text_offset += sum(len(t) for t in logprobs["tokens"])
@@ -212,7 +212,7 @@ class Generation:
         tools, req = self.req.tool_choice, self.req
         end = len(choice.token_ids)
         logprobs = (chat_logprobs(self.tokenizer, choice, sent.num_tokens, end,
-                                  req.tokens_as_ids) if req.logprobs is not None else None)
+                                  req.tokens_as_ids) if req.sampling.logprobs is not None else None)
         if choice.finish_reason is None:
             upto = streamable_prefix(choice.text, tools, self.tool_format)
             if upto <= sent.num_chars:

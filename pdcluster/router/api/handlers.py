@@ -106,4 +106,5 @@ def _needs_local_prefill(req: CompletionRequest) -> bool:
     prefill sends the first token's logprob but not its alternatives) and seeded sampling
     (the decode node would start the seed's generator afresh after the prefill node's draw,
     repeating it: not what the same request prefilled locally gives)."""
-    return bool(req.logprobs) or (req.seed is not None and req.temperature > 0)
+    sampling = req.sampling
+    return bool(sampling.logprobs) or (sampling.seed is not None and sampling.temperature > 0)

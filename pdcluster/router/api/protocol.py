@@ -10,10 +10,10 @@ API: `CompletionRequest`, `parse_completion`, `parse_chat`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdcluster.core.sampling import GuidedDecoding, SamplingSpec
+from pdcluster.core.sampling import SamplingSpec
 from pdcluster.router.api.guided import parse_guided
 from pdcluster.router.api.messages import parse_message
 from pdcluster.router.api.params import check_params
@@ -28,25 +28,17 @@ MAX_STOP_TOKEN_IDS = 128
 
 @dataclass(slots=True)
 class CompletionRequest:
+    """A parsed request. `sampling` holds its sampling fields as the client set them (their
+    one declaration is `core.sampling.SamplingSpec`), except `max_tokens`: the client's is
+    the field here (None: as many as the context leaves), resolved against the prompt by
+    `router.api.request_prep`; `sampling_spec` gives what a node is sent."""
+
     model: str
     chat: bool
     prompt: str | list[int] | None = None
     messages: list[dict] = field(default_factory=list)
     max_tokens: int | None = None
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    guided: GuidedDecoding | None = None
-    logprobs: int | None = None
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
     tokens_as_ids: bool = False
     n: int = 1
     best_of: int = 1
@@ -65,18 +57,18 @@ class CompletionRequest:
         model's end-of-sequence ids (`stop_token_ids`, unless `ignore_eos`) with the
         request's own stop ids. Stop strings stay with the router (its detokenizer ends the
         stream), so the node gets none. best_of > n needs each sample's logprobs to rank."""
-        eos = [] if self.ignore_eos else stop_token_ids
-        stops = list(dict.fromkeys([*eos, *self.stop_token_ids]))
-        logprobs = self.logprobs
+        own = self.sampling
+        eos = [] if own.ignore_eos else stop_token_ids
+        stops = list(dict.fromkeys([*eos, *own.stop_token_ids]))
+        logprobs = own.logprobs
         if logprobs is None and self.best_of > self.n:
             logprobs = 0
-        return SamplingSpec(
-            max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop_token_ids=stops,
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
-            guided=self.guided)
+        return replace(own, max_tokens=max_tokens, stop=[], stop_token_ids=stops,
+                       logprobs=logprobs, logit_bias=dict(own.logit_bias))
+
+    def set_sampling(self, **changes: Any) -> None:
+        """Set sampling fields by name (the spec is frozen: a new one replaces it)."""
+        self.sampling = replace(self.sampling, **changes)
 
 
 def _get(body: dict, name: str, types: type | tuple, default: Any = None) -> Any:
@@ -131,7 +123,7 @@ def _common(body: Any, chat: bool) -> CompletionRequest:
     req.cache_salt = _get(body, "cache_salt", str)
     req.request_id = _get(body, "request_id", str)
     req.tokens_as_ids = _get(body, "return_tokens_as_token_ids", bool, False)
-    req.guided = parse_guided(body)
+    req.set_sampling(guided=parse_guided(body))
     return req
 
 
@@ -148,34 +140,37 @@ def _lengths(req: CompletionRequest, body: dict) -> None:
         name = "max_completion_tokens" if completion is not None else "max_tokens"
         raise ApiError(400, f"'{name}' must be >= 1, got {req.max_tokens}", name,
                        "invalid_value")
-    req.min_tokens = _get(body, "min_tokens", int, 0)
-    _check_range("min_tokens", req.min_tokens, 0, req.max_tokens or (1 << 31))
+    min_tokens = _get(body, "min_tokens", int, 0)
+    _check_range("min_tokens", min_tokens, 0, req.max_tokens or (1 << 31))
     stop = _get(body, "stop", (str, list), [])
-    req.stop = [stop] if isinstance(stop, str) else stop
-    if len(req.stop) > 4 or not all(isinstance(s, str) for s in req.stop):
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > 4 or not all(isinstance(s, str) for s in stop):
         raise ApiError(400, "'stop' must be a string or a list of at most 4 strings", "stop",
                        "invalid_value")
-    req.stop_token_ids = _get(body, "stop_token_ids", list, [])
-    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
-            _is_token_id(t) for t in req.stop_token_ids):
+    stop_token_ids = _get(body, "stop_token_ids", list, [])
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
+            _is_token_id(t) for t in stop_token_ids):
         raise ApiError(400, f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} "
                        "token ids", "stop_token_ids", "invalid_value")
-    req.ignore_eos = _get(body, "ignore_eos", bool, False)
+    req.set_sampling(min_tokens=min_tokens, stop=stop, stop_token_ids=stop_token_ids,
+                     ignore_eos=_get(body, "ignore_eos", bool, False))
 
 
 def _sampling(req: CompletionRequest, body: dict) -> None:
-    req.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    req.top_p = _number(body, "top_p", 1.0, 1e-9, 1.0)
-    req.top_k = _get(body, "top_k", int, 0)
-    req.top_k = 0 if req.top_k == -1 else req.top_k
-    _check_range("top_k", req.top_k, 0, 1 << 20)
-    req.seed = _get(body, "seed", int)
-    if req.seed is not None:
-        _check_range("seed", req.seed, -(1 << 63), (1 << 63) - 1)
-    req.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
-    req.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    req.repetition_penalty = _number(body, "repetition_penalty", 1.0, 1e-6, 2.0)
-    req.logit_bias = _logit_bias(_get(body, "logit_bias", dict, {}))
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 1e-9, 1.0)
+    top_k = _get(body, "top_k", int, 0)
+    top_k = 0 if top_k == -1 else top_k
+    _check_range("top_k", top_k, 0, 1 << 20)
+    seed = _get(body, "seed", int)
+    if seed is not None:
+        _check_range("seed", seed, -(1 << 63), (1 << 63) - 1)
+    req.set_sampling(
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-6, 2.0),
+        logit_bias=_logit_bias(_get(body, "logit_bias", dict, {})))
 
 
 def _logit_bias(raw: dict) -> dict[int, float]:
@@ -228,9 +223,9 @@ def parse_completion(body: Any) -> CompletionRequest:
     logprobs = _get(body, "logprobs", int)
     if logprobs is not None:
         _check_range("logprobs", logprobs, 0, 20)
-        req.logprobs = logprobs
+        req.set_sampling(logprobs=logprobs)
     req.echo = _get(body, "echo", bool, False)
-    if req.echo and req.logprobs is not None:
+    if req.echo and req.sampling.logprobs is not None:
         raise ApiError(400, "'echo' with 'logprobs' needs the prompt's logprobs, which the "
                        "nodes do not compute", "echo", "unsupported_value")
     return req
@@ -244,8 +239,8 @@ def parse_chat(body: Any) -> CompletionRequest:
     req.messages = [parse_message(m, i) for i, m in enumerate(messages)]
     top = _get(body, "top_logprobs", int)
     if _get(body, "logprobs", bool, False):
-        req.logprobs = top or 0
-        _check_range("top_logprobs", req.logprobs, 0, 20)
+        _check_range("top_logprobs", top or 0, 0, 20)
+        req.set_sampling(logprobs=top or 0)
     elif top:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs",
                        "invalid_value")
@@ -254,9 +249,9 @@ def parse_chat(body: Any) -> CompletionRequest:
                        "unsupported_value")
     req.tools, req.tool_choice = parse_tools(body)
     if req.tool_choice is not None and req.tool_choice.guided is not None:
-        if req.guided is not None:
+        if req.sampling.guided is not None:
             raise ApiError(400, "tool_choice 'required' or a named function cannot be "
                            "combined with structured output", "tool_choice",
                            "invalid_value")
-        req.guided = req.tool_choice.guided
+        req.set_sampling(guided=req.tool_choice.guided)
     return req

@@ -91,8 +91,9 @@ def resolve_prompt(req: CompletionRequest, tokenizer: RouterTokenizer, model_nam
         raise ApiError(400, f"max_tokens={max_tokens} is too large: the prompt has "
                        f"{len(ids)} tokens and the context is {context} (limit "
                        f"{max_tokens_limit})", "max_tokens", "context_length_exceeded")
-    if req.min_tokens > max_tokens:
-        raise ApiError(400, f"min_tokens={req.min_tokens} is above max_tokens={max_tokens}",
+    min_tokens = req.sampling.min_tokens
+    if min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens={min_tokens} is above max_tokens={max_tokens}",
                        "min_tokens", "invalid_value")
     text = ""
     if req.echo:
@@ -102,7 +103,9 @@ def resolve_prompt(req: CompletionRequest, tokenizer: RouterTokenizer, model_nam
 
 def _check_token_ids(req: CompletionRequest, vocab_size: int) -> None:
     """Token ids a client names must be in the vocabulary."""
-    for name, ids in (("logit_bias", req.logit_bias), ("stop_token_ids", req.stop_token_ids)):
+    sampling = req.sampling
+    for name, ids in (("logit_bias", sampling.logit_bias),
+                      ("stop_token_ids", sampling.stop_token_ids)):
         bad = [i for i in ids if i >= vocab_size]
         if bad:
             raise ApiError(400, f"'{name}' names token id {bad[0]}, outside the vocabulary "
@@ -145,7 +148,8 @@ def make_samples(req: CompletionRequest, prompt: ResolvedPrompt,
     first = make_generate(req, prompt, eos_token_ids)
     samples = [first]
     for i in range(1, req.best_of):
-        seed = None if req.seed is None else sample_seed(req.seed, i)
+        own = req.sampling.seed
+        seed = None if own is None else sample_seed(own, i)
         samples.append(replace(first, request_id=uuid.uuid4().hex,
                                sampling=replace(first.sampling, seed=seed)))
     return samples

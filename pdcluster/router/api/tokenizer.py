@@ -46,10 +46,6 @@ class RouterTokenizer:
         self._template = env.from_string(template) if isinstance(template, str) else None
         self._token_texts: dict[int, str] = {}
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

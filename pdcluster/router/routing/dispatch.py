@@ -12,8 +12,11 @@ rather than rebuilt per request). A node that appears later starts at the others
 Disaggregated requests: D gets the request with transfer kind "remote_prefill" and P's KV
 side-channel address; P gets it with kind "remote_decode" and max_tokens=1; both carry the
 same fresh transfer id and are sent together. Tokens stream from D; P's own reply is drained
-in the background: a refusal by P fails the request, while a P that is lost (disconnected,
-stopped answering) is ignored — D times out waiting for the KV and recomputes the prompt.
+in the background. A P whose connection closed (its process died), or that refused the
+request for a reason of its own (overloaded, draining, an internal error), is reported to D at
+once (`PrefillLost`), and D computes the prompt itself instead of waiting out its KV timeout;
+a P that only stopped answering (it may be hung, and could still write the KV) is left to D's
+timeout. P refusing the request as invalid fails it (D would refuse it too).
 Whatever ends the stream early (client gone, stop string, error), `execute`'s cleanup aborts
 the request on both nodes. `execute` is one attempt; router.routing.migration moves a request whose
 D is lost to another node.
@@ -132,7 +135,7 @@ class Dispatcher:
 
     @property
     def prefix_aware(self) -> bool:
-        return self.metadata is not None and self.metadata.available
+        return self.metadata is not None and self.metadata.answers_prefixes
 
     async def place(self, prompt_ids: list[int], cache_salt: str | None) -> Placement:
         if self.config.routing != "kv":  # a cache-blind baseline (router.routing.baselines)
@@ -186,20 +189,42 @@ class Dispatcher:
             if prefill is not None:
                 p_stream = await prefill.generate(p_request)
                 streams.append((prefill, p_stream))
-                self._spawn(_drain_prefill(p_stream, failure))
             d_stream = await decode.generate(d_request)
             streams.append((decode, d_stream))
+            if prefill is not None:  # drained once D has the request: it may be told P died
+                self._spawn(self._drain_prefill(prefill, p_stream, decode, d_request, failure))
             self._charge(prefill or decode, self._tokens_to_compute(decision, request, source))
             async for msg in _race(d_stream, failure):
                 self._charge(decode, 0, len(msg.token_ids))
                 yield msg
         finally:
+            # D ended early (client gone, error): P's part may be finished, its blocks pinned
+            # for a transfer that D, still queued, never asked for; the abort frees them now
+            # rather than at P's pin timeout (a no-op once P has sent them)
+            d_ended_early = any(node is decode and (stream.lost or not stream.finished)
+                                for node, stream in streams)
             for node, stream in streams:
                 # a lost node may come back (it hung, its connection dropped): the abort
                 # waits in the socket's queue and stops the request there
-                if stream.lost or not stream.finished:
+                if stream.lost or not stream.finished or (node is prefill and d_ended_early):
                     self.metrics.aborts.inc()
                     await node.abort(stream.request_id)
+
+    async def _drain_prefill(self, prefill: NodeLink, stream: NodeStream, decode: NodeLink,
+                             d_request: GenerateRequest, failure: asyncio.Future) -> None:
+        async for msg in stream:
+            if not isinstance(msg, RequestError):
+                continue
+            if not stream.lost and msg.code == "invalid_request":  # D would refuse it too
+                if not failure.done():
+                    failure.set_result(NodeFailure(msg.code, f"prefill node: {msg.message}"))
+            elif (not stream.lost or prefill.disconnected) and d_request.transfer is not None:
+                # P died, or cannot take the request now (overloaded, draining): its KV is
+                # not coming, so D computes the prompt itself
+                self.metrics.prefill_lost.labels("refused" if not stream.lost else "lost").inc()
+                await decode.prefill_lost(d_request.request_id,
+                                          d_request.transfer.transfer_id,
+                                          f"{prefill.node_id}: {msg.code}: {msg.message}")
 
     def _tokens_to_compute(self, decision: RouteDecision, request: GenerateRequest,
                            source: PrefixSource | None) -> int:
@@ -235,12 +260,6 @@ class Dispatcher:
         if self.metadata is not None:
             await self.metadata.close()
         self._context.term()
-
-
-async def _drain_prefill(stream: NodeStream, failure: asyncio.Future) -> None:
-    async for msg in stream:
-        if isinstance(msg, RequestError) and not stream.lost and not failure.done():
-            failure.set_result(NodeFailure(msg.code, f"prefill node: {msg.message}"))
 
 
 async def _race(stream: NodeStream, failure: asyncio.Future) -> AsyncIterator[TokenDelta]:

@@ -12,15 +12,19 @@ a hint (a node sent a prefix it evicted a moment ago recomputes it).
 
 While the mirror is not in sync (before the first snapshot completes; after the stream broke,
 until a new snapshot completes) `prefix_hits` asks the service per request (`Query`). When
-that fails too (unreachable, too slow), the link goes *degraded*: it returns None (the policy
-routes on load alone), stops asking for `retry_s`, and recovers on the first successful query
-or completed snapshot after that. The watch resubscribes after `backoff_s`, doubling up to
-`max_backoff_s`, back to `backoff_s` once a snapshot completes; a subscriber the service cut
-off for falling behind resubscribes the same way.
+that fails too (unreachable, too slow), the link goes *degraded*: it answers from the last
+mirror it had, stale as it may be (a metadata service that stalls or restarts must not turn
+KV-aware routing off: a stale hit only costs a recompute; counted in `stale_answers`), or
+returns None when it never had one (the policy routes on load alone); it stops asking for
+`retry_s`, and recovers on the first successful query or completed snapshot after that.
+The watch resubscribes after `backoff_s`, doubling up to `max_backoff_s`, back to
+`backoff_s` once a snapshot completes; a subscriber the service cut off for falling behind
+resubscribes the same way.
 
 State for /health and /metrics: `available`, `failures`, `last_error` (the per-request path),
-`mirror_in_sync`, `mirror_blocks`, `mirror_syncs` (snapshots loaded), `watch_error`,
-`bad_updates` (messages of a kind this router does not know, skipped).
+`mirror_in_sync`, `mirror_blocks`, `mirror_node_blocks()` (blocks per node), `mirror_syncs`
+(snapshots loaded), `watch_error`, `bad_updates` (messages of a kind this router does not
+know, skipped), `stale_answers`.
 `list_nodes()` is node discovery. `tls=` (a `core.tls.ClientTLS`) opens a TLS channel (and
 presents a client certificate when the service requires mTLS); without it, plaintext. A
 channel that cannot complete its handshake (plaintext against a TLS service, a wrong CA, no
@@ -76,8 +80,10 @@ class MetadataLink:
         self.mirror_syncs = 0
         self.watch_error = ""
         self.bad_updates = 0
+        self.stale_answers = 0
         self._synced_at = 0.0
         self._mirror: BlockIndex | None = None
+        self._stale: BlockIndex | None = None  # the last mirror, kept while resyncing
         self._watch_task: asyncio.Task[None] | None = None
         self._clock = clock
         self._retry_at = 0.0
@@ -95,6 +101,12 @@ class MetadataLink:
         mirror = self._mirror
         return mirror.num_blocks if self.mirror_in_sync and mirror is not None else 0
 
+    @property
+    def answers_prefixes(self) -> bool:
+        """Whether `prefix_hits` answers now (from the mirror, the service or the last mirror
+        kept while resyncing) rather than returning None."""
+        return self.mirror_in_sync or self.available or self._stale is not None
+
     async def prefix_hits(self, chain: Sequence[BlockHash]) -> PrefixHits | None:
         """Leading blocks held per node; None when degraded (route on load alone)."""
         if not chain:
@@ -103,14 +115,34 @@ class MetadataLink:
         if self.mirror_in_sync and mirror is not None:
             return dict(mirror.query(chain))
         if not self.available and self._clock() < self._retry_at:
-            return None
+            return self._stale_hits(chain)
         try:
             matches = await self._client.query(chain)
         except MetadataError as exc:
             self._fail(exc)
-            return None
+            return self._stale_hits(chain)
         self._recover()
         return dict(matches)
+
+    def _stale_hits(self, chain: Sequence[BlockHash]) -> PrefixHits | None:
+        if self._stale is None:
+            return None
+        self.stale_answers += 1
+        return dict(self._stale.query(chain))
+
+    def mirror_node_hashes(self, node_id: NodeId) -> frozenset[BlockHash] | None:
+        """The blocks the mirror says `node_id` holds; None while the mirror is not in sync."""
+        mirror = self._mirror
+        if not self.mirror_in_sync or mirror is None:
+            return None
+        return mirror.node_blocks(node_id) if mirror.has_node(node_id) else frozenset()
+
+    def mirror_node_blocks(self) -> dict[NodeId, int]:
+        """Blocks held per node in the mirror (empty while it is not in sync)."""
+        mirror = self._mirror
+        if not self.mirror_in_sync or mirror is None:
+            return {}
+        return {node_id: mirror.num_node_blocks(node_id) for node_id in mirror.node_ids}
 
     async def list_nodes(self) -> list[NodeSpec] | None:
         try:
@@ -161,7 +193,7 @@ class MetadataLink:
                     self.bad_updates += 1
 
     def _sync(self, mirror: BlockIndex) -> None:
-        self._mirror = mirror
+        self._mirror, self._stale = mirror, None
         self.mirror_in_sync = True
         self.mirror_syncs += 1
         self._synced_at = self._clock()
@@ -175,7 +207,8 @@ class MetadataLink:
             logger.warning("block index mirror lost (%s): querying %s per request until it "
                            "resyncs", reason, self.address)
         self.mirror_in_sync = False
-        self._mirror = None
+        if self._mirror is not None:
+            self._stale, self._mirror = self._mirror, None
         self.watch_error = reason
 
     # -- the per-request path --------------------------------------------------------------

@@ -44,6 +44,7 @@ from pdcluster.core.node_wire import (
     LoadQuery,
     LoadReport,
     NodeMessage,
+    PrefillLost,
     RequestError,
     TokenDelta,
     decode,
@@ -133,6 +134,14 @@ class NodeLink:
             await self._send(AbortRequest(request_id))
         except zmq.ZMQError as exc:  # the node is unreachable: nothing to abort there now
             logger.debug("abort of %s on node %s not sent: %s", request_id, self.node_id, exc)
+
+    async def prefill_lost(self, request_id: str, transfer_id: str, reason: str) -> None:
+        """Tell this (decode) node that the prefill node of `request_id` is gone."""
+        try:
+            await self._send(PrefillLost(request_id, transfer_id, reason))
+        except zmq.ZMQError as exc:  # this node is unreachable too: its stream fails anyway
+            logger.debug("prefill-lost notice for %s not sent to %s: %s", request_id,
+                         self.node_id, exc)
 
     def forget(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:

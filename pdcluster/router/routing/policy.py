@@ -76,7 +76,7 @@ Speed: a decision is one pass over the candidates per role with the arithmetic i
 per-node calls or allocations); 64 nodes decide in tens of microseconds.
 
 API: `PolicyConfig`, `NodeView`, `RouteDecision`, `request_work`,
-`choose_prefill`, `choose_decode`, `route`, `pull_source`.
+`choose_prefill`, `route`, `pull_source`.
 """
 
 from __future__ import annotations
@@ -298,12 +298,6 @@ def choose_prefill(nodes: Sequence[NodeView], num_prompt_tokens: int, config: Po
                    rng: random.Random) -> NodeView:
     """The prefill node with the least prefill work left (after any pull) plus load."""
     return _score(nodes, num_prompt_tokens, config).cheapest("prefill", rng, config.tie_epsilon)
-
-
-def choose_decode(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConfig,
-                  rng: random.Random) -> NodeView:
-    """The decode node with the fewest blocks to receive plus load."""
-    return _score(nodes, num_prompt_tokens, config).cheapest("decode", rng, config.tie_epsilon)
 
 
 def route(nodes: Sequence[NodeView], num_prompt_tokens: int, config: PolicyConfig,

@@ -1,0 +1,189 @@
+"""The cluster the chaos benchmark breaks: every part a real process it can signal.
+
+`ChaosCluster(settings).start()` runs, on 127.0.0.1:
+- optionally etcd (`backend="etcd"`), on fixed ports and its own data folder, so it can be
+  killed and started again in place;
+- the metadata service, `pdcluster metadata serve`, as its own process on a fixed port (a
+  restart keeps the address every node and the router know);
+- prefill and decode node actors on a local Ray (`cluster.ray_cluster.RayCluster`, Ray
+  restarting a killed actor under the same node id);
+- the router, `pdcluster router serve`, as its own process.
+
+Processes are found by pid for signals and RSS (`pids()`); `stop()` ends what it started. The
+cluster secret is made here and handed to the subprocesses in their environment.
+
+API: `ChaosSettings`, `ChaosCluster`, `free_port`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdcluster.core.credentials import SECRET_ENV, ClusterSecret
+
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ChaosSettings:
+    model: str
+    num_prefill: int = 2
+    num_decode: int = 2
+    backend: str = "memory"  # the metadata service's: "memory" or "etcd"
+    lease_ttl_s: int = 4
+    kv_timeout_s: float = 30.0
+    kv_blocks: int = 512
+    local_prefill_threshold: int = 16
+    global_reuse_min_tokens: int = 64
+    node_cpus: float = 0.25
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pdcluster.cluster.cli", *args]
+
+
+class ChaosCluster:
+    def __init__(self, settings: ChaosSettings) -> None:
+        self.settings = settings
+        self.secret = ClusterSecret.generate()
+        self._tmp = tempfile.TemporaryDirectory(prefix="pdcluster-chaos-")
+        self.tmp = Path(self._tmp.name)
+        self.etcd_port, self.etcd_peer_port = free_port(), free_port()
+        self.metadata_port, self.router_port = free_port(), free_port()
+        self.etcd: subprocess.Popen | None = None
+        self.metadata: subprocess.Popen | None = None
+        self.router: subprocess.Popen | None = None
+        self.ray = None  # cluster.ray_cluster.RayCluster
+
+    @property
+    def metadata_address(self) -> str:
+        return f"127.0.0.1:{self.metadata_port}"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    @property
+    def actors(self) -> dict:
+        return self.ray.actors if self.ray is not None else {}
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, SECRET_ENV: self.secret.to_text()}
+
+    def start(self) -> ChaosCluster:
+        from pdcluster.cluster.config import ClusterConfig
+        from pdcluster.cluster.ray_cluster import RayCluster
+
+        s = self.settings
+        if s.backend == "etcd":
+            self.start_etcd()
+        self.start_metadata()
+        config = ClusterConfig(
+            model=s.model, num_prefill=s.num_prefill, num_decode=s.num_decode,
+            engine={"block_size": BLOCK_SIZE, "num_kv_blocks": s.kv_blocks},
+            kv_timeout_s=s.kv_timeout_s, metadata_address=self.metadata_address,
+            node_cpus=s.node_cpus, max_restarts=100, lease_ttl_s=s.lease_ttl_s)
+        self.ray = RayCluster(config, cluster_secret=self.secret).start()
+        self.start_router()
+        return self
+
+    def start_etcd(self) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise RuntimeError("etcd is not installed (Debian package etcd-server)")
+        url = f"http://127.0.0.1:{self.etcd_port}"
+        peer = f"http://127.0.0.1:{self.etcd_peer_port}"
+        self.etcd = subprocess.Popen(
+            [binary, "--name", "chaos", "--data-dir", str(self.tmp / "etcd"),
+             "--listen-client-urls", url, "--advertise-client-urls", url,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"chaos={peer}", "--log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_port(self.etcd_port, self.etcd, "etcd")
+
+    def start_metadata(self) -> None:
+        s = self.settings
+        args = ["metadata", "serve", "--port", str(self.metadata_port), "--backend", s.backend,
+                "--lease-ttl", str(s.lease_ttl_s), "--etcd", f"127.0.0.1:{self.etcd_port}"]
+        self.metadata = subprocess.Popen(_cli(*args), env=self._env(),
+                                         stdout=subprocess.DEVNULL, stderr=self._log("metadata"))
+        _wait_port(self.metadata_port, self.metadata, "the metadata service")
+
+    def start_router(self) -> None:
+        s = self.settings
+        args = ["router", "serve", "--port", str(self.router_port), "--model", s.model,
+                "--metadata", self.metadata_address, "--block-size", str(BLOCK_SIZE),
+                "--local-prefill-threshold", str(s.local_prefill_threshold),
+                "--global-reuse-min-tokens", str(s.global_reuse_min_tokens),
+                "--max-migrations", "1"]
+        self.router = subprocess.Popen(_cli(*args), env=self._env(),
+                                       stdout=subprocess.DEVNULL, stderr=self._log("router"))
+        _wait_port(self.router_port, self.router, "the router")
+
+    def _log(self, name: str):
+        return open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 (the child owns it)
+
+    def log_tail(self, name: str, num_chars: int = 2000) -> str:
+        path = self.tmp / f"{name}.log"
+        return path.read_text(errors="replace")[-num_chars:] if path.exists() else ""
+
+    def node_pids(self) -> dict[str, int]:
+        import ray
+
+        return dict(zip(self.actors, ray.get([a.pid.remote() for a in self.actors.values()],
+                                             timeout=60), strict=True))
+
+    def pids(self) -> dict[str, int]:
+        """The processes whose memory the soak samples: router, metadata service, nodes."""
+        pids = {"router": self.router.pid, "metadata": self.metadata.pid}
+        return {**pids, **self.node_pids()}
+
+    def kill_metadata(self) -> None:
+        _kill(self.metadata)
+
+    def kill_etcd(self) -> None:
+        _kill(self.etcd)
+
+    def stop(self) -> None:
+        for proc in (self.router, self.metadata):
+            _kill(proc)
+        if self.ray is not None:
+            self.ray.stop(drain_timeout_s=5)
+            self.ray = None
+        _kill(self.etcd)
+        self._tmp.cleanup()
+
+
+def _kill(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)  # a stopped process cannot die until it runs
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not listen on port {port} within {timeout_s} s")
+        time.sleep(0.05)

@@ -1,0 +1,180 @@
+"""The chaos benchmark's load: a bounded open-loop stream of requests to the router's HTTP API.
+
+`LoadSpec` fixes the rate and the count: request i leaves at `i / rate` seconds whatever the
+state of the earlier ones (open loop, so a fault shows up as latency and errors, not as a
+quieter client). Prompts are token ids (`/v1/completions`): most start with one of a few
+shared prefixes, so prefill nodes hit their prefix cache, decode nodes receive KV from them
+and nodes pull prefixes from each other; with `unique=True` every prompt is new (cache churn).
+Every other request streams. With `abort_after_s=(lo, hi)` the client disconnects from a
+share (`abort_share`) of the requests after a random delay in that range (the abort storm).
+
+Each request ends as an `Outcome`: completed, failed (HTTP status and a short cause),
+truncated (a stream that delivered tokens and then broke off) or aborted on purpose.
+
+API: `LoadSpec`, `Outcome`, `run_load`, `make_prompts`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+_FIRST_TOKEN_ID = 10  # below it: special tokens of the usual vocabularies
+_CAUSE_CHARS = 60
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    rate: float  # requests per second
+    count: int
+    max_tokens: int = 16
+    num_prefixes: int = 4
+    prefix_tokens: int = 64
+    suffix_tokens: int = 24
+    unique: bool = False
+    abort_after_s: tuple[float, float] | None = None
+    abort_share: float = 1.0  # of the requests, those the client walks away from
+    timeout_s: float = 120.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0 or self.count < 1:
+            raise ValueError("the load needs rate > 0 and count >= 1")
+
+    @property
+    def duration_s(self) -> float:
+        return self.count / self.rate
+
+
+@dataclass(slots=True)
+class Outcome:
+    index: int
+    stream: bool
+    sent: float  # seconds since the load started
+    done: float = 0.0
+    ok: bool = False
+    status: int = 0  # HTTP status; 0: no response
+    cause: str = ""  # why it failed ("" when ok)
+    truncated: bool = False
+    aborted: bool = False  # the client disconnected on purpose
+    tokens: int = 0
+
+    @property
+    def latency_s(self) -> float:
+        return self.done - self.sent
+
+
+def make_prompts(spec: LoadSpec, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(spec.seed)
+
+    def tokens(n: int, r: random.Random) -> list[int]:
+        return [r.randrange(_FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
+
+    prefixes = [tokens(spec.prefix_tokens, random.Random(1000 + p))
+                for p in range(spec.num_prefixes)]
+    prompts = []
+    for _ in range(spec.count):
+        if spec.unique:
+            prompts.append(tokens(spec.prefix_tokens + spec.suffix_tokens, rng))
+        else:
+            prompts.append(prefixes[rng.randrange(spec.num_prefixes)]
+                           + tokens(spec.suffix_tokens, rng))
+    return prompts
+
+
+async def run_load(base_url: str, model: str, spec: LoadSpec, vocab_size: int,
+                   on_start: Callable[[float], Awaitable[None]] | None = None) -> list[Outcome]:
+    """Send the whole load and wait for every request; `on_start(t0)` (the fault) runs
+    beside it, from the moment the first request leaves (`time.monotonic()` = t0)."""
+    import aiohttp
+
+    prompts = make_prompts(spec, vocab_size)
+    rng = random.Random(spec.seed + 1)
+    aborts = [rng.uniform(*spec.abort_after_s)
+              if spec.abort_after_s and rng.random() < spec.abort_share else None
+              for _ in prompts]
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        t0 = time.monotonic()
+        side = asyncio.ensure_future(on_start(t0)) if on_start is not None else None
+        outcomes = await asyncio.gather(*(
+            _one(session, base_url, model, spec, i, prompt, t0, aborts[i])
+            for i, prompt in enumerate(prompts)))
+        if side is not None:
+            await side
+    return list(outcomes)
+
+
+async def _one(session, base_url: str, model: str, spec: LoadSpec, index: int,
+               prompt: list[int], t0: float, abort_after_s: float | None) -> Outcome:
+    await asyncio.sleep(max(0.0, t0 + index / spec.rate - time.monotonic()))
+    stream = index % 2 == 0
+    out = Outcome(index, stream, time.monotonic() - t0)
+    body = {"model": model, "prompt": prompt, "max_tokens": spec.max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    call = _stream(session, base_url, body, out) if stream else _plain(session, base_url,
+                                                                         body, out)
+    try:
+        await asyncio.wait_for(call, abort_after_s if abort_after_s else spec.timeout_s)
+    except TimeoutError:
+        if abort_after_s:  # the storm: this client walks away (the connection closes)
+            out.aborted, out.cause = True, ""
+        else:
+            out.ok, out.cause = False, "client timeout"
+    except Exception as exc:  # aiohttp's errors have no common base worth naming
+        out.ok, out.cause = False, _cause(f"{type(exc).__name__}: {exc}")
+    out.done = time.monotonic() - t0
+    return out
+
+
+async def _plain(session, base_url: str, body: dict, out: Outcome) -> None:
+    async with session.post(f"{base_url}/v1/completions", json=body) as reply:
+        out.status = reply.status
+        data = await reply.json(content_type=None)
+    if reply.status != 200:
+        out.cause = _cause(_error_text(data))
+        return
+    out.tokens = data["usage"]["completion_tokens"]
+    out.ok = out.tokens > 0
+
+
+async def _stream(session, base_url: str, body: dict, out: Outcome) -> None:
+    async with session.post(f"{base_url}/v1/completions", json=body) as reply:
+        out.status = reply.status
+        if reply.status != 200:
+            out.cause = _cause(_error_text(await reply.json(content_type=None)))
+            return
+        finished = False
+        async for raw in reply.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                out.cause = _cause(_error_text(chunk))
+                out.truncated = out.tokens > 0
+                return
+            for choice in chunk.get("choices") or ():
+                out.tokens += 1 if choice.get("text") is not None else 0
+                finished = finished or choice.get("finish_reason") is not None
+    out.ok = finished
+    if not finished:
+        out.cause, out.truncated = "stream ended without a finish", out.tokens > 0
+
+
+def _error_text(data) -> str:
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message") or error.get("type") or error)
+    return str(error or data)
+
+
+def _cause(text: str) -> str:
+    return text[:_CAUSE_CHARS]

@@ -1,0 +1,57 @@
+"""Chaos test fixtures: one small served cluster per module (benchmarks/chaos_cluster.py: 2
+prefill + 2 decode node actors on a local Ray, the metadata service and the router as real
+processes, the tiny llama-gqa model) that every fault of the module breaks in turn, and a
+helper that runs one of the benchmark's faults under a small load on it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from pdcluster.benchmarks.chaos_bench import fault_load, run_abort_storm, run_fault, wait_ready
+from pdcluster.benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
+from pdcluster.benchmarks.chaos_load import LoadSpec
+from pdcluster.benchmarks.chaos_soak import run_soak
+
+pytest.importorskip("ray")
+MODEL = "llama-gqa"
+# small: a few seconds of load around each fault (rate x count), 8 tokens out
+BASE_LOAD = LoadSpec(rate=10.0, count=24, max_tokens=8)
+
+
+class Chaos:
+    def __init__(self, cluster: ChaosCluster, model_dir: str) -> None:
+        self.cluster = cluster
+        self.model_name = Path(model_dir).name
+        self.vocab_size = int(json.loads((Path(model_dir) / "config.json").read_text())
+                              ["vocab_size"])
+
+    def fault(self, name: str, base: LoadSpec = BASE_LOAD) -> dict:
+        spec, at_s = fault_load(base, name, self.cluster.settings.lease_ttl_s)
+        return asyncio.run(run_fault(self.cluster, name, spec, self.model_name,
+                                     self.vocab_size, at_s))
+
+    def abort_storm(self, spec: LoadSpec) -> dict:
+        return asyncio.run(run_abort_storm(self.cluster, spec, self.model_name,
+                                           self.vocab_size))
+
+    def soak(self, spec: LoadSpec) -> dict:
+        async def soak() -> dict:
+            await wait_ready(self.cluster)
+            return await run_soak(self.cluster, spec, self.model_name, self.vocab_size)
+
+        return asyncio.run(soak())
+
+
+def start_chaos(model_dirs, **settings) -> Chaos:
+    model = model_dirs[MODEL]
+    cluster = ChaosCluster(ChaosSettings(model=model, kv_blocks=256, **settings))
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return Chaos(cluster, model)

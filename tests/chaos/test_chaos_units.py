@@ -1,0 +1,72 @@
+"""The chaos benchmark's own arithmetic and guards, without a cluster: phases, percentiles
+and recovery from request outcomes; each fault's load; the goals; refusals of bad options;
+no packet filter touched outside the benchmark's own network namespace."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdcluster.benchmarks.chaos_bench import fault_load, goals
+from pdcluster.benchmarks.chaos_load import LoadSpec, Outcome, make_prompts
+from pdcluster.benchmarks.chaos_netns import IN_NETNS_ENV, LinkFault
+from pdcluster.benchmarks.chaos_stats import quantile, summarize
+from pdcluster.cluster.cli import main
+
+
+def outcome(i: int, sent: float, latency: float, ok: bool = True, **kw) -> Outcome:
+    return Outcome(i, i % 2 == 0, sent, sent + latency, ok, 200 if ok else 503, **kw)
+
+
+def test_phases_recovery_and_failures_from_outcomes():
+    before = [outcome(i, 0.1 * i, 0.1) for i in range(10)]  # done by 1.0 s
+    during = [outcome(10, 1.8, 3.0), outcome(11, 2.2, 0.4, ok=False, cause="node gone")]
+    after = [outcome(12 + i, 3.0 + 0.1 * i, 0.1) for i in range(10)]
+    figures = summarize(before + during + after, fault_start=2.0, fault_end=2.5, window=4)
+    assert figures["sent"] == 22 and figures["completed"] == 21 and figures["failed"] == 1
+    assert figures["failed_by_cause"] == {"node gone": 1}
+    assert figures["failed_by_status"] == {"503": 1}
+    assert figures["latency"]["before"] == {"n": 10, "p50_ms": 100.0, "p99_ms": 100.0}
+    assert figures["latency"]["during"]["n"] == 1  # in flight across the fault, completed
+    assert figures["latency"]["after"]["n"] == 10
+    # the first request sent after the fault began completed 3.1 - 2.0 s after it
+    assert figures["first_success_s"] == pytest.approx(1.1)
+    # the failed one keeps its window from counting as recovered: the next window does
+    assert figures["p99_recovered_s"] == pytest.approx(1.0)
+
+
+def test_quantile_is_nearest_rank():
+    assert quantile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0
+    assert quantile([1.0, 2.0], 0.99) == 2.0
+    assert quantile([], 0.5) != quantile([], 0.5)  # NaN
+
+
+def test_each_fault_load_covers_the_fault_with_prompts_of_its_own():
+    base = LoadSpec(rate=8.0, count=120)
+    stall, at_s = fault_load(base, "metadata_stall", lease_ttl_s=10)
+    kill, _ = fault_load(base, "decode_kill", lease_ttl_s=10)
+    assert at_s == pytest.approx(3.75)
+    assert stall.duration_s >= at_s + 3 * 10  # the stall, a TTL after it, and more
+    assert kill.count == 120 and kill.seed != stall.seed
+    assert make_prompts(kill, 1000) != make_prompts(stall, 1000)
+    shared = {tuple(p[:64]) for p in make_prompts(kill, 1000)}
+    assert len(shared) == base.num_prefixes  # every prompt behind one of the shared prefixes
+
+
+def test_goals_allow_a_dead_decode_node_only_its_own_streams():
+    fault = {"failed": 2, "leaked_blocks": 0, "index_exact_within_ttl": True}
+    measured = {"faults": {"decode_kill": {**fault, "inflight_at_kill": 2},
+                           "metadata_restart": fault}, "soak": None}
+    assert goals(measured, 10) == {"decode_kill": True, "metadata_restart": False}
+
+
+def test_bad_options_are_refused_before_anything_starts(capsys):
+    assert main(["bench", "chaos", "--faults", "prefill_kill,typo"]) == 2
+    assert "unknown faults ['typo']" in capsys.readouterr().err
+    assert main(["bench", "chaos", "--faults", "etcd_restart"]) == 2
+    assert "needs --backend etcd" in capsys.readouterr().err
+
+
+def test_no_packet_filter_is_touched_outside_the_benchmarks_namespace(monkeypatch):
+    monkeypatch.delenv(IN_NETNS_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="outside the benchmark's own network namespace"):
+        LinkFault([1234])
