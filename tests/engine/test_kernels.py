@@ -253,6 +253,19 @@ def test_without_the_library_the_engine_takes_its_torch_paths(model_dirs, tmp_pa
         kernels.ops.cache_clear()
 
 
+def test_the_build_command_runs_from_outside_the_checkout(ops, tmp_path) -> None:
+    """`python -m pdcluster.engine.kernels`, as setup runs it: found when already built."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PDCLUSTER_CACHE_DIR": str(kernels.library_path().parents[2])}
+    proc = subprocess.run([sys.executable, "-m", "pdcluster.engine.kernels"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"engine kernels: {kernels.library_path()}" in proc.stdout
+
+
 def test_a_failing_compiler_is_reported_not_raised(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # exists, always fails
