@@ -360,20 +360,38 @@ def test_cycle_finder_finds_a_loop_through_a_lazy_import() -> None:
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_room_table_matches_the_tree() -> None:
-    """docs/architecture.md's "Rooms as built" names every room and every router sub-room, and
-    only folders that exist: rooms under pdcluster/, the rest (k8s/, tests/, …) at the root."""
+def room_table() -> dict[str, str]:
+    """docs/architecture.md's "Rooms as built": each folder a row names -> the row's text."""
     text = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     section = text.split("## Rooms as built", 1)[1].split("\n## ", 1)[0]
-    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
-    named = {name.strip("`/ ") for row in rows for name in row.split(",")}
+    rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| `")]
+    return {name.strip("`/ "): owns for names, owns in rows for name in names.split(",")}
+
+
+def test_the_room_table_matches_the_tree() -> None:
+    """docs/architecture.md's "Rooms as built" names every room and every sub-room, and only
+    folders that exist: rooms under pdcluster/, the rest (k8s/, tests/, …) at the root. The
+    rooms in the tree are the ones this file has rules for."""
+    named = set(room_table())
+    rooms = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     subrooms = {p.parent.relative_to(PACKAGE).as_posix()
                 for p in PACKAGE.glob("*/*/__init__.py")}
+    assert rooms == ROOMS, f"rooms without import rules here: {sorted(rooms - ROOMS)}; " \
+                           f"rules for rooms not in the tree: {sorted(ROOMS - rooms)}"
     assert not ROOMS - named, f"rooms missing from the table: {sorted(ROOMS - named)}"
     assert not subrooms - named, f"sub-rooms missing from the table: {sorted(subrooms - named)}"
     missing = [name for name in named
                if not (PACKAGE / name).is_dir() and not (REPO_ROOT / name).is_dir()]
     assert not missing, f"the table names folders that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("folder", ["router", "router/api", "router/routing", "router/sim"])
+def test_the_router_rows_name_every_module(folder: str) -> None:
+    """`ls router/<sub-room>` and its row of the table agree: each module is named there."""
+    row = room_table()[folder]
+    modules = {p.stem for p in (PACKAGE / folder).glob("*.py") if p.stem != "__init__"}
+    unnamed = sorted(m for m in modules if f"`{m}`" not in row)
+    assert modules and not unnamed, f"{folder}/ modules its row does not name: {unnamed}"
 
 
 # ---- router's sub-rooms ----------------------------------------------------------------------

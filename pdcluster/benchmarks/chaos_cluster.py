@@ -27,8 +27,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdcluster.core.credentials import SECRET_ENV, ClusterSecret
+
+if TYPE_CHECKING:
+    from pdcluster.cluster.ray_cluster import RayCluster
 
 BLOCK_SIZE = 16
 
@@ -68,7 +72,7 @@ class ChaosCluster:
         self.etcd: subprocess.Popen | None = None
         self.metadata: subprocess.Popen | None = None
         self.router: subprocess.Popen | None = None
-        self.ray = None  # cluster.ray_cluster.RayCluster
+        self.ray: RayCluster | None = None
 
     @property
     def metadata_address(self) -> str:
@@ -150,6 +154,7 @@ class ChaosCluster:
 
     def pids(self) -> dict[str, int]:
         """The processes whose memory the soak samples: router, metadata service, nodes."""
+        assert self.router is not None and self.metadata is not None, "the cluster is not up"
         pids = {"router": self.router.pid, "metadata": self.metadata.pid}
         return {**pids, **self.node_pids()}
 

@@ -175,6 +175,7 @@ async def _link_fault(run: FaultRun, t0: float, loss: float, delay_ms: int) -> N
     from pdcluster.benchmarks.chaos_netns import LinkFault, kv_ports
 
     cluster = run.cluster
+    assert cluster.ray is not None, "the cluster is not up"
     nodes = await asyncio.to_thread(cluster.ray.nodes)
     fault = LinkFault(kv_ports(nodes, await asyncio.to_thread(cluster.node_pids)))
     await _until(t0, run.at_s)

@@ -51,7 +51,7 @@ def _serve(conn, secret_text: str) -> None:
     from pdcluster.core.curve import secure_server
 
     keys = ClusterSecret.from_text(secret_text).curve_keys()
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sockets = {}
     for kind in ("curve", "plain"):
         sock = ctx.socket(zmq.ROUTER)
@@ -86,7 +86,7 @@ class _Peer:
 
         from pdcluster.core.curve import secure_client
 
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if kind == "curve":
             secure_client(sock, self.keys)

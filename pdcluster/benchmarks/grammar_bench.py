@@ -20,9 +20,14 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # its stub declares it; not re-exported
+
+T = TypeVar("T")
 SCHEMA = json.dumps({
     "type": "object",
     "properties": {
@@ -42,7 +47,7 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 3)
 
 
-def _timed(fn: Callable[[], object]) -> tuple[object, float]:
+def _timed(fn: Callable[[], T]) -> tuple[T, float]:
     started = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - started
@@ -76,7 +81,7 @@ def bench_llguidance(tokenizer, vocab: int, tokens: int) -> dict:
     from llguidance import LLMatcher
 
     lltok, init_s = _timed(lambda: llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab))
-    compact = {"whitespace_flexible": False}
+    compact: JsonCompileOptions = {"whitespace_flexible": False}
 
     def matcher(schema: str) -> LLMatcher:
         m = LLMatcher(lltok, LLMatcher.grammar_from_json_schema(schema, defaults=compact))

@@ -92,7 +92,7 @@ def moe_vs_dense(tmp: str, device: str, steps: int) -> dict:
         runs["dense"].append(_measure(str(dense_dir), device, steps))
         runs["moe"].append(_measure(str(moe_dir), device, steps))
     dense, moe = ({k: min(r[k] for r in rs) for k in rs[0]} for rs in runs.values())
-    result = {"moe_experts": NUM_EXPERTS, "moe_top_k": TOP_K}
+    result: dict[str, float] = {"moe_experts": NUM_EXPERTS, "moe_top_k": TOP_K}
     for key in dense:
         result[f"moe_{key}"] = round(moe[key], 2)
         result[f"dense_{key}"] = round(dense[key], 2)

@@ -46,7 +46,13 @@ from pdcluster.benchmarks.peers_process import (
 )
 from pdcluster.benchmarks.peers_report import summary
 from pdcluster.benchmarks.peers_settings import PeerSettings
-from pdcluster.benchmarks.peers_workloads import QUICK, PeerSizes, make_workloads, measure
+from pdcluster.benchmarks.peers_workloads import (
+    QUICK,
+    Generate,
+    PeerSizes,
+    make_workloads,
+    measure,
+)
 from pdcluster.core.paths import builtin_model_dir, cache_dir
 
 REAL_MODEL_ENV = "PDCLUSTER_REAL_MODEL"  # the same override as the real-model tests
@@ -102,7 +108,7 @@ def settings_for(sizes: PeerSizes, threads: int, preload: bool) -> PeerSettings:
 class Engine:
     """One engine under test: in this process (`generate`) or its own (`process`)."""
 
-    generate: object = None  # peers_workloads.Generate
+    generate: Generate | None = None  # None for an engine in its own process
     process: EngineProcess | None = None
     only: tuple[str, ...] = ("w1", "w2", "w3", "w4")
     w1_requests: int | None = None
@@ -110,6 +116,7 @@ class Engine:
     def measure(self, work: dict, sizes: PeerSizes) -> dict:
         if self.process is not None:
             return self.process.measure(work, sizes.to_dict())
+        assert self.generate is not None, "an engine in this process has its generate"
         return measure(self.generate, work, sizes, self.only, self.w1_requests)
 
     def close(self) -> None:

@@ -29,6 +29,8 @@ from pathlib import Path
 def _load_workloads():
     spec = importlib.util.spec_from_file_location(
         "peers_workloads", Path(__file__).with_name("peers_workloads.py"))
+    if spec is None or spec.loader is None:
+        raise ImportError("peers_workloads.py is missing next to peers_driver.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -57,13 +59,15 @@ def _pdcluster(cfg: dict):
 
 def _vllm(cfg: dict):
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     llm = LLM(**cfg["options"])
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                 **cfg["sampling"])
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                            use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     import torch

@@ -73,6 +73,8 @@ class EngineProcess:
         self.proc = subprocess.Popen(
             [str(python), str(Path(__file__).with_name("peers_driver.py")), engine],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        assert self.proc.stdin is not None and self.proc.stdout is not None, "both are pipes"
+        self._stdin, self._stdout = self.proc.stdin, self.proc.stdout
 
     @property
     def pid(self) -> int:
@@ -88,9 +90,9 @@ class EngineProcess:
         return self._call({"work": work, "sizes": sizes})
 
     def _call(self, message: dict) -> dict:
-        self.proc.stdin.write(json.dumps(message) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        self._stdin.write(json.dumps(message) + "\n")
+        self._stdin.flush()
+        line = self._stdout.readline()
         if not line:
             self._log.flush()
             tail = Path(self._log.name).read_text()[-3000:]
@@ -99,7 +101,7 @@ class EngineProcess:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
+            self._stdin.close()
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:

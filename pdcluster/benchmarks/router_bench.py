@@ -75,7 +75,7 @@ class InstantNode:
     A CURVE server with `curve` (as real nodes are), plaintext with None."""
 
     def __init__(self, curve: CurveKeys | None) -> None:
-        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         if curve is not None:
             secure_server(self._socket, curve)
@@ -91,6 +91,7 @@ class InstantNode:
                 continue
             identity, frame = self._socket.recv_multipart()
             msg = decode(frame)
+            reply: LoadReport | TokenDelta
             if isinstance(msg, LoadQuery):  # varied loads, so the policy has work to do
                 queued = self._rng.randrange(500)
                 reply = LoadReport("instant", "decode", 0, queued % 5, 1000 - queued, 1000,

@@ -122,6 +122,8 @@ class _Bench:
 
     def batch(self) -> tuple[float, float]:
         """Concurrent disaggregated requests: median inter-token gap and output tokens/s."""
+        from pdcluster.core.node_wire import RequestError, TokenDelta
+
         s = self.sizes
         start = time.perf_counter()
         rids = {self.send(self.prompt(s.batch_prompt_len), s.batch_output_len, True)
@@ -131,12 +133,15 @@ class _Bench:
         open_ids = set(rids)
         while open_ids:
             msg = self.to_d.recv(600)
+            if not isinstance(msg, TokenDelta | RequestError):
+                raise RuntimeError(f"the decode node sent a {type(msg).__name__}")
             now = time.perf_counter()
             if msg.request_id in last:
                 gaps.append(now - last[msg.request_id])
             last[msg.request_id] = now
-            tokens += len(getattr(msg, "token_ids", []))
-            if getattr(msg, "finished", True):
+            if isinstance(msg, TokenDelta):
+                tokens += len(msg.token_ids)
+            if isinstance(msg, RequestError) or msg.finished:
                 open_ids.discard(msg.request_id)
         elapsed = time.perf_counter() - start
         self.to_p.collect({f"p{r[1:]}" for r in rids})

@@ -17,6 +17,7 @@ from pdcluster.cluster.cli_common import (
     formatter,
     resolve_model_arg,
 )
+from pdcluster.core.tls import MetadataTLSFields
 
 
 def add_serve(subparsers: argparse._SubParsersAction) -> None:
@@ -154,7 +155,7 @@ def add_metadata_tls_args(parser: argparse.ArgumentParser) -> None:
                         "of the metadata address)")
 
 
-def metadata_tls_fields(args: argparse.Namespace) -> dict[str, str | None]:
+def metadata_tls_fields(args: argparse.Namespace) -> MetadataTLSFields:
     return {"metadata_tls_ca": args.metadata_tls_ca, "metadata_tls_cert": args.metadata_tls_cert,
             "metadata_tls_key": args.metadata_tls_key,
             "metadata_tls_server_name": args.metadata_tls_server_name}

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcluster.core.roles import Role
-from pdcluster.core.tls import ClientTLS
+from pdcluster.core.tls import ClientTLS, MetadataTLSFields
 from pdcluster.engine.config import EngineConfig
 from pdcluster.router.routing.baselines import ROUTINGS
 
@@ -116,7 +116,7 @@ class ClusterConfig:
             options.pop("speculative", None)
         return options
 
-    def metadata_tls_fields(self) -> dict[str, str | None]:
+    def metadata_tls_fields(self) -> MetadataTLSFields:
         """The `metadata_tls_*` fields, as RouterConfig and NodeConfig take them."""
         return {"metadata_tls_ca": self.metadata_tls_ca,
                 "metadata_tls_cert": self.metadata_tls_cert,

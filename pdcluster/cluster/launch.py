@@ -19,10 +19,14 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.ray_cluster import RayCluster
 from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, CredentialError
+
+if TYPE_CHECKING:  # the router loads only when the cluster serves one
+    from pdcluster.router.config import RouterConfig
 
 logger = logging.getLogger(__name__)
 API_KEYS_ENV = "PDCLUSTER_API_KEYS"
@@ -60,7 +64,8 @@ async def _run(config: ClusterConfig, cluster: RayCluster,
                         ready)
 
 
-def router_config(config: ClusterConfig, metadata_address: str, cluster_secret: ClusterSecret):
+def router_config(config: ClusterConfig, metadata_address: str | None,
+                  cluster_secret: ClusterSecret) -> RouterConfig:
     from pdcluster.router.config import RouterConfig
     from pdcluster.router.routing.policy import PolicyConfig
 

@@ -16,9 +16,16 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.core.credentials import ClusterSecret
+
+if TYPE_CHECKING:  # all three load only when the cluster starts
+    from ray.actor import ActorHandle
+
+    from pdcluster.metadata_service.server import ServerThread
+    from pdcluster.node.actor import NodeActor
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +40,9 @@ class RayCluster:
         # None: everything is embedded here, so a fresh secret that only this launcher knows
         self.cluster_secret = cluster_secret or ClusterSecret.generate()
         self.ray_address = ray_address  # None: start a local Ray; "auto": join a running one
-        self.metadata_server = None
+        self.metadata_server: ServerThread | None = None
         self.metadata_address = config.metadata_address
-        self.actors: dict[str, object] = {}
+        self.actors: dict[str, ActorHandle] = {}
         self._started_ray = False
 
     def start(self, timeout_s: float = 300.0) -> RayCluster:
@@ -78,7 +85,8 @@ class RayCluster:
         from pdcluster.decode_node.actor import DecodeNodeActor
         from pdcluster.prefill_node.actor import PrefillNodeActor
 
-        roles = [("p", PrefillNodeActor)] * self.config.num_prefill
+        roles: list[tuple[str, type[NodeActor]]] = []
+        roles += [("p", PrefillNodeActor)] * self.config.num_prefill
         roles += [("d", DecodeNodeActor)] * self.config.num_decode
         counters = {"p": 0, "d": 0}
         for prefix, cls in roles:

@@ -9,14 +9,24 @@ channel credentials built from them. In `core` because the router may not import
 `ClientTLS.from_fields(...)` is the one place configs (RouterConfig, NodeConfig, ClusterConfig)
 validate their flat `metadata_tls_*` fields: all None means plaintext.
 
-API: `ClientTLS`, `TLSFileError`.
+API: `ClientTLS`, `MetadataTLSFields`, `TLSFileError`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
+
+
+class MetadataTLSFields(TypedDict):
+    """The `metadata_tls_*` options, as the router's, a node's and a cluster's configs take
+    them (keywords; `ClientTLS.from_fields` makes the client's TLS of them)."""
+
+    metadata_tls_ca: str | None
+    metadata_tls_cert: str | None
+    metadata_tls_key: str | None
+    metadata_tls_server_name: str | None
 
 
 class TLSFileError(ValueError):

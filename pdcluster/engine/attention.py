@@ -164,9 +164,10 @@ def _batched_decode_attention(q, k_cache, v_cache, meta: AttentionMetadata,
     """4-D SDPA (torch's CPU flash kernel, GQA and the key mask included). Measured here against
     two explicit matmuls per KV head group with an additive mask: those were 3-6x slower
     (32 x 320 keys: 286 vs 49 ms per call on a loaded machine)."""
-    gather = meta.workspace.gather
-    keys = gather(k_cache, meta.decode_block_table, GatherWorkspace.KEYS)
-    values = gather(v_cache, meta.decode_block_table, GatherWorkspace.VALUES)
+    gather, block_table = meta.workspace.gather, meta.decode_block_table
+    assert block_table is not None, "a step with decodes has their block table"
+    keys = gather(k_cache, block_table, GatherWorkspace.KEYS)
+    values = gather(v_cache, block_table, GatherWorkspace.VALUES)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
     )
@@ -181,6 +182,7 @@ def _cascade_decode_attention(q, k_cache, v_cache, meta: AttentionMetadata,
     D]`. Measured on W4's decode (32 sequences, 1,024 shared + ~300 own tokens): see
     docs/engine.md."""
     cascade, gather = meta.cascade, meta.workspace.gather
+    assert cascade is not None, "the cascade path runs only with the cascade's tables"
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[-2]
     rows = q.view(n, kv_heads, heads // kv_heads, dim)  # [n, Hkv, G, D]

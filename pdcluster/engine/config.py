@@ -76,6 +76,13 @@ class EngineConfig:
         self._validate_limits()
         object.__setattr__(self, "speculative", SpeculativeConfig.coerce(self.speculative))
 
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """`speculative` as `__post_init__` left it: a config, or None (never the text)."""
+        spec = self.speculative
+        assert not isinstance(spec, str), "EngineConfig.__post_init__ parses the text form"
+        return spec
+
     def _validate_limits(self) -> None:
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")

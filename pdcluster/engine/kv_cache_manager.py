@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pdcluster.core.types import BlockHash, ReqId
 from pdcluster.engine.block_pool import BlockPool, KVCacheBlock
 from pdcluster.engine.request import Request
@@ -46,7 +48,7 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[KVCacheBlock] = (),
+                       computed_blocks: Sequence[KVCacheBlock] = (),
                        delay_caching: bool = False) -> list[KVCacheBlock] | None:
         """`delay_caching`: the new tokens' KV will arrive from elsewhere; hash the blocks
         only once it has (`cache_blocks`), so no other request hits half-written blocks."""

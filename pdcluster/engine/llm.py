@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import cast
 
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.gguf import resolve_model
@@ -26,12 +27,11 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = as_params_list(sampling_params, len(prompts))
-        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        batch = _as_batch(prompts)
+        params = as_params_list(sampling_params, len(batch))
+        ids = [f"gen-{next(self._ids)}" for _ in batch]
         try:
-            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            for rid, prompt, p in zip(ids, batch, params, strict=True):
                 self.engine.add_request(rid, prompt, p)
         except ValueError:
             for rid in ids:
@@ -43,3 +43,12 @@ class LLM:
                 if out.finished:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
+
+
+def _as_batch(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:
+    """One prompt (text, or token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [cast("list[int]", prompts)]  # a list of ints is one prompt of token ids
+    return list(cast("Sequence[str | list[int]]", prompts))

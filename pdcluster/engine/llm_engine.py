@@ -121,7 +121,7 @@ class LLMEngine(NodeEngine):
         return compiler
 
     def _spec_decoder(self) -> SpecDecoder | None:
-        spec = self.config.speculative
+        spec = self.config.speculative_config
         if spec is None:
             return None
         return SpecDecoder(spec, build_proposer(spec, self), self.max_model_len)
@@ -214,6 +214,7 @@ class LLMEngine(NodeEngine):
         validate_keys(request_id, cache_salt)
         validate_request(token_ids, params, self.limits)
         if params.guided is not None:
+            assert self.grammars is not None, "validation refuses guided without a tokenizer"
             self.grammars.check(params.guided)
         if (kv_transfer is not None or prefix_pull is not None) and self.connector is None:
             raise ValueError("kv_transfer or prefix_pull was given but this engine has no KV "

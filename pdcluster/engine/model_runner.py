@@ -60,8 +60,8 @@ class ModelRunner:
         if sampling:
             rows = torch.tensor([last_rows[k] for k in sampling], device=self.device)
             logits = self.model.compute_logits(hidden[rows])
-            tokens = self.sampler.sample(logits, [items[k].request for k in sampling])
-            for k, token in zip(sampling, tokens, strict=True):
+            sampled = self.sampler.sample(logits, [items[k].request for k in sampling])
+            for k, token in zip(sampling, sampled, strict=True):
                 results[k] = token
         unordered: list[StepResult] = [None] * len(items)
         for k, i in enumerate(order):

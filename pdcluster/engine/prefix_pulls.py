@@ -64,6 +64,8 @@ class PrefixPulls:
         assert num_tokens <= req.num_prompt_tokens, "pulled blocks must be full prompt blocks"
         prefix = PrefixTokens(req.prompt_token_ids[:num_tokens], self.kv.block_size,
                               num_local_blocks, req.extra.cache_salt, req.extra.lora_id)
+        assert self.connector is not None and req.prefix_pull is not None, \
+            "only a request with a pull and a connector is parked for one (num_pull_tokens)"
         self.pins.hold(("pull", req.request_id), len(block_ids) - num_local_blocks)
         self.connector.on_pull_allocated(req.request_id, req.prefix_pull,
                                          block_ids[num_local_blocks:], prefix)
@@ -82,6 +84,9 @@ class PrefixPulls:
     # ---- holder -------------------------------------------------------------------------
 
     def serve(self, lookups: list[PullLookup]) -> None:
+        if not lookups:
+            return
+        assert self.connector is not None, "pull lookups come from the connector"
         for lookup in lookups:
             if lookup.transfer_id in self.serving:
                 continue  # the worker never asks twice; never reference twice either

@@ -11,7 +11,13 @@ from __future__ import annotations
 import enum
 import time
 
-from pdcluster.core.hashing import NO_EXTRA, BlockExtra, BlockHasher, HashConfig
+from pdcluster.core.hashing import (
+    DEFAULT_HASH_CONFIG,
+    NO_EXTRA,
+    BlockExtra,
+    BlockHasher,
+    HashConfig,
+)
 from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull
 from pdcluster.core.types import ReqId
 from pdcluster.engine.sampling_params import SamplingParams
@@ -62,10 +68,7 @@ class Request:
         self.num_emitted_tokens = 0  # output tokens already returned by LLMEngine.step
         self.error: str | None = None
         self.extra = extra or NO_EXTRA  # the hash's extra keys: cache salt, LoRA
-        hasher_args = {"extra": extra} if extra else {}
-        if hash_config:
-            hasher_args["config"] = hash_config
-        self.hasher = BlockHasher(block_size, **hasher_args)
+        self.hasher = BlockHasher(block_size, self.extra, hash_config or DEFAULT_HASH_CONFIG)
         self.hasher.extend(self.prompt_token_ids)
 
     @property

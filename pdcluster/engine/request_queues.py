@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
 from pdcluster.core.kv_connector import (
@@ -36,6 +37,7 @@ from pdcluster.core.kv_connector import (
 )
 from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill
 from pdcluster.core.types import ReqId
+from pdcluster.engine.block_pool import KVCacheBlock
 from pdcluster.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdcluster.engine.pins import OverloadedError, PinBudget
 from pdcluster.engine.prefix_pulls import PrefixPulls
@@ -47,7 +49,7 @@ class RequestQueues:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
                  connector: KVConnectorScheduler | None = None,
                  hash_config: HashConfig = DEFAULT_HASH_CONFIG,
-                 clock=time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.kv = kv_manager
         self.connector = connector
@@ -91,7 +93,13 @@ class RequestQueues:
         for kind, key in self.pins.expired():
             req = self.pinned.get(key)
             if kind == "send" and req is not None:
-                self.connector.on_aborted(key, req.kv_transfer)
+                self._kv_connector().on_aborted(key, req.kv_transfer)
+
+    def _kv_connector(self) -> KVConnectorScheduler:
+        """The connector, on the paths only a request with a transfer or a pull reaches (the
+        engine refuses those without a connector, and only they are parked or pinned)."""
+        assert self.connector is not None, "KV transfer work on an engine without a connector"
+        return self.connector
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -115,8 +123,8 @@ class RequestQueues:
         return self.connector.num_external_tokens(req.request_id, req.kv_transfer,
                                                   req.num_tokens, num_hit_tokens)
 
-    def _park_for_remote_kv(self, req: Request, hit_blocks: list, num_hit_tokens: int,
-                            num_external: int) -> bool:
+    def _park_for_remote_kv(self, req: Request, hit_blocks: list[KVCacheBlock],
+                            num_hit_tokens: int, num_external: int) -> bool:
         if self.kv.allocate_slots(req, num_external, hit_blocks, delay_caching=True) is None:
             return False
         self.waiting.popleft()
@@ -126,8 +134,8 @@ class RequestQueues:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_remote[req.request_id] = req
         if isinstance(req.kv_transfer, RemotePrefill):
-            self.connector.on_allocated(req.request_id, req.kv_transfer,
-                                        self.kv.block_ids(req.request_id), len(hit_blocks))
+            self._kv_connector().on_allocated(req.request_id, req.kv_transfer,
+                                              self.kv.block_ids(req.request_id), len(hit_blocks))
         else:
             self.pulls.on_parked(req, len(hit_blocks))
         return True
@@ -135,7 +143,7 @@ class RequestQueues:
     def apply_connector_results(self, results: ConnectorResults) -> list[Request]:
         """Arrivals and failures of remote KV and of pulls, releases of pinned blocks, and
         other nodes' pulls to serve."""
-        self.connector.update_from_results(results)
+        self._kv_connector().update_from_results(results)
         for pulled in results.pulled:
             req = self.waiting_for_remote.get(pulled.request_id)
             if req is None:
@@ -144,7 +152,7 @@ class RequestQueues:
                 self._pull_done(req, pulled)
         self.pulls.serve(results.lookups)
         self.pulls.release(results.served)
-        updated = []
+        updated: list[Request] = []
         for result in results.received:
             req = self.waiting_for_remote.get(result.request_id)
             if req is None:
@@ -158,6 +166,7 @@ class RequestQueues:
         return updated
 
     def _remote_kv_arrived(self, req: Request, result: RecvResult) -> Request:
+        assert result.first_token is not None, "an arrival of remote KV carries the first token"
         del self.waiting_for_remote[req.request_id]
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_blocks(req, req.num_tokens)
@@ -177,7 +186,7 @@ class RequestQueues:
 
     def _remote_kv_failed(self, req: Request, error: str | None) -> bool:
         """Recompute locally (returns False: nothing to report yet) or fail (True)."""
-        if self.connector.recompute_on_failure:
+        if self._kv_connector().recompute_on_failure:
             del self.waiting_for_remote[req.request_id]
             self.kv.free(req)
             req.num_computed_tokens = 0
@@ -222,7 +231,7 @@ class RequestQueues:
         if req is None:
             pinned = self.pinned.get(request_id)
             if pinned is not None and status is RequestStatus.FINISHED_ABORTED:
-                self.connector.on_aborted(request_id, pinned.kv_transfer)
+                self._kv_connector().on_aborted(request_id, pinned.kv_transfer)
             return None
         self._remove_from_queue(req)
         req.status = status

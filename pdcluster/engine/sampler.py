@@ -127,21 +127,30 @@ class Sampler:
             token, ended = self._end_grammar(req), True
         else:
             token = batch.greedy[row] if p.is_greedy else self._sample_row(logits[row], req)
-            ended = p.guided is not None and self.structured.accept(req, token)
+            ended = p.guided is not None and self._grammars().accept(req, token)
         if p.logprobs is None:
             return SampledToken(token, grammar_ended=ended)
+        logprobs = batch.logprobs
+        assert logprobs is not None, "the batched stage computes logprobs when a row asks"
         top = None
         if p.logprobs > 0:
-            values, ids = torch.topk(batch.logprobs[row], p.logprobs)
+            values, ids = torch.topk(logprobs[row], p.logprobs)
             top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        return SampledToken(token, float(batch.logprobs[row, token]), top, ended)
+        return SampledToken(token, float(logprobs[row, token]), top, ended)
 
     def _end_grammar(self, req: Request) -> int:
         """A guided row with no allowed token: its grammar ends here if it may (EOS), else
         the request fails."""
-        if not self.structured.is_accepting(req):
+        grammars = self._grammars()
+        if not grammars.is_accepting(req):
             raise GrammarError(_NO_TOKEN)
-        return self.structured.compiler.eos_token_ids[0]
+        return grammars.compiler.eos_token_ids[0]
+
+    def _grammars(self) -> StructuredOutput:
+        """Structured output, for a guided row past the batched stage: without grammars
+        `_mask_grammars` has failed every guided row already."""
+        assert self.structured is not None, "a guided row got past the batched stage"
+        return self.structured
 
     def _sample_row(self, logits: torch.Tensor, req: Request) -> int:
         p = req.params

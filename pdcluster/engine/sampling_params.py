@@ -151,7 +151,8 @@ def _check_guided_json(guided: GuidedDecoding) -> None:
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
+    number = int(value)
+    if number < low or (high is not None and number > high):
         upper = "" if high is None else f", {high}"
         raise ValueError(f"{name} must be in [{low}{upper}], got {value}")
 
@@ -160,8 +161,9 @@ def _check_float(name: str, value: object, low: float, high: float,
                  low_open: bool = False) -> None:
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    above_low = value > low if low_open else value >= low
-    if not (math.isfinite(value) and above_low and value <= high):
+    number = float(value)
+    above_low = number > low if low_open else number >= low
+    if not (math.isfinite(number) and above_low and number <= high):
         interval = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
         raise ValueError(f"{name} must be a finite number in {interval}, got {value}")
 

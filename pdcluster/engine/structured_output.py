@@ -28,6 +28,7 @@ import json
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,10 +36,14 @@ from pdcluster.core.sampling import GuidedDecoding
 from pdcluster.core.types import ReqId
 from pdcluster.engine.request import Request
 
+if TYPE_CHECKING:  # llguidance itself loads at the first guided request
+    from llguidance import LLExecutor, LLMatcher, LLTokenizer
+    from llguidance._lib import JsonCompileOptions  # its stub declares it; not re-exported
+
 logger = logging.getLogger(__name__)
 _CACHE_SIZE = 256
 _MAX_ERROR_CHARS = 500
-_COMPACT_JSON = {"whitespace_flexible": False}
+_COMPACT_JSON: JsonCompileOptions = {"whitespace_flexible": False}
 _ANY_OBJECT = '{"type": "object"}'
 
 
@@ -51,8 +56,8 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self.vocab_size = max(vocab_size, len(tokenizer))
         self.eos_token_ids = list(eos_token_ids) or [tokenizer.eos_token_id]
-        self._lltokenizer = None
-        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._lltokenizer: LLTokenizer | None = None
+        self._cache: OrderedDict[tuple[str, str], LLMatcher] = OrderedDict()
 
     @property
     def mask_words(self) -> int:
@@ -63,11 +68,11 @@ class GrammarCompiler:
         """Compile `guided` (into the cache): `ValueError` naming `guided` if it does not."""
         self._compiled(guided)
 
-    def matcher(self, guided: GuidedDecoding):
+    def matcher(self, guided: GuidedDecoding) -> LLMatcher:
         """A fresh matcher for `guided`, at its start."""
         return self._compiled(guided).deep_copy()
 
-    def _compiled(self, guided: GuidedDecoding):
+    def _compiled(self, guided: GuidedDecoding) -> LLMatcher:
         key = (guided.kind, guided.spec)
         pristine = self._cache.get(key)
         if pristine is None:
@@ -79,7 +84,7 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
         return pristine
 
-    def _compile(self, guided: GuidedDecoding):
+    def _compile(self, guided: GuidedDecoding) -> LLMatcher:
         import llguidance
 
         try:
@@ -92,7 +97,7 @@ class GrammarCompiler:
             raise ValueError(f"guided ({guided.kind}): {_short(matcher.get_error())}")
         return matcher
 
-    def _tokenizer(self):
+    def _tokenizer(self) -> LLTokenizer:
         if self._lltokenizer is None:
             import llguidance.hf
 
@@ -128,7 +133,7 @@ def _short(message: str) -> str:
 
 @dataclass(slots=True)
 class _Guided:
-    matcher: object
+    matcher: LLMatcher
     num_consumed: int = 0  # output tokens the matcher has seen
 
 
@@ -136,7 +141,7 @@ class StructuredOutput:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._states: dict[ReqId, _Guided] = {}
-        self._executor = None
+        self._executor: LLExecutor | None = None
         self._shifts = torch.arange(32, dtype=torch.int32)
 
     def forget(self, request_id: ReqId) -> None:
@@ -177,7 +182,9 @@ class StructuredOutput:
     def _synced(self, req: Request) -> _Guided:
         state = self._states.get(req.request_id)
         if state is None:
-            state = _Guided(self.compiler.matcher(req.params.guided))
+            guided = req.params.guided
+            assert guided is not None, "only a guided request is masked"
+            state = _Guided(self.compiler.matcher(guided))
             self._states[req.request_id] = state
         new = req.output_token_ids[state.num_consumed:]
         if new and not state.matcher.is_stopped():
@@ -187,7 +194,7 @@ class StructuredOutput:
             raise GrammarError(f"structured output: {_short(state.matcher.get_error())}")
         return state
 
-    def _fill(self, matchers: list) -> torch.Tensor:
+    def _fill(self, matchers: list[LLMatcher]) -> torch.Tensor:
         """[len(matchers), words] int32 bitmask, computed by llguidance's thread pool."""
         import llguidance
 

@@ -20,8 +20,8 @@ API: ``MetadataClient``, ``AsyncMetadataClient``, ``make_node_info``, ``role_val
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Sequence
+from typing import Any, cast
 
 import grpc
 
@@ -42,14 +42,14 @@ from pdcluster.metadata_service.wire import AUTH_HEADER, GRPC_OPTIONS
 from pdcluster.proto import metadata_pb2 as pb
 from pdcluster.proto import metadata_pb2_grpc as pb_grpc
 
-ROLES = {Role.PREFILL: pb.PREFILL, Role.DECODE: pb.DECODE}
+ROLES: dict[str, pb.Role] = {Role.PREFILL: pb.PREFILL, Role.DECODE: pb.DECODE}
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.CANCELLED)
 
 Match = tuple[NodeId, int]
 
 
-def role_value(role: str | int | None) -> int:
+def role_value(role: str | int | None) -> pb.Role:
     """'prefill' / 'decode' / a ``pb.Role`` value / None (any) -> the wire value."""
     if role is None:
         return pb.ROLE_UNSPECIFIED
@@ -57,7 +57,7 @@ def role_value(role: str | int | None) -> int:
         if role not in ROLES:
             raise ValueError(f"role must be one of {role_names(NODE_ROLES)}, got {role!r}")
         return ROLES[role]
-    return role
+    return cast("pb.Role", role)  # a pb.Role value is its int (proto3 enums are open)
 
 
 def make_node_info(
@@ -82,7 +82,7 @@ def make_node_info(
 
 
 def translate_error(exc: grpc.RpcError) -> MetadataError:
-    code, details = exc.code(), exc.details()
+    code, details = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return MetadataAuthError(f"metadata service refused the credentials (UNAUTHENTICATED): "
                                  f"{details}", code.name, details)
@@ -148,7 +148,7 @@ class _Base:
 class MetadataClient(_Base):
     """Blocking client; thread-safe (one gRPC channel)."""
 
-    def __init__(self, address: str, **kwargs: object) -> None:
+    def __init__(self, address: str, **kwargs: Any) -> None:  # _Base's keywords
         super().__init__(address, **kwargs)
         if self._credentials is None:
             self._channel = grpc.insecure_channel(address, options=self._options)
@@ -232,7 +232,7 @@ class MetadataClient(_Base):
 class AsyncMetadataClient(_Base):
     """asyncio client; create and use it inside one running event loop."""
 
-    def __init__(self, address: str, **kwargs: object) -> None:
+    def __init__(self, address: str, **kwargs: Any) -> None:  # _Base's keywords
         super().__init__(address, **kwargs)
         if self._credentials is None:
             self._channel = grpc.aio.insecure_channel(address, options=self._options)
@@ -262,11 +262,12 @@ class AsyncMetadataClient(_Base):
         reply = await self._call("ListNodes", pb.ListNodesRequest(role=role_value(role)))
         return list(reply.nodes)
 
-    def watch_nodes(self, role: str | int | None = None) -> AsyncIterator[pb.NodeChange]:
+    def watch_nodes(self, role: str | int | None = None
+                    ) -> AsyncGenerator[pb.NodeChange, None]:
         request = pb.ListNodesRequest(role=role_value(role))
         return _streamed(lambda: self._stub.WatchNodes(request, metadata=self._metadata))
 
-    def watch_blocks(self) -> AsyncIterator[pb.BlockUpdate]:
+    def watch_blocks(self) -> AsyncGenerator[pb.BlockUpdate, None]:
         """The service's block index: a snapshot, SNAPSHOT_COMPLETE, then every change in
         the order it was applied. Runs until the stream ends or fails (a MetadataError)."""
         return _streamed(lambda: self._stub.WatchBlocks(pb.WatchBlocksRequest(),
@@ -304,7 +305,7 @@ class AsyncMetadataClient(_Base):
         await self._channel.close()
 
 
-async def _streamed(open_stream: Callable[[], Any]) -> AsyncIterator:
+async def _streamed(open_stream: Callable[[], Any]) -> AsyncGenerator[Any, None]:
     """The messages of the server stream `open_stream()` starts (on first iteration); a gRPC
     failure becomes a MetadataError, and the stream is cancelled however iteration ends."""
     stream = open_stream()

@@ -12,18 +12,21 @@ A node's block set = the chunks of the generation ``state`` names, then every de
 revision order. Compaction writes a new base generation, then in one transaction points
 ``state`` at it and deletes all deltas and older generations.
 
-API: ``Keys``, ``load_states``, ``NodeRecord``.
+API: ``Keys``, ``load_states``, ``NodeRecord``, ``OwnedNode``, ``services``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import etcd3aio
+from etcd3aio.kv import KVService
+from etcd3aio.lease import LeaseService
+from etcd3aio.watch import WatchService
 
 from pdcluster.core.types import NodeId
-from pdcluster.metadata_service.codec import decode_delta, decode_record, unpack_hashes
+from pdcluster.metadata_service.codec import Delta, decode_delta, decode_record, unpack_hashes
 from pdcluster.metadata_service.store import NodeState
 from pdcluster.proto import metadata_pb2 as pb
 
@@ -88,6 +91,31 @@ class NodeRecord:
         return cls(info, fields["lease"], fields["ttl"], raw), fields["w"]
 
 
+@dataclass(slots=True)
+class OwnedNode:
+    """A node whose changes this replica persists: its lease, and what is still to write."""
+
+    lease_id: int
+    lease_ttl_s: int
+    info: pb.NodeInfo | None = None
+    record_dirty: bool = False  # the registration is still to write
+    pending: Delta = field(default_factory=Delta)
+    dirty: bool = False
+    needs_full: bool = False
+    num_deltas: int = 0
+    last_flush: float = 0.0
+    last_keepalive: float = 0.0
+
+
+def services(client: etcd3aio.Etcd3Client) -> tuple[KVService, LeaseService, WatchService]:
+    """The client's KV, lease and watch services. etcd3aio holds None there before `connect`
+    and after `close`: that is `EtcdConnectionError`, which the store treats as etcd down."""
+    kv, lease, watch = client.kv, client.lease, client.watch
+    if kv is None or lease is None or watch is None:
+        raise etcd3aio.EtcdConnectionError("the etcd client is not connected")
+    return kv, lease, watch
+
+
 async def _range_all(
     client: etcd3aio.Etcd3Client, prefix: bytes, timeout_s: float
 ) -> tuple[list, int]:
@@ -95,8 +123,8 @@ async def _range_all(
     end = etcd3aio.prefix_range_end(prefix)
     start, revision, kvs = prefix, 0, []
     while True:
-        reply = await client.kv.get(start, end, revision=revision, limit=PAGE_KEYS,
-                                    timeout=timeout_s)
+        reply = await services(client)[0].get(start, end, revision=revision, limit=PAGE_KEYS,
+                                              timeout=timeout_s)
         revision = revision or reply.header.revision
         kvs.extend(reply.kvs)
         if not reply.more or not reply.kvs:

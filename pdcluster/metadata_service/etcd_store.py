@@ -29,14 +29,22 @@ import logging
 import secrets
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import etcd3aio
+from etcd3aio.kv import KVService
+from etcd3aio.lease import LeaseService
 
 from pdcluster.core.types import BlockHash, NodeId
 from pdcluster.metadata_service.codec import Delta, encode_delta, encode_record, pack_hashes
 from pdcluster.metadata_service.config import MetadataConfig
-from pdcluster.metadata_service.etcd_layout import CHUNK_HASHES, Keys, NodeRecord, load_states
+from pdcluster.metadata_service.etcd_layout import (
+    CHUNK_HASHES,
+    Keys,
+    NodeRecord,
+    OwnedNode,
+    load_states,
+    services,
+)
 from pdcluster.metadata_service.etcd_watch import ETCD_ERRORS as _ETCD_ERRORS
 from pdcluster.metadata_service.etcd_watch import ReplicaWatch
 from pdcluster.metadata_service.store import IndexStore, NodeState, StoreSink
@@ -44,22 +52,6 @@ from pdcluster.proto import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-
-
-@dataclass(slots=True)
-class _Owned:
-    """A node whose changes this replica persists."""
-
-    lease_id: int
-    lease_ttl_s: int
-    info: pb.NodeInfo | None = None
-    record_dirty: bool = False  # the registration is still to write
-    pending: Delta = field(default_factory=Delta)
-    dirty: bool = False
-    needs_full: bool = False
-    num_deltas: int = 0
-    last_flush: float = 0.0
-    last_keepalive: float = 0.0
 
 
 class EtcdIndexStore(ReplicaWatch, IndexStore):
@@ -83,7 +75,7 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
             ("grpc.max_reconnect_backoff_ms", 1000),
         ])
         self._sink: StoreSink | None = None
-        self._owned: dict[NodeId, _Owned] = {}
+        self._owned: dict[NodeId, OwnedNode] = {}
         self._records: dict[NodeId, NodeRecord] = {}
         self._revokes: set[int] = set()
         self._healthy = False
@@ -178,14 +170,14 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
         owned.pending.epoch, owned.pending.seq = epoch, seq
         owned.dirty = True
 
-    def _own(self, node_id: NodeId, lease_ttl_s: int = 0) -> _Owned:
+    def _own(self, node_id: NodeId, lease_ttl_s: int = 0) -> OwnedNode:
         owned = self._owned.get(node_id)
         if owned is None:
             record = self._records.get(node_id)
             if record is not None:
-                owned = _Owned(record.lease_id, record.lease_ttl_s, record.info)
+                owned = OwnedNode(record.lease_id, record.lease_ttl_s, record.info)
             else:
-                owned = _Owned(0, lease_ttl_s or self._config.default_lease_ttl_s)
+                owned = OwnedNode(0, lease_ttl_s or self._config.default_lease_ttl_s)
             self._owned[node_id] = owned
         return owned
 
@@ -200,13 +192,20 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
                 now = time.monotonic()
                 if not self._healthy or now - last_probe >= self._config.health_interval_s:
                     last_probe = now
-                    await self._client.kv.get(self._keys.health,
-                                              timeout=self._config.etcd_timeout_s)
+                    await self._kv.get(self._keys.health, timeout=self._config.etcd_timeout_s)
                     if not self._healthy:
                         await self._reconcile()
                 await self._flush(force=False)
             except _ETCD_ERRORS as exc:
                 self._mark_down(exc)
+
+    @property
+    def _kv(self) -> KVService:
+        return services(self._client)[0]
+
+    @property
+    def _lease(self) -> LeaseService:
+        return services(self._client)[1]
 
     def _mark_down(self, exc: BaseException) -> None:
         if self._healthy or self._status == "connecting":
@@ -220,7 +219,7 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
     async def _reconcile(self) -> None:
         for owned in self._owned.values():
             if owned.lease_id:
-                reply = await self._client.lease.time_to_live(
+                reply = await self._lease.time_to_live(
                     owned.lease_id, timeout=self._config.etcd_timeout_s)
                 if reply.TTL <= 0:
                     owned.lease_id = 0
@@ -240,7 +239,7 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
     async def _flush(self, force: bool) -> None:
         for lease_id in list(self._revokes):
             with contextlib.suppress(etcd3aio.EtcdError):  # already expired: nothing to revoke
-                await self._client.lease.revoke(lease_id, timeout=self._config.etcd_timeout_s)
+                await self._lease.revoke(lease_id, timeout=self._config.etcd_timeout_s)
             self._revokes.discard(lease_id)
         now = time.monotonic()
         due = [(node_id, owned) for node_id, owned in self._owned.items()
@@ -252,11 +251,11 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
             if isinstance(result, BaseException):
                 raise result
 
-    async def _flush_node(self, node_id: NodeId, owned: _Owned) -> None:
+    async def _flush_node(self, node_id: NodeId, owned: OwnedNode) -> None:
         timeout = self._config.etcd_timeout_s
         owned.last_flush = time.monotonic()
         if not owned.lease_id:
-            lease = await self._client.lease.grant(owned.lease_ttl_s, timeout=timeout)
+            lease = await self._lease.grant(owned.lease_ttl_s, timeout=timeout)
             owned.lease_id, owned.needs_full, owned.record_dirty = lease.ID, True, True
         if owned.record_dirty and owned.info is not None:
             owned.record_dirty = False
@@ -281,7 +280,7 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
                 raise
             owned.num_deltas += 1
 
-    async def _write_base(self, node_id: NodeId, owned: _Owned) -> None:
+    async def _write_base(self, node_id: NodeId, owned: OwnedNode) -> None:
         assert self._sink is not None, "store not started"
         snapshot = self._sink.node_snapshot(node_id)
         if snapshot is None:
@@ -292,7 +291,7 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
         step = CHUNK_HASHES * self._config.hash_size
         chunks = [packed[i:i + step] for i in range(0, len(packed), step)]
         gen = time.time_ns()
-        keys, kv = self._keys, self._client.kv
+        keys, kv = self._keys, self._kv
         try:
             for i, chunk in enumerate(chunks):
                 await self._put(keys.base(node_id, gen, i), chunk, owned)
@@ -310,13 +309,12 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
             raise
         owned.num_deltas = 0
 
-    async def _put(self, key: bytes, value: bytes, owned: _Owned) -> None:
-        await self._client.kv.put(key, value, lease=owned.lease_id,
-                                  timeout=self._config.etcd_timeout_s)
+    async def _put(self, key: bytes, value: bytes, owned: OwnedNode) -> None:
+        await self._kv.put(key, value, lease=owned.lease_id, timeout=self._config.etcd_timeout_s)
         self._writes += 1
 
     async def _keepalive(self, lease_id: int) -> None:
-        stream = self._client.lease.keep_alive(lease_id)
+        stream = self._lease.keep_alive(lease_id)
         try:
             async with asyncio.timeout(self._config.etcd_timeout_s):
                 async for reply in stream:

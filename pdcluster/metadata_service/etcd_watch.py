@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import etcd3aio
 import grpc
 
 from pdcluster.core.types import NodeId
 from pdcluster.metadata_service.codec import Delta, decode_delta, decode_record, unpack_hashes
-from pdcluster.metadata_service.etcd_layout import NodeRecord
+from pdcluster.metadata_service.config import MetadataConfig
+from pdcluster.metadata_service.etcd_layout import Keys, NodeRecord, OwnedNode, services
+from pdcluster.metadata_service.store import StoreSink
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +34,21 @@ _PUT, _DELETE = 0, 1
 class ReplicaWatch:
     """The watch half of ``EtcdIndexStore`` (a mixin: state lives in the store)."""
 
+    # The store's state and the one store method this half uses (EtcdIndexStore sets them).
+    _config: MetadataConfig
+    _keys: Keys
+    _client: etcd3aio.Etcd3Client
+    _writer: str
+    _sink: StoreSink | None
+    _records: dict[NodeId, NodeRecord]
+    _owned: dict[NodeId, OwnedNode]
+    _base_chunks: dict[tuple[NodeId, int], dict[int, bytes]]
+    _mark_down: Callable[[BaseException], None]
+
     async def _watch(self, start_revision: int) -> None:
         root = self._keys.root
         try:
-            async for reply in self._client.watch.watch(
+            async for reply in services(self._client)[2].watch(
                     root, etcd3aio.prefix_range_end(root), start_revision=start_revision):
                 for event in reply.events:
                     self._on_event(event)
@@ -67,7 +82,7 @@ class ReplicaWatch:
         elif kind == "state" and event.type == _PUT:
             self._on_remote_base(node_id, decode_record(event.kv.value))
 
-    def _on_remote_base(self, node_id: NodeId, state: dict) -> None:
+    def _on_remote_base(self, node_id: NodeId, state: dict[str, Any]) -> None:
         """A base (full rewrite) landed: its chunks came first in the watch, in revision order."""
         chunks = {k: v for k, v in self._base_chunks.items() if k[0] == node_id}
         for key in chunks:

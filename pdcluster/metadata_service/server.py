@@ -196,6 +196,8 @@ def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 def _server_credentials(config: MetadataConfig) -> grpc.ServerCredentials:
     """TLS with the service's certificate; with a client CA, mTLS: the handshake fails for a
     client that presents no certificate or one the CA did not sign."""
+    assert config.tls_key_file is not None and config.tls_cert_file is not None, \
+        "TLS is on only with both files (MetadataConfig checks)"
     key = Path(config.tls_key_file).read_bytes()
     cert = Path(config.tls_cert_file).read_bytes()
     client_ca = (Path(config.tls_client_ca_file).read_bytes()

@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from pdcluster.core.types import BlockHash, NodeId
 from pdcluster.metadata_service.codec import Delta
@@ -140,7 +140,7 @@ class MetadataService:
 
     def publish(
         self, node_id: NodeId, epoch: int, seq: int, events: Sequence[pb.KVEventMsg]
-    ) -> tuple[int, int]:
+    ) -> tuple[pb.PublishReply.Status, int]:
         """Apply one batch; returns (PublishStatus, last applied seq)."""
         ops = self._checked(node_id, decode_events, events, self.config)
         node = self._nodes.get(node_id)
@@ -196,7 +196,7 @@ class MetadataService:
             self._reject(node_id, exc)
             raise
 
-    def _reject(self, node_id: NodeId, exc: InvalidBatch) -> None:
+    def _reject(self, node_id: NodeId, exc: InvalidBatch) -> NoReturn:
         self.rejected[exc.reason] += 1
         logger.debug("rejected a request from %s: %s", node_id, exc)
         raise exc

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Collection, Iterable, Iterator
 
 from pdcluster.core.block_index import BlockIndex
 from pdcluster.core.types import BlockHash, NodeId
@@ -130,16 +130,18 @@ class WatchedIndex(BlockIndex):
             self._emit(_Update.NODE_REMOVED, node_id)
         return num_removed
 
-    def add_blocks(self, node_id: NodeId, block_hashes: Collection[BlockHash]) -> int:
-        num_new = super().add_blocks(node_id, block_hashes)
-        if self.subscribers and block_hashes:
-            self._emit(_Update.STORED, node_id, block_hashes)
+    def add_blocks(self, node_id: NodeId, block_hashes: Iterable[BlockHash]) -> int:
+        hashes = _collection(block_hashes)
+        num_new = super().add_blocks(node_id, hashes)
+        if self.subscribers and hashes:
+            self._emit(_Update.STORED, node_id, hashes)
         return num_new
 
-    def remove_blocks(self, node_id: NodeId, block_hashes: Collection[BlockHash]) -> int:
-        num_removed = super().remove_blocks(node_id, block_hashes)
-        if self.subscribers and block_hashes:
-            self._emit(_Update.REMOVED, node_id, block_hashes)
+    def remove_blocks(self, node_id: NodeId, block_hashes: Iterable[BlockHash]) -> int:
+        hashes = _collection(block_hashes)
+        num_removed = super().remove_blocks(node_id, hashes)
+        if self.subscribers and hashes:
+            self._emit(_Update.REMOVED, node_id, hashes)
         return num_removed
 
     def clear_node(self, node_id: NodeId) -> int:
@@ -149,7 +151,7 @@ class WatchedIndex(BlockIndex):
         return num_removed
 
     def replace_node_blocks(
-        self, node_id: NodeId, block_hashes: Collection[BlockHash]
+        self, node_id: NodeId, block_hashes: Iterable[BlockHash]
     ) -> tuple[set[BlockHash], set[BlockHash]]:
         removed, added = super().replace_node_blocks(node_id, block_hashes)
         if self.subscribers:
@@ -161,7 +163,8 @@ class WatchedIndex(BlockIndex):
 
     # -- fan-out ---------------------------------------------------------------------------
 
-    def _emit(self, kind: int, node_id: NodeId, block_hashes: Collection[BlockHash] = ()) -> None:
+    def _emit(self, kind: pb.BlockUpdate.Kind, node_id: NodeId,
+              block_hashes: Collection[BlockHash] = ()) -> None:
         hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
         for update in self._chunks(kind, node_id, hashes):
             weight = max(1, len(update.block_hashes) // self.hash_size)
@@ -171,7 +174,7 @@ class WatchedIndex(BlockIndex):
                 logger.warning("a WatchBlocks subscriber fell more than %d hashes behind: "
                                "cut off (it resubscribes for a snapshot)", self.max_pending)
 
-    def _chunks(self, kind: int, node_id: NodeId, hashes: list[BlockHash]
+    def _chunks(self, kind: pb.BlockUpdate.Kind, node_id: NodeId, hashes: list[BlockHash]
                 ) -> Iterator[pb.BlockUpdate]:
         if not hashes:
             yield _Update(kind=kind, node_id=node_id, hash_size=self.hash_size)
@@ -198,6 +201,11 @@ class NodeWatch:
     def unsubscribe(self, queue: asyncio.Queue[pb.NodeChange]) -> None:
         self._queues.remove(queue)
 
-    def notify(self, kind: int, info: pb.NodeInfo) -> None:
+    def notify(self, kind: pb.NodeChange.Kind, info: pb.NodeInfo) -> None:
         for queue in self._queues:
             queue.put_nowait(pb.NodeChange(kind=kind, node=info))
+
+
+def _collection(block_hashes: Iterable[BlockHash]) -> Collection[BlockHash]:
+    """The hashes as a collection: the index and then the watchers both read them."""
+    return block_hashes if isinstance(block_hashes, Collection) else list(block_hashes)

@@ -16,7 +16,7 @@ from pdcluster.core.node_wire import NodeMessage, RequestError, TokenDelta, deco
 
 class BlockingNodeClient:
     def __init__(self, address: str, *, curve: CurveKeys | None) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         if curve is not None:
             secure_client(self.socket, curve)
@@ -40,6 +40,8 @@ class BlockingNodeClient:
         deadline = time.monotonic() + timeout_s
         while open_ids:
             msg = self.recv(max(0.01, deadline - time.monotonic()))
+            if not isinstance(msg, TokenDelta | RequestError):
+                raise ValueError(f"expected replies to requests, got a {type(msg).__name__}")
             got[msg.request_id].append(msg)
             if isinstance(msg, RequestError) or (isinstance(msg, TokenDelta) and msg.finished):
                 open_ids.discard(msg.request_id)

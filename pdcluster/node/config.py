@@ -69,6 +69,12 @@ class NodeConfig:
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 
     @property
+    def secret(self) -> ClusterSecret:
+        """`cluster_secret`, which `__post_init__` makes sure is there."""
+        assert self.cluster_secret is not None, "NodeConfig refuses a node without a secret"
+        return self.cluster_secret
+
+    @property
     def model(self) -> str:
         return self.engine.model
 

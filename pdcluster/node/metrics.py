@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -129,7 +129,7 @@ def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricF
     return family
 
 
-def _counter(name: str, doc: str, rows: list[tuple[list[str], float]], labels: list[str],
+def _counter(name: str, doc: str, rows: Sequence[tuple[list[str], float]], labels: list[str],
              *extra: str) -> CounterMetricFamily:
     family = CounterMetricFamily(f"pdcluster_node_{name}", doc,
                                  labels=["node", "role", *extra])

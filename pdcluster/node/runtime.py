@@ -27,7 +27,7 @@ def metadata_client(config: NodeConfig) -> MetadataClient:
     """The node's client of the metadata service: its own principal (the service lets it act
     only as itself), over TLS when the config names a CA."""
     assert config.metadata_address is not None, "no metadata service configured"
-    token = config.cluster_secret.metadata_token(node_principal(config.node_id))
+    token = config.secret.metadata_token(node_principal(config.node_id))
     return MetadataClient(config.metadata_address, token=token,
                           tls_ca_file=config.metadata_tls_ca,
                           tls_cert_file=config.metadata_tls_cert,
@@ -38,7 +38,7 @@ def metadata_client(config: NodeConfig) -> MetadataClient:
 class NodeRuntime:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        curve = config.cluster_secret.curve_keys()  # request socket and KV side channel
+        curve = config.secret.curve_keys()  # request socket and KV side channel
         self.engine, self.kv_address = make_engine(config, curve)
         self.server = NodeServer(self.engine, config.node_id, config.role, config.host,
                                  config.port, on_step=self._on_step, curve=curve)

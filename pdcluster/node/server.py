@@ -39,7 +39,7 @@ import zmq
 
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.curve import secure_server
-from pdcluster.core.kv_transfer import PrefixPull, RemoteDecode, RemotePrefill
+from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, RemoteDecode, RemotePrefill
 from pdcluster.core.node_wire import (
     AbortRequest,
     GenerateRequest,
@@ -83,7 +83,7 @@ class NodeServer:
         self.node_id, self.role = node_id, role
         self.on_step = on_step
         self.stats = ServerStats()
-        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client is not an error
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
@@ -325,9 +325,12 @@ def _new_top_logprobs(top: list[list[tuple[int, float]]] | None, num_new: int
             [[float(v) for _, v in pairs] for pairs in tail])
 
 
-def _transfer_params(spec: TransferSpec | None):
+def _transfer_params(spec: TransferSpec | None) -> KVTransferParams | None:
+    """The engine's transfer parameters (`core.node_wire.decode` has checked the kind, and
+    that a remote prefill names its source)."""
     if spec is None:
         return None
     if spec.kind == "remote_prefill":
+        assert spec.source_addr, "the wire refuses a remote_prefill without source_addr"
         return RemotePrefill(spec.transfer_id, spec.source_addr)
     return RemoteDecode(spec.transfer_id)

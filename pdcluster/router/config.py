@@ -105,6 +105,12 @@ class RouterConfig:
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 
     @property
+    def secret(self) -> ClusterSecret:
+        """`cluster_secret`, which `__post_init__` makes sure is there."""
+        assert self.cluster_secret is not None, "RouterConfig refuses a router without a secret"
+        return self.cluster_secret
+
+    @property
     def metadata_tls(self) -> ClientTLS | None:
         return ClientTLS.from_fields(self.metadata_tls_ca, self.metadata_tls_cert,
                                      self.metadata_tls_key, self.metadata_tls_server_name)

@@ -35,7 +35,11 @@ logger = logging.getLogger(__name__)
 _BIND = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32,
                          use_errno=True)
 _LIBC = ctypes.CDLL(None, use_errno=True)
-_REAL_BIND = _BIND(ctypes.cast(_LIBC.bind, ctypes.c_void_p).value)
+_BIND_ADDRESS = ctypes.cast(_LIBC.bind, ctypes.c_void_p).value
+assert _BIND_ADDRESS is not None, "libc exports bind"
+_REAL_BIND = _BIND(_BIND_ADDRESS)
+# address family -> (offset, width) of the address in its sockaddr
+_ADDRESS_FIELDS: dict[int, tuple[int, int]] = {socket.AF_INET: (4, 4), socket.AF_INET6: (8, 16)}
 # ELF machine -> relocation types of a GOT slot (GLOB_DAT, JUMP_SLOT)
 _GOT_RELOCATIONS = {62: (6, 7), 183: (1025, 1026)}  # x86-64, AArch64
 _PROT_READ, _PROT_WRITE = 1, 2
@@ -70,19 +74,20 @@ def _targets_for(host: str) -> dict[int, bytes]:
     # a name with both kinds of address: IPv4, the kind Mooncake's sockets use unless
     # MC_USE_IPV6 is set (the engine sets it for an IPv6 literal)
     family, *_, sockaddr = min(info, key=lambda entry: entry[0] != socket.AF_INET)
-    packed = socket.inet_pton(family, sockaddr[0])
+    address = str(sockaddr[0])  # an IP literal for both families asked for
+    packed = socket.inet_pton(family, address)
     if family == socket.AF_INET:
         # Mooncake's data listener is an IPv6 dual-stack socket: the v4-mapped form of the
         # host still accepts IPv4 peers, on that address only.
         return {socket.AF_INET: packed,
-                socket.AF_INET6: socket.inet_pton(socket.AF_INET6, f"::ffff:{sockaddr[0]}")}
+                socket.AF_INET6: socket.inet_pton(socket.AF_INET6, f"::ffff:{address}")}
     return {socket.AF_INET6: packed}  # an IPv4 wildcard bind stays: wildcard_listeners sees it
 
 
 def _pinned_bind(fd: int, addr: int, addrlen: int) -> int:
     try:
         family = ctypes.c_uint16.from_address(addr).value
-        offset, width = {socket.AF_INET: (4, 4), socket.AF_INET6: (8, 16)}.get(family, (0, 0))
+        offset, width = _ADDRESS_FIELDS.get(family, (0, 0))
         replacement = _target.get(family)
         if width and replacement and ctypes.string_at(addr + offset, width) == bytes(width):
             ctypes.memmove(addr + offset, replacement, width)
@@ -176,7 +181,7 @@ def wildcard_listeners() -> set[tuple[str, int]]:
 
 
 def _socket_inodes() -> set[str]:
-    inodes = set()
+    inodes: set[str] = set()
     fd_dir = Path("/proc/self/fd")
     try:
         entries = list(fd_dir.iterdir())

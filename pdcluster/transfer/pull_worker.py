@@ -88,7 +88,8 @@ class PullWorker:
     # ---- holder -----------------------------------------------------------------------
 
     def on_request(self, msg: PrefixPullRequest) -> None:
-        state, outbox = self._state, []
+        state = self._state
+        outbox: Outbox = []
         with state.lock:
             reason = state.finished.get(msg.transfer_id)
             if reason is not None:

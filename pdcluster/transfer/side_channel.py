@@ -163,7 +163,7 @@ class SideChannelServer:
 
 
 def _router_socket(host: str, port: int, curve: CurveKeys | None) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     if curve is not None:
@@ -202,7 +202,7 @@ class SideChannelClient:
             if self._closed:
                 raise TransferError("side-channel client is closed")
             try:
-                sock.send(payload, copy=len(payload) < 65536)
+                sock.send(payload, 0, copy=len(payload) < 65536)
             except zmq.Again:
                 raise TransferError(f"no side-channel peer accepted a message at {address} "
                                     f"within {self._send_timeout_ms} ms") from None
@@ -235,7 +235,7 @@ class SideChannelClient:
     def _dealer_socket(self, address: str) -> zmq.Socket:
         if not address.startswith("tcp://"):
             raise ValueError(f"side-channel address must be tcp://host:port, got {address!r}")
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # IMMEDIATE: queue only on completed connections, so a dead peer makes send time out
         # instead of piling messages up; SNDTIMEO also covers a connection still being made.

@@ -54,7 +54,7 @@ class TransferStats(KVConnectorStats):
     seconds) finished since the last report) and "in_flight" (the scheduler side's)."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         merged = dict(self.data)

@@ -137,7 +137,7 @@ class VllmWorkerSide:
         side it is coming, and the node to wake vLLM's engine should it be asleep."""
         if not self._announcers:
             for name in ("lookups", "wake"):
-                sock = zmq.Context.instance().socket(zmq.PUSH)
+                sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 64)
                 sock.connect(endpoint(self._handshake_dir, name))

@@ -35,7 +35,7 @@ class EventSubscriber:
     """Subscribes to vLLM's KV events at `endpoint` (replays from `replay_endpoint`)."""
 
     def __init__(self, endpoint: str, replay_endpoint: str, topic: str = "kv") -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())

@@ -52,7 +52,7 @@ class VllmPulls:
         self._tried: set[str] = set()
         self._serving: dict[TransferId, list[Any]] = {}  # referenced blocks per serve
         self._announced_until = 0.0
-        self._notices = None
+        self._notices: zmq.Socket[bytes] | None = None
         if lookups_endpoint is not None:
             self._notices = zmq.Context.instance().socket(zmq.PULL)
             self._notices.setsockopt(zmq.LINGER, 0)

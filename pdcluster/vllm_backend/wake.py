@@ -21,7 +21,7 @@ class Waker:
     scheduler side travels on another socket and may land just after the first poke."""
 
     def __init__(self, address: str, poke: Callable[[], None]) -> None:
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
         self._poke, self._stop = poke, threading.Event()

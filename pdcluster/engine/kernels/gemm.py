@@ -51,8 +51,11 @@ def choice() -> dict[str, str]:
         return dict(DEFAULT)
     if not isinstance(recorded, dict):
         return dict(DEFAULT)
-    return {use: recorded.get(use) if recorded.get(use) in BACKENDS else DEFAULT[use]
-            for use in USES}
+    return {use: _valid(recorded.get(use), DEFAULT[use]) for use in USES}
+
+
+def _valid(backend: object, default: str) -> str:
+    return backend if isinstance(backend, str) and backend in BACKENDS else default
 
 
 def _onednn_available() -> bool:
@@ -103,7 +106,9 @@ def calibrate(path: Path | None = None) -> dict:
                 seconds[key] += _seconds(fn)
     finally:
         torch.set_num_threads(threads)
-    record = {use: min(BACKENDS, key=lambda b, use=use: seconds[(use, b)]) for use in USES}
+    record: dict[str, object] = {
+        use: min(BACKENDS, key=lambda b, use=use: seconds[(use, b)])  # type: ignore[misc]
+        for use in USES}
     record["seconds"] = {f"{use}/{b}": round(s, 6) for (use, b), s in seconds.items()}
     path = path or choice_path()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pdcluster.engine.model_config import ModelConfig
 from pdcluster.engine.models.llama import CausalLM
-from pdcluster.engine.models.mla import MLAttention
+from pdcluster.engine.models.mla import MLAttention, mla_config
 
 
 class DeepseekForCausalLM(CausalLM):
@@ -17,4 +17,4 @@ class DeepseekForCausalLM(CausalLM):
 
     @staticmethod
     def rope_dim(cfg: ModelConfig) -> int:
-        return cfg.mla.qk_rope_head_dim
+        return mla_config(cfg).qk_rope_head_dim

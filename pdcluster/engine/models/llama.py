@@ -71,7 +71,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
         self.rope = rope
-        self.q_norm = self.k_norm = None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -91,7 +92,7 @@ class Attention(nn.Module):
             out = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale,
                                   cache_written=True)
             return self.o_proj(out.reshape(-1, self.q_size))
-        if self.q_norm is None:
+        if self.q_norm is None or self.k_norm is None:  # both or neither (cfg.qk_norm)
             # q and k heads side by side: one RoPE pass (the same arithmetic per element).
             qk = self.rope.rotate(positions, qkv[:, :qk_size].view(
                 -1, self.num_heads + self.num_kv_heads, self.head_dim))
@@ -161,6 +162,7 @@ class CausalLM(nn.Module):
         """Recompute the RoPE tables (buffers, not weights) on `device` after `to_empty`."""
         rope = RotaryEmbedding(self.config.rope, self.rope_dim(self.config), self.max_positions)
         for layer in self.layers:
+            assert isinstance(layer, DecoderLayer), "the decoder holds DecoderLayers only"
             layer.self_attn.rope = rope.to(device)
 
     @torch.inference_mode()
@@ -168,6 +170,7 @@ class CausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, kv_cache, meta)
+        assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()

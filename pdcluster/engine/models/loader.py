@@ -12,13 +12,16 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from pdcluster.engine.model_config import ModelConfig
 from pdcluster.engine.models.registry import model_class
+
+if TYPE_CHECKING:
+    from pdcluster.engine.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ _SHARD = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> nn.Module:
+               max_positions: int) -> CausalLM:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in model folder {path}")

@@ -27,6 +27,7 @@ from torch import nn
 from pdcluster.engine.attention import AttentionMetadata, GatherWorkspace, PrefillChunk
 from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.model_families import MLAConfig
 from pdcluster.engine.models.linear import Linear
 from pdcluster.engine.models.llama import RMSNorm
 from pdcluster.engine.models.rope import RotaryEmbedding
@@ -34,12 +35,26 @@ from pdcluster.engine.models.rope import RotaryEmbedding
 _LORA_NORM_EPS = 1e-6  # transformers builds q_a/kv_a_layernorm with the default eps
 
 
+def mla_config(cfg: ModelConfig) -> MLAConfig:
+    """The config's MLA section (`ModelConfig.from_hf` makes one for every MLA family)."""
+    assert cfg.mla is not None, f"{cfg.architecture} has no MLA section"
+    return cfg.mla
+
+
+def _decode_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode rows' block table and key mask (a step with decodes has both)."""
+    assert meta.decode_block_table is not None and meta.decode_mask is not None, \
+        "a step with decodes has their block table and mask"
+    return meta.decode_block_table, meta.decode_mask
+
+
 def softmax_scale(cfg: ModelConfig) -> float:
     """1/sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim)^2 when configured."""
     scale = cfg.head_dim**-0.5
     rope = cfg.rope
-    if rope.rope_type != "default" and rope.mscale_all_dim and rope.factor > 1:
-        mscale = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+    factor = rope.factor  # set for every type but "default" (RopeConfig checks)
+    if rope.rope_type != "default" and rope.mscale_all_dim and factor is not None and factor > 1:
+        mscale = 0.1 * rope.mscale_all_dim * math.log(factor) + 1.0
         scale *= mscale * mscale
     return scale
 
@@ -47,7 +62,7 @@ def softmax_scale(cfg: ModelConfig) -> float:
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
         super().__init__()
-        m, hidden = cfg.mla, cfg.hidden_size
+        m, hidden = mla_config(cfg), cfg.hidden_size
         self.layer, self.rope, self.num_heads = layer, rope, cfg.num_heads
         self.rank, self.nope, self.rope_dim, self.v_dim = (
             m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim)
@@ -124,10 +139,11 @@ class MLAttention(nn.Module):
         return out.transpose(0, 1)
 
     def _decode_expanded(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
-        entries = meta.workspace.gather(cache, meta.decode_block_table, GatherWorkspace.KEYS)
+        block_table, mask = _decode_tables(meta)
+        entries = meta.workspace.gather(cache, block_table, GatherWorkspace.KEYS)
         keys, values = self._expand(entries.squeeze(1))
         queries = torch.cat([q_nope, q_pe], dim=-1).unsqueeze(2)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask,
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
                                              scale=self.scale)
         return out.squeeze(2)
 
@@ -138,9 +154,10 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
         queries = torch.cat([q_latent, q_pe], dim=-1)  # [B, H, rank+rope]
-        entries = meta.workspace.gather(cache, meta.decode_block_table, GatherWorkspace.KEYS)
+        block_table, mask = _decode_tables(meta)
+        entries = meta.workspace.gather(cache, block_table, GatherWorkspace.KEYS)
         entries = entries.squeeze(1)  # [B, L, rank+rope]
         scores = torch.matmul(queries, entries.transpose(1, 2)) * self.scale  # [B, H, L]
-        scores = scores.masked_fill(~meta.decode_mask[:, 0], float("-inf"))
+        scores = scores.masked_fill(~mask[:, 0], float("-inf"))
         out = torch.matmul(scores.softmax(-1), entries[..., : self.rank])  # [B, H, rank]
         return torch.einsum("bhr,hvr->bhv", out, w_uv)

@@ -10,10 +10,12 @@ drift from where the package is installed.
 from __future__ import annotations
 
 import importlib
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from pdcluster.engine.model_config import SUPPORTED_ARCHITECTURES
+
+if TYPE_CHECKING:
+    from pdcluster.engine.models.llama import CausalLM
 
 _IMPLEMENTATIONS = {
     "LlamaForCausalLM": "llama:CausalLM",
@@ -28,7 +30,8 @@ _IMPLEMENTATIONS = {
 assert set(_IMPLEMENTATIONS) == set(SUPPORTED_ARCHITECTURES), "registry out of sync"
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def model_class(architecture: str) -> type[CausalLM]:
+    """Every implementation is a `CausalLM` (families subclass it)."""
     target = _IMPLEMENTATIONS.get(architecture)
     if target is None:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: "

@@ -15,6 +15,14 @@ import torch
 from pdcluster.engine.model_config import RopeConfig
 
 
+def _need(cfg: RopeConfig, name: str) -> float:
+    """A parameter `cfg`'s rope type cannot do without (a ValueError naming it if absent)."""
+    value = getattr(cfg, name)
+    if value is None:
+        raise ValueError(f"rope type {cfg.rope_type!r} needs {name!r}")
+    return float(value)
+
+
 def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
     return 1.0 / (theta**exponents)
@@ -22,8 +30,9 @@ def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
 
 def _llama3_inv_freq(cfg: RopeConfig, dim: int) -> torch.Tensor:
     inv_freq = _default_inv_freq(cfg.theta, dim)
-    factor, low, high = cfg.factor, cfg.low_freq_factor, cfg.high_freq_factor
-    old_len = cfg.original_max_position_embeddings
+    factor, low, high = (_need(cfg, name) for name in
+                         ("factor", "low_freq_factor", "high_freq_factor"))
+    old_len = _need(cfg, "original_max_position_embeddings")
     low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
@@ -38,8 +47,8 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def _yarn_inv_freq(cfg: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
-    base, old_len = cfg.theta, cfg.original_max_position_embeddings
-    factor = cfg.factor
+    base, old_len = cfg.theta, _need(cfg, "original_max_position_embeddings")
+    factor = _need(cfg, "factor")
     attention_factor = cfg.attention_factor
     if attention_factor is None:
         if cfg.mscale and cfg.mscale_all_dim:
@@ -72,7 +81,7 @@ def inv_freq_and_scale(cfg: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     if cfg.rope_type == "default":
         return _default_inv_freq(cfg.theta, dim), 1.0
     if cfg.rope_type == "linear":
-        return _default_inv_freq(cfg.theta, dim) / cfg.factor, 1.0
+        return _default_inv_freq(cfg.theta, dim) / _need(cfg, "factor"), 1.0
     if cfg.rope_type == "llama3":
         return _llama3_inv_freq(cfg, dim), 1.0
     if cfg.rope_type == "yarn":
@@ -83,6 +92,9 @@ def inv_freq_and_scale(cfg: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(torch.nn.Module):
     """Holds cos/sin for every position up to `max_positions`; `forward` rotates q and k."""
 
+    cos: torch.Tensor  # buffers (register_buffer), [max_positions, head_dim]
+    sin: torch.Tensor
+
     def __init__(self, cfg: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv_freq, scale = inv_freq_and_scale(cfg, head_dim)
@@ -91,7 +103,8 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
-        self._memo: tuple | None = None  # (positions, dtype, cos, sin) of the latest step
+        # (positions, dtype, cos, sin) of the latest step
+        self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -104,7 +117,8 @@ class RotaryEmbedding(torch.nn.Module):
         cos, sin = self._cos_sin(positions, x.dtype)
         return x * cos + _rotate_half(x) * sin
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's `[T, 1, D]` tables, gathered once per positions tensor: every layer of a
         step shares one positions tensor, so 29 of 30 layers skip the gather."""
         memo = self._memo

@@ -46,14 +46,16 @@ class DraftProposer(Proposer):
     def for_target(cls, config: SpeculativeConfig, target) -> DraftProposer:
         """Load `config.draft_model` on the target engine's device and dtype, with as many
         KV blocks of the same size in tokens as the target has."""
-        mc = ModelConfig.from_pretrained(config.draft_model)
+        path = config.draft_model
+        assert path is not None, "the draft method comes with its model (SpeculativeConfig)"
+        mc = ModelConfig.from_pretrained(path)
         if mc.vocab_size != target.model_config.vocab_size:
             raise ValueError(f"draft model vocabulary {mc.vocab_size} differs from the "
                              f"target's {target.model_config.vocab_size}")
         if mc.max_model_len < target.max_model_len:
             raise ValueError(f"draft model length {mc.max_model_len} is shorter than the "
                              f"target's {target.max_model_len}")
-        model = load_model(config.draft_model, mc, target.dtype, target.device,
+        model = load_model(path, mc, target.dtype, target.device,
                            target.max_model_len)
         planes, heads, dim = mc.kv_layout
         spec = dataclasses.replace(target.kv_spec, num_layers=mc.num_layers, num_kv_heads=heads,

@@ -222,7 +222,7 @@ class EdgeRunner(web.AppRunner):
     lingering from `config`; connections made by `_EdgeServer`."""
 
     def __init__(self, app: web.Application, config: RouterConfig) -> None:
-        self._handler_kwargs = {
+        self._handler_kwargs: dict[str, Any] = {
             "access_log": None, "keepalive_timeout": config.header_timeout_s,
             "max_line_size": config.max_header_bytes, "max_field_size": config.max_header_bytes,
             "max_headers": config.max_headers,

@@ -95,7 +95,7 @@ class SampleRun:
         deltas = execute_migrating(self._dispatcher, placement, self._samples[index])
         self._tasks[index] = asyncio.create_task(self._pump(index, deltas))
 
-    async def _pump(self, index: int, deltas: AsyncIterator[TokenDelta]) -> None:
+    async def _pump(self, index: int, deltas: AsyncGenerator[TokenDelta, None]) -> None:
         try:
             async with aclosing(deltas):
                 async for delta in deltas:

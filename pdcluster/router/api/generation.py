@@ -210,6 +210,7 @@ class Generation:
         (`tools.streamable_prefix`); once the choice finishes, its calls go out as one
         `tool_calls` delta, or the held text as content if it is no call."""
         tools, req = self.req.tool_choice, self.req
+        assert tools is not None, "only a chat with a tool choice holds its text"
         end = len(choice.token_ids)
         logprobs = (chat_logprobs(self.tokenizer, choice, sent.num_tokens, end,
                                   req.tokens_as_ids) if req.sampling.logprobs is not None else None)
@@ -240,7 +241,8 @@ async def _prepare(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def _end_with_error(response: web.StreamResponse, exc: Exception) -> None:
+async def _end_with_error(response: web.StreamResponse,
+                          exc: NoHealthyNode | NodeFailure) -> None:
     error = api_error(exc)
     await _send(response, error_body(error))
     await response.write(b"data: [DONE]\n\n")

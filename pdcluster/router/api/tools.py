@@ -158,9 +158,8 @@ def parse_tool_calls(text: str, choice: ToolChoice, fmt: str
     well-formed call stays content (and no call is made of it)."""
     if choice.mode == "named":
         args = _json(text)
-        if not isinstance(args, dict):
-            return text, []
-        return None, [_call(choice.name, args, choice)]
+        call = _call(choice.name, args, choice) if isinstance(args, dict) else None
+        return (text, []) if call is None else (None, [call])
     if choice.mode == "required":
         calls = _json(text)
         if not isinstance(calls, list):

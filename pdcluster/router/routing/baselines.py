@@ -33,7 +33,7 @@ class RoundRobin:
     """Keeps one turn counter per role, so the sequence is the same for every run."""
 
     def __init__(self) -> None:
-        self._turns = {Role.PREFILL: 0, Role.DECODE: 0}
+        self._turns: dict[str, int] = {Role.PREFILL: 0, Role.DECODE: 0}
 
     def route(self, nodes: Sequence[NodeView], num_prompt_tokens: int,
               config: PolicyConfig) -> RouteDecision:

@@ -31,7 +31,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 
 import zmq.asyncio
@@ -83,7 +83,7 @@ class Dispatcher:
         self.views = NodeViews(self.work, self._policy, clock)  # the policy's view of each node
         self.metadata: MetadataLink | None = None
         self._context = zmq.asyncio.Context()
-        self._curve = config.cluster_secret.curve_keys()  # nodes admit only cluster members
+        self._curve = config.secret.curve_keys()  # nodes admit only cluster members
         self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -91,7 +91,7 @@ class Dispatcher:
         if self.config.metadata_address:
             self.metadata = MetadataLink(
                 self.config.metadata_address,
-                token=self.config.cluster_secret.metadata_token(SERVICE),
+                token=self.config.secret.metadata_token(SERVICE),
                 timeout_s=self.config.metadata_timeout_s, retry_s=self.config.metadata_retry_s,
                 mirror=self.config.index_mirror, tls=self.config.metadata_tls)
         self._sync_nodes(list(self.config.nodes))
@@ -165,7 +165,7 @@ class Dispatcher:
         return hits
 
     async def execute(self, placement: Placement, request: GenerateRequest
-                      ) -> AsyncIterator[TokenDelta]:
+                      ) -> AsyncGenerator[TokenDelta, None]:
         decision = placement.decision
         decode = self.nodes[decision.decode_node]
         prefill = self.nodes[decision.prefill_node] if decision.prefill_node else None
@@ -186,7 +186,7 @@ class Dispatcher:
         streams: list[tuple[NodeLink, NodeStream]] = []
         failure: asyncio.Future[NodeFailure] = asyncio.get_running_loop().create_future()
         try:
-            if prefill is not None:
+            if prefill is not None and p_request is not None:  # set together, above
                 p_stream = await prefill.generate(p_request)
                 streams.append((prefill, p_stream))
             d_stream = await decode.generate(d_request)
@@ -262,7 +262,7 @@ class Dispatcher:
         self._context.term()
 
 
-async def _race(stream: NodeStream, failure: asyncio.Future) -> AsyncIterator[TokenDelta]:
+async def _race(stream: NodeStream, failure: asyncio.Future) -> AsyncGenerator[TokenDelta, None]:
     """D's deltas, until D finishes or either node fails."""
     iterator = stream.__aiter__()
     while True:

@@ -29,7 +29,7 @@ API: `execute_migrating`, `continuation`.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 
 async def execute_migrating(dispatcher: Dispatcher, placement: Placement,
-                            request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+                            request: GenerateRequest) -> AsyncGenerator[TokenDelta, None]:
     num_prompt = len(request.prompt_token_ids)
     generated: list[int] = []
     attempt, moves = request, 0
@@ -60,10 +60,11 @@ async def execute_migrating(dispatcher: Dispatcher, placement: Placement,
                 raise
             lost = exc
         moves += 1
-        attempt = continuation(request, generated, moves)
-        if attempt is None:  # the lost node had streamed everything but the finish
+        following = continuation(request, generated, moves)
+        if following is None:  # the lost node had streamed everything but the finish
             yield _finish(request, generated, num_prompt)
             return
+        attempt = following
         placement = await _replace(dispatcher, attempt, lost)
         dispatcher.metrics.migrations.inc()
         logger.warning("request %s: %s; moving it to %s after %d tokens", request.request_id,

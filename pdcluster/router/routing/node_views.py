@@ -90,10 +90,10 @@ class NodeViews:
             view.cached_blocks = 0
         self._hit.clear()
         for node_id, blocks in hits.items():
-            entry = self._entries.get(node_id)
-            if entry is not None:
-                entry.view.cached_blocks = blocks
-                self._hit.append(entry.view)
+            hit = self._entries.get(node_id)
+            if hit is not None:
+                hit.view.cached_blocks = blocks
+                self._hit.append(hit.view)
         return self._healthy
 
 
