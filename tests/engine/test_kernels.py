@@ -1,7 +1,7 @@
 """The engine's C++ kernels (engine/kernels): built here with the machine's compiler when setup
 has not built them, checked against plain softmax attention, their errors, the engine's greedy
-tokens through them against transformers' and against the torch paths, and the fallback when
-they are missing or turned off."""
+tokens through them against transformers' and against the torch paths. Setup's side (the build's
+flag fallbacks, a missing or broken library, the GEMM calibration): test_kernels_setup.py."""
 
 from __future__ import annotations
 
@@ -233,26 +233,6 @@ def test_engine_through_the_kernels_matches_transformers(ops, model_dirs, hf_ref
     assert [_generate(model, prompts) for prompts in batches] == got
 
 
-def test_without_the_library_the_engine_takes_its_torch_paths(model_dirs, tmp_path,
-                                                              monkeypatch) -> None:
-    from tests.models import random_prompts
-
-    built_under = kernels.library_path().parents[2]
-    monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path))  # nothing built there
-    kernels.ops.cache_clear()
-    try:
-        assert kernels.ops() is None
-        calls = count_calls(monkeypatch, attention, "_batched_decode_attention")
-        assert len(_generate(model_dirs["llama-gqa"], random_prompts(2, 3, 9, seed=3))[0]) == 10
-        assert calls
-        monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(built_under))
-        monkeypatch.setenv(kernels.DISABLE_ENV, "0")
-        kernels.ops.cache_clear()
-        assert kernels.ops() is None  # turned off even where built
-    finally:
-        kernels.ops.cache_clear()
-
-
 def test_the_build_command_runs_from_outside_the_checkout(ops, tmp_path) -> None:
     """`python -m pdcluster.engine.kernels`, as setup runs it: found when already built."""
     import os
@@ -264,70 +244,3 @@ def test_the_build_command_runs_from_outside_the_checkout(ops, tmp_path) -> None
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"engine kernels: {kernels.library_path()}" in proc.stdout
-
-
-def test_a_failing_compiler_is_reported_not_raised(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CXX", "false")  # exists, always fails
-    assert kernels.main() == 1
-    err = capsys.readouterr().err
-    assert "building the engine's kernels failed" in err and "torch paths" in err
-    monkeypatch.setenv("CXX", "no-such-compiler-here")
-    assert kernels.main() == 1
-    assert "no C++ compiler" in capsys.readouterr().err
-    assert not kernels.library_path().exists()
-
-
-def test_gemm_calibration_records_a_winner_per_use(tmp_path, monkeypatch) -> None:
-    from pdcluster.engine.kernels import gemm
-
-    if not gemm._onednn_available():
-        pytest.skip("torch built without oneDNN: nothing to choose")
-    monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path))
-    gemm.choice.cache_clear()
-    try:
-        assert gemm.choice() == gemm.DEFAULT  # nothing recorded: oneDNN
-        record = gemm.calibrate_if_needed()
-        assert gemm.choice_path().is_file() and gemm.choice_path().parent == tmp_path / "kernels"
-        for use in gemm.USES:
-            times = {b: record["seconds"][f"{use}/{b}"] for b in gemm.BACKENDS}
-            assert record[use] == min(times, key=times.get) and all(t > 0 for t in times.values())
-        assert gemm.choice() == {use: record[use] for use in gemm.USES}
-        assert gemm.calibrate_if_needed() == record  # once per machine: read back, not re-run
-        gemm.choice_path().write_text('{"linear": "cublas", "swiglu": "torch"}')
-        gemm.choice.cache_clear()
-        assert gemm.choice() == {"linear": "onednn", "swiglu": "torch"}  # unknown -> default
-    finally:
-        gemm.choice.cache_clear()
-
-
-@pytest.mark.parametrize("picked", ["onednn", "torch"])
-def test_linear_follows_the_calibration(picked, monkeypatch) -> None:
-    import torch.nn.functional as F
-
-    from pdcluster.engine.kernels import gemm
-    from pdcluster.engine.models import linear as linear_mod
-
-    if not linear_mod._ONEDNN:
-        pytest.skip("torch built without oneDNN")
-    monkeypatch.setattr(gemm, "choice", lambda: {"linear": picked, "swiglu": picked})
-    monkeypatch.setattr(kernels, "ENABLED", False)
-    onednn_calls = []
-    real = torch.ops.mkldnn._linear_pointwise
-
-    class Spy:
-        def __call__(self, *args):
-            onednn_calls.append(args[3])
-            return real(*args)
-
-        binary = real.binary
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Spy())
-    x, w = torch.randn(3, 16), torch.randn(8, 16)
-    b = torch.randn(8)
-    torch.testing.assert_close(linear_mod.linear(x, w, b), F.linear(x, w, b), rtol=1e-5,
-                               atol=1e-5)
-    gate, up = F.linear(x, w, b).split(4, dim=-1)
-    torch.testing.assert_close(linear_mod.silu_and_mul(x, w, b, 4), F.silu(gate) * up,
-                               rtol=1e-5, atol=1e-5)
-    assert bool(onednn_calls) == (picked == "onednn")

@@ -40,13 +40,17 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "PDCLUSTER_KERNELS"
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention.cpp", "gemv.cpp", "layer_ops.cpp"))
-# -march=native: built for the machine it runs on (the key holds its instruction sets).
+# -march=native: built for the machine it runs on (the key holds its instruction sets), AVX2
+# or AVX-512 alike. Where the compiler or assembler does not know this CPU (an old g++ on a new
+# host), `build` retries with the instruction sets named (`isa_choices`): the sources use AVX2
+# intrinsics where __AVX2__ and __FMA__ are defined, a scalar path otherwise: any of these compiles.
 # -fopenmp: at::parallel_for is inline OpenMP; the library links libgomp.so.1 by soname,
 # which resolves to the copy torch has already loaded (one thread pool, not two).
 # -ffp-contract=off: `a * b + c` rounds twice, as torch's separate ops do (RoPE stays
 # bit-identical to transformers'); the attention and GEMV kernels ask for FMAs explicitly.
-CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared",
-            "-fPIC")
+CXXFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
+ISA_NATIVE = ("-march=native",)
+ISA_AVX2 = ("-mavx2", "-mfma")
 _NAME = "pdcluster_kernels"
 
 
@@ -69,36 +73,60 @@ def library_path() -> Path:
     return cache_dir() / "kernels" / digest.hexdigest()[:16] / f"{_NAME}.so"
 
 
-def _compile_command(output: Path) -> list[str]:
+def isa_choices(flags: str | None = None) -> list[tuple[str, ...]]:
+    """The instruction-set flags to try, best first: the machine's own, then AVX2+FMA where the
+    CPU has them, then none (the kernels' scalar paths)."""
+    have = set((cpu_flags() if flags is None else flags).split())
+    choices = [ISA_NATIVE]
+    if {"avx2", "fma"} <= have:
+        choices.append(ISA_AVX2)
+    choices.append(())
+    return choices
+
+
+def _compile_command(output: Path, isa: tuple[str, ...] = ISA_NATIVE) -> list[str]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = cpp_extension.library_paths()
-    return [os.environ.get("CXX", "g++"), *CXXFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    return [os.environ.get("CXX", "g++"), *CXXFLAGS, *isa, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *includes, *map(str, SOURCES), "-o", str(output),
             *[f"-L{p}" for p in libs], *[f"-Wl,-rpath,{p}" for p in libs],
             "-lc10", "-ltorch_cpu"]
 
 
 def build(force: bool = False) -> Path:
-    """Compile the kernels for this machine (once); returns the library. Raises
-    `RuntimeError` with the compiler's output when it fails."""
+    """Compile the kernels for this machine (once), trying `isa_choices()` in turn; returns the
+    library. Raises `RuntimeError` with the compiler's output when every choice fails."""
     path = library_path()
     if path.is_file() and not force:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for isa in isa_choices():
+        error = _compile(path, isa)
+        if error is None:
+            return path
+        errors.append(f"[{' '.join(isa) or 'no ISA flags'}] {error}")
+        logger.warning("engine kernels: the build with %s failed; trying the next flags",
+                       " ".join(isa) or "no ISA flags")
+    raise RuntimeError("building the engine's kernels failed:\n" + "\n".join(errors))
+
+
+def _compile(path: Path, isa: tuple[str, ...]) -> str | None:
+    """One compile into `path`; None when it worked, else the reason."""
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         partial = Path(tmp) / path.name
         try:
-            done = subprocess.run(_compile_command(partial), capture_output=True, text=True,
-                                  timeout=900)
+            done = subprocess.run(_compile_command(partial, isa), capture_output=True,
+                                  text=True, timeout=900)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise RuntimeError(f"building the engine's kernels failed: {exc}") from exc
+            return str(exc)
         if done.returncode != 0:
-            raise RuntimeError(f"building the engine's kernels failed:\n{done.stderr[-4000:]}")
+            return done.stderr[-3000:] or f"exit status {done.returncode}"
         os.replace(partial, path)  # atomic: a concurrent loader sees all or nothing
-    return path
+    return None
 
 
 # Tests turn the kernels off in-process (monkeypatch) to compare against the torch paths.

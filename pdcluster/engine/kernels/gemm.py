@@ -9,7 +9,7 @@ Neither wins everywhere: on an AVX-512 host oneDNN ran the prefill GEMMs ~20% fa
 neighbours' load does not decide) and records the winner per use (`linear`, `swiglu`) in
 `cache_dir()/kernels/gemm-<key>.json`, the key hashing torch's version and the CPU's flags;
 `python -m pdcluster.engine.kernels` (setup) runs it. `choice()` reads that record; without
-one, oneDNN (where torch has it).
+one, or for a use it does not name a known library for, oneDNN (where torch has it).
 
 API: `choice()`, `calibrate(path=None)`, `choice_path()`.
 """
@@ -118,9 +118,14 @@ def calibrate(path: Path | None = None) -> dict:
 
 
 def calibrate_if_needed() -> dict | None:
-    """Setup's step: calibrate once per machine and torch, where oneDNN is there to choose."""
+    """Setup's step: calibrate once per machine and torch, where oneDNN is there to choose; a
+    record that does not parse or names no known library is measured again."""
     if not _onednn_available():
         return None
-    if choice_path().is_file():
-        return json.loads(choice_path().read_text())
-    return calibrate()
+    try:
+        recorded = json.loads(choice_path().read_text())
+    except (OSError, ValueError):
+        return calibrate()
+    if not isinstance(recorded, dict) or any(recorded.get(use) not in BACKENDS for use in USES):
+        return calibrate()
+    return recorded

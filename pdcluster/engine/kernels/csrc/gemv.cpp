@@ -14,7 +14,7 @@
 #include <cmath>
 #include <vector>
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -29,7 +29,7 @@ inline float dot_scalar(const float* w, const float* x, int64_t k) {
   return s;
 }
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 inline float hsum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -41,7 +41,7 @@ inline float hsum(__m256 v) {
 void rows_dot(const float* w, int64_t ld, const float* x, int64_t k, int64_t begin, int64_t end,
               float* out) {
   int64_t r = begin;
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
   const int64_t k8 = k - k % 8;
   for (; r + 4 <= end; r += 4) {
     const float* w0 = w + r * ld;

@@ -22,7 +22,7 @@
 #include <cmath>
 #include <cstring>
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 #include <limits>
@@ -79,7 +79,7 @@ inline float dot(const float* a, const float* b, int64_t dim) {
   return s;
 }
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 // exp_nonpositive on eight lanes (the same polynomial and constants).
 inline __m256 exp8_nonpositive(__m256 x) {
   const __m256 lowest = _mm256_set1_ps(-87.0f);
@@ -131,7 +131,7 @@ void score_tile(RowState& st, const float* const* keys, int64_t rows, int64_t di
     const float* qr = st.q + r * dim;
     float s[kTile];
     int64_t t = 0;
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
     if (dim % 8 == 0)
       for (; t + 4 <= n; t += 4) _mm_storeu_ps(s + t, dot4(qr, keys + t, dim));
 #endif
@@ -151,7 +151,7 @@ void score_tile(RowState& st, const float* const* keys, int64_t rows, int64_t di
     }
     float* p = st.p + r * kTile;
     float sum = 0.f;
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
     static_assert(kTile == 16, "two vectors of eight");
     const __m256 m8 = _mm256_set1_ps(m_new);
     const __m256 p0 = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s), m8));
@@ -177,7 +177,7 @@ void accumulate_tile(RowState& st, const float* const* values, int64_t rows, int
     float* acc = st.acc + r * dim;
     const float* p = st.p + r * kTile;
     int64_t d0 = 0;
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
     for (; d0 + 64 <= dim; d0 += 64) {
       __m256 a[8];
       for (int j = 0; j < 8; ++j) a[j] = _mm256_loadu_ps(acc + d0 + 8 * j);
