@@ -49,7 +49,7 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name
 # -ffp-contract=off: `a * b + c` rounds twice, as torch's separate ops do (RoPE stays
 # bit-identical to transformers'); the attention and GEMV kernels ask for FMAs explicitly.
 CXXFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
-ISA_NATIVE = ("-march=native",)
+ISA_NATIVE: tuple[str, ...] = ("-march=native",)
 ISA_AVX2 = ("-mavx2", "-mfma")
 _NAME = "pdcluster_kernels"
 
@@ -77,7 +77,7 @@ def isa_choices(flags: str | None = None) -> list[tuple[str, ...]]:
     """The instruction-set flags to try, best first: the machine's own, then AVX2+FMA where the
     CPU has them, then none (the kernels' scalar paths)."""
     have = set((cpu_flags() if flags is None else flags).split())
-    choices = [ISA_NATIVE]
+    choices: list[tuple[str, ...]] = [ISA_NATIVE]
     if {"avx2", "fma"} <= have:
         choices.append(ISA_AVX2)
     choices.append(())
