@@ -13,7 +13,8 @@ load drained, and whether the global index (the metadata service's and the route
 equals the nodes' caches within a lease TTL once the load drained and every node is back
 (`index_exact_after_s`; benchmarks/chaos_checks.py).
 
-API: `run(args)`, `run_fault`, `run_abort_storm`, `wait_ready`, `FaultResult`.
+API: `run(args)`, `run_fault` (`fault_outcomes`: with each request's outcome),
+`run_abort_storm`, `wait_ready`, `goals`.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ _ROUTER_COUNTERS = ("router_prefill_lost_total", "router_migrations_total",
                     "router_aborts_total")
 
 
-async def wait_ready(cluster: ChaosCluster, timeout_s: float = 120.0) -> None:
-    """Until the router sees every node healthy and follows the metadata service's index."""
+async def wait_ready(cluster: ChaosCluster, timeout_s: float | None = None) -> None:
+    """Until the router sees every node healthy and follows the metadata service's index
+    (at most `timeout_s`, by default as long as a node may take to restart)."""
+    timeout_s = timeout_s or cluster.settings.node_start_s
     deadline = time.monotonic() + timeout_s
     expected = len(cluster.actors)
     while True:
@@ -88,13 +91,14 @@ def _decode_transfer_counters(cluster: ChaosCluster) -> dict[str, int]:
     import ray
 
     totals = {"recvs_ok": 0, "recvs_failed": 0, "timeouts": 0, "sources_lost": 0}
+    # a vLLM node reports none before its first transfer (its stat logger has not run yet)
     for node_id, actor in cluster.actors.items():
         try:
             stats = ray.get(actor.transfer_stats.remote(), timeout=30)
         except Exception:  # restarting: its counters start again from 0
             continue
         for name in totals:
-            totals[name] += stats[name] if node_id.startswith("d") else 0
+            totals[name] += stats.get(name, 0) if node_id.startswith("d") else 0
     return totals
 
 
@@ -148,6 +152,12 @@ def fault_load(base: LoadSpec, name: str, lease_ttl_s: int) -> tuple[LoadSpec, f
 async def run_fault(cluster: ChaosCluster, name: str, spec: LoadSpec, model: str,
                     vocab_size: int, at_s: float) -> dict:
     """One fault `at_s` seconds into the load; its figures."""
+    return (await fault_outcomes(cluster, name, spec, model, vocab_size, at_s))[0]
+
+
+async def fault_outcomes(cluster: ChaosCluster, name: str, spec: LoadSpec, model: str,
+                         vocab_size: int, at_s: float) -> tuple[dict, list]:
+    """`run_fault`'s figures, and the outcome of every request of its load."""
     await wait_ready(cluster)
     run = FaultRun(cluster, at_s=at_s)
     outcomes, after = await _measured(cluster, spec, model, vocab_size, run, FAULTS[name])
@@ -157,7 +167,7 @@ async def run_fault(cluster: ChaosCluster, name: str, spec: LoadSpec, model: str
     result["inflight_at_fault"] = len(inflight)
     result["inflight_done_after_fault_s_max"] = (
         round(max(o.done for o in inflight) - run.start, 3) if inflight else None)
-    return result
+    return result, outcomes
 
 
 async def run_abort_storm(cluster: ChaosCluster, spec: LoadSpec, model: str,
@@ -179,7 +189,8 @@ async def run_abort_storm(cluster: ChaosCluster, spec: LoadSpec, model: str,
 def _settings(args: argparse.Namespace, model: str) -> ChaosSettings:
     return ChaosSettings(model=model, num_prefill=args.num_prefill,
                          num_decode=args.num_decode, backend=args.backend,
-                         lease_ttl_s=args.lease_ttl, kv_blocks=args.kv_blocks)
+                         lease_ttl_s=args.lease_ttl, kv_blocks=args.kv_blocks,
+                         engine=args.engine)
 
 
 def _specs(args: argparse.Namespace) -> dict[str, LoadSpec]:
@@ -223,22 +234,27 @@ def run(args: argparse.Namespace) -> dict:
                          f"{sorted(FAULTS) + ['abort_storm']}")
     if "etcd_restart" in names and args.backend != "etcd":
         raise UsageError("the etcd_restart fault needs --backend etcd")
+    if args.engine == "vllm":
+        _check_vllm()
     if set(names) & set(LINK_FAULTS) and not in_private_netns():
         # the whole run moves into a network namespace of its own, where it may drop packets
         return run_in_private_netns(["bench", "chaos", "--json", *_cli_args(args)],
                                     timeout_s=6 * 3600)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pdcluster-chaos-bench-") as tmp:
-        model = args.model or _tiny_model(tmp)
+        model = args.model or _tiny_model(tmp, args.engine)
         vocab_size = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
-        cluster = ChaosCluster(_settings(args, model)).start()
+        cluster = ChaosCluster(_settings(args, model))
         try:
+            cluster.start()
             measured = asyncio.run(_run_all(cluster, args, Path(model).name, vocab_size))
         finally:
             cluster.stop()
+    measured["left_running_after_stop"] = cluster.left_running
     return {"model": Path(model).name if args.model else "tiny (random weights)",
-            "num_prefill": args.num_prefill, "num_decode": args.num_decode,
-            "backend": args.backend, "lease_ttl_s": args.lease_ttl, "rate": args.rate,
+            "engine": args.engine, "num_prefill": args.num_prefill,
+            "num_decode": args.num_decode, "backend": args.backend,
+            "lease_ttl_s": args.lease_ttl, "rate": args.rate,
             **measured, "goals": goals(measured, args.lease_ttl),
             "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)},
             "wall_s": round(time.perf_counter() - started, 1)}
@@ -246,7 +262,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def _cli_args(args: argparse.Namespace) -> list[str]:
     """`args` as `pdcluster bench chaos` options again (for the run in a network namespace)."""
-    out = ["--faults", args.faults, "--num-prefill", str(args.num_prefill),
+    out = ["--faults", args.faults, "--engine", args.engine,
+           "--num-prefill", str(args.num_prefill),
            "--num-decode", str(args.num_decode), "--backend", args.backend,
            "--lease-ttl", str(args.lease_ttl), "--kv-blocks", str(args.kv_blocks),
            "--rate", str(args.rate), "--requests", str(args.requests),
@@ -258,7 +275,8 @@ def _cli_args(args: argparse.Namespace) -> list[str]:
 
 def goals(measured: dict, lease_ttl_s: int) -> dict[str, bool]:
     """Each fault's goals (issue 28), as booleans: nothing lost (decode_kill: only the
-    streams its dead node had sent), nothing leaked, the index exact within a TTL, and per
+    streams its dead node had sent), nothing leaked, the index exact within a TTL, no child
+    process of a killed node outliving it, nothing running after the cluster stopped, and per
     fault: no decode waited out its KV timeout (prefill_kill), every node idle within 1 s
     (abort_storm), no live node's blocks erased and routing prefix-aware (metadata_stall)."""
     out = {}
@@ -266,6 +284,7 @@ def goals(measured: dict, lease_ttl_s: int) -> dict[str, bool]:
         lost_ok = f["failed"] == 0 or (name == "decode_kill"
                                        and f["failed"] <= f.get("inflight_at_kill", 0))
         met = lost_ok and f["leaked_blocks"] == 0 and f["index_exact_within_ttl"]
+        met = met and not f.get("orphans_killed")  # a killed node's children went with it
         if name == "prefill_kill":
             met = met and f["decode_transfers"]["timeouts"] == 0
         elif name == "abort_storm":
@@ -276,10 +295,23 @@ def goals(measured: dict, lease_ttl_s: int) -> dict[str, bool]:
         out[name] = bool(met)
     if measured.get("soak"):
         out["soak"] = bool(measured["soak"]["memory_flat"] and not measured["soak"]["failed"])
+    if "left_running_after_stop" in measured:
+        out["nothing_left_running"] = not measured["left_running_after_stop"]
     return out
 
 
-def _tiny_model(tmp: str) -> str:
+def _tiny_model(tmp: str, engine: str) -> str:
     from pdcluster.engine.tiny_model import make_tiny_model
 
+    if engine == "vllm":  # vLLM's CPU attention kernels take head sizes of 32 and up
+        return str(make_tiny_model(Path(tmp) / "tiny", preset="tiny", hidden_size=128,
+                                   num_attention_heads=4, num_key_value_heads=2))
     return str(make_tiny_model(Path(tmp) / "tiny", preset="tiny"))
+
+
+def _check_vllm() -> None:
+    """--engine vllm needs vLLM installed (its nodes would fail one by one otherwise)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError("--engine vllm needs vLLM (`make setup-vllm`)")

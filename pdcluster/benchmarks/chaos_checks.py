@@ -27,12 +27,14 @@ def _ray_get(refs, timeout_s: float):
     return ray.get(refs, timeout=timeout_s)
 
 
-def drain_and_count_leaks(cluster: ChaosCluster, timeout_s: float = 60.0) -> dict:
+def drain_and_count_leaks(cluster: ChaosCluster, timeout_s: float | None = None) -> dict:
     """{node: {"held_blocks", "missing_free_blocks", "idle_after_s"}}; `idle_after_s` None
-    if the node never became idle. Every node is asked at once, every 50 ms, so one that
-    restarts (and answers late) does not delay the others' figures."""
+    if the node never became idle (within `timeout_s`, by default as long as a node may take
+    to restart). Every node is asked at once, every 50 ms, so one that restarts (and answers
+    late) does not delay the others' figures."""
     import ray
 
+    timeout_s = timeout_s or cluster.settings.node_start_s
     started = time.monotonic()
     results: dict[str, dict] = {}
     asked: dict = {}  # node id -> the pool_state call in flight

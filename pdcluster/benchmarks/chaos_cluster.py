@@ -6,7 +6,8 @@
 - the metadata service, `pdcluster metadata serve`, as its own process on a fixed port (a
   restart keeps the address every node and the router know);
 - prefill and decode node actors on a local Ray (`cluster.ray_cluster.RayCluster`, Ray
-  restarting a killed actor under the same node id);
+  restarting a killed actor under the same node id), running the own engine or vLLM
+  (`engine="vllm"`: every node, with vLLM's block size and hashes in the router too);
 - the router, `pdcluster router serve`, as its own process.
 
 Processes are found by pid for signals and RSS (`pids()`); `stop()` ends what it started. The
@@ -29,12 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdcluster.benchmarks.chaos_procs import descendants, reap
 from pdcluster.core.credentials import SECRET_ENV, ClusterSecret
 
 if TYPE_CHECKING:
     from pdcluster.cluster.ray_cluster import RayCluster
 
-BLOCK_SIZE = 16
+ENGINES = ("pdcluster", "vllm")
+# the own engine takes any block size; vLLM's CPU kernels a multiple of 32
+BLOCK_SIZES = {"pdcluster": 16, "vllm": 32}
+NODE_START_S = {"pdcluster": 120.0, "vllm": 600.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,29 @@ class ChaosSettings:
     local_prefill_threshold: int = 16
     global_reuse_min_tokens: int = 64
     node_cpus: float = 0.25
+    engine: str = "pdcluster"  # the nodes' engine: "pdcluster" or "vllm"
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+
+    @property
+    def block_size(self) -> int:
+        return BLOCK_SIZES[self.engine]
+
+    @property
+    def node_start_s(self) -> float:
+        """How long a node may take to start (or restart after a kill): a vLLM node starts
+        three processes that each import torch and vLLM, a minute or more on a busy CPU."""
+        return NODE_START_S[self.engine]
+
+    def engine_options(self) -> dict[str, object]:
+        """The nodes' `engine` section (cluster.config.ClusterConfig)."""
+        options: dict[str, object] = {"block_size": self.block_size,
+                                      "num_kv_blocks": self.kv_blocks}
+        if self.engine != "pdcluster":
+            options["backend"] = self.engine
+        return options
 
 
 def free_port() -> int:
@@ -73,6 +101,7 @@ class ChaosCluster:
         self.metadata: subprocess.Popen | None = None
         self.router: subprocess.Popen | None = None
         self.ray: RayCluster | None = None
+        self.left_running: list[str] = []  # node processes that outlived stop(), killed
 
     @property
     def metadata_address(self) -> str:
@@ -99,10 +128,11 @@ class ChaosCluster:
         self.start_metadata()
         config = ClusterConfig(
             model=s.model, num_prefill=s.num_prefill, num_decode=s.num_decode,
-            engine={"block_size": BLOCK_SIZE, "num_kv_blocks": s.kv_blocks},
+            engine=s.engine_options(),
             kv_timeout_s=s.kv_timeout_s, metadata_address=self.metadata_address,
             node_cpus=s.node_cpus, max_restarts=100, lease_ttl_s=s.lease_ttl_s)
-        self.ray = RayCluster(config, cluster_secret=self.secret).start()
+        self.ray = RayCluster(config, cluster_secret=self.secret).start(
+            timeout_s=s.node_start_s)
         self.start_router()
         return self
 
@@ -131,7 +161,8 @@ class ChaosCluster:
     def start_router(self) -> None:
         s = self.settings
         args = ["router", "serve", "--port", str(self.router_port), "--model", s.model,
-                "--metadata", self.metadata_address, "--block-size", str(BLOCK_SIZE),
+                "--metadata", self.metadata_address, "--block-size", str(s.block_size),
+                "--engine", s.engine,
                 "--local-prefill-threshold", str(s.local_prefill_threshold),
                 "--global-reuse-min-tokens", str(s.global_reuse_min_tokens),
                 "--max-migrations", "1"]
@@ -146,11 +177,11 @@ class ChaosCluster:
         path = self.tmp / f"{name}.log"
         return path.read_text(errors="replace")[-num_chars:] if path.exists() else ""
 
-    def node_pids(self) -> dict[str, int]:
+    def node_pids(self, timeout_s: float = 60.0) -> dict[str, int]:
         import ray
 
         return dict(zip(self.actors, ray.get([a.pid.remote() for a in self.actors.values()],
-                                             timeout=60), strict=True))
+                                             timeout=timeout_s), strict=True))
 
     def pids(self) -> dict[str, int]:
         """The processes whose memory the soak samples: router, metadata service, nodes."""
@@ -165,13 +196,24 @@ class ChaosCluster:
         _kill(self.etcd)
 
     def stop(self) -> None:
+        """End everything started here. Node processes (and their children: vLLM's) still
+        running once Ray has shut down are killed and named in `left_running`."""
         for proc in (self.router, self.metadata):
             _kill(proc)
         if self.ray is not None:
+            node_procs = self._node_processes()
             self.ray.stop(drain_timeout_s=5)
             self.ray = None
+            self.left_running = reap(node_procs).orphans_killed
         _kill(self.etcd)
         self._tmp.cleanup()
+
+    def _node_processes(self) -> list[int]:
+        try:
+            pids = list(self.node_pids(timeout_s=10).values())
+        except Exception:  # a node restarting: its processes are Ray's to end
+            return []
+        return pids + [child for pid in pids for child in descendants(pid)]
 
 
 def _kill(proc: subprocess.Popen | None) -> None:

@@ -9,6 +9,11 @@ event loop keeps sending.
 - `prefill_kill`: a prefill node with requests in flight is frozen (SIGSTOP) until the router
   shows it holds some — so their KV is surely in flight to a decode node that is waiting —
   then SIGKILLed; Ray restarts it under the same id.
+
+Every node kill (`prefill_kill`, `decode_kill`, `node_restart`) also checks that the node's
+child processes (a vLLM node's engine core and worker) exit with it
+(benchmarks/chaos_procs.py: `children_gone_after_s`, and `orphans_killed` by the benchmark
+when they did not).
 - `decode_kill`: the decode node with the most open streams is SIGKILLed.
 - `metadata_stall`: the metadata service SIGSTOPped for twice the lease TTL, then SIGCONTed;
   the router's index is watched through the stall and one TTL after it: no node holding
@@ -36,6 +41,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pdcluster.benchmarks.chaos_cluster import ChaosCluster
+from pdcluster.benchmarks.chaos_procs import descendants, reap
 
 LINK_FAULT_S = 10.0  # how long a slow link or a partition lasts before it heals
 
@@ -83,10 +89,12 @@ async def prefill_kill(run: FaultRun, t0: float) -> None:
     while time.monotonic() - frozen < 2.0 and not inflight:
         inflight = (await router_health(run.cluster))["nodes"][victim]["inflight"]
         await asyncio.sleep(0.05)
+    children = descendants(pids[victim])
     os.kill(pids[victim], signal.SIGKILL)
     run.start = run.end = time.monotonic() - t0
     run.extra.update(victim=victim, inflight_at_kill=inflight,
                      frozen_before_kill_s=round(time.monotonic() - frozen, 3))
+    run.extra.update((await asyncio.to_thread(reap, children)).as_dict())
 
 
 async def decode_kill(run: FaultRun, t0: float) -> None:
@@ -94,9 +102,11 @@ async def decode_kill(run: FaultRun, t0: float) -> None:
     await _until(t0, run.at_s)
     victim = await _busiest(run.cluster, "decode")
     inflight = (await router_health(run.cluster))["nodes"][victim]["inflight"]
+    children = descendants(pids[victim])
     os.kill(pids[victim], signal.SIGKILL)
     run.start = run.end = time.monotonic() - t0
     run.extra.update(victim=victim, inflight_at_kill=inflight)
+    run.extra.update((await asyncio.to_thread(reap, children)).as_dict())
 
 
 async def metadata_stall(run: FaultRun, t0: float) -> None:
@@ -149,10 +159,13 @@ async def node_restart(run: FaultRun, t0: float) -> None:
     counts = (await router_health(run.cluster))["metadata"]["mirror_node_blocks"]
     victim = max((n for n in pids if n.startswith("p")), key=lambda n: counts.get(n, 0))
     epoch = await _epoch(run.cluster, victim)
+    children = descendants(pids[victim])
     os.kill(pids[victim], signal.SIGKILL)
     run.start = time.monotonic() - t0
+    reaped = asyncio.ensure_future(asyncio.to_thread(reap, children))
     gone = reregistered = math.nan
-    while time.monotonic() - t0 - run.start < 120 and math.isnan(reregistered):
+    restart_s = run.cluster.settings.node_start_s
+    while time.monotonic() - t0 - run.start < restart_s and math.isnan(reregistered):
         now = time.monotonic() - t0
         health = await router_health(run.cluster)
         if math.isnan(gone) and not health["metadata"]["mirror_node_blocks"].get(victim, 0):
@@ -161,6 +174,7 @@ async def node_restart(run: FaultRun, t0: float) -> None:
             reregistered = now
         await asyncio.sleep(0.02)
     run.end = reregistered
+    run.extra.update((await reaped).as_dict())
     run.extra.update(
         victim=victim, blocks_before_kill=counts.get(victim, 0),
         old_blocks_gone_after_s=round(gone - run.start, 3),

@@ -9,7 +9,9 @@ Every other request streams. With `abort_after_s=(lo, hi)` the client disconnect
 share (`abort_share`) of the requests after a random delay in that range (the abort storm).
 
 Each request ends as an `Outcome`: completed, failed (HTTP status and a short cause),
-truncated (a stream that delivered tokens and then broke off) or aborted on purpose.
+truncated (a stream that delivered tokens and then broke off) or aborted on purpose. With
+`token_ids=True` it also keeps the token ids it received (asked for as logprobs shown as
+"token_id:N"), for tests that compare a fault's replies with a reference.
 
 API: `LoadSpec`, `Outcome`, `run_load`, `make_prompts`.
 """
@@ -40,6 +42,7 @@ class LoadSpec:
     abort_share: float = 1.0  # of the requests, those the client walks away from
     timeout_s: float = 120.0
     seed: int = 0
+    token_ids: bool = False  # keep each reply's token ids (Outcome.token_ids)
 
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.count < 1:
@@ -62,6 +65,7 @@ class Outcome:
     truncated: bool = False
     aborted: bool = False  # the client disconnected on purpose
     tokens: int = 0
+    token_ids: list[int] | None = None  # with LoadSpec.token_ids
 
     @property
     def latency_s(self) -> float:
@@ -116,6 +120,9 @@ async def _one(session, base_url: str, model: str, spec: LoadSpec, index: int,
     out = Outcome(index, stream, time.monotonic() - t0)
     body = {"model": model, "prompt": prompt, "max_tokens": spec.max_tokens,
             "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    if spec.token_ids:
+        body.update(logprobs=0, return_tokens_as_token_ids=True)
+        out.token_ids = []
     call = _stream(session, base_url, body, out) if stream else _plain(session, base_url,
                                                                          body, out)
     try:
@@ -140,6 +147,7 @@ async def _plain(session, base_url: str, body: dict, out: Outcome) -> None:
         return
     out.tokens = data["usage"]["completion_tokens"]
     out.ok = out.tokens > 0
+    _keep_ids(out, data["choices"][0])
 
 
 async def _stream(session, base_url: str, body: dict, out: Outcome) -> None:
@@ -164,9 +172,16 @@ async def _stream(session, base_url: str, body: dict, out: Outcome) -> None:
             for choice in chunk.get("choices") or ():
                 out.tokens += 1 if choice.get("text") is not None else 0
                 finished = finished or choice.get("finish_reason") is not None
+                _keep_ids(out, choice)
     out.ok = finished
     if not finished:
         out.cause, out.truncated = "stream ended without a finish", out.tokens > 0
+
+
+def _keep_ids(out: Outcome, choice: dict) -> None:
+    """The choice's token ids (logprobs' tokens, "token_id:N"), when the load keeps them."""
+    if out.token_ids is not None and choice.get("logprobs"):
+        out.token_ids.extend(int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"])
 
 
 def _error_text(data) -> str:

@@ -26,6 +26,9 @@ from pdcluster.core.wire import Protocol, WireError
 TransferId = str
 WIRE_VERSION = 2  # 2: PrefixPullRequest names blocks by tokens + salt
 MAX_MESSAGE_BYTES = 16 << 20
+# How a node words a receive it gives up because its source died (PrefillLost). A vLLM node
+# tells its connector, in vLLM's worker process, as an `XferDone` that fails with it.
+SOURCE_LOST = "prefill node lost"
 # A KV layout has one segment per layer at most twice over (K and V apart): far below this.
 MAX_SEGMENTS = 4096
 

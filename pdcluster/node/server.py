@@ -39,7 +39,13 @@ import zmq
 
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.curve import secure_server
-from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, RemoteDecode, RemotePrefill
+from pdcluster.core.kv_transfer import (
+    SOURCE_LOST,
+    KVTransferParams,
+    PrefixPull,
+    RemoteDecode,
+    RemotePrefill,
+)
 from pdcluster.core.node_wire import (
     AbortRequest,
     GenerateRequest,
@@ -249,7 +255,7 @@ class NodeServer:
         """Stop waiting for the KV of a request whose prefill node died (only its submitter
         may say so); the engine recomputes it, or fails it, at its next step."""
         if self._owners.get(msg.request_id) == identity:
-            self.engine.kv_source_lost(msg.transfer_id, f"prefill node lost: {msg.reason}")
+            self.engine.kv_source_lost(msg.transfer_id, f"{SOURCE_LOST}: {msg.reason}")
 
     def _prefix_pull(self, source: PrefixSource | None) -> PrefixPull | None:
         if source is None or not self.engine.accepts_prefix_pulls:

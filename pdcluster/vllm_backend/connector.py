@@ -9,7 +9,9 @@ answers them and wraps what crosses between the two in vLLM's metadata types:
     worker --(ConnectorResults in PdclusterWorkerMetadata, with its model output)--> scheduler
 
 The worker's transfer counters and latencies travel in `TransferStats`, which vLLM hands to
-the node's stat logger (vllm_backend/stats.py).
+the node's stat logger (vllm_backend/stats.py). Either side, as it starts, ties its process's
+life to its parent's (vllm_backend/lifeline.py): a node that dies takes vLLM's engine core and
+worker with it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from vllm.v1.request import RequestStatus
 from pdcluster.core.kv_connector import ConnectorResults
 from pdcluster.vllm_backend.connector_scheduler import StepPlan, VllmSchedulerSide
 from pdcluster.vllm_backend.connector_worker import VllmWorkerSide, _merge
+from pdcluster.vllm_backend.lifeline import die_with_parent
 from pdcluster.vllm_backend.settings import ConnectorSettings
 
 _NORMAL_FINISH = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -78,6 +81,7 @@ class PdclusterConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        die_with_parent()
         extra = self._kv_transfer_config.kv_connector_extra_config
         settings = ConnectorSettings.from_extra_config(dict(extra))
         self._scheduler: VllmSchedulerSide | None = None

@@ -28,7 +28,7 @@ from pdcluster.transfer.connector_worker import ConnectorWorker
 from pdcluster.transfer.mooncake_engine import MooncakeConfig
 from pdcluster.transfer.transport import MooncakeTransport
 from pdcluster.vllm_backend.connector_scheduler import StepPlan
-from pdcluster.vllm_backend.handshake import endpoint, read_curve, write_kv_address
+from pdcluster.vllm_backend.handshake import endpoint, take_curve, write_kv_address
 from pdcluster.vllm_backend.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class VllmWorkerSide:
         transport = MooncakeTransport(
             MooncakeConfig(hostname=settings.host, protocol=settings.protocol,
                            device_name=settings.device),
-            host=settings.host, curve=read_curve(settings.handshake_dir))
+            host=settings.host, curve=take_curve(settings.handshake_dir))
         self.worker = ConnectorWorker(transport, timeout_s=settings.timeout_s)
         self.worker.on_lookup = self._announce_lookup
         self._handshake_dir = settings.handshake_dir

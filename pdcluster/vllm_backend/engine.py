@@ -8,7 +8,8 @@ thread never waits on vLLM:
 - `submit` checks the request, turns the spec and transfer into vLLM's `SamplingParams` and
   `kv_transfer_params`, and starts a task that iterates vLLM's output stream (deltas) into a
   queue; `step` drains that queue (waiting at most a few milliseconds when it is empty).
-- `abort_request` forgets the request at once and asks vLLM to abort it in the background.
+- `abort_request` forgets the request at once and asks vLLM to abort it in the background;
+  until vLLM's figures include the abort (aborts.py), the node does not count as idle.
 - Load and counters come from vLLM's stats (stats.py), KV events from vLLM's event
   publisher (events.py), the connector's KV address from the handshake folder.
 """
@@ -41,6 +42,7 @@ from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput
 from pdcluster.transfer.side_channel import SideChannelClient
+from pdcluster.vllm_backend.aborts import AbortTracker
 from pdcluster.vllm_backend.connector_scheduler import kv_transfer_params
 from pdcluster.vllm_backend.events import EventSubscriber
 from pdcluster.vllm_backend.handshake import Handshake, endpoint
@@ -82,6 +84,7 @@ class VllmEngine(NodeEngine):
         settings = ConnectorSettings(**{**settings.as_extra_config(),
                                         "handshake_dir": str(self._handshake.dir)})
         self._stats = EngineStats()
+        self._aborts = AbortTracker(lambda: self._stats.num_reports)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="vllm-engine")
@@ -200,8 +203,20 @@ class VllmEngine(NodeEngine):
     def abort_request(self, request_id: ReqId) -> bool:
         if self._requests.pop(request_id, None) is None:
             return False
-        self._spawn(self._llm.abort(request_id))
+        self._aborts.started()
+        self._spawn(self._abort(request_id))
         return True
+
+    async def _abort(self, request_id: ReqId) -> None:
+        try:
+            await self._llm.abort(request_id)
+            # A round trip queued behind the abort: the engine core has applied it once this
+            # answers (it serves its input in order).
+            await self._llm.is_sleeping()
+        except Exception as exc:  # vLLM is gone: nothing is left to free
+            logger.warning("vLLM could not abort %s: %s", request_id, exc)
+        finally:
+            self._aborts.confirmed()
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
@@ -226,7 +241,7 @@ class VllmEngine(NodeEngine):
         return kept
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or not self._aborts.settled()
 
     def has_runnable_requests(self) -> bool:
         return bool(self._requests)
@@ -266,13 +281,13 @@ class VllmEngine(NodeEngine):
         return self._stats.take_latencies()
 
     def pool_state(self) -> dict[str, int]:
+        unfinished = self.has_unfinished_requests()  # first: the figures read next are newer
         load = self.load()
         with self._stats.lock:
             in_flight = self._stats.transfers_in_flight
         return {"num_free_blocks": load.num_free_blocks, "num_blocks": load.num_blocks,
                 "num_held_blocks": load.num_blocks - load.num_free_blocks,
-                "num_pinned_requests": in_flight,
-                "num_unfinished": int(bool(self._requests))}
+                "num_pinned_requests": in_flight, "num_unfinished": int(unfinished)}
 
     def take_kv_events(self) -> list[KVEvent]:
         return self._events.take()

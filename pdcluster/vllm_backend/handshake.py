@@ -5,7 +5,10 @@ worker) in a worker process; the node talks to them through vLLM's own channels,
 connector through this folder (mode 0700, files 0600, removed when the engine closes):
 
 - `curve`: the node's CURVE key pair, which the connector's side channel serves and connects
-  with. Passing it through vLLM's config would print it in vLLM's start-up log.
+  with. Passing it through vLLM's config would print it in vLLM's start-up log. The worker
+  takes it once (`take_curve`) and leaves a marker in its place: a node killed later (no
+  `close`, so the folder stays behind) leaves no key on disk, and a second reader fails
+  instead of silently serving without CURVE.
 - `kv-address`: written by the connector's worker once its side channel is bound: the
   address peers send KV requests to, which the node registers in the metadata service.
 - `kv-events`, `kv-replay`: the `ipc://` endpoints of vLLM's KV event publisher.
@@ -64,12 +67,17 @@ def endpoint(folder: str | Path, name: str) -> str:
     return f"ipc://{Path(folder) / name}"
 
 
-def read_curve(folder: str | Path) -> CurveKeys | None:
-    """The connector's side: the node's keys (None if the node runs without CURVE)."""
+def take_curve(folder: str | Path) -> CurveKeys | None:
+    """The connector's side: the node's keys (None if the node runs without CURVE), read
+    once: the file keeps only a marker afterwards."""
     path = Path(folder) / _CURVE
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
+    if data.get("taken"):
+        raise RuntimeError(f"the node's CURVE keys in {folder} were taken already (by pid "
+                           f"{data['taken']}): one connector worker per node")
+    _write_private(path, json.dumps({"taken": os.getpid()}))
     return CurveKeys(public=data["public"].encode(), secret=data["secret"].encode())
 
 

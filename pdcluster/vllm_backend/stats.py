@@ -22,6 +22,7 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_steps: int = 0
+    num_reports: int = 0  # of scheduler stats (KV usage, requests): aborts.py waits on them
     num_preemptions: int = 0
     num_prefix_queried_tokens: int = 0
     num_prefix_hit_tokens: int = 0
@@ -37,6 +38,7 @@ class EngineStats:
                 self.num_preemptions += getattr(iteration, "num_preempted_reqs", 0)
             if scheduler is None:
                 return
+            self.num_reports += 1
             self.num_running = scheduler.num_running_reqs
             self.num_waiting = scheduler.num_waiting_reqs + scheduler.num_skipped_waiting_reqs
             self.kv_cache_usage = scheduler.kv_cache_usage

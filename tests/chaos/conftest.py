@@ -46,9 +46,9 @@ class Chaos:
         return asyncio.run(soak())
 
 
-def start_chaos(model_dirs, **settings) -> Chaos:
-    model = model_dirs[MODEL]
-    cluster = ChaosCluster(ChaosSettings(model=model, kv_blocks=256, **settings))
+def start_chaos(model_dirs, model_name: str = MODEL, **settings) -> Chaos:
+    model = model_dirs[model_name]
+    cluster = ChaosCluster(ChaosSettings(model=model, **{"kv_blocks": 256, **settings}))
     try:
         cluster.start()
     except BaseException:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.benchmarks.chaos_bench import fault_load, goals
+from pdcluster.benchmarks.chaos_cluster import ChaosSettings
 from pdcluster.benchmarks.chaos_load import LoadSpec, Outcome, make_prompts
 from pdcluster.benchmarks.chaos_netns import IN_NETNS_ENV, LinkFault
+from pdcluster.benchmarks.chaos_procs import descendants, kill_tree
 from pdcluster.benchmarks.chaos_stats import quantile, summarize
 from pdcluster.cluster.cli import main
 
@@ -59,11 +61,62 @@ def test_goals_allow_a_dead_decode_node_only_its_own_streams():
     assert goals(measured, 10) == {"decode_kill": True, "metadata_restart": False}
 
 
+def test_goals_fail_a_kill_whose_node_left_children_running():
+    fault = {"failed": 0, "leaked_blocks": 0, "index_exact_within_ttl": True,
+             "decode_transfers": {"timeouts": 0}}
+    measured = {"faults": {"prefill_kill": {**fault, "orphans_killed": ["VLLM::Worker(7)"]},
+                           "decode_kill": {**fault, "orphans_killed": []}},
+                "soak": None, "left_running_after_stop": ["python(8)"]}
+    assert goals(measured, 10) == {"prefill_kill": False, "decode_kill": True,
+                                   "nothing_left_running": False}
+
+
+def test_vllm_nodes_get_vllms_block_size_and_backend():
+    own = ChaosSettings(model="m")
+    vllm = ChaosSettings(model="m", engine="vllm", kv_blocks=64)
+    assert own.engine_options() == {"block_size": 16, "num_kv_blocks": 512}
+    assert vllm.engine_options() == {"block_size": 32, "num_kv_blocks": 64, "backend": "vllm"}
+    assert vllm.node_start_s > own.node_start_s  # three processes importing torch and vLLM
+    with pytest.raises(ValueError, match="engine must be one of"):
+        ChaosSettings(model="m", engine="sglang")
+
+
 def test_bad_options_are_refused_before_anything_starts(capsys):
     assert main(["bench", "chaos", "--faults", "prefill_kill,typo"]) == 2
     assert "unknown faults ['typo']" in capsys.readouterr().err
     assert main(["bench", "chaos", "--faults", "etcd_restart"]) == 2
     assert "needs --backend etcd" in capsys.readouterr().err
+
+
+# A parent with one child that exits with it (its stdin is the parent's pipe) and one that
+# lives on in a session of its own (as vLLM's engine core did when its node was killed).
+_TREE = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                 stdin=subprocess.PIPE)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                 start_new_session=True)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_killing_a_node_reports_and_ends_children_that_outlive_it():
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen([sys.executable, "-c", _TREE], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout.readline() == b"ready\n"
+        children = descendants(parent.pid)
+        assert len(children) == 2
+        result = kill_tree(parent.pid, grace_s=2.0)
+        assert result.num_children == 2 and result.children_gone_after_s is None
+        assert len(result.orphans_killed) == 1  # the one that lived on, killed here
+        assert descendants(parent.pid) == []
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 def test_no_packet_filter_is_touched_outside_the_benchmarks_namespace(monkeypatch):
