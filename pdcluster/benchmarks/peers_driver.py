@@ -1,16 +1,19 @@
-"""Runs one peer engine (vLLM's offline `LLM`, or llama.cpp through `llama-cpp-python`) inside
-that peer's own venv for `pdcluster bench peers`: `<venv>/bin/python peers_driver.py vllm|llamacpp`.
+"""Runs one engine of `pdcluster bench peers` in a process of its own: `<python> peers_driver.py
+pdcluster|vllm|llamacpp`, with the python of the engine's venv (the project's for pdcluster) and
+the environment its `peers_settings.Launch` names (threads, allocator preload, KV space), which
+must be set before the process starts.
 
-Line protocol on stdin/stdout (JSON, one object a line), so the parent can interleave the peer's
-repeats with its own and keep one warm peer process for the whole run:
-- in: `{"model": folder, "gguf": file, "threads": n, "max_model_len": n}`; out: `{"ready": true,
-  "versions": {...}, "threads": n, ...}` once the engine is loaded (vLLM compiles here);
+Line protocol on stdin/stdout (JSON, one object a line), so the parent can interleave the
+engines' repeats and keep one warm process per engine for the whole run:
+- in: `{"options": {...}, "sampling": {...}}` (a `Launch`); out: `{"ready": true, "versions":
+  {...}, "threads": n, ...}` once the engine is loaded (vLLM compiles here);
 - in: `{"work": make_workloads(...), "sizes": {...}}`; out: `peers_workloads.measure`'s dict.
 Everything else the engine prints goes to stderr: the protocol keeps the real stdout to itself.
 
-Imports nothing of the project but its sibling peers_workloads.py (pure Python), loaded by file
-path: the peer's venv has no pdcluster installed, and putting the package's parent folder on
-sys.path would also put the project venv's site-packages in front of the peer's own.
+Imports nothing of the project at module level but its sibling peers_workloads.py (pure Python),
+loaded by file path: a peer's venv has no pdcluster installed, and putting the package's parent
+folder on sys.path would also put the project venv's site-packages in front of the peer's own.
+Only the `pdcluster` engine imports the package, from the project's own venv.
 """
 
 from __future__ import annotations
@@ -37,15 +40,32 @@ def _load_workloads():
 measure = _load_workloads().measure
 
 
+def _pdcluster(cfg: dict):
+    import torch
+
+    from pdcluster.engine import LLM, SamplingParams
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    llm = LLM(**cfg["options"])
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                **cfg["sampling"])
+        return [list(o.token_ids) for o in llm.generate(prompts, params)]
+
+    return generate, {"versions": {"pdcluster": version("pdcluster"), "torch": version("torch")},
+                      "threads": torch.get_num_threads()}
+
+
 def _vllm(cfg: dict):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=cfg["model"], dtype="float32", seed=0, enable_prefix_caching=True,
-              max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"])
+    llm = LLM(**cfg["options"])
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                **cfg["sampling"])
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                             use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
@@ -59,8 +79,7 @@ def _vllm(cfg: dict):
 def _llamacpp(cfg: dict):
     from llama_cpp import Llama
 
-    llm = Llama(model_path=cfg["gguf"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
-                n_ctx=cfg["max_model_len"], n_batch=512, verbose=False)
+    llm = Llama(**cfg["options"], verbose=False)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         outs = []
@@ -74,10 +93,11 @@ def _llamacpp(cfg: dict):
         return outs
 
     return generate, {"versions": {"llama_cpp_python": version("llama-cpp-python")},
-                      "threads": cfg["threads"], "weights": "GGUF Q4_1 (not float32: speed only)"}
+                      "threads": cfg["options"]["n_threads"],
+                      "weights": "GGUF Q4_1 (not float32: speed only)"}
 
 
-ENGINES = {"vllm": _vllm, "llamacpp": _llamacpp}
+ENGINES = {"pdcluster": _pdcluster, "vllm": _vllm, "llamacpp": _llamacpp}
 
 
 def main() -> int:

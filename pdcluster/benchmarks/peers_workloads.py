@@ -39,7 +39,7 @@ class PeerSizes:
     decode_tokens: int = 64
     ttft_prompt_len: int = 2048
     shared_prefix_len: int = 1024
-    repeats: int = 3
+    repeats: int = 5
     hf_requests: int = 4  # HF one at a time runs W1 on this many requests (its rate is per request)
 
     def to_dict(self) -> dict:

@@ -91,7 +91,8 @@ BENCHMARKS = {
     "peers": ("peers_bench", "The engine against vLLM's CPU build (installed into its own venv "
               "under .cache/peers on first use), transformers generate (one at a time and "
               "batched) and optionally llama.cpp, on the real model and the same token ids, "
-              "with the machine's matmul and copy limits, in the same run."),
+              "all from one settings object, with the machine's matmul, copy and read "
+              "limits and the load, in the same run."),
 }
 
 
@@ -188,7 +189,18 @@ def _peers_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="model folder (default: the built-in model under the cache folder, "
                         "$PDCLUSTER_CACHE_DIR/smollm2-135m-instruct)")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="repeats per workload, medians reported (default 3; --quick 1)")
+                        help="interleaved repeats per workload, medians and spread reported "
+                        "(default 5; --quick 1)")
+    parser.add_argument("--max-load", type=float, default=None,
+                        help="refuse to start above this 1-minute load average (default: "
+                        "cores - threads + 0.5, at least 0.5)")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                        help="wait up to this long for the load average to drop first")
+    parser.add_argument("--allow-busy", action="store_true",
+                        help="run on a busy machine anyway, flagging the result")
+    parser.add_argument("--no-preload", action="store_true",
+                        help="no allocator preload for any engine (default: what each "
+                        "project advises)")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="also run llama.cpp if its venv (peers/llamacpp in the cache folder) "
                         "is installed")

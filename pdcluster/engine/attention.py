@@ -1,14 +1,19 @@
-"""Paged attention over the KV cache, in plain torch (scaled_dot_product_attention).
+"""Paged attention over the KV cache: torch's scaled_dot_product_attention, and for decodes on
+CPU the engine's own paged kernel.
 
 A step's tokens are laid out decode-first: the first `num_decodes` tokens are one query each
 from sequences in decode, then each prefill chunk's tokens in turn. Per layer, new keys and
 values are written into their cache slots first (`PagedKVCache.write`), then:
-- all decode queries run as one batched SDPA call over their gathered block tables, padded to
-  the longest context with a key mask. When every decode sequence starts with the same cached
-  blocks (a shared system prompt, W4 of `bench peers`), attention is split in two ("cascade"):
-  all queries attend to the shared blocks at once, gathered and read once instead of once per
-  sequence, each sequence attends to its own remaining blocks, and the two partial results
-  are merged through their log-sum-exps (the same softmax, summed in another order);
+- all decode queries run as one call: on CPU with float32 caches, the engine's own kernel
+  (`engine.kernels`: `paged_attention`, C++ built at setup) reads each sequence's blocks in
+  place — no gather, no padding, the query heads of one KV head sharing each read of a key;
+  elsewhere (or when the kernel is not built) one batched SDPA call over the gathered block
+  tables, padded to the longest context with a key mask. When every decode sequence starts
+  with the same cached blocks (a shared system prompt, W4 of `bench peers`), attention is
+  split in two ("cascade"): all queries attend to the shared blocks at once, read once
+  instead of once per sequence, each sequence attends to its own remaining blocks, and the
+  two partial results are merged through their log-sum-exps (the same softmax, summed in
+  another order; the kernel returns log-sum-exps too);
 - each prefill chunk attends to its context through its block table. A chunk that starts at
   position 0 uses its own keys with a plain causal mask; a chunk after a cached prefix or an
   earlier chunk gets an explicit mask `key_pos <= query_pos` so chunk boundaries (even
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdcluster.engine import kernels
 from pdcluster.engine.kv_cache import PagedKVCache
 
 
@@ -77,6 +83,7 @@ class CascadeTables:
     shared_block_ids: torch.Tensor  # [n_shared] the leading blocks of every decode's table
     block_table: torch.Tensor  # [num_decodes, max_blocks - n_shared] the rest of each table
     bias: torch.Tensor  # [num_decodes, 1, 1, keys] additive key mask (0 or -inf), query dtype
+    own_lens: torch.Tensor  # [num_decodes] int64: tokens of each sequence past the shared ones
 
 
 @dataclass(slots=True)
@@ -88,6 +95,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     workspace: GatherWorkspace
     cascade: CascadeTables | None = None  # set when decodes share leading blocks
+    decode_lens: torch.Tensor | None = None  # [num_decodes] int64 context lengths
 
 
 def paged_attention(
@@ -98,9 +106,12 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    cache_written: bool = False,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H, D]."""
-    kv_cache.write(layer, meta.slot_rows, k, v)
+    """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H, D]. `cache_written`: k and v are in
+    their cache slots already (the kernels' fused RoPE wrote them)."""
+    if not cache_written:
+        kv_cache.write(layer, meta.slot_rows, k, v)
     k_cache, v_cache = kv_cache.layer_kv(layer)
     out = torch.empty_like(q)
     if meta.num_decodes:
@@ -114,9 +125,38 @@ def paged_attention(
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    ops = kernels.ops_for(q, k_cache)
+    if ops is not None and meta.decode_lens is not None:
+        return _kernel_decode_attention(ops, q, k_cache, v_cache, meta, scale)
     if meta.cascade is not None:
         return _cascade_decode_attention(q, k_cache, v_cache, meta, scale)
     return _batched_decode_attention(q, k_cache, v_cache, meta, scale)
+
+
+def _kernel_decode_attention(ops, q, k_cache, v_cache, meta: AttentionMetadata,
+                             scale: float) -> torch.Tensor:
+    """The paged kernel over each sequence's blocks in place; with a cascade, once over the
+    shared blocks for every sequence's rows together (those keys read once for the batch),
+    once over each sequence's own blocks, merged by log-sum-exp."""
+    n, heads, dim = q.shape
+    kv_heads = k_cache.shape[-2]
+    # a KV head's query heads as rows (q is a view into the fused q/k projection: copy it)
+    rows = q.reshape(n, kv_heads, heads // kv_heads, dim).contiguous()
+    cascade = meta.cascade
+    if cascade is None:
+        out, _ = ops.paged_attention(rows, k_cache, v_cache, meta.decode_block_table,
+                                     meta.decode_lens, scale)
+        return out.view(n, heads, dim)
+    shared = cascade.shared_block_ids
+    batch_rows = rows.permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim).contiguous()
+    shared_lens = torch.full((1,), shared.numel() * k_cache.shape[1], dtype=torch.long)
+    out_shared, lse_shared = ops.paged_attention(batch_rows, k_cache, v_cache, shared[None],
+                                                 shared_lens, scale)
+    out_shared = out_shared.view(kv_heads, n, -1, dim).transpose(0, 1)  # [n, Hkv, G, D]
+    lse_shared = lse_shared.view(kv_heads, n, -1).transpose(0, 1)
+    out_own, lse_own = ops.paged_attention(rows, k_cache, v_cache, cascade.block_table,
+                                           cascade.own_lens, scale)
+    return _merge(out_shared, lse_shared, out_own, lse_own).reshape(n, heads, dim)
 
 
 def _batched_decode_attention(q, k_cache, v_cache, meta: AttentionMetadata,

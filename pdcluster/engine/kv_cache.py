@@ -72,6 +72,17 @@ class PagedKVCache:
         self._rows = self.tensor.view(-1, spec.num_kv_heads * spec.head_dim)
         self._rows_per_block = spec.num_layers * spec.num_planes * spec.block_size
 
+    @property
+    def rows(self) -> torch.Tensor:
+        """The region as `[rows, num_kv_heads * head_dim]`: one token's keys (or values) of
+        one layer a row (what `write` indexes, and the kernels' cache write)."""
+        return self._rows
+
+    def key_row_offset(self, layer: int) -> int:
+        """Added to a slot's `slot_rows` entry: the row of its keys in `layer` (values are
+        `block_size` rows further)."""
+        return 2 * layer * self.spec.block_size
+
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided views `[num_blocks, block_size, num_kv_heads, head_dim]` for one layer."""
         return self.tensor[:, layer, 0], self.tensor[:, layer, 1]
@@ -82,7 +93,7 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values `[T, num_kv_heads, head_dim]` of one layer into their slots."""
-        key_rows = slot_rows + 2 * layer * self.spec.block_size
+        key_rows = slot_rows + self.key_row_offset(layer)
         self._rows.index_copy_(0, key_rows, k.reshape(k.shape[0], -1))
         self._rows.index_copy_(0, key_rows + self.spec.block_size, v.reshape(v.shape[0], -1))
 

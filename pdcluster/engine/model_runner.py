@@ -97,7 +97,8 @@ class ModelRunner:
             workspace=self.workspace,
         )
         if decodes:
-            meta.decode_block_table, meta.decode_mask, meta.cascade = self._decode_tables(decodes)
+            (meta.decode_block_table, meta.decode_mask, meta.decode_lens,
+             meta.cascade) = self._decode_tables(decodes)
         input_ids = torch.tensor(ids, device=self.device)
         return input_ids, positions.to(self.device), meta, last_rows
 
@@ -119,7 +120,7 @@ class ModelRunner:
         lens = torch.tensor(context_lens)
         mask = torch.arange(max_blocks * bs)[None, :] < lens[:, None]
         return (table.to(self.device), mask[:, None, None, :].to(self.device),
-                self._cascade(table, lens))
+                lens.to(self.device), self._cascade(table, lens))
 
     def _cascade(self, table: torch.Tensor, lens: torch.Tensor) -> CascadeTables | None:
         """The decode batch split at its leading blocks common to every sequence (only blocks
@@ -135,5 +136,6 @@ class ModelRunner:
         own = torch.arange(rest.shape[1] * bs)[None, :] < (lens - shared * bs)[:, None]
         bias = torch.zeros(own.shape, dtype=self.kv_cache.tensor.dtype)
         bias.masked_fill_(~own, float("-inf"))
-        return CascadeTables(table[0, :shared].to(self.device), rest.to(self.device),
-                             bias[:, None, None, :].to(self.device))
+        return CascadeTables(table[0, :shared].to(self.device), rest.contiguous().to(self.device),
+                             bias[:, None, None, :].to(self.device),
+                             (lens - shared * bs).to(self.device))

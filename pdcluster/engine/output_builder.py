@@ -30,7 +30,7 @@ class OutputBuilder:
         text = ""
         if req.params.stop and req.status is not RequestStatus.FINISHED_ERROR:
             text = self._stop_strings(req)
-        elif req.is_finished and self.tokenizer is not None:
+        elif req.is_finished and self.tokenizer is not None and req.params.detokenize:
             text = self.stops.decode(req)
         new_token_ids = req.output_token_ids[req.num_emitted_tokens:]
         req.num_emitted_tokens = req.num_output_tokens

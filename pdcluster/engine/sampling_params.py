@@ -34,11 +34,13 @@ class SamplingParams(SamplingSpec):
     """The wire's sampling fields, inherited from `core.sampling.SamplingSpec` (their one
     declaration: same names, meanings and defaults), plus the text options only the engine
     uses. Stop strings end generation and are cut from the text unless
-    `include_stop_str_in_output`.
+    `include_stop_str_in_output`. `detokenize=False` (vLLM's option) leaves the output's text
+    empty: token ids only; stop strings need the text, so they refuse it.
     """
 
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         # Accept tuples (and a single stop string) from callers, and keep copies: a caller's
@@ -69,6 +71,8 @@ class SamplingParams(SamplingSpec):
         self._validate_stops()
 
     def _validate_stops(self) -> None:
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:

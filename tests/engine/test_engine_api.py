@@ -62,6 +62,16 @@ def test_step_streams_one_token_per_decoding_request(model_dir) -> None:
     assert_idle(engine)
 
 
+def test_detokenize_off_gives_the_same_tokens_and_no_text(llm) -> None:
+    prompt = random_prompts(1, 6, 6, seed=5)[0]
+    on, off = llm.generate([prompt, prompt], [SamplingParams(max_tokens=6, **GREEDY),
+                                              SamplingParams(max_tokens=6, detokenize=False,
+                                                             **GREEDY)])
+    assert off.token_ids == on.token_ids and on.text and off.text == ""
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 def test_chunked_prefill_streams_nothing_until_the_prompt_is_done(model_dir) -> None:
     engine = LLMEngine.from_model(model_dir, num_kv_blocks=16, block_size=4,
                                   max_num_batched_tokens=8)

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from pdcluster.engine.attention import GatherWorkspace  # noqa: E402
+from pdcluster.engine.kernels import gemm  # noqa: E402
 from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from pdcluster.engine.models import linear as linear_mod  # noqa: E402
 from pdcluster.engine.models.linear import Linear, linear, silu_and_mul  # noqa: E402
@@ -22,10 +23,15 @@ onednn = pytest.mark.skipif(not linear_mod._ONEDNN, reason="torch built without 
 
 @pytest.fixture(params=[True, False], ids=["onednn", "f_linear"])
 def backend(request, monkeypatch):
-    """Run a test on the oneDNN path and on the F.linear fallback (CUDA, or no oneDNN)."""
+    """Run a test on the oneDNN path and on the F.linear fallback (CUDA, or no oneDNN); the
+    engine's GEMV for single rows is off here (tests/engine/test_kernels.py covers it)."""
+    from pdcluster.engine import kernels
+
     if request.param and not linear_mod._ONEDNN:
         pytest.skip("torch built without oneDNN")
     monkeypatch.setattr(linear_mod, "_ONEDNN", request.param)
+    monkeypatch.setattr(gemm, "choice", lambda: dict(gemm.DEFAULT))  # oneDNN where on
+    monkeypatch.setattr(kernels, "ENABLED", False)
     return request.param
 
 
@@ -72,7 +78,8 @@ def test_silu_and_mul_is_swiglu(backend, rows, bias) -> None:
 @onednn
 def test_onednn_path_is_taken(monkeypatch) -> None:
     """The fast path really runs on CPU float32 (a silent fallback would pass the tests
-    above and lose the speed)."""
+    above and lose the speed) where the calibration chose it."""
+    monkeypatch.setattr(gemm, "choice", lambda: dict(gemm.DEFAULT))
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
 
@@ -209,10 +216,12 @@ def test_cascade_takes_only_blocks_every_context_covers(tables, lens, shared) ->
 def test_decodes_sharing_a_prompt_prefix_match_transformers(model_dirs, hf_reference,
                                                             monkeypatch) -> None:
     """End to end: decodes behind a shared cached prefix take the cascade path, and their
-    greedy tokens still equal transformers'."""
-    from pdcluster.engine import LLM, SamplingParams, attention
+    greedy tokens still equal transformers'. (The torch path; tests/engine/test_kernels.py
+    runs the same with the engine's C++ kernel.)"""
+    from pdcluster.engine import LLM, SamplingParams, attention, kernels
     from tests.models import random_prompts
 
+    monkeypatch.setattr(kernels, "ENABLED", False)
     calls = count_calls(monkeypatch, attention, "_cascade_decode_attention")
     model = model_dirs["llama-gqa"]
     llm = LLM(model, num_kv_blocks=128, block_size=4)

@@ -21,7 +21,8 @@ def _declared(cls: type) -> set[str]:
 
 def test_the_engine_declares_only_its_own_fields() -> None:
     assert issubclass(SamplingParams, SamplingSpec)
-    assert _declared(SamplingParams) == {"include_stop_str_in_output", "skip_special_tokens"}
+    assert _declared(SamplingParams) == {"include_stop_str_in_output", "skip_special_tokens",
+                                         "detokenize"}
     assert {f.name for f in fields(SamplingParams)} >= WIRE_FIELDS
 
 

@@ -1,14 +1,20 @@
 """Every projection of the models goes through `linear` (and the `Linear` module built on it).
 
 On CPU it runs oneDNN's GEMM (`torch.ops.mkldnn._linear_pointwise`, the op torch's own compiler
-emits for CPU linears) instead of `F.linear`'s MKL/OpenBLAS sgemm; on CUDA, or where torch was
-built without oneDNN, it is `F.linear`. Measured on this machine's 2 threads (benchmarks/
+emits for CPU linears) or `F.linear`'s MKL/OpenBLAS sgemm, whichever this machine's calibration
+chose (engine/kernels/gemm.py: neither wins on every CPU); on CUDA, or where torch was built
+without oneDNN, it is `F.linear`. Measured on an AVX-512 host's 2 threads (benchmarks/
 peers_bench.py measures the whole engine):
 
     [2048 x 576] @ [576 x 3072]   F.linear 153 GFLOP/s   oneDNN 189
     [32 x 576]   @ [576 x 960]    F.linear 127           oneDNN 152
     batch 1, 60 distinct [3072 x 576] weights (weights stream from memory, as in decode):
                                   F.linear 10.6 GB/s     oneDNN 20.5 GB/s
+
+One row (a batch-1 decode step, the LM head of one sampled token) goes to the engine's own
+GEMV (`engine.kernels`, C++ built at setup) where built: a decode step streams every weight
+once, and the GEMV reads them faster than oneDNN's small-M path (one thread, the SmolLM2
+layer stack: 16.9 vs 12.0 GB/s, against a 20.8 GB/s `sum`).
 
 The weights stay plain tensors (no prepacked copy: prepacking gained under 5% and would double
 the memory a model takes). Results differ from `F.linear` by float32 rounding only (another
@@ -21,6 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pdcluster.engine import kernels
+from pdcluster.engine.kernels import gemm
 
 
 def _onednn_dtypes() -> tuple[torch.dtype, ...]:
@@ -40,9 +49,28 @@ _ONEDNN_DTYPES = _onednn_dtypes() if _onednn_available() else ()
 _ONEDNN = _onednn_available()
 
 
+def _gemv_ops(x: torch.Tensor, weight: torch.Tensor):
+    """`torch.ops.pdcluster` when x is one float32 CPU row and the GEMV kernel is built."""
+    if x.numel() != x.shape[-1] or x.numel() == 0 or not x.is_contiguous():
+        return None
+    if weight.dim() != 2 or weight.stride(-1) != 1:
+        return None
+    return kernels.ops_for(x, weight)
+
+
+def _use_onednn(x: torch.Tensor, use: str) -> bool:
+    """oneDNN for this CPU input, where torch has it and this machine's calibration chose it
+    for `use` (engine/kernels/gemm.py)."""
+    return (_ONEDNN and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES
+            and gemm.choice()[use] == "onednn")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for x of any leading shape."""
-    if _ONEDNN and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES:
+    ops = _gemv_ops(x, weight)
+    if ops is not None:
+        return ops.gemv(x, weight, bias)
+    if _use_onednn(x, "linear"):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -51,13 +79,20 @@ def silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  intermediate: int) -> torch.Tensor:
     """SwiGLU's `silu(x @ gate.T) * (x @ up.T)`, gate and up stacked in `weight` `[2I, H]`.
     With oneDNN both elementwise ops ride the GEMMs' epilogues (swish after the gate GEMM,
-    a multiply by it after the up GEMM), so no `[T, I]` tensor is read back to apply them."""
-    if _ONEDNN and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES:
-        gate_bias, up_bias = (None, None) if bias is None else bias.split(intermediate)
+    a multiply by it after the up GEMM), so no `[T, I]` tensor is read back to apply them.
+    One row (batch-1 decode): the engine's GEMV computes both halves and multiplies."""
+    ops = _gemv_ops(x, weight)
+    if ops is not None:
+        return ops.gemv_swiglu(x, weight, bias, intermediate)
+    gate_bias, up_bias = (None, None) if bias is None else bias.split(intermediate)
+    if _use_onednn(x, "swiglu"):
         gate = torch.ops.mkldnn._linear_pointwise(x, weight[:intermediate], gate_bias, "swish",
                                                   [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, weight[intermediate:],
                                                          up_bias, "mul")
+    if x.device.type == "cpu":  # two GEMMs, then silu and multiply in place: no [T, 2I] split
+        gate = F.silu(F.linear(x, weight[:intermediate], gate_bias), inplace=True)
+        return gate.mul_(F.linear(x, weight[intermediate:], up_bias))
     gate, up = F.linear(x, weight, bias).split(intermediate, dim=-1)
     return F.silu(gate) * up
 

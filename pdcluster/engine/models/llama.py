@@ -7,6 +7,11 @@ Forward takes a flattened batch of tokens (`[T]` ids and positions) plus the ste
 `AttentionMetadata`, and returns hidden states `[T, hidden]`; `compute_logits` projects only
 the rows the sampler needs. q/k/v and gate/up projections are fused at load time (one matmul
 each); RMSNorm follows the reference formula (float32 statistics) so outputs match exactly.
+
+With the engine's kernels (engine.kernels; CPU, float32) a layer's small steps are one op
+each: the residual add and the next RMSNorm (`add_rms_norm_`, which is why a layer returns
+its output and the residual stream separately), RoPE of q and k together with the cache write
+of k and v (`rope_and_cache_`; not for Qwen3's q/k norms, which take the torch path).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdcluster.engine import kernels
 from pdcluster.engine.attention import AttentionMetadata, paged_attention
 from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.model_config import ModelConfig
@@ -29,10 +35,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = kernels.ops_for(x, self.weight) if x.dim() == 2 and x.is_contiguous() else None
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor):
+        """The residual stream plus `x`, and its norm: `(norm(residual + x), residual + x)`.
+        With the engine's kernels one pass, in place (x and residual are the step's own
+        intermediates)."""
+        ops = kernels.ops_for(x, residual, self.weight)
+        if ops is not None and x.is_contiguous() and residual.is_contiguous():
+            ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class Attention(nn.Module):
@@ -61,6 +81,17 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
+        ops = None if self.q_norm is not None else kernels.ops_for(qkv, kv_cache.tensor)
+        if ops is not None:
+            # RoPE on q and k in place and k, v into their cache slots: one op.
+            ops.rope_and_cache_(qkv, positions, self.rope.cos, self.rope.sin, self.num_heads,
+                                self.num_kv_heads, kv_cache.rows, meta.slot_rows,
+                                kv_cache.key_row_offset(self.layer), kv_cache.spec.block_size)
+            q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : qk_size].view(-1, self.num_kv_heads, self.head_dim)
+            out = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale,
+                                  cache_written=True)
+            return self.o_proj(out.reshape(-1, self.q_size))
         if self.q_norm is None or self.k_norm is None:  # both or neither (cfg.qk_norm)
             # q and k heads side by side: one RoPE pass (the same arithmetic per element).
             qk = self.rope.rotate(positions, qkv[:, :qk_size].view(
@@ -91,9 +122,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_mlp(cfg, layer)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, kv_cache, meta):
+        """`x` is the previous layer's output (the embeddings for the first, with `residual`
+        None); returns this layer's output and the residual stream before it is added, so
+        that the next norm adds and normalizes in one step."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -128,10 +167,11 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache: PagedKVCache, meta: AttentionMetadata):
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache, meta)
+        assert residual is not None, "a model has at least one layer"
+        return self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
