@@ -138,4 +138,6 @@ def test_refused_messages_are_counted(pair):
     decoded and refused, the rest of each second's flood dropped undecoded."""
     server = pair[0][0].engine.connector.worker.transport._server
     assert server.num_forbidden >= 50 and server.num_dropped > 0
-    assert server.num_forbidden + server.num_dropped >= 20_000
+    # the flood sends 20,000; ZMQ's receive high-water mark may drop a few before they are
+    # read (neither served nor counted: seen 49 on a quiet machine)
+    assert server.num_forbidden + server.num_dropped >= 19_000

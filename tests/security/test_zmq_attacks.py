@@ -134,7 +134,7 @@ def test_side_channel_refuses_strangers(served, member_control):
     else:
         replies, sock = _Inbox(None), dealer(prefill["kv_address"])
     pull = PrefixPullRequest("pull-1", "r", replies.address, memory.engine.session_id, nbytes,
-                             served.block_size, 0, PROMPT,
+                             served.block_size, 0, PROMPT[:4 * served.block_size],
                              [memory.addr(i * nbytes) for i in range(4)])
     sock.send(encode_kv(pull))
     sock.send(encode_kv(XferRequest("xfer-1", "r", replies.address, memory.engine.session_id,
@@ -173,7 +173,8 @@ def test_a_member_cannot_pull_another_tenants_blocks(served):
         sock = dealer(prefill["kv_address"], keys, server_key(served, "prefill"))
         sock.send(encode_kv(PrefixPullRequest(
             f"pull-{salt}", "r", replies.address, memory.engine.session_id, nbytes,
-            served.block_size, 0, salted, [memory.addr(i * nbytes) for i in range(4)],
+            served.block_size, 0, salted[:4 * served.block_size],
+            [memory.addr(i * nbytes) for i in range(4)],
             cache_salt=salt)))
         (done,) = replies.wait(10)
         results[salt] = (done.num_blocks_sent, memory.touched)

@@ -24,9 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import sys
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -165,25 +163,3 @@ def ops():
         logger.warning("engine kernels at %s do not load (%s): using the torch paths", path, exc)
         return None
     return torch.ops.pdcluster
-
-
-def main() -> int:
-    """`python -m pdcluster.engine.kernels [--force]`: pick this machine's GEMM library
-    (engine/kernels/gemm.py), then build the kernels, or say why not (exit 1)."""
-    from pdcluster.engine.kernels import gemm
-
-    picked = gemm.calibrate_if_needed()
-    if picked is not None:
-        print(f"engine GEMMs: linear on {picked['linear']}, SwiGLU on {picked['swiglu']} "
-              f"({gemm.choice_path()})")
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
-        print("engine kernels: no C++ compiler (g++) found; the engine uses its torch paths",
-              file=sys.stderr)
-        return 1
-    try:
-        path = build(force="--force" in sys.argv[1:])
-    except RuntimeError as exc:
-        print(f"engine kernels: {exc}\nthe engine uses its torch paths", file=sys.stderr)
-        return 1
-    print(f"engine kernels: {path}")
-    return 0
