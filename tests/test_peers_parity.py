@@ -111,6 +111,18 @@ def test_own_running_threads_counts_descendants() -> None:
         child.wait()
 
 
+def _until_spinning(pid: int, timeout_s: float = 30.0) -> None:
+    """Wait until `pid` has spent 0.3 s of CPU in user mode: its loop is running."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        utime = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11])
+        if utime >= 0.3 * ticks:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} never spun")
+
+
 def test_monitor_flags_a_window_while_another_process_spins() -> None:
     """A spinner outside the bench's process tree: started by a launcher that exits, so it is
     re-parented away from this process."""
@@ -124,6 +136,7 @@ def test_monitor_flags_a_window_while_another_process_spins() -> None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         assert int(stat[1]) != os.getpid()  # not our child
+        _until_spinning(pid)  # not still starting its interpreter (sleeping on disk reads)
         with LoadMonitor(interval_s=0.1) as monitor:
             time.sleep(1.5)
             window = monitor.window()
