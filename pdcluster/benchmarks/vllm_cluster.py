@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.credentials import ROUTER_TOKEN_ENV, SECRET_ENV, SERVICE, ClusterSecret
 
 
 def free_port() -> int:
@@ -32,7 +32,7 @@ class ServedCluster:
         self.model, self.engine, self.name = model, engine, Path(model).name
         self.port = free_port()
         self.secret = ClusterSecret.generate()
-        self.env = {**os.environ, "PDCLUSTER_CLUSTER_SECRET": self.secret.to_text(),
+        self.env = {**os.environ, SECRET_ENV: self.secret.to_text(),
                     "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
         self._dir = tempfile.TemporaryDirectory(prefix="pdc-served-")
         self.log = Path(self._dir.name) / "serve.log"
@@ -93,7 +93,10 @@ class ServedCluster:
                    "--model", self.model, "--metadata", self.metadata, "--port", str(port),
                    "--engine", self.engine, "--local-prefill-threshold",
                    str(local_prefill_threshold)]
-        proc = subprocess.Popen(command, env=self.env, stdout=subprocess.DEVNULL,
+        # a router holds its client credential only (docs/security.md), not the secret
+        env = {**self.env, ROUTER_TOKEN_ENV: self.secret.metadata_token(SERVICE)}
+        env.pop(SECRET_ENV, None)
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         try:
             self.warm_up(self.client(port))
