@@ -17,7 +17,7 @@ API: `ideal_hit_ratio`, `achievable_hit_ratio`, `ideal_ttfts`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Protocol
 
 from pdcluster.core.types import BlockHash
@@ -31,15 +31,22 @@ class _Request(Protocol):
     def input_length(self) -> int: ...
 
 
+def _leading_run(block_hashes: Sequence[BlockHash], cached: Container[BlockHash]) -> int:
+    """How many of a request's blocks, from the first, are in `cached` (a prefix hit)."""
+    count = 0
+    for block_hash in block_hashes:
+        if block_hash not in cached:
+            break
+        count += 1
+    return count
+
+
 def ideal_hit_ratio(requests: Sequence[_Request]) -> float:
     """The hit ratio of one infinite cache: a block hits when its whole prefix was seen."""
     seen: set[BlockHash] = set()
     hit_blocks = total_blocks = 0
     for req in requests:
-        for block_hash in req.block_hashes:
-            if block_hash not in seen:
-                break
-            hit_blocks += 1
+        hit_blocks += _leading_run(req.block_hashes, seen)
         total_blocks += len(req.block_hashes)
         seen.update(req.block_hashes)
     return round(hit_blocks / max(total_blocks, 1), 4)
@@ -52,10 +59,7 @@ def achievable_hit_ratio(requests: Sequence[_Request], capacity: int) -> float:
     cache: OrderedDict[BlockHash, None] = OrderedDict()
     hit_blocks = total_blocks = 0
     for req in requests:
-        for block_hash in req.block_hashes:
-            if block_hash not in cache:
-                break
-            hit_blocks += 1
+        hit_blocks += _leading_run(req.block_hashes, cache)
         total_blocks += len(req.block_hashes)
         for block_hash in reversed(req.block_hashes):
             cache[block_hash] = None
