@@ -8,9 +8,12 @@
   Each is the best of a few tries: neighbours' noise lowers no limit.
 - `LoadGate`: before the run, waits (up to `wait_s`) for the 1-minute load average to drop to
   `max_load`, and refuses the run (`UsageError`) when it does not, unless `allow_busy`, which
-  runs and flags the result. During the run, `LoadMonitor` samples how many threads outside
-  the bench's own processes are runnable (`/proc/stat`'s `procs_running` minus the bench's
-  own running threads): a repeat with more than `BUSY_THREADS` of them on average is flagged.
+  runs and flags the result. During the run, `LoadMonitor` measures two things about the
+  processes outside the bench's own tree: the cores they used (CPU time from `/proc/stat`
+  minus the bench's own, per second of wall time: a steady figure that no sampling instant
+  can miss) and how many of their threads were runnable (`procs_running` minus the bench's
+  own running threads, sampled: it also sees neighbours waiting for a core). A repeat where
+  either averages more than `BUSY_THREADS` is flagged.
 
 Torch is imported lazily (the gate and the monitor need none).
 """
@@ -25,8 +28,10 @@ from pathlib import Path
 
 from pdcluster.cluster.cli_common import UsageError
 
-# A repeat during which other processes kept this many threads runnable on average is flagged.
+# A repeat during which other processes used (or kept runnable) this many cores on average is
+# flagged.
 BUSY_THREADS = 0.5
+_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def machine_limits(threads: int, matmul_n: int = 2048, stream_mib: int = 512) -> dict:
@@ -85,7 +90,7 @@ class LoadGate:
 
 
 class LoadMonitor:
-    """Samples, in a daemon thread, the runnable threads that are not the bench's own."""
+    """Samples, in a daemon thread, the CPU used and the threads runnable outside the bench."""
 
     def __init__(self, interval_s: float = 0.5) -> None:
         self._interval = interval_s
@@ -93,8 +98,10 @@ class LoadMonitor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="load-monitor", daemon=True)
+        self._since = self._cpu_now()
 
     def __enter__(self) -> LoadMonitor:
+        self._since = self._cpu_now()
         self._thread.start()
         return self
 
@@ -104,17 +111,54 @@ class LoadMonitor:
 
     def window(self) -> dict:
         """Figures since the last call (one repeat), and the 1-minute load average now."""
+        now = self._cpu_now()
         with self._lock:
             samples, self._samples = self._samples, []
-        mean = sum(samples) / len(samples) if samples else 0.0
-        return {"other_runnable_threads": round(mean, 2), "samples": len(samples),
-                "load_avg_1m": round(os.getloadavg()[0], 2), "busy": mean > BUSY_THREADS}
+            since, self._since = self._since, now
+        wall = now[0] - since[0]
+        other_ticks = (now[1] - since[1]) - (now[2] - since[2])
+        cores = max(0.0, other_ticks / _TICKS / wall) if wall > 0 else 0.0
+        runnable = sum(samples) / len(samples) if samples else 0.0
+        return {"other_cpu_cores": round(cores, 2), "other_runnable_threads": round(runnable, 2),
+                "samples": len(samples), "load_avg_1m": round(os.getloadavg()[0], 2),
+                "busy": max(cores, runnable) > BUSY_THREADS}
+
+    @staticmethod
+    def _cpu_now() -> tuple[float, int, int]:
+        """(wall time, CPU ticks the whole machine has used, those of the bench's own tree)."""
+        return time.monotonic(), machine_cpu_ticks(), own_cpu_ticks()
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             others = max(0, procs_running() - own_running_threads())
             with self._lock:
                 self._samples.append(others)
+
+
+def machine_cpu_ticks(stat: Path = Path("/proc/stat")) -> int:
+    """Ticks every core spent busy (user, nice, system, irq, softirq), summed."""
+    for line in stat.read_text().splitlines():
+        if line.startswith("cpu "):
+            user, nice, system, _idle, _iowait, irq, softirq = map(int, line.split()[1:8])
+            return user + nice + system + irq + softirq
+    return 0
+
+
+def own_cpu_ticks(root: int | None = None) -> int:
+    """CPU ticks of this process and its descendants: live ones, and the reaped ones that the
+    kernel folds into their parent's children's time."""
+    ticks, pending = 0, [root or os.getpid()]
+    while pending:
+        pid = pending.pop()
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            # after the name: state is field 0, utime/stime 11/12, cutime/cstime 13/14
+            ticks += sum(int(f) for f in fields[11:15])
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+    return ticks
 
 
 def procs_running(stat: Path = Path("/proc/stat")) -> int:
