@@ -10,6 +10,11 @@ why). On CUDA the region is pinned and the copies run on a stream of their own, 
 compute stream waits for before the model runs: they overlap the step's batch preparation,
 not its forward pass. On CPU the copies are plain memcpys on the engine's thread.
 
+With a disk tier (`disk`, an `engine.disk_kv_cache.DiskKVCache`) a step's spills run first:
+each host slot the host evicted is staged (one block's bytes copied out) and queued for the
+disk's writer thread, before a demotion of the same step reuses the slot; its disk loads run
+last, read straight into the device blocks.
+
 Sizing (`host_tier_blocks`): `EngineConfig.host_cache_gib` of blocks, refused with a clear
 `ValueError` when it is more than the host memory available (`/proc/meminfo`
 `MemAvailable`, capped by the container's cgroup limit).
@@ -18,7 +23,7 @@ Cost: each step's loads are timed (`CopyTimer`): bytes and seconds, from which a
 reports the host tier's bandwidth and latency to the router (`router.routing.tier_costs`);
 a calibration copy at start gives the first figure before any load.
 
-API: `HostKVCache` (`flush`, `apply`, `calibrate`), `CopyTimer`, `copy_runs`,
+API: `HostKVCache` (`collect`, `flush`, `apply`, `calibrate`), `CopyTimer`, `copy_runs`,
 `host_tier_blocks`, `available_host_bytes`.
 """
 
@@ -27,11 +32,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
 from pdcluster.engine.kv_tiers import KVTiers, TierCopies
+
+if TYPE_CHECKING:  # disk_kv_cache imports this module
+    from pdcluster.engine.disk_kv_cache import DiskKVCache
 
 _GIB = 2**30
 _SAMPLES = 64
@@ -141,10 +150,17 @@ class HostKVCache:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.loads = CopyTimer()
         self.demotions = CopyTimer()
+        self.disk: DiskKVCache | None = None  # the disk tier below, if any
 
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.spec.block_nbytes
+
+    def collect(self, tiers: KVTiers) -> None:
+        """Tell the bookkeeping which disk writes finished (before scheduling: a block
+        written since the last step is a hit in this one)."""
+        if self.disk is not None:
+            tiers.writes_done(self.disk.take_written())
 
     def flush(self, tiers: KVTiers) -> None:
         """Run the copies `tiers` queued this step, then let their host slots go."""
@@ -154,8 +170,11 @@ class HostKVCache:
             tiers.copies_done(copies)
 
     def apply(self, copies: TierCopies) -> None:
-        """Run one step's copies: every demotion, then every load."""
+        """Run one step's copies: every spill, every demotion, every load, every disk
+        load."""
         block_nbytes, device = self.spec.block_nbytes, self.device_cache.tensor
+        if copies.spills:
+            self._spill(copies.spills)
         for pairs, timer, load in ((copies.demotions, self.demotions, False),
                                    (copies.loads, self.loads, True)):
             if not pairs:
@@ -164,6 +183,17 @@ class HostKVCache:
             self._copy(copy_runs(pairs), device, load)
             if self._stream is None:  # on CUDA the copy is still running: calibration only
                 timer.add(len(pairs) * block_nbytes, time.perf_counter() - started)
+        if copies.disk_loads:
+            assert self.disk is not None, "disk loads without a disk tier"
+            self.disk.read_runs(copy_runs(copies.disk_loads), device)
+
+    def _spill(self, spills: list[tuple[int, int]]) -> None:
+        """Stage each (host slot, disk slot) spill's bytes and queue its write."""
+        assert self.disk is not None, "spills without a disk tier"
+        if self._stream is not None:  # earlier demotions into these slots may be in flight
+            self._stream.synchronize()
+        for host_slot, disk_slot in spills:
+            self.disk.submit(disk_slot, self.tensor[host_slot].view(torch.uint8).numpy().copy())
 
     def _copy(self, runs: list[tuple[int, int, int]], device: torch.Tensor, load: bool) -> None:
         if self._stream is None:

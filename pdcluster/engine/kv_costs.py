@@ -1,6 +1,6 @@
 """`KVCostMeter`: what the engine measures for the router's pricing of KV it does not compute
-(torch-free): its prefill rate, and, from the host tier's copy timer, the tier's bandwidth and
-latency, reported as one `core.node_wire.KVCosts` with every load report.
+(torch-free): its prefill rate, and, from the host and disk tiers' copy timers, each tier's
+bandwidth and latency, reported as one `core.node_wire.KVCosts` with every load report.
 
 The prefill rate is a moving average over steps that computed at least `MIN_PREFILL_TOKENS`
 prompt tokens: tokens of the step over its seconds (decodes batched into the same step make
@@ -31,10 +31,13 @@ class KVCostMeter:
         self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
             (1 - _ALPHA) * self.prefill_tokens_per_s + _ALPHA * rate
 
-    def costs(self, host: tuple[float, float] | None = None) -> KVCosts | None:
-        """`host`: the host tier's (bytes/s, latency s); None without a host tier."""
+    def costs(self, host: tuple[float, float] | None = None,
+              disk: tuple[float, float] | None = None) -> KVCosts | None:
+        """`host`, `disk`: the tier's (bytes/s, latency s); None without that tier."""
         if self.prefill_tokens_per_s <= 0:
             return None
         bandwidth, latency = host or (0.0, 0.0)
+        disk_bandwidth, disk_latency = disk or (0.0, 0.0)
         return KVCosts(self.prefill_tokens_per_s, self.kv_bytes_per_token,
-                       host_bytes_per_s=bandwidth, host_latency_s=latency)
+                       host_bytes_per_s=bandwidth, host_latency_s=latency,
+                       disk_bytes_per_s=disk_bandwidth, disk_latency_s=disk_latency)
