@@ -15,12 +15,12 @@ that many are. The writer reports each slot written (or failed) through `take_wr
 the engine thread drains before it schedules. Reads (disk hits loaded back) run on the engine
 thread before the model runs: a prefix they hold must be in the device blocks by then.
 
-Restart safety: nothing on disk is ever trusted. Each engine creates its own file
-(`kv-<pid>-<random>.bin`, made new) under `disk_cache_dir` (default: `core.paths.cache_dir()/kv-disk`), holds an
-exclusive `flock` on it for its life, and at start deletes every other `kv-*.bin` there whose
-lock it can take (its owner is gone); its own file starts empty. The bookkeeping
+Restart safety: nothing on disk is ever trusted. Each engine creates its own new file
+(`kv-<pid>-<random>.bin`) under `disk_cache_dir` (default: `core.paths.cache_dir()/kv-disk`),
+holds an exclusive `flock` on it for its life, and at start deletes every other `kv-*.bin`
+there whose lock it can take (its owner is gone); `close` deletes its own. The bookkeeping
 starts empty, so a restarted node never serves a block a previous process wrote, and two
-nodes (processes) never share a file.
+nodes (processes, or engines of one process) never share a file.
 
 Cost: reads are timed (`CopyTimer`); a calibration at start writes then reads 1 and 8 slots,
 so the first load report has a figure (both include the page cache, as real reads do).
@@ -148,7 +148,7 @@ class DiskKVCache:
             slot, staged = item
             ok = True
             try:
-                view = memoryview(staged).cast("B")
+                view = staged.data.cast("B")
                 done = 0
                 while done < len(view):
                     done += os.pwrite(self._fd, view[done:], slot * self.block_nbytes + done)
@@ -190,7 +190,7 @@ class DiskKVCache:
         self.loads.add(total, time.perf_counter() - started)
 
     def _read_into(self, slot: int, buffer: torch.Tensor) -> None:
-        view = memoryview(buffer.view(torch.uint8).numpy()).cast("B")
+        view = buffer.view(torch.uint8).numpy().data.cast("B")
         done, offset = 0, slot * self.block_nbytes
         while done < len(view):
             got = os.preadv(self._fd, [view[done:]], offset + done)
@@ -204,7 +204,7 @@ class DiskKVCache:
         n = min(max_blocks, self.num_blocks)
         for size in sorted({1, n}):
             scratch = torch.ones(size * self.block_nbytes, dtype=torch.uint8)
-            os.pwrite(self._fd, memoryview(scratch.numpy()), 0)
+            os.pwrite(self._fd, scratch.numpy().data, 0)
             for _ in range(2):
                 started = time.perf_counter()
                 self._read_into(0, scratch)

@@ -241,10 +241,10 @@ class KVTiers:
 
     def stats(self) -> dict[str, float]:
         host, disk = self.host, self.disk
-        stats = {"num_host_blocks": host.num_slots, "num_host_cached": host.num_cached,
-                 "num_host_pinned": host.num_pinned, "num_demoted_blocks": self.num_demoted,
-                 "num_loaded_blocks": self.num_loaded,
-                 "num_host_evicted_blocks": self.num_host_evicted}
+        stats: dict[str, float] = {
+            "num_host_blocks": host.num_slots, "num_host_cached": host.num_cached,
+            "num_host_pinned": host.num_pinned, "num_demoted_blocks": self.num_demoted,
+            "num_loaded_blocks": self.num_loaded, "num_host_evicted_blocks": self.num_host_evicted}
         if disk is not None:
             stats |= {"num_disk_blocks": disk.num_slots, "num_disk_cached": disk.num_cached,
                       "num_spilled_blocks": self.num_spilled,

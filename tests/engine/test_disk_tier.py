@@ -29,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 def make_llm(tmp_path):
     made: list[LLM] = []
 
-    def make(model_dir: str, num_kv_blocks: int = 16, num_host_blocks: int = 8,
+    def make(model_dir: str, num_kv_blocks: int = 16, num_host_blocks: int = 16,
              num_disk_blocks: int = 64, **options) -> LLM:
         options.setdefault("disk_cache_dir", str(tmp_path / "kv"))
         llm = LLM(model_dir, num_kv_blocks=num_kv_blocks, block_size=8,
@@ -127,7 +127,7 @@ def test_a_restarted_node_never_serves_stale_disk_blocks(model_dirs, hf_referenc
     folder.mkdir()
     stale = folder / "kv-1-dead.bin"  # what a crashed engine left (nobody holds its lock)
     stale.write_bytes(b"\x7f" * 4096)
-    options = dict(num_kv_blocks=16, block_size=8, num_host_blocks=8, num_disk_blocks=64,
+    options = dict(num_kv_blocks=16, block_size=8, num_host_blocks=16, num_disk_blocks=64,
                    disk_cache_dir=str(folder))
     llm = LLM(model_dir, **options)
     assert not stale.exists()
