@@ -190,3 +190,30 @@ def test_index_fed_by_the_events_matches_all_three_tiers() -> None:
         tiers.writes_done([(slot, True) for slot in pending])
         assert_tiers_clean(tiers)
         assert_pool_clean(pool)
+
+
+def test_a_peer_pull_is_served_from_the_host_but_never_from_the_disk() -> None:
+    from pdcluster.core.kv_connector import ConnectorResults, PrefixTokens, PullLookup
+    from pdcluster.engine.scheduler import Scheduler, SchedulerConfig
+    from pdcluster.transfer.connector_scheduler import ConnectorScheduler
+
+    kv, pool, tiers = make_tiered(num_host=4)
+    connector = ConnectorScheduler(min_pull_blocks=1)
+    sched = Scheduler(SchedulerConfig(64, 8, 256), kv, connector)
+    on_disk = spilled_prompt(kv)
+    on_host = make_request("h", 2 * BLOCK_SIZE + 1).prompt_token_ids
+    run(kv, make_request("h", prompt=on_host))
+    run(kv, make_request("g", 3 * BLOCK_SIZE + 1))  # h's blocks move to the host
+    disk_hashes = make_request("d", prompt=on_disk).block_hashes[:2]
+    disk_hits = tiers.longest_prefix(disk_hashes)
+    assert disk_hits and all(isinstance(h, DiskHit) for h in disk_hits)
+    served = {}
+    for name, prompt in (("disk", on_disk), ("host", on_host)):
+        lookup = PullLookup(f"pull-{name}", PrefixTokens(prompt[:2 * BLOCK_SIZE], BLOCK_SIZE, 0))
+        sched.apply_connector_results(ConnectorResults(lookups=[lookup]))
+        served[name] = [s.block_ids for s in connector.build_plan().serves]
+        sched.apply_connector_results(ConnectorResults(served=[f"pull-{name}"]))
+    assert served["disk"] in ([], [[]])  # nothing claimed from the disk
+    (host_ids,) = served["host"]  # ids past the device's name host slots
+    assert len(host_ids) == 2 and all(i >= pool.num_blocks for i in host_ids)
+    assert_tiers_clean(tiers)
