@@ -23,6 +23,13 @@ prefill nodes' cache in trace blocks), and the headline figures:
 `ttft_p50_ratio_kv_vs_round_robin` and `live_vs_replay_hit_ratio` (kv's live
 `prefix_hit_ratio` over the replay's `hit_ratio`).
 
+KV tiers (`--host-blocks M`): the same slice again on a second cluster whose nodes hold a host
+tier of M blocks below their `--kv-blocks` device blocks (`EngineConfig.num_host_blocks`), with
+the `kv` policy, so one run shows what the tier buys at small device pools: `with_host_tier`
+(that run's figures; a host hit counts in `prefix_hit_tokens` like a device hit, and the replay's
+prediction with the same tier) and the headlines `hit_ratio_host_tier_vs_none` and
+`ttft_p50_ratio_host_tier_vs_none` (kv with the tier over kv without, same run).
+
 The model: `--model DIR` (e.g. the built-in SmolLM2), or by default a random `tiny` model
 built for the run (its tokens are gibberish, its compute is real).
 """
@@ -67,7 +74,40 @@ def run(args: argparse.Namespace) -> dict:
                                        cache_trace_blocks, policies,
                                        config.global_reuse_min_tokens)
         live = _run_policies(args, config, workload, policies)
-    return _report(args, model, workload, predicted, live, time.perf_counter() - started)
+        tiers = _run_with_host_tier(args, model, workload) if args.host_blocks else None
+    result = _report(args, model, workload, predicted, live, time.perf_counter() - started)
+    if tiers is not None:
+        result.update(_tier_headlines(live.get("kv"), tiers))
+        result["wall_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def _run_with_host_tier(args: argparse.Namespace, model: str, workload: Workload) -> dict:
+    """The `kv` policy on a cluster whose nodes hold `--host-blocks` below their device pool,
+    beside the replay's prediction for the same tiers (trace blocks per node)."""
+    config = _cluster_config(args, model, host_blocks=args.host_blocks)
+    nodes = max(args.num_prefill, 1)
+    device = max(1, args.kv_blocks * BLOCK_SIZE // args.tokens_per_block)
+    host = args.host_blocks * BLOCK_SIZE // args.tokens_per_block
+    predicted = predict_hit_ratios(workload, nodes, nodes * device, ("kv",),
+                                   config.global_reuse_min_tokens, device_blocks=device,
+                                   host_blocks=host)
+    figures = _run_policies(args, config, workload, ("kv",))["kv"]
+    figures["replay_hit_ratio"] = predicted["kv"]["hit_ratio"]
+    figures["replay_reuse_ratio"] = predicted["kv"]["reuse_ratio"]
+    return {"host_blocks_per_node": args.host_blocks, "kv": figures}
+
+
+def _tier_headlines(kv: dict | None, tiers: dict) -> dict:
+    with_tier = tiers["kv"]
+    out: dict = {"with_host_tier": tiers}
+    if kv and kv["prefix_hit_ratio"] > 0:
+        out["hit_ratio_host_tier_vs_none"] = round(with_tier["prefix_hit_ratio"]
+                                                   / kv["prefix_hit_ratio"], 3)
+    if kv and kv["ttft_p50_ms"] > 0:
+        out["ttft_p50_ratio_host_tier_vs_none"] = round(with_tier["ttft_p50_ms"]
+                                                        / kv["ttft_p50_ms"], 3)
+    return out
 
 
 def _tiny_model(tmp: str) -> str:
@@ -81,13 +121,15 @@ def _vocab_size(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
 
 
-def _cluster_config(args: argparse.Namespace, model: str):
+def _cluster_config(args: argparse.Namespace, model: str, host_blocks: int = 0):
     from pdcluster.cluster.config import ClusterConfig
 
+    engine = {"block_size": BLOCK_SIZE, "num_kv_blocks": args.kv_blocks,
+              "max_num_batched_tokens": 2048}
+    if host_blocks:
+        engine["num_host_blocks"] = host_blocks
     return ClusterConfig(model=model, num_prefill=args.num_prefill,
-                         num_decode=args.num_decode, node_metrics_port=0,
-                         engine={"block_size": BLOCK_SIZE, "num_kv_blocks": args.kv_blocks,
-                                 "max_num_batched_tokens": 2048})
+                         num_decode=args.num_decode, node_metrics_port=0, engine=engine)
 
 
 def _run_policies(args: argparse.Namespace, config, workload: Workload,
