@@ -2,8 +2,9 @@
 come back from the file and the greedy tokens stay exactly transformers' — alone, in
 batches, in chunked prefill and under preemption — with every pool leak-free after each
 scenario; a restarted node never serves a stale block (the file is wiped); a stalled writer
-drops spills instead of stalling the step; the events give the index each block's media;
-sizes that cannot work are refused at start."""
+drops spills instead of stalling the step; the events give the index each block's media and
+the router prices a disk load from the node's measured reads; sizes that cannot work are
+refused at start."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from pdcluster.core.events import DISK, HOST, BlockMoved
 from pdcluster.engine import LLM, SamplingParams
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.disk_kv_cache import disk_tier_blocks
+from pdcluster.router.routing.policy import NodeView, PolicyConfig
+from pdcluster.router.routing.tier_costs import tier_cost
 from tests.helpers import assert_tiers_clean
 from tests.models import random_prompts
 
@@ -198,6 +201,13 @@ def test_events_give_the_index_every_tier(model_dirs, make_llm):
     assert engine.stats()["num_disk_cached"] == engine.tiers.disk.num_cached
     costs = engine.kv_costs()
     assert costs is not None and costs.disk_bytes_per_s > 0 and costs.host_bytes_per_s > 0
+    # the router prices this node's disk blocks from what it measured, not a fallback
+    config = PolicyConfig(block_size=8)
+    node = NodeView("n", cached_blocks=len(on_disk), disk_blocks=len(on_disk), costs=costs)
+    seconds = costs.disk_latency_s + \
+        len(on_disk) * 8 * costs.kv_bytes_per_token / costs.disk_bytes_per_s
+    assert tier_cost(node, config) == pytest.approx(
+        config.prefill_weight * seconds * costs.prefill_tokens_per_s)
     assert engine.reset_prefix_cache()
     assert engine.cached_block_hashes() == [] and engine.tiers.disk.num_cached == 0
 
@@ -217,6 +227,13 @@ def test_disk_sizes_that_cannot_work_are_refused(model_dirs, tmp_path):
         EngineConfig(model="m", backend="vllm", disk_cache_gib=1.0)
     with pytest.raises(ValueError, match="disk_max_pending_writes"):
         EngineConfig(model="m", disk_max_pending_writes=0)
+    from pdcluster.cluster.config import ClusterConfig
+
+    cluster = ClusterConfig(model="/models/m", engine={"host_cache_gib": 4, "disk_cache_gib": 8})
+    assert cluster.engine_options("decode")["disk_cache_gib"] == 8
+    with pytest.raises(ValueError, match="vLLM"):
+        ClusterConfig(model="/models/m", engine={"host_cache_gib": 0, "disk_cache_gib": 8,
+                                                 "backend": "vllm"})
     with pytest.raises(ValueError, match="disk KV tier does not fit"):
         LLM(model_dirs["llama-gqa"], num_kv_blocks=16, num_host_blocks=4,
             disk_cache_gib=1e7, disk_cache_dir=str(tmp_path))
