@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from pdcluster.core.paths import cache_dir
-from pdcluster.engine.host_kv_cache import CopyTimer
+from pdcluster.engine.kv_costs import CopyTimer
 
 logger = logging.getLogger(__name__)
 _GIB = 2**30

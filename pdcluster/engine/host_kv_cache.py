@@ -19,31 +19,31 @@ Sizing (`host_tier_blocks`): `EngineConfig.host_cache_gib` of blocks, refused wi
 `ValueError` when it is more than the host memory available (`/proc/meminfo`
 `MemAvailable`, capped by the container's cgroup limit).
 
-Cost: each step's loads are timed (`CopyTimer`): bytes and seconds, from which a node
-reports the host tier's bandwidth and latency to the router (`router.routing.tier_costs`);
-a calibration copy at start gives the first figure before any load.
+Cost: each step's loads are timed (`engine.kv_costs.CopyTimer`): bytes and seconds, from
+which a node reports the host tier's bandwidth and latency to the router
+(`router.routing.tier_costs`); a calibration copy at start gives the first figure before
+any load.
 
-API: `HostKVCache` (`collect`, `flush`, `apply`, `calibrate`), `CopyTimer`, `copy_runs`,
+API: `HostKVCache` (`collect`, `flush`, `apply`, `calibrate`), `copy_runs`,
 `host_tier_blocks`, `available_host_bytes`.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
+from pdcluster.engine.kv_costs import CopyTimer
 from pdcluster.engine.kv_tiers import KVTiers, TierCopies
 
 if TYPE_CHECKING:  # disk_kv_cache imports this module
     from pdcluster.engine.disk_kv_cache import DiskKVCache
 
 _GIB = 2**30
-_SAMPLES = 64
 
 
 def copy_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -103,36 +103,6 @@ def host_tier_blocks(host_cache_gib: float, num_host_blocks: int | None, block_n
             f"(host_cache_gib={host_cache_gib}) but only {available / _GIB:.2f} GiB of host "
             "memory is available; lower host_cache_gib (hostCacheGiB in the chart)")
     return num_blocks
-
-
-class CopyTimer:
-    """Seconds per copy of n bytes, fitted as latency + bytes / bandwidth over the latest
-    copies (least squares; one size only: no latency)."""
-
-    def __init__(self) -> None:
-        self._samples: deque[tuple[int, float]] = deque(maxlen=_SAMPLES)
-        self.total_bytes = 0
-        self.total_s = 0.0
-
-    def add(self, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0:
-            self._samples.append((nbytes, seconds))
-            self.total_bytes += nbytes
-            self.total_s += seconds
-
-    def fit(self) -> tuple[float, float]:
-        """(bytes per second, latency in seconds); (0, 0) before any copy."""
-        if not self._samples:
-            return 0.0, 0.0
-        n = len(self._samples)
-        mean_b = sum(b for b, _ in self._samples) / n
-        mean_s = sum(s for _, s in self._samples) / n
-        var = sum((b - mean_b) ** 2 for b, _ in self._samples)
-        slope = (sum((b - mean_b) * (s - mean_s) for b, s in self._samples) / var
-                 if var > 0 else 0.0)
-        if slope <= 0:
-            return mean_b / mean_s, 0.0
-        return 1.0 / slope, max(0.0, mean_s - slope * mean_b)
 
 
 class HostKVCache:
