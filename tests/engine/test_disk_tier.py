@@ -238,3 +238,25 @@ def test_disk_sizes_that_cannot_work_are_refused(model_dirs, tmp_path):
         LLM(model_dirs["llama-gqa"], num_kv_blocks=16, num_host_blocks=4,
             disk_cache_gib=1e7, disk_cache_dir=str(tmp_path))
     assert list(Path(tmp_path).glob("kv-*.bin")) == []
+
+
+def test_the_metadata_service_counts_a_nodes_disk_blocks(model_dirs, make_llm):
+    """The engine's events, published to the real metadata service, make its Query say how
+    many of a prompt's leading blocks the node holds on disk only (NodeMatch.num_disk_blocks)."""
+    from pdcluster.engine.request import Request
+    from pdcluster.metadata_service.events import encode_events
+    from tests.metadata_service.test_service import make_service, register
+
+    llm = make_llm(model_dirs["llama-gqa"], enable_kv_events=True)
+    engine = llm.engine
+    prefix = random_prompts(1, 72, 72, seed=33)[0]
+    llm.generate([prefix + [7]], SamplingParams(max_tokens=1))
+    push_to_disk(llm, seed=34)
+    chain = Request("q", prefix + [7], SamplingParams(), 8, engine.model_config.eos_token_ids,
+                    None, engine.config.hash_config).block_hashes[:9]
+    assert all(engine.cached_block_media().get(h) == 4 for h in chain)
+    service, _, _ = make_service()
+    register(service)
+    service.publish("p0", 7, 1, encode_events(engine.take_kv_events()))
+    assert service.query_tiers(b"".join(chain)) == [("p0", 9, 0, 9)]
+    service.index.check_invariants()
