@@ -152,8 +152,8 @@ class DiskKVCache:
                 done = 0
                 while done < len(view):
                     done += os.pwrite(self._fd, view[done:], slot * self.block_nbytes + done)
-            except OSError:
-                logger.exception("writing KV block slot %d to %s failed", slot, self.path)
+            except OSError as exc:  # e.g. a full disk: the block is dropped, not retried
+                logger.error("writing KV block slot %d to %s failed: %s", slot, self.path, exc)
                 ok = False
             self._written.append((slot, ok))
             with self._idle:

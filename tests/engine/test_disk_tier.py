@@ -184,6 +184,30 @@ def test_a_stalled_writer_drops_spills_and_never_blocks_the_step(model_dirs, hf_
     check(llm, model_dir, prompts[:1], hf_reference)
 
 
+def test_failed_writes_are_forgotten_and_the_prefix_recomputed(model_dirs, hf_reference,
+                                                               make_llm, monkeypatch):
+    model_dir = model_dirs["llama-gqa"]
+    llm = make_llm(model_dir, enable_kv_events=True)
+
+    def full_disk(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    prefix = random_prompts(1, 72, 72, seed=35)[0]
+    check(llm, model_dir, [prefix + [7]], hf_reference)
+    push_to_disk(llm, seed=36)
+    engine = llm.engine
+    disk = engine.host_cache.disk
+    assert engine.tiers.num_spilled > 0 and disk.num_write_errors == engine.tiers.num_spilled
+    assert engine.tiers.disk.num_cached == 0  # nothing the index was told stays claimed
+    index = BlockIndex()
+    index.add_node("n")
+    apply_events(index, "n", engine.take_kv_events())
+    assert index.node_blocks("n") == set(engine.cached_block_media())
+    out = check(llm, model_dir, [prefix + [9, 10]], hf_reference)[0]
+    assert out.num_cached_tokens == 0 and engine.tiers.num_disk_loaded == 0
+
+
 def test_events_give_the_index_every_tier(model_dirs, make_llm):
     llm = make_llm(model_dirs["llama-gqa"], num_host_blocks=4, enable_kv_events=True)
     llm.generate(random_prompts(6, 100, 110, seed=32), SamplingParams(max_tokens=1))
