@@ -10,10 +10,11 @@ start (`posix_fallocate`), so the tier cannot run out of disk mid-serving.
 
 Writes (spills of blocks the host tier evicts) run on a writer thread, off the engine step:
 the step copies the host slot's bytes into a staging buffer and queues it; the bookkeeping
-bounds how many writes may be pending (`max_pending`) and drops a spill rather than wait when
-that many are. The writer reports each slot written (or failed) through `take_written`, which
-the engine thread drains before it schedules. Reads (disk hits loaded back) run on the engine
-thread before the model runs: a prefix they hold must be in the device blocks by then.
+bounds how many writes may be pending (`KVTiers.max_pending_spills`) and drops a spill
+rather than wait when that many are. The writer reports each slot written (or failed)
+through `take_written`, which the engine thread drains before it schedules. Reads (disk
+hits loaded back) run on the engine thread before the model runs: a prefix they hold must
+be in the device blocks by then.
 
 Restart safety: nothing on disk is ever trusted. Each engine creates its own new file
 (`kv-<pid>-<random>.bin`) under `disk_cache_dir` (default: `core.paths.cache_dir()/kv-disk`),
@@ -91,12 +92,9 @@ def _wipe_stale(folder: Path) -> None:
 
 
 class DiskKVCache:
-    def __init__(self, folder: Path, num_blocks: int, block_nbytes: int,
-                 max_pending: int) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        _wipe_stale(folder)
-        self.num_blocks, self.block_nbytes, self.max_pending = num_blocks, block_nbytes, \
-            max_pending
+    def __init__(self, folder: Path, num_blocks: int, block_nbytes: int) -> None:
+        """Use `create` (it wipes the folder and checks the size first)."""
+        self.num_blocks, self.block_nbytes = num_blocks, block_nbytes
         # A new, empty file per engine (two engines of one process never share one either)
         self._fd, name = tempfile.mkstemp(prefix=f"kv-{os.getpid()}-", suffix=".bin",
                                           dir=folder)
@@ -121,7 +119,7 @@ class DiskKVCache:
 
     @classmethod
     def create(cls, folder: str | None, disk_cache_gib: float, num_disk_blocks: int | None,
-               block_nbytes: int, max_pending: int) -> DiskKVCache:
+               block_nbytes: int) -> DiskKVCache:
         """Wipe what dead engines left in the folder, refuse a size its free space cannot
         hold (ValueError), then make the file."""
         path = Path(folder) if folder else default_disk_dir()
@@ -129,7 +127,7 @@ class DiskKVCache:
         _wipe_stale(path)
         num_blocks = disk_tier_blocks(disk_cache_gib, num_disk_blocks, block_nbytes,
                                       shutil.disk_usage(path).free)
-        return cls(path, num_blocks, block_nbytes, max_pending)
+        return cls(path, num_blocks, block_nbytes)
 
     @property
     def nbytes(self) -> int:
@@ -138,7 +136,7 @@ class DiskKVCache:
     # ---- writes (the writer thread) ---------------------------------------------------
 
     def submit(self, slot: int, staged: np.ndarray) -> None:
-        """Queue one block's bytes for `slot` (the bookkeeping bounds what is pending)."""
+        """Queue one block's bytes for `slot` (`KVTiers` bounds how many are pending)."""
         with self._idle:
             self._num_queued += 1
         self._queue.put((slot, staged))

@@ -111,7 +111,6 @@ def disk_tier(config: EngineConfig, block_nbytes: int) -> DiskKVCache:
     """The disk tier's file, wiped, reserved and calibrated; ValueError when it does not fit
     its directory's free space."""
     disk = DiskKVCache.create(config.disk_cache_dir, config.disk_cache_gib,
-                              config.num_disk_blocks, block_nbytes,
-                              config.disk_max_pending_writes)
+                              config.num_disk_blocks, block_nbytes)
     disk.calibrate()
     return disk
