@@ -3,6 +3,12 @@ index their events feed, the router's decayed work, and how each policy places a
 (`place`): the KV-aware policy with its pulls, the cache-blind baselines, and round-robin over
 a shared pool.
 
+The KV-aware policy routes, as the live router does, only on the claims the router can vouch
+for (router.routing.attestations): each placement attests the chosen node's prompt blocks
+before the node's events reach the index, so on an honest trace nothing is cut
+(`unattested_claims` and `ignored_claims` stay 0) and the replay measures what the check costs
+a decision.
+
 API: `SimCluster`, `Placement`, `policy_config_for`, `place`, `POLICIES`.
 """
 
@@ -11,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from pdcluster.core.block_index import BlockIndex
+from pdcluster.router.routing.attestations import Attestations, ClaimsMirror, cut_unattested
 from pdcluster.router.routing.load_decay import DecayedWork
 from pdcluster.router.routing.policy import PolicyConfig, choose_prefill, pull_source, request_work
 from pdcluster.router.sim.replay_config import ReplayConfig, TraceRequest
@@ -41,14 +47,21 @@ class SimCluster:
         self.nodes = [SimNode(f"node-{i}", config.node_blocks, config.host_blocks)
                       for i in range(config.num_nodes)]
         self.by_id = {node.node_id: node for node in self.nodes}
-        self.index = BlockIndex()
+        self.index = ClaimsMirror()
         for node in self.nodes:
             self.index.add_node(node.node_id)
+        self.attestations = Attestations()
+        self.attestations.rebase(self.index)
+        self.index.attestations = self.attestations
+        self.ignored_claims = 0
         self.work = DecayedWork(pconf.work_half_life_s)
         self.costs = config.tier_costs()
 
     def views(self, req: TraceRequest, prefix_aware: bool) -> list:
         hits = dict(self.index.query(req.block_hashes)) if prefix_aware else {}
+        if hits:
+            self.ignored_claims += cut_unattested(self.attestations, hits, {},
+                                                  req.block_hashes, self.index)
         recent = self.work.values(req.arrival_s)
         views = []
         for n in self.nodes:
@@ -97,6 +110,7 @@ class SimCluster:
         ready += config.host_s(placed.host) if placed.host else 0.0
         start = node.serve(ready, prefill_s + req.output_length / config.decode_tokens_per_s,
                            len(req.block_hashes))
+        self.attestations.attest(node.node_id, req.block_hashes)  # the router sent them
         apply_events(self.index, node.node_id, node.store(req.block_hashes))
         return start + prefill_s - req.arrival_s
 
