@@ -39,8 +39,6 @@ import zmq.asyncio
 
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.hashing import BlockExtra, hash_block_tokens
-from pdcluster.core.throttle import Throttle
-from pdcluster.core.types import BlockHash
 from pdcluster.core.node_wire import (
     GenerateRequest,
     PrefixSource,
@@ -48,6 +46,8 @@ from pdcluster.core.node_wire import (
     TokenDelta,
     TransferSpec,
 )
+from pdcluster.core.throttle import Throttle
+from pdcluster.core.types import BlockHash
 from pdcluster.router.config import NodeSpec, RouterConfig
 from pdcluster.router.errors import NodeFailure, NoHealthyNode
 from pdcluster.router.metrics import RouterMetrics
