@@ -148,3 +148,25 @@ def _lands_on(client: openai.OpenAI, member: Member, prompt: list[int]) -> bool:
     before = len(member.node.requests())
     complete(client, prompt)
     return len(member.node.requests()) > before
+
+
+def test_the_decode_nodes_output_blocks_are_attested(cluster) -> None:
+    """The decode node caches the blocks its output completes: its claim on them is the
+    router's own doing too (the next turn of a conversation hits them)."""
+    _, router, members = cluster
+    client = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0)
+    dispatcher = router.app.dispatcher
+    prompt = list(range(1000, 1090))  # 5 full blocks and 10 tokens
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=10,
+                              extra_body={"cache_salt": VICTIM})
+    sent = last_request(members["d1"])
+    whole = salted_chain(sent.prompt_token_ids + [7, 8] * 5, sent.cache_salt)  # its script
+    assert len(whole) == 6
+    wait_for(lambda: dispatcher.attestations.attested("d1", whole[5]),
+             "the output block's attestation")
+    members["d1"].claim(whole)
+    wait_for(lambda: dispatcher.metadata.mirror_node_blocks().get("d1") == 6, "d1's claim")
+    assert counter(router, "router_unattested_claims_total", node="d1") == 0
+    complete(client, prompt + [7, 8] * 5 + list(range(3000, 3040)))
+    assert counter(router, "router_ignored_claims_total") == 0
+    assert len(members["d1"].node.requests()) == 2
