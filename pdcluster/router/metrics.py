@@ -57,9 +57,6 @@ class RouterMetrics:
         self.unattested_claims = Counter(
             "router_unattested_claims", "blocks a node claimed (index events) whose tokens "
             "this router never gave it: ignored for routing", ["node"], registry=r)
-        self.ignored_claims = Counter(
-            "router_ignored_claims", "prefix lookups that cut a node's claimed run at a block "
-            "this router cannot vouch for", registry=r)
         self.aborts = Counter("router_aborts", "requests aborted on the nodes (disconnects, "
                               "stop strings)", registry=r)
         self.migrations = Counter("router_migrations", "requests moved to another node after "

@@ -37,6 +37,9 @@ def hits_of(mirror: ClaimsMirror, table: Attestations, blocks: list[bytes]) -> d
         if host or disk:
             lower[node] = (host, disk)
     cut_unattested(table, hits, lower, blocks, mirror)
+    # the mirror's path (a walk of the attested index) and the walk node by node agree
+    assert dict(table.held.query(blocks)) == hits
+    table.held.check_invariants()
     return {node: (k, lower.get(node)) for node, k in hits.items()}
 
 

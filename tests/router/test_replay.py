@@ -188,8 +188,7 @@ def test_attested_routing_cuts_nothing_on_an_honest_trace_and_replicas_cost_reus
     requests = load_trace(synthetic_trace(tmp_path / "t.jsonl", num_conversations=150))
     one = replay(requests, "kv", ReplayConfig(num_nodes=4, seed=3))
     two = replay(requests, "kv", ReplayConfig(num_nodes=4, seed=3, routers=2))
-    assert one["unattested_claims"] == one["ignored_claims"] == 0
-    assert two["unattested_claims"] == 0 and two["ignored_claims"] > 0
+    assert one["unattested_claims"] == two["unattested_claims"] == 0
     assert two["reuse_ratio"] < one["reuse_ratio"]
     with pytest.raises(ValueError, match="routers"):
         ReplayConfig(routers=0)

@@ -20,13 +20,17 @@ claim on hash H is *attested* when this router
 A host-tier move keeps the claim (same hash, same node): only a block leaving the node entirely
 releases it.
 
-State, per node: `held`, the attested hashes the claims mirror says the node holds (bounded by
-the mirror itself, and released with the block), and `pending`, attested hashes the node does
+State: `held`, the attested claims (a `BlockIndex` of the hashes the claims mirror says each
+node holds and this router gave it: bounded by the mirror itself, released with the block;
+routing walks it instead of the mirror: one walk for all nodes, as before), and per node
+`pending`, attested hashes the node does
 not hold now (dispatched, not stored yet; or stored, then evicted, and perhaps stored again by
 the request that was sent for it: a REMOVED can overtake the STORED of a request in flight),
-an LRU of at most `max_pending` hashes per node. Routing treats both as attested. A claim that
-neither names is *unattested*: counted per node (`unattested_claims`, through `on_unattested`)
-and ignored for routing (`cap`).
+an LRU of at most `max_pending` hashes per node. A claim that neither names is *unattested*:
+counted per node (`unattested_claims`, through `on_unattested`) and ignored for routing.
+Answers that do not come from the mirror (the service's `Query` while it resyncs, the last
+mirror while the service is down) are cut node by node at the first block that neither
+`held` nor `pending` names (`cap`, `cut_unattested`).
 
 Restarts and resyncs: the table lives in the router's memory, apart from the mirror (which is
 rebuilt on every resync): a resync re-sorts the table against the new snapshot (`rebase`), so
@@ -34,7 +38,7 @@ attestations survive a metadata-service restart or a broken watch; a restarted r
 with none (conservative: until its own dispatches attest them, it routes on load). Several
 routers each keep their own table (see docs/router.md for what that costs in reuse).
 
-API: `Attestations` (`attest`, `attested`, `cap`, `claimed`, `released`, `drop_node`,
+API: `Attestations` (`held`, `attest`, `attested`, `cap`, `claimed`, `released`, `drop_node`,
 `rebase`, `num_held`, `num_pending`, `unattested_claims`), `cut_unattested` (prefix hits
 cut to their attested runs), `output_blocks` (the hashes of a request's generated
 blocks), `ClaimsMirror` (a
@@ -64,41 +68,46 @@ class Attestations:
         self.on_unattested = on_unattested
         self.unattested_claims: dict[NodeId, int] = {}
         self.claims: BlockIndex | None = None  # the mirror in sync, if any: who holds what
-        self._held: dict[NodeId, set[BlockHash]] = {}
+        # attested claims: a BlockIndex, so a prefix lookup is one walk for all nodes, as in
+        # the claims mirror (membership only: the media are the mirror's)
+        self.held = BlockIndex()
         self._pending: dict[NodeId, OrderedDict[BlockHash, None]] = {}
 
     def num_held(self, node_id: NodeId) -> int:
-        return len(self._held.get(node_id, ()))
+        return self.held.num_node_blocks(node_id) if self.held.has_node(node_id) else 0
 
     def num_pending(self, node_id: NodeId) -> int:
         return len(self._pending.get(node_id, ()))
 
     def attested(self, node_id: NodeId, block_hash: BlockHash) -> bool:
-        return (block_hash in self._held.get(node_id, ())
+        return ((self.held.has_node(node_id) and self.held.holds(node_id, block_hash))
                 or block_hash in self._pending.get(node_id, ()))
 
     def attest(self, node_id: NodeId, block_hashes: Iterable[BlockHash]) -> None:
         """The router gave `node_id` the tokens of these blocks."""
         claims = self.claims
         holds = claims.holds if claims is not None and claims.has_node(node_id) else None
-        held = self._held.setdefault(node_id, set())
+        self.held.add_node(node_id)
         pending = self._pending.setdefault(node_id, OrderedDict())
+        now_held = []
         for block_hash in block_hashes:
             if holds is not None and holds(node_id, block_hash):
-                held.add(block_hash)
+                now_held.append(block_hash)
                 pending.pop(block_hash, None)
-            elif block_hash not in held:
+            elif not self.held.holds(node_id, block_hash):
                 pending[block_hash] = None
                 pending.move_to_end(block_hash)
+        self.held.add_blocks(node_id, now_held)
         self._trim(pending)
 
     def cap(self, node_id: NodeId, chain: Sequence[BlockHash], num_claimed: int) -> int:
-        """How many of the node's `num_claimed` leading blocks of `chain` are attested."""
-        held = self._held.get(node_id, ())
+        """How many of the node's `num_claimed` leading blocks of `chain` are attested (the
+        walk for answers that did not come from the mirror: held or pending)."""
         pending = self._pending.get(node_id, ())
+        held = self.held.holds if self.held.has_node(node_id) else None
         for i in range(num_claimed):
             block_hash = chain[i]
-            if block_hash not in held and block_hash not in pending:
+            if block_hash not in pending and (held is None or not held(node_id, block_hash)):
                 return i
         return num_claimed
 
@@ -106,15 +115,16 @@ class Attestations:
 
     def claimed(self, node_id: NodeId, block_hashes: Iterable[BlockHash]) -> None:
         """The node now holds these blocks (it did not a moment ago)."""
-        pending = self._pending.get(node_id)
-        held = self._held.setdefault(node_id, set())
-        num_unattested = 0
+        pending: dict[BlockHash, None] = self._pending.get(node_id) or {}
+        self.held.add_node(node_id)
+        now_held, num_unattested = [], 0
         for block_hash in block_hashes:
-            if pending is not None and block_hash in pending:
+            if block_hash in pending:
                 del pending[block_hash]
-                held.add(block_hash)
-            elif block_hash not in held:
+                now_held.append(block_hash)
+            elif not self.held.holds(node_id, block_hash):
                 num_unattested += 1
+        self.held.add_blocks(node_id, now_held)
         if num_unattested:
             self.unattested_claims[node_id] = (self.unattested_claims.get(node_id, 0)
                                                + num_unattested)
@@ -124,34 +134,31 @@ class Attestations:
     def released(self, node_id: NodeId, block_hashes: Iterable[BlockHash]) -> None:
         """The node no longer holds these blocks: their attestations wait, bounded, in case
         a request in flight stores them again."""
-        held = self._held.get(node_id)
-        if not held:
+        if not self.held.has_node(node_id) or not self.held.num_node_blocks(node_id):
             return
+        gone = [h for h in block_hashes if self.held.holds(node_id, h)]
+        self.held.remove_blocks(node_id, gone)
         pending = self._pending.setdefault(node_id, OrderedDict())
-        for block_hash in block_hashes:
-            if block_hash in held:
-                held.discard(block_hash)
-                pending[block_hash] = None
+        pending.update(dict.fromkeys(gone))
         self._trim(pending)
 
     def drop_node(self, node_id: NodeId) -> None:
         """The node left the cluster: its next registration proves nothing it held."""
-        self._held.pop(node_id, None)
+        self.held.remove_node(node_id)
         self._pending.pop(node_id, None)
 
     def rebase(self, claims: BlockIndex) -> None:
         """Re-sort every attestation against a fresh snapshot (a resync): held where the
         snapshot says the node holds it, pending (bounded) where not."""
-        for node_id in set(self._held) | set(self._pending):
-            pending = self._pending.get(node_id, OrderedDict())
-            everything = list(self._held.get(node_id, ())) + list(pending)
-            if not claims.has_node(node_id):
-                self._held[node_id] = set()
-                self._pending[node_id] = OrderedDict.fromkeys(everything)
-            else:
-                self._held[node_id] = {h for h in everything if claims.holds(node_id, h)}
-                self._pending[node_id] = OrderedDict.fromkeys(
-                    h for h in everything if not claims.holds(node_id, h))
+        for node_id in set(self.held.node_ids) | set(self._pending):
+            everything = list(self.held.node_blocks(node_id) if self.held.has_node(node_id)
+                              else ()) + list(self._pending.get(node_id, ()))
+            listed = claims.has_node(node_id)
+            self.held.add_node(node_id)
+            self.held.replace_node_blocks(
+                node_id, [h for h in everything if listed and claims.holds(node_id, h)])
+            self._pending[node_id] = OrderedDict.fromkeys(
+                h for h in everything if not (listed and claims.holds(node_id, h)))
             self._trim(self._pending[node_id])
         self.claims = claims
 

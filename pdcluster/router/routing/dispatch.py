@@ -196,12 +196,9 @@ class Dispatcher:
         chain = hash_block_tokens(prompt_ids, self.config.policy.block_size,
                                   BlockExtra(cache_salt=salt), self.config.hash_config)
         started = time.perf_counter()
-        ignored = self.metadata.ignored_claims
         hits = await self.metadata.prefix_hits(chain)
         self.metrics.metadata_latency.observe(time.perf_counter() - started)
         self.metrics.metadata_available.set(int(self.metadata.available))
-        if self.metadata.ignored_claims != ignored:
-            self.metrics.ignored_claims.inc(self.metadata.ignored_claims - ignored)
         return hits, chain
 
     def _unattested(self, node_id: str, num_blocks: int) -> None:

@@ -29,9 +29,9 @@ State for /health and /metrics: `available`, `failures`, `last_error` (the per-r
 know, skipped), `stale_answers`.
 `attestations=` (a `router.routing.attestations.Attestations`, which the dispatcher feeds
 with what it sends where) makes every answer count only the claims this router can vouch for:
-each node's leading run is cut at its first unattested block (whatever path answered: the
+each node's leading run stops at its first unattested block (whatever path answered: the
 mirror, the service, the stale mirror), and the mirror tells the table what nodes claim and
-release (a `ClaimsMirror`); `ignored_claims` counts the answers that cut a node's run.
+release (a `ClaimsMirror`); the mirror's answers walk the table's index of attested claims.
 `list_nodes()` is node discovery. `tls=` (a `core.tls.ClientTLS`) opens a TLS channel (and
 presents a client certificate when the service requires mTLS); without it, plaintext. A
 channel that cannot complete its handshake (plaintext against a TLS service, a wrong CA, no
@@ -78,8 +78,11 @@ class PrefixHits(dict[NodeId, int]):
         self.lower = lower or {}
 
 
-def _index_hits(index: BlockIndex, chain: Sequence[BlockHash]) -> PrefixHits:
-    hits = PrefixHits(index.query(chain))
+def _index_hits(index: BlockIndex, chain: Sequence[BlockHash],
+                attested: Attestations | None = None) -> PrefixHits:
+    """Leading blocks per node: of the claims in `index`, or of those `attested` vouches for
+    (its `held` index; the media are `index`'s)."""
+    hits = PrefixHits((attested.held if attested is not None else index).query(chain))
     for node_id, num_blocks in hits.items():
         host, disk = index.lower_tiers(node_id, chain[:num_blocks])
         if host or disk:
@@ -110,7 +113,6 @@ class MetadataLink:
         self.watch_error = ""
         self.bad_updates = 0
         self.stale_answers = 0
-        self.ignored_claims = 0
         self.attestations = attestations
         self._synced_at = 0.0
         self._mirror: BlockIndex | None = None
@@ -144,7 +146,7 @@ class MetadataLink:
             return PrefixHits()
         mirror = self._mirror
         if self.mirror_in_sync and mirror is not None:
-            return self._attested(_index_hits(mirror, chain), chain, mirror)
+            return _index_hits(mirror, chain, self.attestations)
         if not self.available and self._clock() < self._retry_at:
             return self._stale_hits(chain)
         try:
@@ -166,9 +168,9 @@ class MetadataLink:
 
     def _attested(self, hits: PrefixHits, chain: Sequence[BlockHash],
                   index: BlockIndex | None) -> PrefixHits:
+        """An answer from elsewhere than the mirror, cut to the attested runs."""
         if self.attestations is not None:
-            self.ignored_claims += cut_unattested(self.attestations, hits, hits.lower, chain,
-                                                  index)
+            cut_unattested(self.attestations, hits, hits.lower, chain, index)
         return hits
 
     def mirror_node_hashes(self, node_id: NodeId) -> frozenset[BlockHash] | None:

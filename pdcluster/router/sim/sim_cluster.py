@@ -5,11 +5,12 @@ a shared pool.
 
 The KV-aware policy routes, as the live router does, only on the claims the router can vouch
 for (router.routing.attestations): each placement attests the chosen node's prompt blocks
-before the node's events reach the index, so on an honest trace nothing is cut
-(`unattested_claims` and `ignored_claims` stay 0) and the replay measures what the check costs
-a decision. With `ReplayConfig.routers` > 1, request i is placed by router i % routers, which
-routes only on what it placed itself (each replica keeps its own attestations): what
-router-local attestations cost in reuse behind a load balancer without affinity.
+before the node's events reach the index, and the policy's hits come from the index of
+attested claims (`Attestations.held`), so on an honest trace nothing is left out
+(`unattested_claims` stays 0) and the replay measures what the check costs. With
+`ReplayConfig.routers` > 1, request i is placed by router i % routers, which routes only on
+what it placed itself (each replica keeps its own attestations): what router-local
+attestations cost in reuse behind a load balancer without affinity.
 
 API: `SimCluster`, `Placement`, `policy_config_for`, `place`, `POLICIES`.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from pdcluster.router.routing.attestations import Attestations, ClaimsMirror, cut_unattested
+from pdcluster.router.routing.attestations import Attestations, ClaimsMirror
 from pdcluster.router.routing.load_decay import DecayedWork
 from pdcluster.router.routing.policy import PolicyConfig, choose_prefill, pull_source, request_work
 from pdcluster.router.sim.replay_config import ReplayConfig, TraceRequest
@@ -58,15 +59,13 @@ class SimCluster:
             table.rebase(self.index)
         self.index.attestations = self.attestations
         self.router = 0  # the replica placing the current request
-        self.ignored_claims = 0
         self.work = DecayedWork(pconf.work_half_life_s)
         self.costs = config.tier_costs()
 
     def views(self, req: TraceRequest, prefix_aware: bool) -> list:
-        hits = dict(self.index.query(req.block_hashes)) if prefix_aware else {}
-        if hits:
-            self.ignored_claims += cut_unattested(self.routers[self.router], hits, {},
-                                                  req.block_hashes, self.index)
+        # the claims this router vouches for (every placement attests what it sends)
+        hits = (dict(self.routers[self.router].held.query(req.block_hashes)) if prefix_aware
+                else {})
         recent = self.work.values(req.arrival_s)
         views = []
         for n in self.nodes:
