@@ -211,7 +211,8 @@ class Dispatcher:
     def _attest_output(self, node: NodeLink, chain: Sequence[BlockHash],
                        request: GenerateRequest, generated: list[int]) -> None:
         """The decode node also caches the blocks of the tokens it generated."""
-        if self.attestations is not None and chain and generated:
+        if (self.attestations is not None and self.metadata is not None and generated
+                and self.config.routing == "kv"):  # `chain` is the prompt's (maybe empty)
             self.attestations.attest(node.node_id, output_blocks(
                 chain, request.prompt_token_ids, generated, self.config.policy.block_size,
                 BlockExtra(cache_salt=request.cache_salt), self.config.hash_config))
