@@ -1,4 +1,5 @@
-"""The attestation table (router.routing.attestations) and the claims mirror that feeds it:
+"""The attestation table (router.routing.attestations), the claims mirror that feeds it, and a
+MetadataLink using them against a real metadata service:
 only blocks the router gave a node count for routing; bounds; attestations leave with the
 block (and wait, bounded, for a request in flight to store it again); host moves keep them;
 a resync re-sorts them; a removed node loses them."""
@@ -184,3 +185,59 @@ def test_output_blocks_continue_the_prompts_chain() -> None:
                          DEFAULT_HASH_CONFIG) == whole[len(prompt_chain):]
     assert len(whole) == 4 and len(prompt_chain) == 2
     assert output_blocks([], prompt[:5], generated[:3], 16, extra, DEFAULT_HASH_CONFIG) == []
+
+
+def test_the_link_keeps_attestations_across_a_service_restart() -> None:
+    """A real metadata service (memory backend) restarts empty and the nodes publish again:
+    the router's attestations survive the resync; meanwhile the last mirror's answers and the
+    per-request Query's are cut to them too."""
+    import asyncio
+
+    from pdcluster.metadata_service.client import MetadataClient
+    from pdcluster.metadata_service.server import ServerThread
+    from pdcluster.router.routing.metadata_link import MetadataLink
+    from tests.metadata_service.helpers import free_port, make_chain, make_config, make_publisher
+    from tests.router.test_metadata_link import _out_of_sync, until
+
+    port = free_port()
+    config = make_config(port=port)
+    sent, lie = make_chain("sent", 8), make_chain("lie", 8)
+
+    async def in_sync_with(link: MetadataLink, blocks: dict[str, int]) -> None:
+        async def check() -> bool:
+            return link.mirror_in_sync and link.mirror_node_blocks() == blocks
+        await until(check, what=f"the mirror to hold {blocks}")
+
+    async def scenario() -> None:
+        table = Attestations()
+        link = MetadataLink(f"127.0.0.1:{port}", timeout_s=0.3, retry_s=0.1,
+                            attestations=table)
+        query = MetadataLink(f"127.0.0.1:{port}", mirror=False, attestations=table)
+        table.attest("p0", sent[:6])  # the router sent p0 the first 6 blocks
+        with ServerThread(config) as server, MetadataClient(server.address) as client:
+            p0, n0 = make_publisher(client, "p0", ttl=30)
+            p0.publish([n0.store(sent)])
+            await in_sync_with(link, {"p0": 8})
+            before = table.unattested_claims.get("p0", 0)  # 2 if they came as an event
+            p0.publish([n0.store(lie)])
+            await in_sync_with(link, {"p0": 16})
+            assert await link.prefix_hits(sent) == {"p0": 6}
+            assert await link.prefix_hits(lie) == {}
+            assert await query.prefix_hits(sent) == {"p0": 6}
+            assert table.unattested_claims["p0"] == before + 8
+        await until(_out_of_sync(link), what="the stream to break")
+        assert await link.prefix_hits(sent) == {"p0": 6}  # the last mirror, cut too
+        with ServerThread(config) as server, MetadataClient(server.address) as client:
+            p0, n0 = make_publisher(client, "p0", ttl=30)
+            p0.publish([n0.store(sent[:4])])
+            await in_sync_with(link, {"p0": 4})
+            assert link.mirror_syncs == 2
+            assert await link.prefix_hits(sent) == {"p0": 4}
+            assert table.num_held("p0") == 4 and table.num_pending("p0") == 2
+            p0.publish([n0.store(sent[4:])])  # two of these were attested before the restart
+            await in_sync_with(link, {"p0": 8})
+            assert await link.prefix_hits(sent) == {"p0": 6}
+        await link.close()
+        await query.close()
+
+    asyncio.run(scenario())
