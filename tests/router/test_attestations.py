@@ -6,16 +6,23 @@ a resync re-sorts them; a removed node loses them."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from pdcluster.core.events import DEVICE, HOST
 from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, BlockExtra, hash_block_tokens
+from pdcluster.metadata_service.client import MetadataClient
+from pdcluster.metadata_service.server import ServerThread
 from pdcluster.router.routing.attestations import (
     Attestations,
     ClaimsMirror,
     cut_unattested,
     output_blocks,
 )
+from pdcluster.router.routing.metadata_link import MetadataLink
+from tests.metadata_service.helpers import free_port, make_chain, make_config, make_publisher
+from tests.router.test_metadata_link import until
 
 
 def chain(tag: str, n: int) -> list[bytes]:
@@ -191,14 +198,6 @@ def test_the_link_keeps_attestations_across_a_service_restart() -> None:
     """A real metadata service (memory backend) restarts empty and the nodes publish again:
     the router's attestations survive the resync; meanwhile the last mirror's answers and the
     per-request Query's are cut to them too."""
-    import asyncio
-
-    from pdcluster.metadata_service.client import MetadataClient
-    from pdcluster.metadata_service.server import ServerThread
-    from pdcluster.router.routing.metadata_link import MetadataLink
-    from tests.metadata_service.helpers import free_port, make_chain, make_config, make_publisher
-    from tests.router.test_metadata_link import _out_of_sync, until
-
     port = free_port()
     config = make_config(port=port)
     sent, lie = make_chain("sent", 8), make_chain("lie", 8)
@@ -225,7 +224,9 @@ def test_the_link_keeps_attestations_across_a_service_restart() -> None:
             assert await link.prefix_hits(lie) == {}
             assert await query.prefix_hits(sent) == {"p0": 6}
             assert table.unattested_claims["p0"] == before + 8
-        await until(_out_of_sync(link), what="the stream to break")
+        async def out_of_sync() -> bool:
+            return not link.mirror_in_sync
+        await until(out_of_sync, what="the stream to break")
         assert await link.prefix_hits(sent) == {"p0": 6}  # the last mirror, cut too
         with ServerThread(config) as server, MetadataClient(server.address) as client:
             p0, n0 = make_publisher(client, "p0", ttl=30)
