@@ -88,13 +88,16 @@ class Attestations:
         claims = self.claims
         holds = claims.holds if claims is not None and claims.has_node(node_id) else None
         self.held.add_node(node_id)
+        already = self.held.holds
         pending = self._pending.setdefault(node_id, OrderedDict())
         now_held = []
         for block_hash in block_hashes:
+            if already(node_id, block_hash):  # the common case: the prefix it was routed for
+                continue
             if holds is not None and holds(node_id, block_hash):
                 now_held.append(block_hash)
                 pending.pop(block_hash, None)
-            elif not self.held.holds(node_id, block_hash):
+            else:
                 pending[block_hash] = None
                 pending.move_to_end(block_hash)
         self.held.add_blocks(node_id, now_held)
