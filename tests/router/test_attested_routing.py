@@ -6,7 +6,9 @@ registering and publishing its block events with its own node credential.
 A member node ("liar", registered with its real bootstrap credential) publishes BlockStored for
 a victim tenant's salted prefix it was never sent. The router must not route that tenant's
 requests to it nor tell a peer to pull from it (its own counters and the nodes' inboxes show
-it); the same node's claim on blocks the router did send it is routed on, pulls included."""
+it); the same node's claim on blocks the router did send it is routed on, pulls included.
+With real nodes (engine, node server, event publisher), every block they publish for what the
+router sent them is attested, output blocks included, and a follow-up hits."""
 
 from __future__ import annotations
 
@@ -169,3 +171,61 @@ def test_the_decode_nodes_output_blocks_are_attested(cluster) -> None:
     complete(client, prompt + [7, 8] * 5 + list(range(3000, 3040)))
     assert len(members["d1"].node.requests()) == 2
     assert counter(router, "router_unattested_claims_total", node="d1") == 0
+
+
+def test_real_nodes_publish_only_claims_the_router_attested(start_router, model_dirs) -> None:
+    """Real nodes (engine, node server, their own event publishers, their own credentials):
+    every block they publish for a request the router sent them — the prompt's and those its
+    output completed — is one the router attested (the engine's hashes are the router's), and
+    the follow-up is routed to the holder and hits."""
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.node.config import NodeConfig
+    from pdcluster.node.runtime import NodeRuntime
+    from tests.cluster_secret import node_credentials
+    from tests.models import random_prompts
+
+    def start_node(address: str, node_id: str) -> NodeRuntime:
+        return NodeRuntime(NodeConfig(
+            node_id=node_id, role="decode", metadata_address=address, lease_ttl_s=5,
+            engine=EngineConfig(model_dirs["llama-gqa"], num_kv_blocks=128, block_size=8),
+            publish_interval_s=0.02, **node_credentials(node_id))).start()
+
+    with ServerThread(make_config(cluster_secret=TEST_SECRET)) as server:
+        nodes = {name: start_node(server.address, name) for name in ("n0", "n1")}
+        try:
+            # no balance term: the follow-up goes where its prefix is, nothing else
+            policy = PolicyConfig(block_size=8, balance_slack=10.0, balance_tilt=0.0)
+            router = start_router(metadata_address=server.address, policy=policy, seed=0,
+                                  model_dir=model_dirs["llama-gqa"])
+            dispatcher = router.app.dispatcher
+            wait_for(lambda: {"n0", "n1"} <= set(dispatcher.nodes)
+                     and all(n.healthy for n in dispatcher.nodes.values())
+                     and dispatcher.metadata.mirror_in_sync, "the router to find the nodes")
+            client = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0,
+                                   timeout=60)
+            prompt = random_prompts(1, 44, 44, seed=7)[0]  # 5 blocks and 4 tokens
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                      temperature=0, extra_body={"ignore_eos": True})
+            # 44 prompt + 5 generated tokens of KV: 6 full blocks, the last one output's
+            wait_for(lambda: 6 in dispatcher.metadata.mirror_node_blocks().values(),
+                     "the node's blocks in the router's mirror")
+            held = {n: k for n, k in dispatcher.metadata.mirror_node_blocks().items() if k}
+            assert len(held) == 1 and list(held.values()) == [6], held
+            holder = next(iter(held))
+            for name in nodes:
+                assert counter(router, "router_unattested_claims_total", node=name) == 0
+
+            def idle() -> bool:  # a load report from after the request (its load is gone)
+                link = dispatcher.nodes[holder]
+                return (link.num_inflight == 0 and link.report is not None
+                        and link.report.num_running == 0 and link.pending_tokens == 0
+                        and link.report.queued_prefill_tokens == 0)
+            wait_for(idle, "the holder's load report to settle")
+            out = client.completions.create(model="tiny", prompt=prompt + [5, 6, 7, 8] * 6,
+                                            max_tokens=2, temperature=0)
+            assert out.usage.prompt_tokens_details.cached_tokens == 40
+            assert counter(router, "router_routing_decisions_total", node=holder,
+                           role="decode", reason="local_prefill") == 2
+        finally:
+            for node in nodes.values():
+                node.stop()
