@@ -20,12 +20,16 @@ import pytest
 from pdcluster.core.events import BlockStored
 from pdcluster.core.hashing import BlockExtra, hash_block_tokens
 from pdcluster.core.node_wire import GenerateRequest
+from pdcluster.engine.config import EngineConfig
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.metadata_service.publisher import NodePublisher
 from pdcluster.metadata_service.server import ServerThread
+from pdcluster.node.config import NodeConfig
+from pdcluster.node.runtime import NodeRuntime
 from pdcluster.router.routing.policy import PolicyConfig
-from tests.cluster_secret import TEST_SECRET, node_token
+from tests.cluster_secret import TEST_SECRET, node_credentials, node_token
 from tests.metadata_service.helpers import make_config
+from tests.models import random_prompts
 from tests.router.fake_node import FakeNode
 
 BLOCK = 16
@@ -178,12 +182,6 @@ def test_real_nodes_publish_only_claims_the_router_attested(start_router, model_
     every block they publish for a request the router sent them — the prompt's and those its
     output completed — is one the router attested (the engine's hashes are the router's), and
     the follow-up is routed to the holder and hits."""
-    from pdcluster.engine.config import EngineConfig
-    from pdcluster.node.config import NodeConfig
-    from pdcluster.node.runtime import NodeRuntime
-    from tests.cluster_secret import node_credentials
-    from tests.models import random_prompts
-
     def start_node(address: str, node_id: str) -> NodeRuntime:
         return NodeRuntime(NodeConfig(
             node_id=node_id, role="decode", metadata_address=address, lease_ttl_s=5,
