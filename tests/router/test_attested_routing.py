@@ -12,6 +12,8 @@ router sent them is attested, output blocks included, and a follow-up hits."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
 
 import openai
@@ -131,6 +133,10 @@ def test_a_members_claim_on_a_prefix_it_was_never_sent_routes_nothing(cluster) -
     assert counter(router, "router_prefix_pulls_total") == pulls  # nobody pulls from it
     assert counter(router, "router_routing_decisions_total", node="d1", role="decode",
                    reason="remote_prefill") == 2
+    health = _health(router)["metadata"]  # an open router: the detailed /health
+    assert health["unattested_claims"] == {"liar": 10}
+    assert health["attested_node_blocks"]["liar"] == 0
+    assert health["attested_node_blocks"]["d1"] == 6
 
     # control: the liar's claim on blocks the router did send it is routed on
     fresh = next(p for p in (list(range(5000 + 100 * i, 5096 + 100 * i)) for i in range(6))
@@ -146,6 +152,12 @@ def test_a_members_claim_on_a_prefix_it_was_never_sent_routes_nothing(cluster) -
     assert p_request.prefix_source.kv_address == liar.node.kv_address
     assert p_request.prefix_source.num_blocks == 6
     assert counter(router, "router_unattested_claims_total", node="liar") == 10
+
+
+def _health(router) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", router.app.port, timeout=10)
+    conn.request("GET", "/health")
+    return json.loads(conn.getresponse().read())
 
 
 def _lands_on(client: openai.OpenAI, member: Member, prompt: list[int]) -> bool:
