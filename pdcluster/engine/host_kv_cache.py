@@ -32,16 +32,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from pdcluster.engine.disk_kv_cache import DiskKVCache
 from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
 from pdcluster.engine.kv_costs import CopyTimer
 from pdcluster.engine.kv_tiers import KVTiers, TierCopies
-
-if TYPE_CHECKING:  # disk_kv_cache imports this module
-    from pdcluster.engine.disk_kv_cache import DiskKVCache
 
 _GIB = 2**30
 
