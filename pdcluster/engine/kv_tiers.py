@@ -152,9 +152,19 @@ class KVTiers:
 
     def _demote(self, evicted: list[tuple[int, BlockHash]]) -> None:
         pool, host = self.pool, self.host
+        # Each demotion pins its slot until the step's copies ran, so a burst larger than the
+        # unpinned slots cannot all fit. `evicted` comes least recently freed first, each
+        # chain tail first: skipping the first ones loses the coldest chain's tail and keeps
+        # heads (a chain without its head is no prefix hit at all).
+        need = sum(1 for _, block_hash in evicted if host.lookup(block_hash) is None)
+        skip = max(0, need - (host.num_slots - host.num_pinned))
         for block_id, block_hash in evicted:
             if host.lookup(block_hash) is not None:
                 host.touch(block_hash)
+                pool.record_event(BlockRemoved((block_hash,), DEVICE))
+                continue
+            if skip:
+                skip -= 1
                 pool.record_event(BlockRemoved((block_hash,), DEVICE))
                 continue
             slot, dropped = host.allocate(block_hash)
