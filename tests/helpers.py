@@ -28,7 +28,8 @@ def assert_pool_clean(pool: BlockPool) -> None:
 
 
 def assert_tiers_clean(tiers: KVTiers) -> None:
-    """The device pool clean, and the host tier with no copy pending and consistent slots."""
+    """The device pool clean, and the host (and disk) tier with no copy pending and
+    consistent slots."""
     assert_pool_clean(tiers.pool)
     pending = tiers.take_copies()
     assert not pending, f"tier copies still queued: {pending}"
@@ -38,6 +39,14 @@ def assert_tiers_clean(tiers: KVTiers) -> None:
     assert len(set(slots)) == len(slots), f"two host blocks share a slot: {slots}"
     assert host.num_cached + host.num_free == host.num_slots, (
         f"{host.num_cached} cached + {host.num_free} free != {host.num_slots} host slots")
+    disk = tiers.disk
+    if disk is not None:  # only writes still in flight may pin a disk slot
+        assert disk.num_pinned == tiers.num_pending_spills, (
+            f"{disk.num_pinned} disk slots pinned, {tiers.num_pending_spills} writes pending")
+        slots = [disk.lookup(h) for h in disk.cached_hashes()]
+        assert len(set(slots)) == len(slots), f"two disk blocks share a slot: {slots}"
+        assert disk.num_cached + disk.num_free == disk.num_slots, (
+            f"{disk.num_cached} cached + {disk.num_free} free != {disk.num_slots} disk slots")
 
 
 def _assert_links_consistent(free: list) -> None:

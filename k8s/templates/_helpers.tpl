@@ -65,6 +65,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if and (ne $e.backend "vllm") (gt (float64 (default 0 $e.hostCacheGiB)) 0.0) -}}
 {{- $_ := set $engine "host_cache_gib" (float64 $e.hostCacheGiB) -}}
 {{- end -}}
+{{- if and (ne $e.backend "vllm") (gt (float64 (default 0 $e.diskCacheGiB)) 0.0) -}}
+{{- $_ := set $engine "disk_cache_gib" (float64 $e.diskCacheGiB) -}}
+{{- end -}}
 {{- if eq $e.backend "vllm" -}}
 {{- $_ := set $engine "tensor_parallel_size" (int $e.tensorParallelSize) -}}
 {{- if not (kindIs "invalid" $e.gpuMemoryUtilization) -}}

@@ -4,7 +4,8 @@ dense step comparison: benchmarks/moe_step.py; `--mla` MLA decode absorbed vs ex
 bytes per token: benchmarks/mla_decode.py; `--speculative ngram:k=4` measures decode tokens/s
 with and without speculative decoding instead of the parts below:
 benchmarks/spec_decode_bench.py; `--host-tier` measures the TTFT of prompts re-asked after the
-device pool cycled, host tier against recompute, instead: benchmarks/host_tier_bench.py).
+device pool cycled, host tier and disk tier against recompute, instead:
+benchmarks/host_tier_bench.py).
 
 Measures, in one run, on `--model` (e.g. the built-in SmolLM2-135M-Instruct) or else on one
 random model big enough that compute dominates on CPU (the `bench` preset of

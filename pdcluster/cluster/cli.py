@@ -113,8 +113,8 @@ def _engine_bench_args(parser: argparse.ArgumentParser) -> None:
                         "model with a chat template (--model)")
     parser.add_argument("--host-tier", action="store_true",
                         help="measure the TTFT of prompts re-asked after the device KV pool "
-                        "cycled (a working set 4x the pool), host tier against recompute, "
-                        "instead of the default parts")
+                        "cycled (a working set 4x the pool), host tier and disk tier against "
+                        "recompute, instead of the default parts")
 
 
 def _metadata_bench_args(parser: argparse.ArgumentParser) -> None:

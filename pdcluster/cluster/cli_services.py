@@ -55,6 +55,9 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host-cache-gib", type=float, default=None,
                         help="host memory per node for the KV host tier below the device's "
                         "cache (the own engine; default: none)")
+    parser.add_argument("--disk-cache-gib", type=float, default=None,
+                        help="local disk per node for the KV disk tier below the host tier "
+                        "(the own engine; needs --host-cache-gib; default: none)")
     parser.add_argument("--gpus-per-node", type=float, default=0.0,
                         help="Ray GPUs per node actor (1 on a GPU machine)")
     parser.add_argument("--speculative", default=None, metavar="SPEC",
@@ -101,6 +104,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine["kv_cache_memory_gib"] = args.kv_cache_gib
     if args.host_cache_gib is not None:
         engine["host_cache_gib"] = args.host_cache_gib
+    if args.disk_cache_gib is not None:
+        engine["disk_cache_gib"] = args.disk_cache_gib
     if args.speculative:
         engine["speculative"] = _speculative_arg(args.speculative)
     thresholds = {} if args.local_prefill_threshold is None else {

@@ -8,6 +8,7 @@ cluster.yaml:
     engine: {dtype: bfloat16, block_size: 16, max_num_seqs: 64, max_num_batched_tokens: 2048,
              speculative: "ngram:k=4",         # speculative decoding: decode nodes only
              host_cache_gib: 16,               # the KV host tier per node (own engine)
+             disk_cache_gib: 256,              # the KV disk tier below it (own engine)
              backend: pdcluster}               # or vllm: every node runs vLLM (docs/engines.md),
                                                # with tensor_parallel_size, gpu_memory_utilization
     transfer: {protocol: rdma, device_name: "", timeout_s: 30}

@@ -33,6 +33,15 @@ class EngineConfig:
     # blocks (num_host_blocks wins); 0 / None: no host tier.
     host_cache_gib: float = 0.0
     num_host_blocks: int | None = None
+    # The disk tier below the host tier (engine/disk_kv_cache.py): blocks the host evicts are
+    # written to one preallocated file under disk_cache_dir (None: core.paths' cache dir,
+    # kv-disk/) by a writer thread, at most disk_max_pending_writes at a time (more are
+    # dropped, never waited for). In GiB of disk, or in blocks (num_disk_blocks wins); 0 /
+    # None: no disk tier. Wiped at every start.
+    disk_cache_gib: float = 0.0
+    num_disk_blocks: int | None = None
+    disk_cache_dir: str | None = None
+    disk_max_pending_writes: int = 64
     max_model_len: int | None = None  # None: the model's own limit
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -92,11 +101,29 @@ class EngineConfig:
                              "offloads with vLLM's own connectors (docs/engines.md)")
         if self.has_host_tier and not self.enable_prefix_caching:
             raise ValueError("a host KV tier caches prefixes: it needs enable_prefix_caching")
+        if not 0 <= self.disk_cache_gib < float("inf"):
+            raise ValueError(f"disk_cache_gib must be >= 0, got {self.disk_cache_gib}")
+        if self.num_disk_blocks is not None and self.num_disk_blocks < 0:
+            raise ValueError(f"num_disk_blocks must be >= 0, got {self.num_disk_blocks}")
+        if self.disk_max_pending_writes < 1:
+            raise ValueError(f"disk_max_pending_writes must be >= 1, got "
+                             f"{self.disk_max_pending_writes}")
+        if self.has_disk_tier and self.backend == "vllm":
+            raise ValueError("disk_cache_gib is the own engine's disk tier; a vLLM node "
+                             "offloads with vLLM's own connectors (docs/engines.md)")
+        if self.has_disk_tier and not self.has_host_tier:
+            raise ValueError("the disk KV tier sits below the host tier: set host_cache_gib "
+                             "(or num_host_blocks) too")
 
     @property
     def has_host_tier(self) -> bool:
         return bool(self.num_host_blocks) if self.num_host_blocks is not None \
             else self.host_cache_gib > 0
+
+    @property
+    def has_disk_tier(self) -> bool:
+        return bool(self.num_disk_blocks) if self.num_disk_blocks is not None \
+            else self.disk_cache_gib > 0
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:

@@ -3,7 +3,8 @@ sequence, the tokenizer (if the model folder has one) and the size of the paged 
 
 `kv_cache_spec` fills the configured KV memory (1 GiB on CPU by default, 90% of free memory on
 CUDA) with blocks, never more than every sequence slot at full length can use. `host_tier`
-builds the host tier below it (engine/kv_tiers.py), when the config asks for one.
+builds the host tier below it (engine/kv_tiers.py), and the disk tier below that
+(engine/disk_kv_cache.py), when the config asks for them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from pdcluster.engine.block_pool import BlockPool
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.disk_kv_cache import DiskKVCache
 from pdcluster.engine.host_kv_cache import HostKVCache, available_host_bytes, host_tier_blocks
 from pdcluster.engine.host_pool import HostBlockPool
 from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
@@ -97,4 +99,18 @@ def host_tier(config: EngineConfig, pool: BlockPool, kv_cache: PagedKVCache
                                   kv_cache.spec.block_nbytes, available_host_bytes())
     host_cache = HostKVCache(kv_cache, num_blocks)
     host_cache.calibrate()
-    return KVTiers(pool, HostBlockPool(num_blocks)), host_cache
+    disk_pool = None
+    if config.has_disk_tier:
+        host_cache.disk = disk_tier(config, kv_cache.spec.block_nbytes)
+        disk_pool = HostBlockPool(host_cache.disk.num_blocks)
+    return KVTiers(pool, HostBlockPool(num_blocks), disk_pool,
+                   config.disk_max_pending_writes), host_cache
+
+
+def disk_tier(config: EngineConfig, block_nbytes: int) -> DiskKVCache:
+    """The disk tier's file, wiped, reserved and calibrated; ValueError when it does not fit
+    its directory's free space."""
+    disk = DiskKVCache.create(config.disk_cache_dir, config.disk_cache_gib,
+                              config.num_disk_blocks, block_nbytes)
+    disk.calibrate()
+    return disk

@@ -10,31 +10,37 @@ why). On CUDA the region is pinned and the copies run on a stream of their own, 
 compute stream waits for before the model runs: they overlap the step's batch preparation,
 not its forward pass. On CPU the copies are plain memcpys on the engine's thread.
 
+With a disk tier (`disk`, an `engine.disk_kv_cache.DiskKVCache`) a step's spills run first:
+each host slot the host evicted is staged (one block's bytes copied out) and queued for the
+disk's writer thread, before a demotion of the same step reuses the slot; its disk loads run
+last, read straight into the device blocks.
+
 Sizing (`host_tier_blocks`): `EngineConfig.host_cache_gib` of blocks, refused with a clear
 `ValueError` when it is more than the host memory available (`/proc/meminfo`
 `MemAvailable`, capped by the container's cgroup limit).
 
-Cost: each step's loads are timed (`CopyTimer`): bytes and seconds, from which a node
-reports the host tier's bandwidth and latency to the router (`router.routing.tier_costs`);
-a calibration copy at start gives the first figure before any load.
+Cost: each step's loads are timed (`engine.kv_costs.CopyTimer`): bytes and seconds, from
+which a node reports the host tier's bandwidth and latency to the router
+(`router.routing.tier_costs`); a calibration copy at start gives the first figure before
+any load.
 
-API: `HostKVCache` (`flush`, `apply`, `calibrate`), `CopyTimer`, `copy_runs`,
+API: `HostKVCache` (`collect`, `flush`, `apply`, `calibrate`), `copy_runs`,
 `host_tier_blocks`, `available_host_bytes`.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
 
+from pdcluster.engine.disk_kv_cache import DiskKVCache
 from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
+from pdcluster.engine.kv_costs import CopyTimer
 from pdcluster.engine.kv_tiers import KVTiers, TierCopies
 
 _GIB = 2**30
-_SAMPLES = 64
 
 
 def copy_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -96,36 +102,6 @@ def host_tier_blocks(host_cache_gib: float, num_host_blocks: int | None, block_n
     return num_blocks
 
 
-class CopyTimer:
-    """Seconds per copy of n bytes, fitted as latency + bytes / bandwidth over the latest
-    copies (least squares; one size only: no latency)."""
-
-    def __init__(self) -> None:
-        self._samples: deque[tuple[int, float]] = deque(maxlen=_SAMPLES)
-        self.total_bytes = 0
-        self.total_s = 0.0
-
-    def add(self, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0:
-            self._samples.append((nbytes, seconds))
-            self.total_bytes += nbytes
-            self.total_s += seconds
-
-    def fit(self) -> tuple[float, float]:
-        """(bytes per second, latency in seconds); (0, 0) before any copy."""
-        if not self._samples:
-            return 0.0, 0.0
-        n = len(self._samples)
-        mean_b = sum(b for b, _ in self._samples) / n
-        mean_s = sum(s for _, s in self._samples) / n
-        var = sum((b - mean_b) ** 2 for b, _ in self._samples)
-        slope = (sum((b - mean_b) * (s - mean_s) for b, s in self._samples) / var
-                 if var > 0 else 0.0)
-        if slope <= 0:
-            return mean_b / mean_s, 0.0
-        return 1.0 / slope, max(0.0, mean_s - slope * mean_b)
-
-
 class HostKVCache:
     def __init__(self, device_cache: PagedKVCache, num_blocks: int) -> None:
         device = device_cache.tensor.device
@@ -141,10 +117,17 @@ class HostKVCache:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.loads = CopyTimer()
         self.demotions = CopyTimer()
+        self.disk: DiskKVCache | None = None  # the disk tier below, if any
 
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.spec.block_nbytes
+
+    def collect(self, tiers: KVTiers) -> None:
+        """Tell the bookkeeping which disk writes finished (before scheduling: a block
+        written since the last step is a hit in this one)."""
+        if self.disk is not None:
+            tiers.writes_done(self.disk.take_written())
 
     def flush(self, tiers: KVTiers) -> None:
         """Run the copies `tiers` queued this step, then let their host slots go."""
@@ -154,8 +137,11 @@ class HostKVCache:
             tiers.copies_done(copies)
 
     def apply(self, copies: TierCopies) -> None:
-        """Run one step's copies: every demotion, then every load."""
+        """Run one step's copies: every spill, every demotion, every load, every disk
+        load."""
         block_nbytes, device = self.spec.block_nbytes, self.device_cache.tensor
+        if copies.spills:
+            self._spill(copies.spills)
         for pairs, timer, load in ((copies.demotions, self.demotions, False),
                                    (copies.loads, self.loads, True)):
             if not pairs:
@@ -164,6 +150,17 @@ class HostKVCache:
             self._copy(copy_runs(pairs), device, load)
             if self._stream is None:  # on CUDA the copy is still running: calibration only
                 timer.add(len(pairs) * block_nbytes, time.perf_counter() - started)
+        if copies.disk_loads:
+            assert self.disk is not None, "disk loads without a disk tier"
+            self.disk.read_runs(copy_runs(copies.disk_loads), device)
+
+    def _spill(self, spills: list[tuple[int, int]]) -> None:
+        """Stage each (host slot, disk slot) spill's bytes and queue its write."""
+        assert self.disk is not None, "spills without a disk tier"
+        if self._stream is not None:  # earlier demotions into these slots may be in flight
+            self._stream.synchronize()
+        for host_slot, disk_slot in spills:
+            self.disk.submit(disk_slot, self.tensor[host_slot].view(torch.uint8).numpy().copy())
 
     def _copy(self, runs: list[tuple[int, int, int]], device: torch.Tensor, load: bool) -> None:
         if self._stream is None:

@@ -1,5 +1,6 @@
 """`HostBlockPool`: the bookkeeping of the host tier of the KV cache (torch-free; the bytes
-live in `engine.host_kv_cache.HostKVCache`).
+live in `engine.host_kv_cache.HostKVCache`), and of the disk tier below it, which keeps its
+slots the same way (`engine.disk_kv_cache.DiskKVCache` holds those bytes).
 
 The host tier holds copies of blocks the device pool evicted, in `num_slots` slots of one
 block each, as a prefix cache of its own: `hash -> slot`, least recently used first. A slot
@@ -7,7 +8,7 @@ is pinned while a copy into it or out of it is pending (the step's copies have n
 and the LRU never evicts a pinned slot; everything else is evictable at any time, since a
 host copy is only ever a cache (a block in use always lives on the device).
 
-API: `HostBlockPool` with `lookup`, `touch`, `allocate`, `pin`, `unpin`, `clear`,
+API: `HostBlockPool` with `lookup`, `touch`, `allocate`, `forget`, `pin`, `unpin`, `clear`,
 `cached_hashes`, and the counts `num_cached`, `num_free`, `num_pinned`.
 """
 
@@ -63,6 +64,14 @@ class HostBlockPool:
         slot = self._free.pop()
         self._lru[block_hash] = slot
         return slot, evicted
+
+    def forget(self, slot: int) -> BlockHash | None:
+        """Drop whatever block `slot` holds (its bytes are lost); that block's hash."""
+        gone = next((h for h, s in self._lru.items() if s == slot), None)
+        if gone is not None:
+            del self._lru[gone]
+            self._free.append(slot)
+        return gone
 
     def pin(self, slot: int) -> None:
         self._pins[slot] = self._pins.get(slot, 0) + 1

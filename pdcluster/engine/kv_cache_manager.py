@@ -3,9 +3,9 @@
 - `get_computed_blocks(req)`: the longest cached prefix of the request's block-hash chain,
   stopping at the first miss. At least one token is always left to compute, because the
   sampler needs the last position's logits. With a host tier (`KVTiers`) the chain goes on
-  through blocks only the host holds (`HostHit`s).
+  through blocks only the host holds (`HostHit`s), then only the disk holds (`DiskHit`s).
 - `allocate_slots(req, num_new_tokens, computed_blocks)`: takes the prefix-hit blocks (a host
-  hit gets a fresh device block that its host copy is loaded into before the step's model
+  or disk hit gets a fresh device block that its copy is loaded into before the step's model
   run) and enough fresh blocks for the new tokens, then hashes every block that these tokens
   fill (prompt or generated), so it becomes a cache hit for later requests. Returns None —
   nothing changed — when the pool cannot supply the blocks: the scheduler decides what to
@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 from pdcluster.core.types import BlockHash, ReqId
 from pdcluster.engine.block_pool import BlockPool, KVCacheBlock
-from pdcluster.engine.kv_tiers import HostHit, KVTiers
+from pdcluster.engine.kv_tiers import KVTiers, LowerHit
 from pdcluster.engine.request import Request
 
-PrefixHit = KVCacheBlock | HostHit
+PrefixHit = KVCacheBlock | LowerHit
 
 
 def cdiv(a: int, b: int) -> int:
@@ -67,7 +67,7 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
         num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(computed_blocks)
-        host_hits = [b for b in computed_blocks if isinstance(b, HostHit)]
+        host_hits = [b for b in computed_blocks if not isinstance(b, KVCacheBlock)]
         # A prefix-hit block with no other user sits in the free queue: touching it uses one.
         num_reclaimed = sum(1 for b in computed_blocks
                             if isinstance(b, KVCacheBlock) and b.ref_cnt == 0)
@@ -85,19 +85,20 @@ class KVCacheManager:
         return new_blocks
 
     def _take_hits(self, req: Request, computed: Sequence[PrefixHit],
-                   host_hits: list[HostHit]) -> list[KVCacheBlock]:
-        """Reference the device hits; give each host hit a device block its copy loads
-        into, cached under its hash at once (the load runs before any model step reads it)."""
+                   host_hits: list[LowerHit]) -> list[KVCacheBlock]:
+        """Reference the device hits; give each host or disk hit a device block its copy
+        loads into, cached under its hash at once (the load runs before any model step reads
+        it)."""
         device_hits = [b for b in computed if isinstance(b, KVCacheBlock)]
         self.pool.touch(device_hits)
         if not host_hits:
             return device_hits
-        assert self.tiers is not None, "a host hit without a host tier"
+        assert self.tiers is not None, "a lower-tier hit without tiers"
         self.tiers.pin(host_hits)
         targets = iter(self.pool.get_new_blocks(len(host_hits)))
         taken: list[KVCacheBlock] = []
         for hit in computed:
-            if isinstance(hit, HostHit):
+            if not isinstance(hit, KVCacheBlock):
                 block = next(targets)
                 self.tiers.load(hit, block)
                 taken.append(block)

@@ -193,8 +193,10 @@ class LLMEngine(NodeEngine):
         return list(stats.recent_write_s) if stats is not None else []
 
     def kv_costs(self) -> KVCosts | None:
-        host = self.host_cache.loads.fit() if self.host_cache is not None else None
-        return self.cost_meter.costs(host)
+        host_cache = self.host_cache
+        host = host_cache.loads.fit() if host_cache is not None else None
+        disk = host_cache.disk.loads.fit() if host_cache and host_cache.disk else None
+        return self.cost_meter.costs(host, disk)
 
     def pool_state(self) -> dict[str, int]:
         pool = self.block_pool
@@ -315,13 +317,19 @@ class LLMEngine(NodeEngine):
         transfer holds blocks."""
         if self.has_unfinished_requests() or self.has_pinned_blocks():
             return False
-        if self.tiers is not None:
+        if self.tiers is not None and self.host_cache is not None:
+            disk = self.host_cache.disk
+            if disk is not None and not disk.drain():
+                return False
+            self.host_cache.collect(self.tiers)
             return self.tiers.reset()
         return self.block_pool.reset_prefix_cache()
 
     def close(self) -> None:
         if self.connector is not None:
             self.connector.worker.close()
+        if self.host_cache is not None and self.host_cache.disk is not None:
+            self.host_cache.disk.close()
 
     # ---- stepping -------------------------------------------------------------------------
 
@@ -339,6 +347,8 @@ class LLMEngine(NodeEngine):
         if self.connector is not None:
             results = self.connector.worker.get_results()
             updated += self.scheduler.apply_connector_results(results)
+        if self.tiers is not None and self.host_cache is not None:
+            self.host_cache.collect(self.tiers)
         sched = self.scheduler.schedule(self._propose())
         if self.tiers is not None and self.host_cache is not None:  # before the model writes
             self.host_cache.flush(self.tiers)

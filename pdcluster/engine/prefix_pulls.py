@@ -193,7 +193,9 @@ class _Lookup:
 
 
 def _longest_prefix(kv: KVCacheManager, hashes: list[bytes]) -> list[PrefixHit]:
-    """The leading run of `hashes` this node holds: the device's, then the host tier's."""
+    """The leading run of `hashes` this node holds: the device's, then the host tier's.
+    Never the disk tier's: its file is not registered with the transfer engine, so a peer
+    cannot read it (a pull stops at the first block only the disk holds)."""
     if kv.tiers is not None:
-        return kv.tiers.longest_prefix(hashes)
+        return kv.tiers.longest_prefix(hashes, include_disk=False)
     return list(kv.pool.find_longest_prefix(hashes))

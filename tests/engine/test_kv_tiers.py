@@ -121,6 +121,19 @@ def test_a_pinned_host_slot_is_never_evicted() -> None:
     assert_tiers_clean(tiers)
 
 
+def test_a_burst_larger_than_the_host_keeps_the_chain_heads() -> None:
+    kv, pool, tiers = make_tiered(num_blocks=4, num_host=2)
+    a = make_request("a", 3 * BLOCK_SIZE + 1)
+    run(kv, a)
+    pool.take_events()
+    run(kv, make_request("b", 3 * BLOCK_SIZE + 1))  # a's 3 hashes go at once, 2 host slots
+    assert sorted(tiers.host.cached_hashes()) == sorted(a.block_hashes[:2])
+    assert BlockRemoved((a.block_hashes[2],), DEVICE) in pool.take_events()
+    hits, num_hit = kv.get_computed_blocks(make_request("a2", prompt=a.prompt_token_ids))
+    assert [type(h) for h in hits] == [HostHit, HostHit] and num_hit == 2 * BLOCK_SIZE
+    assert_tiers_clean(tiers)
+
+
 def test_a_chain_through_both_tiers() -> None:
     kv, pool, tiers = make_tiered(num_blocks=4, num_host=8)
     prompt = make_request("a", 3 * BLOCK_SIZE + 1).prompt_token_ids

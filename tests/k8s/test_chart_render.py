@@ -360,3 +360,14 @@ def test_host_cache_reaches_the_nodes_engine_options() -> None:
     assert engine["host_cache_gib"] == 24
     assert EngineConfig.from_options("/models/m", engine).has_host_tier
     assert "host_cache_gib" not in cluster_config(render({}))["engine"]
+
+
+def test_disk_cache_reaches_the_nodes_engine_options() -> None:
+    """cluster.engine.diskCacheGiB becomes the nodes' disk_cache_gib (absent when 0)."""
+    from pdcluster.engine.config import EngineConfig
+
+    engine = cluster_config(render({"cluster": {"engine": {"hostCacheGiB": 4,
+                                                           "diskCacheGiB": 64}}}))["engine"]
+    assert engine["disk_cache_gib"] == 64
+    assert EngineConfig.from_options("/models/m", engine).has_disk_tier
+    assert "disk_cache_gib" not in cluster_config(render({}))["engine"]
