@@ -11,7 +11,7 @@ import pytest
 
 from pdcluster.core.block_index import MEDIUM_BITS, BlockIndex
 from pdcluster.core.events import DEVICE, HOST, BlockMoved, BlockStored
-from pdcluster.router.routing.policy import NodeView, PolicyConfig, route
+from pdcluster.router.routing.policy import NodeView, PolicyConfig, pull_source, route
 from pdcluster.router.routing.tier_costs import TierCosts, pull_cost, tier_cost
 from pdcluster.router.sim.replay import ReplayConfig, load_trace, replay_all
 from pdcluster.router.sim.sim_nodes import SimNode, apply_events
@@ -50,6 +50,20 @@ def test_the_policy_prefers_the_device_copy_then_the_host_copy() -> None:
     config = PolicyConfig(block_size=16, global_reuse_min_tokens=0)
     assert route([cold, host, device], 64 * 16 + 5, config, rng).decode_node == "dev"
     assert route([cold, host], 64 * 16 + 5, config, rng).decode_node == "host"
+
+
+def test_a_pull_is_never_sized_by_blocks_a_holder_keeps_only_on_disk() -> None:
+    """A peer's pull is served from device and host memory only: a holder whose hit ends in
+    disk-only blocks offers the rest, and a holder with the whole prefix in memory wins."""
+    config = PolicyConfig(block_size=16, global_reuse_min_tokens=16)
+    prompt = 64 * 16 + 5
+    spilled = NodeView("spilled", cached_blocks=64, disk_blocks=40, costs=COSTS)
+    cold = NodeView("cold", costs=COSTS)
+    assert pull_source([spilled, cold], cold, prompt, config) == ("spilled", 24)
+    in_memory = NodeView("in-memory", cached_blocks=64, host_blocks=64, costs=COSTS)
+    assert pull_source([spilled, in_memory, cold], cold, prompt, config) == ("in-memory", 64)
+    on_device = NodeView("on-device", cached_blocks=64, costs=COSTS)
+    assert pull_source([in_memory, on_device, cold], cold, prompt, config) == ("on-device", 64)
 
 
 def test_a_demotion_keeps_the_block_in_the_index() -> None:

@@ -288,8 +288,15 @@ def _pull_blocks(live: Sequence[NodeView], num_prompt_tokens: int, config: Polic
     token; 0 when global reuse is off."""
     if config.global_reuse_min_tokens <= 0:
         return 0
-    most = max((n.cached_blocks for n in live), default=0)
+    most = max((_servable(n) for n in live), default=0)
     return min(most, (num_prompt_tokens - 1) // config.block_size)
+
+
+def _servable(node: NodeView) -> int:
+    """Leading blocks `node` can serve a peer's pull from: a pull is served from device and
+    host memory and stops at the first block only on disk, and evictions take a chain's tail
+    first, so the disk-only blocks are the end of its hit."""
+    return node.cached_blocks - node.disk_blocks
 
 
 def _pulled(scores: _Scores, node: NodeView, config: PolicyConfig) -> int:
@@ -304,9 +311,9 @@ def _source(scores: _Scores, nodes: Sequence[NodeView], node: NodeView,
     the prompt that holder has (None, 0: no pull)."""
     if not _pulled(scores, node, config):
         return None, 0
-    holders = [n for n in nodes if not n.draining and n.cached_blocks >= scores.pull_blocks]
-    # a holder serving from its device or host memory rather than its disk, if there is one
-    holder = min(holders, key=lambda n: (n.disk_blocks, n.host_blocks))
+    holders = [n for n in nodes if not n.draining and _servable(n) >= scores.pull_blocks]
+    # a holder serving from its device rather than its host memory, if there is one
+    holder = min(holders, key=lambda n: n.host_blocks)
     return holder.node_id, scores.pull_blocks
 
 
