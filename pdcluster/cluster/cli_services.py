@@ -20,6 +20,7 @@ from pdcluster.cluster.cli_common import (
     resolve_model_arg,
     router_token_from_env,
 )
+from pdcluster.cluster.cli_etcd import add_etcd_access_args, add_etcd_setup, etcd_access_fields
 from pdcluster.core.tls import MetadataTLSFields
 
 
@@ -278,8 +279,13 @@ def add_metadata(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--tls-client-ca", default=None,
                        help="PEM CA: require every client to present a certificate it signed "
                        "(mTLS; needs --tls-cert). Tokens are still checked on every call")
+    serve.add_argument("--tls-bind-client-roles", action="store_true",
+                       help="mTLS: refuse a token whose principal the client certificate's "
+                       "role (common name pdcluster-router/-node/-operator) may not present")
     serve.add_argument("--replica-id", default="", help="name in etcd (default: random)")
+    add_etcd_access_args(serve)
     add_metadata_operator_commands(commands)
+    add_etcd_setup(commands)
 
 
 def add_metadata_operator_commands(commands: argparse._SubParsersAction) -> None:
@@ -331,6 +337,7 @@ def _cmd_metadata_serve(args: argparse.Namespace) -> int:
     from pdcluster.metadata_service.config import MetadataConfig
     from pdcluster.metadata_service.server import serve
 
+    etcd_access = etcd_access_fields(args)
     with config_errors_as_usage():
         config = MetadataConfig(
             host=args.host, port=args.port, backend=args.backend,
@@ -339,12 +346,19 @@ def _cmd_metadata_serve(args: argparse.Namespace) -> int:
             default_lease_ttl_s=args.lease_ttl, flush_interval_s=args.flush_interval,
             cluster_secret=secret, router_token=optional_router_token(),
             tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
-            tls_client_ca_file=args.tls_client_ca, replica_id=args.replica_id,
+            tls_client_ca_file=args.tls_client_ca,
+            tls_bind_client_roles=args.tls_bind_client_roles, replica_id=args.replica_id,
+            **etcd_access,
         )
 
     def ready(port: int) -> None:
         print(f"metadata service ({config.backend}) listening on {config.host}:{port}",
               flush=True)
 
-    asyncio.run(serve(config, ready))
+    from pdcluster.metadata_service.etcd_access import EtcdAccessError
+
+    try:
+        asyncio.run(serve(config, ready))
+    except EtcdAccessError as exc:
+        raise UsageError(str(exc)) from exc
     return 0
