@@ -152,9 +152,20 @@ def with_api_keys(values: dict) -> dict:
     return values
 
 
+def with_plaintext_etcd_acknowledged(values: dict) -> dict:
+    """The chart refuses etcd without TLS unless acknowledged (issue 24): a value set that does
+    not speak of etcd's TLS renders with the acknowledgement (test_etcd_access.py tests the
+    refusal and the TLS settings)."""
+    values = copy.deepcopy(values)
+    etcd = values.setdefault("etcd", {})
+    if "tls" not in etcd and "acknowledgePlaintext" not in etcd:
+        etcd["acknowledgePlaintext"] = True
+    return values
+
+
 def template(values: dict, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_values(with_api_keys(values), Path(tmp))
+        path = write_values(with_plaintext_etcd_acknowledged(with_api_keys(values)), Path(tmp))
         return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(path),
                     *extra, check=check)
 
