@@ -98,6 +98,12 @@ VALUE_SETS: dict[str, dict] = {
         },
         "secrets": {"clusterSecret": "0123456789abcdef" * 4},
     },
+    "etcd-tls-auth": {"etcd": {
+        "tls": {"enabled": True, "secretName": "etcd-client", "serverSecretName": "etcd-server"},
+        "auth": {"enabled": True, "passwordSecret": {"name": "etcd-pw", "key": "password"},
+                 "rootPasswordSecret": {"name": "etcd-root", "key": "root-password"}}}},
+    "cert-manager": {"certManager": {"enabled": True}, "etcd": {"tls": {"enabled": True}},
+                     "metadata": {"tls": {"enabled": True, "clientAuth": {"enabled": True}}}},
     "scheduling": {
         "ray": {"prefill": {"nodeSelector": {"gpu.type": "h100"},
                             "affinity": {"podAntiAffinity": {}}},
