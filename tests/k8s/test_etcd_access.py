@@ -141,3 +141,15 @@ def test_cert_manager_with_an_existing_issuer() -> None:
     refs = {(d["spec"]["issuerRef"]["name"], d["spec"]["issuerRef"]["kind"])
             for d in find(docs, "Certificate")}
     assert refs == {("corp-ca", "ClusterIssuer")}
+
+
+def test_notes_say_how_to_set_up_an_external_etcd_and_warn_of_plaintext(tmp_path) -> None:
+    from tests.k8s.test_chart_wiring import render_notes
+
+    external = {"etcd": {"enabled": False, "externalEndpoints": ["etcd.infra:2379"],
+                         "tls": {"enabled": True, "secretName": "c"}, "auth": AUTH}}
+    notes = render_notes(external, tmp_path / "external")
+    assert "pdcluster metadata etcd-setup --etcd etcd.infra:2379" in notes
+    assert "WARNING" not in notes
+    assert "WARNING: etcd.acknowledgePlaintext is set" in render_notes({}, tmp_path / "plain")
+    assert f"job {FULL}-etcd-setup" in render_notes(SECURE, tmp_path / "bundled")
