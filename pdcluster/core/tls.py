@@ -1,6 +1,7 @@
 """TLS for a gRPC client of the metadata service (and of etcd, for the metadata service): the
-files a router or a node is given, and the channel credentials built from them. In `core` because the router may not import
-`metadata_service` and both sides (router, nodes, the service's own client library) need it.
+files a router or a node is given, and the channel credentials built from them. In `core`
+because the router may not import `metadata_service` and both sides (router, nodes, the
+service's own client library) need it.
 
     tls = ClientTLS(ca_file="ca.crt")                                  # server verified (TLS)
     tls = ClientTLS(ca_file="ca.crt", cert_file="c.crt", key_file="c.key")  # and mTLS

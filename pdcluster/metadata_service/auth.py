@@ -89,7 +89,7 @@ def _role_bound_handler(handler: grpc.RpcMethodHandler,
     kwargs = {"request_deserializer": handler.request_deserializer,
               "response_serializer": handler.response_serializer}
     if handler.response_streaming:
-        stream = handler.unary_stream
+        stream: Any = handler.unary_stream  # grpc.aio's: an async generator function
 
         async def checked_stream(request: Any, context: grpc.aio.ServicerContext):
             await _check_role(context, principal)
@@ -97,7 +97,7 @@ def _role_bound_handler(handler: grpc.RpcMethodHandler,
                 yield item
 
         return grpc.unary_stream_rpc_method_handler(checked_stream, **kwargs)
-    unary = handler.unary_unary
+    unary: Any = handler.unary_unary  # grpc.aio's: a coroutine function
 
     async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await _check_role(context, principal)

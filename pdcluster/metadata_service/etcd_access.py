@@ -14,8 +14,8 @@ granted readwrite on ``<prefix>/`` and nothing else, a user holding only that ro
 switched on (with the root user etcd requires first). It is idempotent: an existing role,
 user or root is kept (the user's password is set again), so rerunning it is safe.
 
-API: ``EtcdAccessError``, ``EtcdAuthDisabled``, ``make_client``, ``authenticate``, ``setup_prefix_role``,
-``prefix_range``.
+API: ``EtcdAccessError``, ``EtcdAuthDisabled``, ``make_client``, ``authenticate``,
+``setup_prefix_role``, ``prefix_range``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.cluster import cli
-from pdcluster.cluster.cli_etcd import etcd_access_fields
+from pdcluster.cluster.cli_metadata_ops import etcd_access_fields
 from pdcluster.metadata_service.cert_roles import certificate_role
 from tests.k8s.chart import RELEASE, find, needs_helm, one, pod_templates, render, template
 from tests.k8s.test_cli_contract import command_of

@@ -1,9 +1,10 @@
-"""The metadata service's etcd options (`pdcluster metadata serve --etcd-*`) and `pdcluster
-metadata etcd-setup`, which confines a user to pdcluster's prefix (metadata_service/
-etcd_access.py). Passwords come from files only: a flag's value is visible to every process
-on the host (`ps`).
+"""Operating the metadata service: its etcd options (`pdcluster metadata serve --etcd-*`),
+`pdcluster metadata etcd-setup` (a user confined to pdcluster's prefix: metadata_service/
+etcd_access.py), and the operator's `release-node` and `router-token`. Passwords come from
+files only: a flag's value is visible to every process on the host (`ps`).
 
-API: `add_etcd_access_args(parser)`, `etcd_access_fields(args)`, `add_etcd_setup(commands)`.
+API: `add_etcd_access_args(parser)`, `etcd_access_fields(args)`, `add_etcd_setup(commands)`,
+`add_metadata_operator_commands(commands)`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from pdcluster.cluster.cli_common import UsageError, add_command, config_errors_as_usage
+from pdcluster.cluster.cli_common import (
+    UsageError,
+    add_command,
+    cluster_secret_from_env,
+    config_errors_as_usage,
+)
 
 
 def add_etcd_access_args(parser: argparse.ArgumentParser) -> None:
@@ -90,3 +96,49 @@ def _read_secret(path: str) -> str:
     if not value:
         raise UsageError(f"{path} is empty")
     return value
+
+
+def add_metadata_operator_commands(commands: argparse._SubParsersAction) -> None:
+    from pdcluster.cluster.cli_services import add_metadata_tls_args  # it imports this module
+
+    release = add_command(
+        commands, "release-node",
+        "Operator action: forget a node id's live registration, so that a new key may "
+        "register it at once (a restarted node otherwise waits for the old lease to end). "
+        "Needs the cluster secret ($PDCLUSTER_CLUSTER_SECRET[_FILE]).",
+        _cmd_release_node,
+    )
+    release.add_argument("node_id", help="the node id to release")
+    release.add_argument("--metadata", required=True, help="metadata service host:port")
+    add_metadata_tls_args(release)
+    add_command(commands, "router-token",
+                "Print the router's client credential (principal 'service'), derived from the "
+                "cluster secret ($PDCLUSTER_CLUSTER_SECRET[_FILE]): give it to `pdcluster "
+                "router serve` as $PDCLUSTER_ROUTER_TOKEN[_FILE] instead of the secret.",
+                _cmd_router_token)
+
+
+def _cmd_release_node(args: argparse.Namespace) -> int:
+    from pdcluster.core.credentials import OPERATOR
+    from pdcluster.core.tls import ClientTLS
+    from pdcluster.metadata_service.client import MetadataClient
+    from pdcluster.metadata_service.errors import MetadataError
+
+    secret = cluster_secret_from_env("pdcluster metadata release-node")
+    with config_errors_as_usage():
+        tls = ClientTLS.from_fields(args.metadata_tls_ca, args.metadata_tls_cert,
+                                    args.metadata_tls_key, args.metadata_tls_server_name)
+    with MetadataClient(args.metadata, token=secret.metadata_token(OPERATOR), tls=tls) as client:
+        try:
+            client.release_node(args.node_id)
+        except MetadataError as exc:
+            raise UsageError(str(exc)) from exc
+    print(f"released node id {args.node_id}")
+    return 0
+
+
+def _cmd_router_token(args: argparse.Namespace) -> int:
+    from pdcluster.core.credentials import SERVICE
+
+    print(cluster_secret_from_env("pdcluster metadata router-token").metadata_token(SERVICE))
+    return 0
