@@ -42,6 +42,10 @@ def etcd_access_fields(args: argparse.Namespace) -> dict[str, Any]:
     """MetadataConfig's etcd_tls/etcd_user/etcd_password from the flags above."""
     from pdcluster.core.tls import ClientTLS
 
+    if args.etcd_tls_ca is None and (args.etcd_tls_cert or args.etcd_tls_key
+                                     or args.etcd_tls_server_name):
+        raise UsageError("--etcd-tls-cert, --etcd-tls-key and --etcd-tls-server-name need "
+                         "--etcd-tls-ca (TLS to etcd)")
     with config_errors_as_usage():
         tls = ClientTLS.from_fields(args.etcd_tls_ca, args.etcd_tls_cert, args.etcd_tls_key,
                                     args.etcd_tls_server_name)

@@ -177,3 +177,18 @@ def test_etcd_setup_is_idempotent(secure_etcd) -> None:
     role = secure_etcd.etcdctl("role", "get", USER)
     assert f"[{PREFIX}/, {PREFIX}0)" in role, role
     assert secure_etcd.etcdctl("user", "get", USER).split("Roles:")[1].split() == [USER]
+
+
+def test_etcd_access_settings_are_validated(tmp_path) -> None:
+    with pytest.raises(ValueError, match="both etcd_user and etcd_password"):
+        make_config(etcd_user=USER)
+    with pytest.raises(ValueError, match="must not be empty"):
+        make_config(etcd_user=USER, etcd_password="")
+    assert PASSWORD not in repr(make_config(etcd_user=USER, etcd_password=PASSWORD))
+    proc = run_cli("metadata", "serve", "--port", "0", "--backend", "etcd", "--etcd-user", USER,
+                   env_extra={"PDCLUSTER_CLUSTER_SECRET": TEST_SECRET.to_text()})
+    assert proc.returncode == 2 and "--etcd-password-file go together" in proc.stderr
+    proc = run_cli("metadata", "serve", "--port", "0", "--backend", "etcd",
+                   "--etcd-tls-cert", str(tmp_path / "c.crt"),
+                   env_extra={"PDCLUSTER_CLUSTER_SECRET": TEST_SECRET.to_text()})
+    assert proc.returncode == 2 and "need --etcd-tls-ca" in proc.stderr
