@@ -20,7 +20,10 @@ drives a DEALER at each.
 - `bulk_mbps_{curve,plain}`: 1 MiB frames one way (encryption throughput; nothing in the
   cluster sends frames that large, the bulk KV goes over Mooncake, not ZMQ).
 Ratios `*_ratio` are CURVE / plaintext; `*_identity_ratio` are identity / CURVE: what the
-per-principal checks add to CURVE.
+per-principal checks add to CURVE. The kinds take turns, one round trip (or one fresh
+connection) each in a rotating order, on one warm socket per kind: a neighbour's burst slows
+all three alike instead of whichever kind ran during it (measured back to back, the p50
+identity ratio swung 0.7-1.55 between runs on a shared machine; taking turns, 1.06-1.07).
 """
 
 from __future__ import annotations
@@ -149,22 +152,37 @@ def _round_trip(sock, frame: tuple[bytes, bytes]) -> float:
     return time.perf_counter() - start
 
 
-def _handshakes(peer: _Peer, kind: str, frame: tuple[bytes, bytes], n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        sock = peer.socket(kind, frame[0])
-        out.append(_round_trip(sock, frame))  # connect + handshake + first round trip
+def _handshakes(peer: _Peer, frame: tuple[bytes, bytes], n: int) -> dict[str, list[float]]:
+    """Connect + handshake + first round trip, the kinds taking turns (a noisy neighbour
+    slows every kind alike)."""
+    out: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    for i in range(n):
+        for kind in _turn(i):
+            sock = peer.socket(kind, frame[0])
+            out[kind].append(_round_trip(sock, frame))
+            sock.close()
+    return out
+
+
+def _warm(peer: _Peer, frame: tuple[bytes, bytes], n: int) -> dict[str, list[float]]:
+    """Round trips on one warm socket per kind, the kinds taking turns."""
+    socks = {kind: peer.socket(kind, frame[0]) for kind in KINDS}
+    for sock in socks.values():
+        for _ in range(50):
+            _round_trip(sock, frame)
+    out: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    for i in range(n):
+        for kind in _turn(i):
+            out[kind].append(_round_trip(socks[kind], frame))
+    for sock in socks.values():
         sock.close()
     return out
 
 
-def _warm(peer: _Peer, kind: str, frame: tuple[bytes, bytes], n: int) -> list[float]:
-    sock = peer.socket(kind, frame[0])
-    for _ in range(50):
-        _round_trip(sock, frame)
-    out = [_round_trip(sock, frame) for _ in range(n)]
-    sock.close()
-    return out
+def _turn(i: int) -> tuple[str, ...]:
+    """The kinds in a rotating order: none always runs first (or right after another)."""
+    k = i % len(KINDS)
+    return KINDS[k:] + KINDS[:k]
 
 
 def _bulk_mbps(peer: _Peer, kind: str, n: int) -> float:
@@ -202,14 +220,13 @@ def run(args: argparse.Namespace) -> dict:
 def _measure(peer: _Peer, sizes: Sizes) -> dict:
     generate, xfer = _generate_frame(), _xfer_frame()
     out: dict = {"round_trips": sizes.round_trips}
-    for kind in KINDS:  # interleaving would not help: each is one warm socket
-        shakes = _handshakes(peer, kind, generate, sizes.handshakes)
-        rtts = _warm(peer, kind, generate, sizes.round_trips)
-        side = _warm(peer, kind, xfer, sizes.round_trips)
-        out[f"handshake_ms_{kind}"] = round(statistics.median(shakes) * 1e3, 3)
-        out[f"rtt_us_p50_{kind}"] = round(_pct(rtts, 50) * 1e6, 1)
-        out[f"rtt_us_p99_{kind}"] = round(_pct(rtts, 99) * 1e6, 1)
-        out[f"side_channel_rtt_us_p50_{kind}"] = round(_pct(side, 50) * 1e6, 1)
+    shakes = _handshakes(peer, generate, sizes.handshakes)
+    rtts, side = _warm(peer, generate, sizes.round_trips), _warm(peer, xfer, sizes.round_trips)
+    for kind in KINDS:
+        out[f"handshake_ms_{kind}"] = round(statistics.median(shakes[kind]) * 1e3, 3)
+        out[f"rtt_us_p50_{kind}"] = round(_pct(rtts[kind], 50) * 1e6, 1)
+        out[f"rtt_us_p99_{kind}"] = round(_pct(rtts[kind], 99) * 1e6, 1)
+        out[f"side_channel_rtt_us_p50_{kind}"] = round(_pct(side[kind], 50) * 1e6, 1)
         if kind != "identity":  # the checks are per message, not per byte
             out[f"bulk_mbps_{kind}"] = round(_bulk_mbps(peer, kind, sizes.bulk_frames), 1)
     for name in ("handshake_ms", "rtt_us_p50", "rtt_us_p99", "side_channel_rtt_us_p50"):

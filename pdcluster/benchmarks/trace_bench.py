@@ -23,6 +23,13 @@ prefill nodes' cache in trace blocks), and the headline figures:
 `ttft_p50_ratio_kv_vs_round_robin` and `live_vs_replay_hit_ratio` (kv's live
 `prefix_hit_ratio` over the replay's `hit_ratio`).
 
+KV tiers (`--host-blocks M`): the same slice again on a second cluster whose nodes hold a host
+tier of M blocks below their `--kv-blocks` device blocks (`EngineConfig.num_host_blocks`), with
+the `kv` policy, so one run shows what the tier buys at small device pools: `with_host_tier`
+(that run's figures; a host hit counts in `prefix_hit_tokens` like a device hit, and the replay's
+prediction with the same tier) and the headlines `hit_ratio_host_tier_vs_none` and
+`ttft_p50_ratio_host_tier_vs_none` (kv with the tier over kv without, same run).
+
 The model: `--model DIR` (e.g. the built-in SmolLM2), or by default a random `tiny` model
 built for the run (its tokens are gibberish, its compute is real).
 """
@@ -67,7 +74,40 @@ def run(args: argparse.Namespace) -> dict:
                                        cache_trace_blocks, policies,
                                        config.global_reuse_min_tokens)
         live = _run_policies(args, config, workload, policies)
-    return _report(args, model, workload, predicted, live, time.perf_counter() - started)
+        tiers = _run_with_host_tier(args, model, workload) if args.host_blocks else None
+    result = _report(args, model, workload, predicted, live, time.perf_counter() - started)
+    if tiers is not None:
+        result.update(_tier_headlines(live.get("kv"), tiers))
+        result["wall_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def _run_with_host_tier(args: argparse.Namespace, model: str, workload: Workload) -> dict:
+    """The `kv` policy on a cluster whose nodes hold `--host-blocks` below their device pool,
+    beside the replay's prediction for the same tiers (trace blocks per node)."""
+    config = _cluster_config(args, model, host_blocks=args.host_blocks)
+    nodes = max(args.num_prefill, 1)
+    device = max(1, args.kv_blocks * BLOCK_SIZE // args.tokens_per_block)
+    host = args.host_blocks * BLOCK_SIZE // args.tokens_per_block
+    predicted = predict_hit_ratios(workload, nodes, nodes * device, ("kv",),
+                                   config.global_reuse_min_tokens, device_blocks=device,
+                                   host_blocks=host)
+    figures = _run_policies(args, config, workload, ("kv",))["kv"]
+    figures["replay_hit_ratio"] = predicted["kv"]["hit_ratio"]
+    figures["replay_reuse_ratio"] = predicted["kv"]["reuse_ratio"]
+    return {"host_blocks_per_node": args.host_blocks, "kv": figures}
+
+
+def _tier_headlines(kv: dict | None, tiers: dict) -> dict:
+    with_tier = tiers["kv"]
+    out: dict = {"with_host_tier": tiers}
+    if kv and kv["prefix_hit_ratio"] > 0:
+        out["hit_ratio_host_tier_vs_none"] = round(with_tier["prefix_hit_ratio"]
+                                                   / kv["prefix_hit_ratio"], 3)
+    if kv and kv["ttft_p50_ms"] > 0:
+        out["ttft_p50_ratio_host_tier_vs_none"] = round(with_tier["ttft_p50_ms"]
+                                                        / kv["ttft_p50_ms"], 3)
+    return out
 
 
 def _tiny_model(tmp: str) -> str:
@@ -81,13 +121,15 @@ def _vocab_size(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
 
 
-def _cluster_config(args: argparse.Namespace, model: str):
+def _cluster_config(args: argparse.Namespace, model: str, host_blocks: int = 0):
     from pdcluster.cluster.config import ClusterConfig
 
+    engine = {"block_size": BLOCK_SIZE, "num_kv_blocks": args.kv_blocks,
+              "max_num_batched_tokens": 2048}
+    if host_blocks:
+        engine["num_host_blocks"] = host_blocks
     return ClusterConfig(model=model, num_prefill=args.num_prefill,
-                         num_decode=args.num_decode, node_metrics_port=0,
-                         engine={"block_size": BLOCK_SIZE, "num_kv_blocks": args.kv_blocks,
-                                 "max_num_batched_tokens": 2048})
+                         num_decode=args.num_decode, node_metrics_port=0, engine=engine)
 
 
 def _run_policies(args: argparse.Namespace, config, workload: Workload,
@@ -149,6 +191,7 @@ async def _serve_and_replay(config, requests: list[TraceRequest], num_nodes: int
                             timeout_s: float) -> dict:
     import aiohttp
 
+    from pdcluster.benchmarks.trace_client import client_figures, timed_request, wait_ready
     from pdcluster.router.api.server import RouterApp
 
     app = RouterApp(config)
@@ -156,94 +199,15 @@ async def _serve_and_replay(config, requests: list[TraceRequest], num_nodes: int
     base = f"http://{config.host}:{app.port}"
     try:
         async with aiohttp.ClientSession() as session:
-            await _wait_ready(session, base, num_nodes)
+            await wait_ready(session, base, num_nodes)
             started = time.perf_counter()
             results = await asyncio.gather(*(
-                _timed_request(session, base, app.model_name, req, started, timeout_s)
+                timed_request(session, base, app.model_name, req, started, timeout_s)
                 for req in requests))
             wall_s = time.perf_counter() - started
     finally:
         await app.stop()
-    return _client_figures(results, wall_s)
-
-
-async def _wait_ready(session, base: str, num_nodes: int, timeout_s: float = 60.0) -> None:
-    """Until the router sees every node healthy and follows the metadata service's index, and
-    the index is empty (the warm-up's blocks and the previous policy's are forgotten)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        async with session.get(f"{base}/health") as reply:
-            body = await reply.json()
-        healthy = sum(n["healthy"] for n in body["nodes"].values())
-        metadata = body.get("metadata") or {}
-        # an empty index: the previous run's blocks are gone (the caches were reset)
-        if healthy == num_nodes and metadata.get("mirror_in_sync") \
-                and metadata.get("mirror_blocks") == 0:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"router not ready after {timeout_s} s: {body}")
-        await asyncio.sleep(0.1)
-
-
-async def _timed_request(session, base: str, model: str, req: TraceRequest, t0: float,
-                         timeout_s: float) -> dict:
-    """Send at its arrival time; TTFT = first streamed chunk with a choice."""
-    await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-    sent = time.perf_counter()
-    try:
-        return await asyncio.wait_for(_stream(session, base, body, sent), timeout_s)
-    except (TimeoutError, OSError, ValueError) as exc:
-        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-
-
-async def _stream(session, base: str, body: dict, sent: float) -> dict:
-    ttft, tokens, done = None, 0, False
-    async with session.post(f"{base}/v1/completions", json=body) as reply:
-        if reply.status != 200:
-            return {"ok": False, "error": f"HTTP {reply.status}: {await reply.text()}"}
-        async for raw in reply.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                return {"ok": False, "error": str(chunk["error"])}
-            if chunk.get("choices") and ttft is None:
-                ttft = time.perf_counter() - sent
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    if not done or ttft is None:
-        return {"ok": False, "error": "the stream ended early"}
-    return {"ok": True, "ttft_s": ttft, "e2e_s": time.perf_counter() - sent,
-            "output_tokens": tokens}
-
-
-def _client_figures(results: list[dict], wall_s: float) -> dict:
-    ok = [r for r in results if r["ok"]]
-    errors = sorted({r["error"] for r in results if not r["ok"]})[:3]
-    figures = {"completed": len(ok), "failed": len(results) - len(ok), "wall_s": round(wall_s, 2),
-               "output_tokens_per_s": round(sum(r["output_tokens"] for r in ok) / wall_s, 1)}
-    for name in ("ttft", "e2e"):
-        values = sorted(r[f"{name}_s"] for r in ok)
-        figures[f"{name}_p50_ms"] = round(_quantile(values, 0.5) * 1e3, 1)
-        figures[f"{name}_p90_ms"] = round(_quantile(values, 0.9) * 1e3, 1)
-    if errors:
-        figures["errors"] = errors
-    return figures
-
-
-def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+    return client_figures(results, wall_s)
 
 
 def _node_totals(nodes: list[dict]) -> dict[str, float]:

@@ -78,17 +78,20 @@ def load_workload(path: str | Path, offset: int, limit: int, tokens_per_block: i
 
 
 def predict_hit_ratios(workload: Workload, num_nodes: int, cache_trace_blocks: int,
-                       policies: tuple[str, ...], global_reuse_min_tokens: int) -> dict:
+                       policies: tuple[str, ...], global_reuse_min_tokens: int,
+                       device_blocks: int | None = None, host_blocks: int = 0) -> dict:
     """`pdcluster replay` (router.sim.replay) on the same slice, arrival times and node count:
-    per policy its `hit_ratio` (local hits), `reuse_ratio` (with pulled blocks) and
-    `work_imbalance`, plus the slice's `ideal_hit_ratio`. The pull threshold is the live
-    router's, in trace blocks."""
+    per policy its `hit_ratio` (local hits, host-tier hits included), `reuse_ratio` (with
+    pulled blocks) and `work_imbalance`, plus the slice's `ideal_hit_ratio`. The pull threshold
+    is the live router's, in trace blocks; `device_blocks` / `host_blocks` per node, in trace
+    blocks, model KV tiers (replay's `--device-blocks` / `--host-blocks`)."""
     from pdcluster.router.routing.policy import PolicyConfig
     from pdcluster.router.sim import replay
 
     requests = replay.parse_trace(workload.rows)
     config = replay.ReplayConfig(num_nodes=num_nodes,
-                                 cache_blocks=max(cache_trace_blocks, num_nodes))
+                                 cache_blocks=max(cache_trace_blocks, num_nodes),
+                                 device_blocks=device_blocks, host_blocks=host_blocks)
     min_blocks = -(-global_reuse_min_tokens // workload.tokens_per_block)  # ceil
     pconf = PolicyConfig(block_size=TRACE_BLOCK_TOKENS,
                          global_reuse_min_tokens=min_blocks * TRACE_BLOCK_TOKENS)

@@ -141,6 +141,9 @@ def _trace_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-decode", type=int, default=1, help="decode node actors")
     parser.add_argument("--kv-blocks", type=int, default=2048,
                         help="KV blocks of 16 tokens per node")
+    parser.add_argument("--host-blocks", type=int, default=0,
+                        help="also run the kv policy on a second cluster whose nodes hold a "
+                        "host KV tier of this many blocks below --kv-blocks (0: not run)")
     parser.add_argument("--policies", default="kv,round_robin,least_loaded",
                         help="comma-separated routing policies to run, in order")
     parser.add_argument("--model", default=None,

@@ -43,3 +43,24 @@ def test_trace_bench_runs_every_policy_live(tmp_path, capsys):
     assert 0 < result["ideal_hit_ratio"] <= 1
     assert result["ttft_p50_ratio_kv_vs_round_robin"] > 0
     assert result["live_vs_replay_hit_ratio"] > 0
+
+
+def test_trace_bench_host_tier_against_none_in_one_run(tmp_path, capsys):
+    """Device pools too small for the sessions' prompts: between two turns of one session the
+    other sessions evict its blocks from the device, and only a host tier keeps them."""
+    trace = write_session_trace(tmp_path / "sessions.jsonl", num_sessions=5, num_turns=5)
+    status = main(["bench", "trace", "--trace", str(trace), "--json", "--limit", "25",
+                   "--num-prefill", "1", "--num-decode", "1", "--kv-blocks", "32",
+                   "--host-blocks", "256", "--policies", "kv", "--tokens-per-block", "32",
+                   "--max-output-tokens", "4", "--request-timeout", "60"])
+    assert status == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    tiered = result["with_host_tier"]
+    assert tiered["host_blocks_per_node"] == 256
+    kv, kv_tier = result["policies"]["kv"], tiered["kv"]
+    assert kv_tier["completed"] == 25 and kv_tier["failed"] == 0, kv_tier
+    # the host tier serves the prefixes the device pool lost, and the replay predicts it
+    assert kv_tier["prefix_hit_ratio"] > kv["prefix_hit_ratio"], (kv, kv_tier)
+    assert result["hit_ratio_host_tier_vs_none"] > 1.0
+    assert kv_tier["replay_hit_ratio"] >= kv["replay_hit_ratio"]
+    assert result["ttft_p50_ratio_host_tier_vs_none"] > 0
