@@ -22,6 +22,34 @@ case. Every file is mounted read-only, mode 0400 (the service pods' fsGroup lets
 {{- $given | default (printf "%s-metadata-%s" (include "pdcluster.fullname" $root) $kind) -}}
 {{- end -}}
 
+{{/* The Secret whose ca.crt the service trusts for client certificates. */}}
+{{- define "pdcluster.metadataClientCaSecret" -}}
+{{- if .Values.certManager.csiDriver -}}
+{{- include "pdcluster.fullname" . }}-ca
+{{- else -}}
+{{- include "pdcluster.metadataClientSecret" (list . "router") -}}
+{{- end -}}
+{{- end -}}
+
+{{/* (list $ kind): a per-pod client certificate from cert-manager's csi-driver. */}}
+{{- define "pdcluster.metadataClientCsiVolume" -}}
+{{- $root := index . 0 -}}
+{{- $kind := index . 1 -}}
+- name: metadata-client
+  csi:
+    driver: csi.cert-manager.io
+    readOnly: true
+    volumeAttributes:
+      csi.cert-manager.io/issuer-name: {{ include "pdcluster.fullname" $root }}-ca
+      csi.cert-manager.io/issuer-kind: Issuer
+      csi.cert-manager.io/common-name: pdcluster-{{ $kind }}.${POD_NAME}
+      csi.cert-manager.io/key-usages: client auth,digital signature,key encipherment
+      csi.cert-manager.io/duration: {{ $root.Values.certManager.duration }}
+      {{- if eq $kind "router" }}
+      csi.cert-manager.io/fs-group: "10001"
+      {{- end }}
+{{- end -}}
+
 {{- define "pdcluster.metadataTlsDir" -}}/var/run/secrets/pdcluster-metadata-tls{{- end -}}
 {{- define "pdcluster.metadataCaDir" -}}/var/run/secrets/pdcluster-metadata-ca{{- end -}}
 {{- define "pdcluster.metadataClientCaDir" -}}/var/run/secrets/pdcluster-metadata-client-ca{{- end -}}
@@ -53,7 +81,7 @@ case. Every file is mounted read-only, mode 0400 (the service pods' fsGroup lets
 {{- if $tls.enabled -}}
 {{ include "pdcluster.secretFilesVolume" (list "metadata-tls" (include "pdcluster.metadataServerSecret" .) (list "tls.crt" "tls.key")) }}
 {{- if $tls.clientAuth.enabled }}
-{{ include "pdcluster.secretFilesVolume" (list "metadata-client-ca" (include "pdcluster.metadataClientSecret" (list . "router")) (list "ca.crt")) }}
+{{ include "pdcluster.secretFilesVolume" (list "metadata-client-ca" (include "pdcluster.metadataClientCaSecret" .) (list "ca.crt")) }}
 {{- end }}
 {{- end -}}
 {{- end -}}
@@ -89,7 +117,9 @@ certificate), mounts, and the files as ClientTLS fields. */}}
 {{- $tls := $root.Values.metadata.tls -}}
 {{- if $tls.enabled -}}
 {{ include "pdcluster.secretFilesVolume" (list "metadata-ca" (include "pdcluster.metadataServerSecret" $root) (list "ca.crt")) }}
-{{- if $tls.clientAuth.enabled }}
+{{- if and $tls.clientAuth.enabled $root.Values.certManager.csiDriver }}
+{{ include "pdcluster.metadataClientCsiVolume" . }}
+{{- else if $tls.clientAuth.enabled }}
 {{ include "pdcluster.secretFilesVolume" (list "metadata-client" (include "pdcluster.metadataClientSecret" .) (list "tls.crt" "tls.key")) }}
 {{- end }}
 {{- end -}}

@@ -104,6 +104,9 @@ VALUE_SETS: dict[str, dict] = {
                  "rootPasswordSecret": {"name": "etcd-root", "key": "root-password"}}}},
     "cert-manager": {"certManager": {"enabled": True}, "etcd": {"tls": {"enabled": True}},
                      "metadata": {"tls": {"enabled": True, "clientAuth": {"enabled": True}}}},
+    "cert-manager-csi": {"certManager": {"enabled": True, "csiDriver": True},
+                         "etcd": {"tls": {"enabled": True}},
+                         "metadata": {"tls": {"enabled": True, "clientAuth": {"enabled": True}}}},
     "scheduling": {
         "ray": {"prefill": {"nodeSelector": {"gpu.type": "h100"},
                             "affinity": {"podAntiAffinity": {}}},

@@ -7,6 +7,8 @@ common name the service maps to that kind's role; inconsistent values are refuse
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pdcluster.cluster import cli
@@ -153,3 +155,50 @@ def test_notes_say_how_to_set_up_an_external_etcd_and_warn_of_plaintext(tmp_path
     assert "WARNING" not in notes
     assert "WARNING: etcd.acknowledgePlaintext is set" in render_notes({}, tmp_path / "plain")
     assert f"job {FULL}-etcd-setup" in render_notes(SECURE, tmp_path / "bundled")
+
+
+def csi_volumes(values: dict) -> dict[str, dict]:
+    """component -> its metadata-client csi volume's attributes."""
+    found = {}
+    for doc in render(values):
+        for _, tmpl in pod_templates(doc):
+            component = tmpl["metadata"]["labels"]["app.kubernetes.io/component"]
+            for volume in tmpl["spec"].get("volumes", []):
+                if "csi" in volume:
+                    assert volume["name"] == "metadata-client", component
+                    assert volume["csi"]["driver"] == "csi.cert-manager.io"
+                    found[component] = volume["csi"]["volumeAttributes"]
+    return found
+
+
+def test_the_csi_driver_gives_every_pod_its_own_certificate_naming_its_role() -> None:
+    values = {**CERT_MANAGER, "certManager": {"enabled": True, "csiDriver": True}}
+    volumes = csi_volumes(values)
+    assert set(volumes) == {"router", "ray-head", "ray-prefill", "ray-decode"}
+    for component, attributes in volumes.items():
+        name = attributes["csi.cert-manager.io/common-name"]
+        kind = "router" if component == "router" else "node"
+        assert name == f"pdcluster-{kind}.${{POD_NAME}}"
+        # the name the csi-driver issues (it substitutes the pod's name) maps to the role
+        assert certificate_role(name.replace("${POD_NAME}", f"{FULL}-{component}-7f9c")) == kind
+        assert attributes["csi.cert-manager.io/issuer-name"] == f"{FULL}-ca"
+        assert "client auth" in attributes["csi.cert-manager.io/key-usages"]
+    docs = render(values)
+    issued = {d["spec"]["secretName"] for d in find(docs, "Certificate")}
+    assert not {f"{FULL}-metadata-router", f"{FULL}-metadata-node"} & issued  # per pod now
+    service = one(docs, "Deployment", f"{FULL}-metadata")
+    client_ca = [v for v in service["spec"]["template"]["spec"]["volumes"]
+                 if v["name"] == "metadata-client-ca"]
+    assert client_ca[0]["secret"]["secretName"] == f"{FULL}-ca"  # the CA the driver uses
+
+
+@pytest.mark.parametrize("values, match", [
+    ({"certManager": {"enabled": False, "csiDriver": True}}, "certManager.csiDriver .per-pod"),
+    ({**CERT_MANAGER, "certManager": {"enabled": True, "csiDriver": True,
+                                      "issuerRef": {"name": "corp", "kind": "ClusterIssuer"}}},
+     "needs the release's own CA"),
+])
+def test_the_csi_driver_needs_cert_manager_mtls_and_the_release_ca(values, match) -> None:
+    proc = template(values, check=False)
+    assert proc.returncode != 0
+    assert re.search(match, proc.stderr), proc.stderr[-800:]
