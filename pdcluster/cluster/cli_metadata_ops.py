@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,9 +103,13 @@ def _read_secret(path: str) -> str:
     return value
 
 
-def add_metadata_operator_commands(commands: argparse._SubParsersAction) -> None:
-    from pdcluster.cluster.cli_services import add_metadata_tls_args  # it imports this module
-
+def add_metadata_operator_commands(
+    commands: argparse._SubParsersAction,
+    add_metadata_tls_args: Callable[[argparse.ArgumentParser], None],
+) -> None:
+    """`release-node` (with the metadata client's TLS flags, `add_metadata_tls_args`: the
+    serve commands' own, passed in because cli_services imports this module) and
+    `router-token`."""
     release = add_command(
         commands, "release-node",
         "Operator action: forget a node id's live registration, so that a new key may "

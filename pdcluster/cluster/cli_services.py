@@ -289,7 +289,7 @@ def add_metadata(subparsers: argparse._SubParsersAction) -> None:
                        "role (common name pdcluster-router/-node/-operator) may not present")
     serve.add_argument("--replica-id", default="", help="name in etcd (default: random)")
     add_etcd_access_args(serve)
-    add_metadata_operator_commands(commands)
+    add_metadata_operator_commands(commands, add_metadata_tls_args)
     add_etcd_setup(commands)
 
 
