@@ -6,6 +6,10 @@ client without a certificate is refused; that user cannot read or write outside 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,15 +27,22 @@ from pdcluster.metadata_service.etcd_access import (
     make_client,
 )
 from pdcluster.metadata_service.server import ServerThread
-from tests.cluster_secret import TEST_SECRET
+from tests.cluster_secret import TEST_SECRET, node_token
 from tests.metadata_service.etcd_tls import (
     PASSWORD,
     PREFIX,
+    REPO_ROOT,
     USER,
     SecureEtcd,
     run_cli,
 )
-from tests.metadata_service.helpers import make_chain, make_config, make_publisher, wait_until
+from tests.metadata_service.helpers import (
+    free_port,
+    make_chain,
+    make_config,
+    make_publisher,
+    wait_until,
+)
 from tests.tls_certs import make_pki
 
 CHAIN = make_chain("etcd-tls", 12)
@@ -192,3 +203,24 @@ def test_etcd_access_settings_are_validated(tmp_path) -> None:
                    "--etcd-tls-cert", str(tmp_path / "c.crt"),
                    env_extra={"PDCLUSTER_CLUSTER_SECRET": TEST_SECRET.to_text()})
     assert proc.returncode == 2 and "need --etcd-tls-ca" in proc.stderr
+
+
+def test_metadata_serve_reaches_etcd_through_its_flags(secure_etcd) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDCLUSTER_CLUSTER_SECRET")}
+    env["PDCLUSTER_CLUSTER_SECRET"] = TEST_SECRET.to_text()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdcluster.cluster.cli", "metadata", "serve", "--port", str(port),
+         "--backend", "etcd", "--etcd-prefix", PREFIX, *secure_etcd.cli_args(),
+         "--etcd-user", USER, "--etcd-password-file", secure_etcd.secret_file("pw", PASSWORD)],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "listening on 127.0.0.1:" in proc.stdout.readline()
+        with MetadataClient(f"127.0.0.1:{port}", token=node_token("p0")) as client:
+            publisher, node = make_publisher(client, "p0", ttl=30)
+            publisher.publish([node.store(CHAIN[:4])])
+            wait_until(lambda: f"{PREFIX}/nodes/p0" in secure_etcd.etcdctl(
+                "get", "--prefix", "--keys-only", PREFIX), what="the node record in etcd")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
