@@ -105,11 +105,11 @@ def _direct(sizes: Sizes, nodes: dict[str, list[InstantNode]], address: str,
     router = CurveKeys.generate()
     with MetadataClient(address, token=secret.metadata_token(SERVICE), timeout_s=30) as c:
         c.register_client("bench-direct", router.public, 600)
-    p50 = {mode: statistics.median(_direct_ms(
-        group[0].address, sizes.samples, None if mode == "plain" else
-        (router if mode == "identity" else group[0].keys),
-        group[0].keys.public if mode == "identity" else None))
-        for mode, group in nodes.items()}
+    targets = {mode: (group[0].address, None if mode == "plain" else
+                      (router if mode == "identity" else group[0].keys),
+                      group[0].keys.public if mode == "identity" else None)
+               for mode, group in nodes.items()}
+    p50 = {mode: statistics.median(ms) for mode, ms in _direct_ms(targets, sizes.samples).items()}
     return {"direct_node_plain_p50_ms": round(p50["plain"], 3),
             "direct_node_shared_p50_ms": round(p50["shared"], 3),
             "curve_cost_p50_ms": round(p50["shared"] - p50["plain"], 3),
@@ -135,7 +135,8 @@ def _measure(sizes: Sizes, model: str, nodes: dict[str, list[InstantNode]], meta
     with MetadataClient(f"127.0.0.1:{meta_port}", token=secret.metadata_token(SERVICE)) as c:
         c.register_client("bench-measure", router.public, 600)
     node = nodes["identity"][0]
-    direct = _direct_ms(node.address, sizes.samples, router, node.keys.public)
+    direct = _direct_ms({"identity": (node.address, router, node.keys.public)},
+                        sizes.samples)["identity"]
     routed = _routed_ms(port, prompts, sizes.samples)
     rps = asyncio.run(_load(port, prompts, sizes))
     pct = lambda xs, q: statistics.quantiles(xs, n=100)[q - 1]  # noqa: E731
@@ -227,19 +228,28 @@ def _wait_healthy(port: int, num_nodes: int, timeout_s: float = 120.0) -> None:
     raise TimeoutError("the router did not see every node healthy and its index in sync")
 
 
-def _direct_ms(address: str, samples: int, curve: CurveKeys | None,
-               server_key: bytes | None = None) -> list[float]:
+def _direct_ms(targets: dict[str, tuple[str, CurveKeys | None, bytes | None]],
+               samples: int) -> dict[str, list[float]]:
+    """Per mode (address, client keys, server key): the same request's round trip straight to
+    its node, the modes taking turns in a rotating order so a neighbour's burst slows each
+    alike (measured one mode after another, the ratios swung with the machine's noise)."""
     from pdcluster.node.client import BlockingNodeClient
 
-    client, out = BlockingNodeClient(address, curve=curve, server_key=server_key), []
+    clients = {mode: BlockingNodeClient(address, curve=curve, server_key=server_key)
+               for mode, (address, curve, server_key) in targets.items()}
+    modes = list(clients)
+    out: dict[str, list[float]] = {mode: [] for mode in clients}
     ids = list(range(3, 203))  # a prompt of the same order of length, already tokenized
     for i in range(samples + 20):
-        start = time.perf_counter()
-        client.send(GenerateRequest(f"direct-{i}", ids, SamplingSpec(max_tokens=1)))
-        client.recv(10)
-        if i >= 20:  # warm-up excluded
-            out.append((time.perf_counter() - start) * 1e3)
-    client.close()
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            start = time.perf_counter()
+            clients[mode].send(GenerateRequest(f"direct-{mode}-{i}", ids,
+                                               SamplingSpec(max_tokens=1)))
+            clients[mode].recv(10)
+            if i >= 20:  # warm-up excluded
+                out[mode].append((time.perf_counter() - start) * 1e3)
+    for client in clients.values():
+        client.close()
     return out
 
 
