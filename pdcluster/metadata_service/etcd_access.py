@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import socket
 from collections.abc import Sequence
 
 import etcd3aio
@@ -44,14 +46,62 @@ class EtcdAuthDisabled(EtcdAccessError):
 def make_client(endpoints: Sequence[str], tls: ClientTLS | None,
                 **options: object) -> etcd3aio.Etcd3Client:
     """An unconnected client for ``endpoints`` over TLS when ``tls`` is given (its files are
-    read now: a bad path is a ``TLSFileError`` at start)."""
+    read now: a bad path is a ``TLSFileError`` at start). Endpoints may be DNS names."""
     conn: dict[str, bytes | None] = {}
     server_name = None
+    target, host_name = grpc_target(endpoints)
     if tls is not None:
         conn["ca_cert"], conn["cert_chain"], conn["cert_key"] = tls.read_pem()
-        server_name = tls.server_name
-    return etcd3aio.Etcd3Client(list(endpoints), tls_server_name=server_name,
-                                **options, **conn)  # type: ignore[arg-type]
+        # several resolved names: no single authority, so check the first name's certificate
+        server_name = tls.server_name or (host_name if len(endpoints) > 1 else None)
+    client = etcd3aio.Etcd3Client(list(endpoints), tls_server_name=server_name,
+                                  **options, **conn)  # type: ignore[arg-type]
+    # Private hook: etcd3aio dials "ipv4:<endpoints>", which only takes IP addresses (and
+    # rewrites "localhost" inside any name); a Kubernetes Service name must go through DNS.
+    client._manager.target = target
+    return client
+
+
+def grpc_target(endpoints: Sequence[str]) -> tuple[str, str | None]:
+    """(gRPC target, the first DNS name or None) for ``host:port`` endpoints: IP addresses as
+    ``ipv4:``/``ipv6:`` lists; one DNS name as ``dns:///`` (re-resolved on reconnect: an etcd
+    Service); several with DNS names resolved once, now, into an address list."""
+    hosts = [_split(e) for e in endpoints]
+    names = [h for h, _ in hosts if not _is_ip(h)]
+    if len(endpoints) == 1 and names:
+        return f"dns:///{endpoints[0]}", names[0]
+    v4: list[str] = []
+    v6: list[str] = []
+    for host, port in hosts:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise EtcdAccessError(f"cannot resolve etcd endpoint {host}:{port}: {exc}") from exc
+        for info in infos:
+            address = str(info[4][0])
+            if ":" in address:
+                v6.append(f"[{address}]:{port}")
+            else:
+                v4.append(f"{address}:{port}")
+    first_name = names[0] if names else None
+    if v4:  # one gRPC target cannot mix the two families
+        return "ipv4:" + ",".join(dict.fromkeys(v4)), first_name
+    return "ipv6:" + ",".join(dict.fromkeys(v6)), first_name
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"an etcd endpoint is host:port, got {endpoint!r}")
+    return host.strip("[]"), int(port)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 async def authenticate(client: etcd3aio.Etcd3Client, user: str, password: str,
