@@ -316,10 +316,11 @@ def _cmd_metadata_serve(args: argparse.Namespace) -> int:
         print(f"metadata service ({config.backend}) listening on {config.host}:{port}",
               flush=True)
 
+    from pdcluster.core.tls import TLSFileError
     from pdcluster.metadata_service.etcd_access import EtcdAccessError
 
     try:
         asyncio.run(serve(config, ready))
-    except EtcdAccessError as exc:
+    except (EtcdAccessError, TLSFileError) as exc:  # etcd's credentials, read at start
         raise UsageError(str(exc)) from exc
     return 0

@@ -14,8 +14,8 @@ granted readwrite on ``<prefix>/`` and nothing else, a user holding only that ro
 switched on (with the root user etcd requires first). It is idempotent: an existing role,
 user or root is kept (the user's password is set again), so rerunning it is safe.
 
-API: ``EtcdAccessError``, ``EtcdAuthDisabled``, ``make_client``, ``authenticate``,
-``setup_prefix_role``, ``prefix_range``.
+API: ``EtcdAccessError``, ``EtcdAuthDisabled``, ``make_client``, ``grpc_target``,
+``authenticate``, ``setup_prefix_role``, ``prefix_range``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ ROOT = "root"  # etcd's superuser: its role "root" may do anything, auth enable 
 
 
 class EtcdAccessError(Exception):
-    """etcd refused the configured credentials (user/password, or the setup's root)."""
+    """etcd refused the configured credentials (user/password, or the setup's root), or its
+    endpoints cannot be resolved."""
 
 
 class EtcdAuthDisabled(EtcdAccessError):

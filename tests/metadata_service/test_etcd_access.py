@@ -204,6 +204,11 @@ def test_etcd_access_settings_are_validated(tmp_path) -> None:
                    "--etcd-tls-cert", str(tmp_path / "c.crt"),
                    env_extra={"PDCLUSTER_CLUSTER_SECRET": TEST_SECRET.to_text()})
     assert proc.returncode == 2 and "need --etcd-tls-ca" in proc.stderr
+    proc = run_cli("metadata", "serve", "--port", "0", "--backend", "etcd",
+                   "--etcd-tls-ca", str(tmp_path / "missing-ca.crt"),
+                   env_extra={"PDCLUSTER_CLUSTER_SECRET": TEST_SECRET.to_text()})
+    assert proc.returncode == 2 and "cannot read TLS file" in proc.stderr, proc.stderr[-500:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_metadata_serve_reaches_etcd_through_its_flags(secure_etcd) -> None:
