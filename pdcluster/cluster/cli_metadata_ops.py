@@ -76,6 +76,7 @@ def _cmd_etcd_setup(args: argparse.Namespace) -> int:
     import etcd3aio
     import grpc
 
+    from pdcluster.core.tls import TLSFileError
     from pdcluster.metadata_service.etcd_access import EtcdAccessError, setup_prefix_role
 
     fields = etcd_access_fields(args)
@@ -86,7 +87,8 @@ def _cmd_etcd_setup(args: argparse.Namespace) -> int:
         done = asyncio.run(setup_prefix_role(
             endpoints, fields["etcd_tls"], args.etcd_prefix, fields["etcd_user"],
             fields["etcd_password"], _read_secret(args.root_password_file)))
-    except (EtcdAccessError, etcd3aio.EtcdError, grpc.RpcError, TimeoutError, OSError) as exc:
+    except (EtcdAccessError, TLSFileError, etcd3aio.EtcdError, grpc.RpcError, TimeoutError,
+            OSError) as exc:
         raise UsageError(f"etcd-setup failed: {exc}") from exc
     for line in done:
         print(line)

@@ -183,6 +183,14 @@ def test_a_wrong_password_is_a_clear_error_at_start(secure_etcd, tmp_path) -> No
     assert "Traceback" not in proc.stderr
 
 
+def test_etcd_setup_refuses_a_wrong_root_password(secure_etcd) -> None:
+    proc = run_cli("metadata", "etcd-setup", *secure_etcd.cli_args(), "--etcd-user", USER,
+                   "--etcd-password-file", secure_etcd.secret_file("pw2", PASSWORD),
+                   "--root-password-file", secure_etcd.secret_file("bad-root", "nope"))
+    assert proc.returncode == 2 and "etcd refused user 'root'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_etcd_setup_is_idempotent(secure_etcd) -> None:
     again = secure_etcd.setup()
     assert "auth already enabled" in again.stdout
