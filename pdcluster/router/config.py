@@ -90,6 +90,9 @@ class RouterConfig:
     max_migrations: int = 1
     # follow the metadata service's index in memory (WatchBlocks); False: one Query per request
     index_mirror: bool = True
+    # route on a node's block claims only where this router gave the node those tokens
+    # (router.routing.attestations); False trusts every member's claims (docs/security.md)
+    attest_claims: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

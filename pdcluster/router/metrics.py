@@ -54,6 +54,9 @@ class RouterMetrics:
                                  "recent_work)", ["node"], registry=r)
         self.prefix_pulls = Counter("router_prefix_pulls", "requests whose prefilling node was "
                                     "told to pull its prefix from another node", registry=r)
+        self.unattested_claims = Counter(
+            "router_unattested_claims", "blocks a node claimed (index events) whose tokens "
+            "this router never gave it: ignored for routing", ["node"], registry=r)
         self.aborts = Counter("router_aborts", "requests aborted on the nodes (disconnects, "
                               "stop strings)", registry=r)
         self.migrations = Counter("router_migrations", "requests moved to another node after "

@@ -277,6 +277,12 @@ def test_dispatcher_reaches_an_mtls_service_with_its_configs_files(tmp_path) -> 
             async def in_sync() -> bool:
                 return dispatcher.metadata.mirror_in_sync
             await until(in_sync, what="the mirror over mTLS")
+            # p0's claim is mirrored, and routed on once this router has sent it the blocks
+            # (router.routing.attestations)
+            assert dispatcher.metadata.mirror_node_blocks() == {"p0": 24}
+            assert await dispatcher.metadata.prefix_hits(CHAINS[0]) == {}
+            assert dispatcher.attestations is not None
+            dispatcher.attestations.attest("p0", CHAINS[0])
             assert await dispatcher.metadata.prefix_hits(CHAINS[0]) == {"p0": 24}
         finally:
             await dispatcher.close()

@@ -178,3 +178,17 @@ def test_replay_cli_runs_a_synthetic_trace_and_trace_gen_writes_it(tmp_path: Pat
     from_file = run_replay("--trace", str(out), "--nodes", "4", "--pull-gbps", "10")
     assert from_file["requests"] == result["requests"]
     assert from_file["hit_ratio"] == result["hit_ratio"]
+
+
+def test_attested_routing_cuts_nothing_on_an_honest_trace_and_replicas_cost_reuse(
+        tmp_path) -> None:
+    """Every claim in the replay comes from a placement, so one router vouches for all of
+    them (router.routing.attestations); replicas that attest only their own placements (a
+    load balancer without affinity) lose the hits of what the others placed."""
+    requests = load_trace(synthetic_trace(tmp_path / "t.jsonl", num_conversations=150))
+    one = replay(requests, "kv", ReplayConfig(num_nodes=4, seed=3))
+    two = replay(requests, "kv", ReplayConfig(num_nodes=4, seed=3, routers=2))
+    assert one["unattested_claims"] == two["unattested_claims"] == 0
+    assert two["reuse_ratio"] < one["reuse_ratio"]
+    with pytest.raises(ValueError, match="routers"):
+        ReplayConfig(routers=0)

@@ -144,7 +144,11 @@ class ExtraRoutes:
                     "last_error": link.last_error, "mirror_in_sync": link.mirror_in_sync,
                     "mirror_blocks": link.mirror_blocks, "watch_error": link.watch_error,
                     "mirror_node_blocks": link.mirror_node_blocks(),
-                    "stale_answers": link.stale_answers}}
+                    "stale_answers": link.stale_answers,
+                    # claims this router vouches for / claimed blocks it never gave the node
+                    "attested_node_blocks": _attested(dispatcher),
+                    "unattested_claims": (None if dispatcher.attestations is None
+                                          else dict(dispatcher.attestations.unattested_claims))}}
         return self._health_response(body)
 
     def _status(self) -> str:
@@ -155,6 +159,11 @@ class ExtraRoutes:
         if body["status"] == "ok":
             return web.json_response(body)
         return web.json_response(body, status=503, headers={"Retry-After": RETRY_AFTER_S})
+
+
+def _attested(dispatcher: Dispatcher) -> dict[str, int] | None:
+    table = dispatcher.attestations
+    return None if table is None else {n: table.num_held(n) for n in table.held.node_ids}
 
 
 def _routing(routing: str, prefix_aware: bool) -> str:

@@ -32,7 +32,7 @@ import random
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 import zmq.asyncio
@@ -46,9 +46,12 @@ from pdcluster.core.node_wire import (
     TokenDelta,
     TransferSpec,
 )
+from pdcluster.core.throttle import Throttle
+from pdcluster.core.types import BlockHash
 from pdcluster.router.config import NodeSpec, RouterConfig
 from pdcluster.router.errors import NodeFailure, NoHealthyNode
 from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.routing.attestations import Attestations, output_blocks
 from pdcluster.router.routing.baselines import RoundRobin, least_loaded_config
 from pdcluster.router.routing.load_decay import DecayedWork
 from pdcluster.router.routing.metadata_link import MetadataLink
@@ -71,6 +74,7 @@ KEY_RENEW_S = 3.0
 class Placement:
     decision: RouteDecision
     load_only: bool
+    chain: Sequence[BlockHash] = ()  # the prompt's block hashes (KV-aware routing only)
 
 
 class Dispatcher:
@@ -95,13 +99,18 @@ class Dispatcher:
         self._key_renewed_at = float("-inf")
         self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task] = set()
+        # the claims this router can vouch for (router.routing.attestations)
+        self.attestations = (Attestations(on_unattested=self._unattested)
+                             if config.attest_claims else None)
+        self._unattested_log = Throttle(10.0)
 
     async def start(self) -> None:
         if self.config.metadata_address:
             self.metadata = MetadataLink(
                 self.config.metadata_address, token=self.config.metadata_token,
                 timeout_s=self.config.metadata_timeout_s, retry_s=self.config.metadata_retry_s,
-                mirror=self.config.index_mirror, tls=self.config.metadata_tls)
+                mirror=self.config.index_mirror, tls=self.config.metadata_tls,
+                attestations=self.attestations)
         await self._renew_key()
         self._sync_nodes(list(self.config.nodes))
         await self.refresh()
@@ -166,8 +175,9 @@ class Dispatcher:
     async def place(self, prompt_ids: list[int], cache_salt: str | None) -> Placement:
         if self.config.routing != "kv":  # a cache-blind baseline (router.routing.baselines)
             return Placement(self.decide({}, len(prompt_ids)), load_only=False)
-        hits = await self._prefix_hits(prompt_ids, cache_salt)
-        return Placement(self.decide(hits or {}, len(prompt_ids)), load_only=hits is None)
+        hits, chain = await self._prefix_hits(prompt_ids, cache_salt)
+        return Placement(self.decide(hits or {}, len(prompt_ids)), load_only=hits is None,
+                         chain=chain)
 
     def decide(self, hits: dict[str, int], num_prompt_tokens: int) -> RouteDecision:
         """The decision proper, no I/O: `hits` (leading blocks per node) and the nodes'
@@ -179,16 +189,33 @@ class Dispatcher:
             return self._round_robin.route(views, num_prompt_tokens, self.config.policy)
         return route(views, num_prompt_tokens, self._policy, self.rng)
 
-    async def _prefix_hits(self, prompt_ids: list[int], salt: str | None) -> dict | None:
+    async def _prefix_hits(self, prompt_ids: list[int], salt: str | None
+                           ) -> tuple[dict | None, list[BlockHash]]:
         if self.metadata is None:
-            return None
+            return None, []
         chain = hash_block_tokens(prompt_ids, self.config.policy.block_size,
                                   BlockExtra(cache_salt=salt), self.config.hash_config)
         started = time.perf_counter()
         hits = await self.metadata.prefix_hits(chain)
         self.metrics.metadata_latency.observe(time.perf_counter() - started)
         self.metrics.metadata_available.set(int(self.metadata.available))
-        return hits
+        return hits, chain
+
+    def _unattested(self, node_id: str, num_blocks: int) -> None:
+        self.metrics.unattested_claims.labels(node_id).inc(num_blocks)
+        if self._unattested_log.ready():
+            logger.warning("node %s claimed %d blocks whose tokens this router never gave it: "
+                           "not routed on (%d such lines suppressed)", node_id, num_blocks,
+                           self._unattested_log.take_suppressed())
+
+    def _attest_output(self, node: NodeLink, chain: Sequence[BlockHash],
+                       request: GenerateRequest, generated: list[int]) -> None:
+        """The decode node also caches the blocks of the tokens it generated."""
+        if (self.attestations is not None and self.metadata is not None and generated
+                and self.config.routing == "kv"):  # `chain` is the prompt's (maybe empty)
+            self.attestations.attest(node.node_id, output_blocks(
+                chain, request.prompt_token_ids, generated, self.config.policy.block_size,
+                BlockExtra(cache_salt=request.cache_salt), self.config.hash_config))
 
     async def execute(self, placement: Placement, request: GenerateRequest
                       ) -> AsyncGenerator[TokenDelta, None]:
@@ -209,8 +236,12 @@ class Dispatcher:
                 p_request = replace(p_request, prefix_source=source)
             else:
                 d_request = replace(d_request, prefix_source=source)
+        if self.attestations is not None:  # before they can claim them
+            for node in {decode, prefill or decode}:
+                self.attestations.attest(node.node_id, placement.chain)
         streams: list[tuple[NodeLink, NodeStream]] = []
         failure: asyncio.Future[NodeFailure] = asyncio.get_running_loop().create_future()
+        generated: list[int] = []
         try:
             if prefill is not None and p_request is not None:  # set together, above
                 p_stream = await prefill.generate(p_request)
@@ -222,8 +253,10 @@ class Dispatcher:
             self._charge(prefill or decode, self._tokens_to_compute(decision, request, source))
             async for msg in _race(d_stream, failure):
                 self._charge(decode, 0, len(msg.token_ids))
+                generated.extend(msg.token_ids)
                 yield msg
         finally:
+            self._attest_output(decode, placement.chain, request, generated)
             # D ended early (client gone, error): P's part may be finished, its blocks pinned
             # for a transfer that D, still queued, never asked for; the abort frees them now
             # rather than at P's pin timeout (a no-op once P has sent them)

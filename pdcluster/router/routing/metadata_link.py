@@ -27,6 +27,11 @@ State for /health and /metrics: `available`, `failures`, `last_error` (the per-r
 `mirror_in_sync`, `mirror_blocks`, `mirror_node_blocks()` (blocks per node), `mirror_syncs`
 (snapshots loaded), `watch_error`, `bad_updates` (messages of a kind this router does not
 know, skipped), `stale_answers`.
+`attestations=` (a `router.routing.attestations.Attestations`, which the dispatcher feeds
+with what it sends where) makes every answer count only the claims this router can vouch for:
+each node's leading run stops at its first unattested block (whatever path answered: the
+mirror, the service, the stale mirror), and the mirror tells the table what nodes claim and
+release (a `ClaimsMirror`); the mirror's answers walk the table's index of attested claims.
 `list_nodes()` is node discovery. `tls=` (a `core.tls.ClientTLS`) opens a TLS channel (and
 presents a client certificate when the service requires mTLS); without it, plaintext. A
 channel that cannot complete its handshake (plaintext against a TLS service, a wrong CA, no
@@ -54,6 +59,7 @@ from pdcluster.metadata_service.client import AsyncMetadataClient, medium_from_p
 from pdcluster.metadata_service.errors import MetadataError
 from pdcluster.proto import metadata_pb2 as pb
 from pdcluster.router.config import NodeSpec
+from pdcluster.router.routing.attestations import Attestations, ClaimsMirror, cut_unattested
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +78,11 @@ class PrefixHits(dict[NodeId, int]):
         self.lower = lower or {}
 
 
-def _index_hits(index: BlockIndex, chain: Sequence[BlockHash]) -> PrefixHits:
-    hits = PrefixHits(index.query(chain))
+def _index_hits(index: BlockIndex, chain: Sequence[BlockHash],
+                attested: Attestations | None = None) -> PrefixHits:
+    """Leading blocks per node: of the claims in `index`, or of those `attested` vouches for
+    (its `held` index; the media are `index`'s)."""
+    hits = PrefixHits((attested.held if attested is not None else index).query(chain))
     for node_id, num_blocks in hits.items():
         host, disk = index.lower_tiers(node_id, chain[:num_blocks])
         if host or disk:
@@ -89,7 +98,8 @@ class MetadataLink:
     def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 0.5,
                  retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  mirror: bool = True, backoff_s: float = 0.1, max_backoff_s: float = 5.0,
-                 keepalive_s: float = 10.0, tls: ClientTLS | None = None) -> None:
+                 keepalive_s: float = 10.0, tls: ClientTLS | None = None,
+                 attestations: Attestations | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.retry_s = retry_s
@@ -103,6 +113,7 @@ class MetadataLink:
         self.watch_error = ""
         self.bad_updates = 0
         self.stale_answers = 0
+        self.attestations = attestations
         self._synced_at = 0.0
         self._mirror: BlockIndex | None = None
         self._stale: BlockIndex | None = None  # the last mirror, kept while resyncing
@@ -135,7 +146,7 @@ class MetadataLink:
             return PrefixHits()
         mirror = self._mirror
         if self.mirror_in_sync and mirror is not None:
-            return _index_hits(mirror, chain)
+            return _index_hits(mirror, chain, self.attestations)
         if not self.available and self._clock() < self._retry_at:
             return self._stale_hits(chain)
         try:
@@ -144,14 +155,23 @@ class MetadataLink:
             self._fail(exc)
             return self._stale_hits(chain)
         self._recover()
-        return PrefixHits({n: k for n, k, _, _ in matches},
-                          {n: (host, disk) for n, _, host, disk in matches if host or disk})
+        return self._attested(
+            PrefixHits({n: k for n, k, _, _ in matches},
+                       {n: (host, disk) for n, _, host, disk in matches if host or disk}),
+            chain, None)
 
     def _stale_hits(self, chain: Sequence[BlockHash]) -> PrefixHits | None:
         if self._stale is None:
             return None
         self.stale_answers += 1
-        return _index_hits(self._stale, chain)
+        return self._attested(_index_hits(self._stale, chain), chain, self._stale)
+
+    def _attested(self, hits: PrefixHits, chain: Sequence[BlockHash],
+                  index: BlockIndex | None) -> PrefixHits:
+        """An answer from elsewhere than the mirror, cut to the attested runs."""
+        if self.attestations is not None:
+            cut_unattested(self.attestations, hits, hits.lower, chain, index)
+        return hits
 
     def mirror_node_hashes(self, node_id: NodeId) -> frozenset[BlockHash] | None:
         """The blocks the mirror says `node_id` holds; None while the mirror is not in sync."""
@@ -219,7 +239,7 @@ class MetadataLink:
             backoff = min(2 * backoff, self.max_backoff_s)
 
     async def _follow(self) -> None:
-        mirror = BlockIndex()
+        mirror = ClaimsMirror()  # told to the attestations once it is complete (_sync)
         async with contextlib.aclosing(self._client.watch_blocks()) as updates:
             async for update in updates:
                 if update.kind == _Update.SNAPSHOT_COMPLETE:
@@ -227,7 +247,10 @@ class MetadataLink:
                 elif not _apply(mirror, update):
                     self.bad_updates += 1
 
-    def _sync(self, mirror: BlockIndex) -> None:
+    def _sync(self, mirror: ClaimsMirror) -> None:
+        if self.attestations is not None:
+            self.attestations.rebase(mirror)
+            mirror.attestations = self.attestations
         self._mirror, self._stale = mirror, None
         self.mirror_in_sync = True
         self.mirror_syncs += 1
@@ -242,6 +265,8 @@ class MetadataLink:
             logger.warning("block index mirror lost (%s): querying %s per request until it "
                            "resyncs", reason, self.address)
         self.mirror_in_sync = False
+        if self.attestations is not None:  # no mirror says who holds what until a resync
+            self.attestations.claims = None
         if self._mirror is not None:
             self._stale, self._mirror = self._mirror, None
         self.watch_error = reason

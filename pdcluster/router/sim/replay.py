@@ -47,7 +47,9 @@ read against it); `ttft_bound_p50_s` / `ttft_bound_p90_s` = the TTFT percentiles
 queue and the infinite cache's reuse for free (router.sim.bounds: no policy goes below);
 `ttft_p90_over` = the policy's TTFT p90 over each baseline's; `work_imbalance` =
 max / mean of per-node busy time; `utilization` =
-busy time / (nodes x the trace's span); `ttft_p50_s` / `ttft_p90_s` = queueing + pull + prefill.
+busy time / (nodes x the trace's span); `ttft_p50_s` / `ttft_p90_s` = queueing + pull + prefill;
+`unattested_claims` = the claimed blocks no router placement vouched for
+(router.routing.attestations; 0 on an honest trace).
 
 API: `ReplayConfig`, `parse_trace`, `load_trace`, `replay`, `replay_all`, `ideal_hit_ratio`,
 `achievable_hit_ratio` (router.sim.bounds), `run(args)`.
@@ -119,7 +121,8 @@ def replay(requests: list[TraceRequest], policy: str, config: ReplayConfig,
             "utilization": round(sum(busy) / (len(busy) * span_s), 4),
             "ttft_p50_s": round(_quantile(ttfts, 0.5), 4),
             "ttft_p90_s": round(_quantile(ttfts, 0.9), 4),
-            "decision_us": round(tally.decide_s / max(len(requests), 1) * 1e6, 1)}
+            "decision_us": round(tally.decide_s / max(len(requests), 1) * 1e6, 1),
+            "unattested_claims": sum(cluster.attestations.unattested_claims.values())}
 
 
 def _quantile(ordered: list[float], q: float) -> float:

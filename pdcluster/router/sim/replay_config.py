@@ -37,6 +37,9 @@ class ReplayConfig:
     min_pull_blocks: int = 1  # trace blocks (512 tokens): the node's threshold
     device_blocks: int | None = None  # per node; None: cache_blocks / num_nodes
     host_blocks: int = 0  # per node: the host tier below the device (0: none)
+    # router replicas, each attesting only what it placed; request i goes to router i % routers
+    # (a load balancer without affinity)
+    routers: int = 1
     host_bytes_per_s: float = 40e9  # host -> device over PCIe 5 x16, pinned memory
     host_latency_s: float = 0.0002  # per load: the copy's set-up
 
@@ -55,6 +58,8 @@ class ReplayConfig:
             raise ValueError("service rates must be > 0 and fixed_s >= 0")
         if self.pull_bytes_per_s <= 0 or self.pull_latency_s < 0 or self.kv_bytes_per_token < 1:
             raise ValueError("pull bandwidth and KV bytes per token must be > 0, latency >= 0")
+        if self.routers < 1:
+            raise ValueError(f"routers must be >= 1, got {self.routers}")
         if self.min_pull_blocks < 1:
             raise ValueError(f"min_pull_blocks must be >= 1, got {self.min_pull_blocks}")
 

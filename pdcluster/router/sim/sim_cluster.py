@@ -3,6 +3,15 @@ index their events feed, the router's decayed work, and how each policy places a
 (`place`): the KV-aware policy with its pulls, the cache-blind baselines, and round-robin over
 a shared pool.
 
+The KV-aware policy routes, as the live router does, only on the claims the router can vouch
+for (router.routing.attestations): each placement attests the chosen node's prompt blocks
+before the node's events reach the index, and the policy's hits come from the index of
+attested claims (`Attestations.held`), so on an honest trace nothing is left out
+(`unattested_claims` stays 0) and the replay measures what the check costs. With
+`ReplayConfig.routers` > 1, request i is placed by router i % routers, which routes only on
+what it placed itself (each replica keeps its own attestations): what router-local
+attestations cost in reuse behind a load balancer without affinity.
+
 API: `SimCluster`, `Placement`, `policy_config_for`, `place`, `POLICIES`.
 """
 
@@ -11,7 +20,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from pdcluster.core.block_index import BlockIndex
+from pdcluster.router.routing.attestations import Attestations, ClaimsMirror
 from pdcluster.router.routing.load_decay import DecayedWork
 from pdcluster.router.routing.policy import PolicyConfig, choose_prefill, pull_source, request_work
 from pdcluster.router.sim.replay_config import ReplayConfig, TraceRequest
@@ -41,14 +50,22 @@ class SimCluster:
         self.nodes = [SimNode(f"node-{i}", config.node_blocks, config.host_blocks)
                       for i in range(config.num_nodes)]
         self.by_id = {node.node_id: node for node in self.nodes}
-        self.index = BlockIndex()
+        self.index = ClaimsMirror()
         for node in self.nodes:
             self.index.add_node(node.node_id)
+        self.routers = [Attestations() for _ in range(config.routers)]
+        self.attestations = self.routers[0] if config.routers == 1 else _Replicas(self.routers)
+        for table in (*self.routers, self.attestations):
+            table.rebase(self.index)
+        self.index.attestations = self.attestations
+        self.router = 0  # the replica placing the current request
         self.work = DecayedWork(pconf.work_half_life_s)
         self.costs = config.tier_costs()
 
     def views(self, req: TraceRequest, prefix_aware: bool) -> list:
-        hits = dict(self.index.query(req.block_hashes)) if prefix_aware else {}
+        # the claims this router vouches for (every placement attests what it sends)
+        hits = (dict(self.routers[self.router].held.query(req.block_hashes)) if prefix_aware
+                else {})
         recent = self.work.values(req.arrival_s)
         views = []
         for n in self.nodes:
@@ -97,8 +114,35 @@ class SimCluster:
         ready += config.host_s(placed.host) if placed.host else 0.0
         start = node.serve(ready, prefill_s + req.output_length / config.decode_tokens_per_s,
                            len(req.block_hashes))
+        self.routers[self.router].attest(node.node_id, req.block_hashes)  # it sent them
         apply_events(self.index, node.node_id, node.store(req.block_hashes))
         return start + prefill_s - req.arrival_s
+
+
+class _Replicas(Attestations):
+    """The claims mirror's events, told to every replica's table; counts the claims no
+    replica attested."""
+
+    def __init__(self, tables: list[Attestations]) -> None:
+        super().__init__()
+        self.tables = tables
+
+    def claimed(self, node_id: str, block_hashes) -> None:
+        hashes = list(block_hashes)
+        for table in self.tables:
+            table.claimed(node_id, hashes)
+        num = sum(not any(t.attested(node_id, h) for t in self.tables) for h in hashes)
+        if num:
+            self.unattested_claims[node_id] = self.unattested_claims.get(node_id, 0) + num
+
+    def released(self, node_id: str, block_hashes) -> None:
+        hashes = list(block_hashes)
+        for table in self.tables:
+            table.released(node_id, hashes)
+
+    def drop_node(self, node_id: str) -> None:
+        for table in self.tables:
+            table.drop_node(node_id)
 
 
 def policy_config_for(policy: str, policy_config: PolicyConfig | None,
@@ -113,6 +157,7 @@ def policy_config_for(policy: str, policy_config: PolicyConfig | None,
 
 def place(cluster: SimCluster, req: TraceRequest, i: int, policy: str,
            rng: random.Random) -> Placement:
+    cluster.router = i % len(cluster.routers)
     if policy in ("round-robin", "round-robin-pool"):
         node = cluster.nodes[i % len(cluster.nodes)]
         hits, host = node.leading_tiers(req.block_hashes)
