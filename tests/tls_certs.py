@@ -7,6 +7,7 @@
     pki.client_cert, pki.client_key    # signed by client_ca
     pki.rogue_cert, pki.rogue_key      # a client certificate from a CA the server does not trust
     pki.rogue_ca      # that CA (also: a CA that did not sign the server's certificate)
+    issue_client_cert(pki, tmp_path, "node-p0", "pdcluster-node.p0")  # another client_ca cert
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ def make_pki(folder: Path) -> Pki:
 
 
 _Issued = tuple[str, str, x509.Certificate, _Key]
+
+
+def issue_client_cert(pki: Pki, folder: Path, stem: str, common_name: str) -> tuple[str, str]:
+    """(cert file, key file) of a client certificate named ``common_name``, signed by
+    ``pki.client_ca``."""
+    ca_cert = x509.load_pem_x509_certificate(Path(pki.client_ca).read_bytes())
+    ca_key = serialization.load_pem_private_key(
+        Path(pki.client_ca).with_suffix(".key").read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey), "make_pki makes EC keys"
+    issued = _certificate(folder, stem, common_name,
+                          issuer=(pki.client_ca, "", ca_cert, ca_key))
+    return issued[0], issued[1]
 
 
 def _certificate(folder: Path, stem: str, common_name: str, *, issuer: _Issued | None = None,

@@ -55,7 +55,7 @@ readinessProbe:
     name: {{ include "pdcluster.fullname" $root }}-config
 {{ include "pdcluster.clusterSecretVolume" $root }}
 {{ include "pdcluster.modelVolume" $root }}
-{{- with include "pdcluster.metadataTlsClientVolumes" $root }}
+{{- with include "pdcluster.metadataTlsClientVolumes" (list $root "node") }}
 {{ . }}
 {{- end }}
 {{- end -}}

@@ -7,6 +7,7 @@ Subcommands:
   serve --model DIR|GGUF    serve the cluster on a local Ray: nodes, metadata service, router
   router serve              run the router alone (nodes found through the metadata service)
   metadata serve            run the metadata service (gRPC; memory or etcd backend)
+  metadata etcd-setup       as etcd's root: a user whose role covers only the metadata prefix
   bench engine              run the engine benchmark; the last stdout line is its JSON result
   bench metadata            run the metadata-service benchmark (same JSON-last convention)
   bench transfer            run the KV-transfer benchmark (same JSON-last convention)

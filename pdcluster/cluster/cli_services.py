@@ -20,6 +20,12 @@ from pdcluster.cluster.cli_common import (
     resolve_model_arg,
     router_token_from_env,
 )
+from pdcluster.cluster.cli_metadata_ops import (
+    add_etcd_access_args,
+    add_etcd_setup,
+    add_metadata_operator_commands,
+    etcd_access_fields,
+)
 from pdcluster.core.tls import MetadataTLSFields
 
 
@@ -283,52 +289,13 @@ def add_metadata(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--tls-client-ca", default=None,
                        help="PEM CA: require every client to present a certificate it signed "
                        "(mTLS; needs --tls-cert). Tokens are still checked on every call")
+    serve.add_argument("--tls-bind-client-roles", action="store_true",
+                       help="mTLS: refuse a token whose principal the client certificate's "
+                       "role (common name pdcluster-router/-node/-operator) may not present")
     serve.add_argument("--replica-id", default="", help="name in etcd (default: random)")
-    add_metadata_operator_commands(commands)
-
-
-def add_metadata_operator_commands(commands: argparse._SubParsersAction) -> None:
-    release = add_command(
-        commands, "release-node",
-        "Operator action: forget a node id's live registration, so that a new key may "
-        "register it at once (a restarted node otherwise waits for the old lease to end). "
-        "Needs the cluster secret ($PDCLUSTER_CLUSTER_SECRET[_FILE]).",
-        _cmd_release_node,
-    )
-    release.add_argument("node_id", help="the node id to release")
-    release.add_argument("--metadata", required=True, help="metadata service host:port")
-    add_metadata_tls_args(release)
-    add_command(commands, "router-token",
-                "Print the router's client credential (principal 'service'), derived from the "
-                "cluster secret ($PDCLUSTER_CLUSTER_SECRET[_FILE]): give it to `pdcluster "
-                "router serve` as $PDCLUSTER_ROUTER_TOKEN[_FILE] instead of the secret.",
-                _cmd_router_token)
-
-
-def _cmd_release_node(args: argparse.Namespace) -> int:
-    from pdcluster.core.credentials import OPERATOR
-    from pdcluster.core.tls import ClientTLS
-    from pdcluster.metadata_service.client import MetadataClient
-    from pdcluster.metadata_service.errors import MetadataError
-
-    secret = cluster_secret_from_env("pdcluster metadata release-node")
-    with config_errors_as_usage():
-        tls = ClientTLS.from_fields(args.metadata_tls_ca, args.metadata_tls_cert,
-                                    args.metadata_tls_key, args.metadata_tls_server_name)
-    with MetadataClient(args.metadata, token=secret.metadata_token(OPERATOR), tls=tls) as client:
-        try:
-            client.release_node(args.node_id)
-        except MetadataError as exc:
-            raise UsageError(str(exc)) from exc
-    print(f"released node id {args.node_id}")
-    return 0
-
-
-def _cmd_router_token(args: argparse.Namespace) -> int:
-    from pdcluster.core.credentials import SERVICE
-
-    print(cluster_secret_from_env("pdcluster metadata router-token").metadata_token(SERVICE))
-    return 0
+    add_etcd_access_args(serve)
+    add_metadata_operator_commands(commands, add_metadata_tls_args)
+    add_etcd_setup(commands)
 
 
 def _cmd_metadata_serve(args: argparse.Namespace) -> int:
@@ -336,6 +303,7 @@ def _cmd_metadata_serve(args: argparse.Namespace) -> int:
     from pdcluster.metadata_service.config import MetadataConfig
     from pdcluster.metadata_service.server import serve
 
+    etcd_access = etcd_access_fields(args)
     with config_errors_as_usage():
         config = MetadataConfig(
             host=args.host, port=args.port, backend=args.backend,
@@ -344,12 +312,20 @@ def _cmd_metadata_serve(args: argparse.Namespace) -> int:
             default_lease_ttl_s=args.lease_ttl, flush_interval_s=args.flush_interval,
             cluster_secret=secret, router_token=optional_router_token(),
             tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
-            tls_client_ca_file=args.tls_client_ca, replica_id=args.replica_id,
+            tls_client_ca_file=args.tls_client_ca,
+            tls_bind_client_roles=args.tls_bind_client_roles, replica_id=args.replica_id,
+            **etcd_access,
         )
 
     def ready(port: int) -> None:
         print(f"metadata service ({config.backend}) listening on {config.host}:{port}",
               flush=True)
 
-    asyncio.run(serve(config, ready))
+    from pdcluster.core.tls import TLSFileError
+    from pdcluster.metadata_service.etcd_access import EtcdAccessError
+
+    try:
+        asyncio.run(serve(config, ready))
+    except (EtcdAccessError, TLSFileError) as exc:  # etcd's credentials, read at start
+        raise UsageError(str(exc)) from exc
     return 0

@@ -1,6 +1,7 @@
-"""TLS for a gRPC client of the metadata service: the files a router or a node is given, and the
-channel credentials built from them. In `core` because the router may not import
-`metadata_service` and both sides (router, nodes, the service's own client library) need it.
+"""TLS for a gRPC client of the metadata service (and of etcd, for the metadata service): the
+files a router or a node is given, and the channel credentials built from them. In `core`
+because the router may not import `metadata_service` and both sides (router, nodes, the
+service's own client library) need it.
 
     tls = ClientTLS(ca_file="ca.crt")                                  # server verified (TLS)
     tls = ClientTLS(ca_file="ca.crt", cert_file="c.crt", key_file="c.key")  # and mTLS
@@ -64,11 +65,17 @@ class ClientTLS:
         """`grpc.ChannelCredentials`: files are read now, so a bad path fails at start."""
         import grpc
 
+        ca, chain, key = self.read_pem()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                            certificate_chain=chain)
+
+    def read_pem(self) -> tuple[bytes, bytes | None, bytes | None]:
+        """(CA, client certificate chain, client key) as PEM bytes; the last two None
+        without a client certificate. `TLSFileError` names an unreadable file."""
         chain = key = None
         if self.cert_file is not None and self.key_file is not None:
             chain, key = _read(self.cert_file), _read(self.key_file)
-        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca_file),
-                                            private_key=key, certificate_chain=chain)
+        return _read(self.ca_file), chain, key
 
     def channel_options(self) -> list[tuple[str, object]]:
         if self.server_name is None:

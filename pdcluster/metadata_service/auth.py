@@ -1,7 +1,10 @@
 """The metadata service's authentication: the principal a call's bearer token proves, and
-the interceptor that refuses every call, streams included, without one.
+the interceptor that refuses every call, streams included, without one — and, with
+``bind_roles``, every call whose token's principal the connection's client certificate may not
+present (cert_roles.py: a router's token over a node's certificate, and the reverse).
 
-API: `Verifier(secret, router_token)` (`.principal(metadata)`), `AuthInterceptor(verifier)`.
+API: `Verifier(secret, router_token)` (`.principal(metadata)`),
+`AuthInterceptor(verifier, bind_roles=False)`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any
 import grpc
 
 from pdcluster.core.credentials import SERVICE, ClusterSecret, verify_metadata_token
+from pdcluster.metadata_service.cert_roles import may_present, peer_role, refusal
 from pdcluster.metadata_service.wire import AUTH_HEADER
 
 
@@ -39,16 +43,22 @@ class Verifier:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call, streams included, that lacks a valid token (`Verifier`)."""
+    """Refuses every call, streams included, that lacks a valid token (`Verifier`); with
+    `bind_roles`, also one whose principal its client certificate's role may not present
+    (the certificate is only visible to the handler's context, so the check wraps it)."""
 
-    def __init__(self, verifier: Verifier) -> None:
+    def __init__(self, verifier: Verifier, bind_roles: bool = False) -> None:
         self._verifier = verifier
+        self._bind_roles = bind_roles
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or self._verifier.principal(handler_call_details.invocation_metadata):
+        if handler is None:
             return handler
-        return _denying_handler(handler)
+        principal = self._verifier.principal(handler_call_details.invocation_metadata)
+        if not principal:
+            return _denying_handler(handler)
+        return _role_bound_handler(handler, principal) if self._bind_roles else handler
 
 
 async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -63,3 +73,34 @@ def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(_deny, **kwargs)
     return grpc.unary_unary_rpc_method_handler(_deny, **kwargs)
+
+
+async def _check_role(context: grpc.aio.ServicerContext, principal: str) -> None:
+    role, common_name = peer_role(context)
+    if not may_present(role, principal):
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            refusal(common_name, role, principal))
+
+
+def _role_bound_handler(handler: grpc.RpcMethodHandler,
+                        principal: str) -> grpc.RpcMethodHandler:
+    """`handler`, run only once the connection's certificate may present `principal`
+    (every method of the service takes one request message)."""
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.response_streaming:
+        stream: Any = handler.unary_stream  # grpc.aio's: an async generator function
+
+        async def checked_stream(request: Any, context: grpc.aio.ServicerContext):
+            await _check_role(context, principal)
+            async for item in stream(request, context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(checked_stream, **kwargs)
+    unary: Any = handler.unary_unary  # grpc.aio's: a coroutine function
+
+    async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _check_role(context, principal)
+        return await unary(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(checked, **kwargs)

@@ -6,9 +6,10 @@ API: ``MetadataConfig``, ``BACKENDS``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdcluster.core.credentials import ClusterSecret
+from pdcluster.core.tls import ClientTLS
 
 BACKENDS = ("memory", "etcd")
 HASH_SIZES = (16, 32)
@@ -36,6 +37,14 @@ class MetadataConfig:
     flush_interval_s: float = 0.25
     compact_after_deltas: int = 64
     etcd_timeout_s: float = 2.0
+    # etcd's client TLS (its CA; a client certificate when etcd runs --client-cert-auth), and
+    # etcd's own auth: a user whose role may read and write only etcd_prefix (etcd_access.py).
+    etcd_tls: ClientTLS | None = None
+    etcd_user: str | None = None
+    etcd_password: str | None = field(default=None, repr=False)
+    # etcd's simple tokens expire (--auth-token-ttl, 300 s by default) and vanish when etcd
+    # restarts: the store authenticates again this often, and whenever etcd was unreachable.
+    etcd_reauth_interval_s: float = 60.0
     health_interval_s: float = 0.5
     sweep_interval_s: float = 0.2  # memory backend: how often expired leases are swept
     # Every call must present a token derived from this secret (core.credentials); a node's
@@ -52,6 +61,9 @@ class MetadataConfig:
     # token is still required on every call (the certificate authenticates the connection,
     # the token the principal).
     tls_client_ca_file: str | None = None
+    # mTLS: a client certificate's role (its common name: cert_roles.py) must match the
+    # principal its token names, so one kind of pod's token is refused over another's cert
+    tls_bind_client_roles: bool = False
     replica_id: str = ""  # empty: a random one per process
 
     def __post_init__(self) -> None:
@@ -76,14 +88,22 @@ class MetadataConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("flush_interval_s", "etcd_timeout_s", "health_interval_s",
-                     "sweep_interval_s"):
+                     "sweep_interval_s", "etcd_reauth_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if (self.etcd_user is None) != (self.etcd_password is None):
+            raise ValueError("etcd auth needs both etcd_user and etcd_password, or neither")
+        if self.etcd_user is not None and not (self.etcd_user and self.etcd_password):
+            raise ValueError("etcd_user and etcd_password must not be empty")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("TLS needs both tls_cert_file and tls_key_file, or neither")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file (mTLS) needs TLS: tls_cert_file and "
                              "tls_key_file")
+        if self.tls_bind_client_roles and (self.tls_client_ca_file is None
+                                           or self.allow_unauthenticated):
+            raise ValueError("tls_bind_client_roles binds client certificates to tokens: it "
+                             "needs mTLS (tls_client_ca_file) and credentials")
         if self.allow_unauthenticated:
             if self.cluster_secret is not None:
                 raise ValueError("give cluster_secret or allow_unauthenticated, not both")

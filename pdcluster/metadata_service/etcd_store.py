@@ -15,6 +15,10 @@ when etcd answers again the store reconciles: reloads etcd's view (other replica
 re-grants leases that expired meanwhile (rewriting those nodes in full), restarts the watch,
 and flushes the queue.
 
+Access: TLS and etcd's auth come from ``etcd_access`` (a user confined to the prefix). A refused
+password at start is ``EtcdAccessError`` (the service does not start); later, the store logs in
+again every ``etcd_reauth_interval_s`` and before each probe while etcd is down.
+
 Replicas: each watches the whole prefix and applies other writers' node records and deltas.
 Lease expiry deletes a node's keys; the watch turns that into ``remote_node_down`` everywhere.
 
@@ -37,6 +41,7 @@ from etcd3aio.lease import LeaseService
 from pdcluster.core.types import BlockHash, NodeId
 from pdcluster.metadata_service.codec import Delta, encode_delta, encode_record, pack_hashes
 from pdcluster.metadata_service.config import MetadataConfig
+from pdcluster.metadata_service.etcd_access import EtcdAccessError, authenticate, make_client
 from pdcluster.metadata_service.etcd_layout import (
     CHUNK_HASHES,
     Keys,
@@ -64,9 +69,10 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
         self._config = config
         self._keys = Keys(config.etcd_prefix)
         self._writer = config.replica_id or secrets.token_hex(6)
-        self._client = etcd3aio.Etcd3Client(
-            list(config.etcd_endpoints), rpc_max_attempts=1,
+        self._client = make_client(
+            config.etcd_endpoints, config.etcd_tls, rpc_max_attempts=1,
             watch_reconnect_backoff_seconds=0.2, watch_max_reconnect_backoff_seconds=1.0)
+        self._last_auth = 0.0
         # Private hook: etcd3aio has no public channel options. Large pages on reload, and a
         # quick reconnect after an etcd restart (gRPC's default backoff grows to minutes).
         self._client._manager.grpc_options.extend([
@@ -94,9 +100,13 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
         await self._client.connect()
         states: list[NodeState] = []
         try:
+            await self._login()
             states = await self._reload()
         except _ETCD_ERRORS as exc:
             self._mark_down(exc)
+        except EtcdAccessError:  # a refused password: the service does not start
+            await self._client.close()
+            raise
         self._loop_task = asyncio.create_task(self._run(), name="etcd-store")
         return states
 
@@ -190,14 +200,28 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
             await asyncio.sleep(tick)
             try:
                 now = time.monotonic()
+                # down: log in again before probing (a restarted etcd forgot the token), but
+                # at most once per health interval (etcd checks a password with bcrypt)
+                relogin = (self._config.health_interval_s if not self._healthy
+                           else self._config.etcd_reauth_interval_s)
+                if now - self._last_auth >= relogin:
+                    await self._login()
                 if not self._healthy or now - last_probe >= self._config.health_interval_s:
                     last_probe = now
                     await self._kv.get(self._keys.health, timeout=self._config.etcd_timeout_s)
                     if not self._healthy:
                         await self._reconcile()
                 await self._flush(force=False)
-            except _ETCD_ERRORS as exc:
+            except (*_ETCD_ERRORS, EtcdAccessError) as exc:
                 self._mark_down(exc)
+
+    async def _login(self) -> None:
+        """Authenticate as the configured etcd user (nothing without one)."""
+        config = self._config
+        self._last_auth = time.monotonic()
+        if config.etcd_user is not None and config.etcd_password is not None:
+            await authenticate(self._client, config.etcd_user, config.etcd_password,
+                               config.etcd_timeout_s)
 
     @property
     def _kv(self) -> KVService:

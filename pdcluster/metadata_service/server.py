@@ -17,7 +17,8 @@ ReleaseNode ``operator``'s.
 
 TLS (config ``tls_cert_file``/``tls_key_file``) and mTLS (``tls_client_ca_file``: a client
 without a certificate signed by that CA fails the handshake) protect the connection; the token
-is checked on top, whatever the transport.
+is checked on top, whatever the transport. With ``tls_bind_client_roles`` the certificate's
+role must also match the token's principal (cert_roles.py).
 
 API: ``make_store``, ``MetadataServer`` (run in the current loop), ``ServerThread`` (run in a
 background thread: embedding, tests, benchmarks), ``serve`` (the CLI's foreground server).
@@ -208,7 +209,7 @@ def _server_credentials(config: MetadataConfig) -> grpc.ServerCredentials:
 
 def _transport_name(config: MetadataConfig) -> str:
     if config.tls_client_ca_file:
-        return "mTLS"
+        return "mTLS, roles bound" if config.tls_bind_client_roles else "mTLS"
     return "TLS" if config.tls_cert_file else "plaintext"
 
 
@@ -225,7 +226,8 @@ class MetadataServer:
         await self.service.start()
         secret = self.config.cluster_secret
         verifier = None if secret is None else Verifier(secret, self.config.router_token)
-        interceptors = [AuthInterceptor(verifier)] if verifier is not None else []
+        interceptors = ([AuthInterceptor(verifier, self.config.tls_bind_client_roles)]
+                        if verifier is not None else [])
         server = grpc.aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
         pb_grpc.add_MetadataServiceServicer_to_server(_Servicer(self.service, verifier), server)
         address = self.config.address

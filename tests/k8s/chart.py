@@ -98,6 +98,15 @@ VALUE_SETS: dict[str, dict] = {
         },
         "secrets": {"clusterSecret": "0123456789abcdef" * 4},
     },
+    "etcd-tls-auth": {"etcd": {
+        "tls": {"enabled": True, "secretName": "etcd-client", "serverSecretName": "etcd-server"},
+        "auth": {"enabled": True, "passwordSecret": {"name": "etcd-pw", "key": "password"},
+                 "rootPasswordSecret": {"name": "etcd-root", "key": "root-password"}}}},
+    "cert-manager": {"certManager": {"enabled": True}, "etcd": {"tls": {"enabled": True}},
+                     "metadata": {"tls": {"enabled": True, "clientAuth": {"enabled": True}}}},
+    "cert-manager-csi": {"certManager": {"enabled": True, "csiDriver": True},
+                         "etcd": {"tls": {"enabled": True}},
+                         "metadata": {"tls": {"enabled": True, "clientAuth": {"enabled": True}}}},
     "scheduling": {
         "ray": {"prefill": {"nodeSelector": {"gpu.type": "h100"},
                             "affinity": {"podAntiAffinity": {}}},
@@ -152,9 +161,20 @@ def with_api_keys(values: dict) -> dict:
     return values
 
 
+def with_plaintext_etcd_acknowledged(values: dict) -> dict:
+    """The chart refuses etcd without TLS unless acknowledged (issue 24): a value set that does
+    not speak of etcd's TLS renders with the acknowledgement (test_etcd_access.py tests the
+    refusal and the TLS settings)."""
+    values = copy.deepcopy(values)
+    etcd = values.setdefault("etcd", {})
+    if "tls" not in etcd and "acknowledgePlaintext" not in etcd:
+        etcd["acknowledgePlaintext"] = True
+    return values
+
+
 def template(values: dict, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_values(with_api_keys(values), Path(tmp))
+        path = write_values(with_plaintext_etcd_acknowledged(with_api_keys(values)), Path(tmp))
         return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(path),
                     *extra, check=check)
 

@@ -31,6 +31,7 @@ from tests.k8s.chart import (
     pod_templates,
     render,
     with_api_keys,
+    with_plaintext_etcd_acknowledged,
     write_values,
 )
 
@@ -124,7 +125,7 @@ def test_pdbs_cover_every_component(name: str) -> None:
     docs = render(VALUE_SETS[name])
     pdbs = find(docs, "PodDisruptionBudget")
     for labels in pod_labels(docs):
-        if labels.get("app.kubernetes.io/component") == "launcher":
+        if labels.get("app.kubernetes.io/component") in ("launcher", "etcd-setup"):
             continue  # a run-to-completion Job
         assert any(selects(p["spec"]["selector"]["matchLabels"], labels) for p in pdbs), labels
     assert {p["spec"]["maxUnavailable"] for p in pdbs} == {values["pdb"]["maxUnavailable"]}
@@ -137,7 +138,8 @@ def test_pdbs_can_be_disabled() -> None:
 @pytest.mark.parametrize("release", ["pd", "a-rather-long-release-name-for-a-production-cluster"])
 def test_names_fit_kubernetes_limits(release: str) -> None:
     out = helm("template", release, str(CHART), "--set", "launcher.mode=job",
-               "--set", "router.acknowledgeOpenApi=true").stdout
+               "--set", "router.acknowledgeOpenApi=true",
+               "--set", "etcd.acknowledgePlaintext=true").stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     for doc in docs:
         name = doc["metadata"]["name"]
@@ -343,7 +345,7 @@ def render_notes(values: dict, tmp_path: Path) -> str:
     (chart / "templates" / "test-notes.yaml").write_text(
         "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
         '  notes: {{ include "test.notes" . | quote }}\n')
-    path = write_values(with_api_keys(values), tmp_path)
+    path = write_values(with_plaintext_etcd_acknowledged(with_api_keys(values)), tmp_path)
     out = helm("template", RELEASE, str(chart), "--namespace", "serving", "-f", str(path),
                "--show-only", "templates/test-notes.yaml").stdout
     return yaml.safe_load(out)["data"]["notes"]

@@ -37,9 +37,10 @@ from tests.k8s.test_cli_contract import command_of
 
 pytestmark = needs_helm
 
-SERVER_SECRET, CLIENT_SECRET = "md-tls", "md-client"
+SERVER_SECRET, ROUTER_SECRET, NODE_SECRET = "md-tls", "md-router", "md-node"
 TLS = {"enabled": True, "secretName": SERVER_SECRET}
-MTLS = {**TLS, "clientAuth": {"enabled": True, "secretName": CLIENT_SECRET}}
+MTLS = {**TLS, "clientAuth": {"enabled": True, "routerSecretName": ROUTER_SECRET,
+                              "nodeSecretName": NODE_SECRET}}
 SETS = {
     "tls": {"metadata": {"tls": TLS}},
     "tls-server-name": {"metadata": {"tls": {**TLS, "serverName": "metadata.internal"}}},
@@ -107,19 +108,20 @@ def test_service_gets_its_key_and_clients_only_the_ca(name: str) -> None:
     service = found["metadata"]
     expected = {"metadata-tls": {"secretName": SERVER_SECRET, "items": ["tls.crt", "tls.key"],
                                  "mode": 0o400}}
-    if mtls:
-        expected["metadata-client-ca"] = {"secretName": CLIENT_SECRET, "items": ["ca.crt"],
+    if mtls:  # the service trusts the CA that signed the router's (and the nodes') certificate
+        expected["metadata-client-ca"] = {"secretName": ROUTER_SECRET, "items": ["ca.crt"],
                                           "mode": 0o400}
     assert tls_volumes(service["spec"]) == expected
     (container,) = service["spec"]["containers"]
     assert tls_mounts(container) == {"metadata-tls": SERVER_DIR,
                                      **({"metadata-client-ca": CLIENT_CA_DIR} if mtls else {})}
-    client_volumes = {"metadata-ca": {"secretName": SERVER_SECRET, "items": ["ca.crt"],
-                                      "mode": 0o400}}
-    if mtls:
-        client_volumes["metadata-client"] = {"secretName": CLIENT_SECRET,
-                                             "items": ["tls.crt", "tls.key"], "mode": 0o400}
     for component in CLIENTS:
+        client_volumes = {"metadata-ca": {"secretName": SERVER_SECRET, "items": ["ca.crt"],
+                                          "mode": 0o400}}
+        if mtls:  # one client certificate per workload kind: the router's is not the nodes'
+            own = ROUTER_SECRET if component == "router" else NODE_SECRET
+            client_volumes["metadata-client"] = {"secretName": own,
+                                                 "items": ["tls.crt", "tls.key"], "mode": 0o400}
         spec = found[component]["spec"]
         # never the service's private key outside the service's pod
         assert tls_volumes(spec) == client_volumes, component
@@ -147,8 +149,10 @@ def test_flags_and_cluster_yaml_build_tls_configs(name: str) -> None:
     assert (service.tls_cert, service.tls_key) == (f"{SERVER_DIR}/tls.crt",
                                                    f"{SERVER_DIR}/tls.key")
     assert service.tls_client_ca == (f"{CLIENT_CA_DIR}/ca.crt" if mtls else None)
+    assert service.tls_bind_client_roles == mtls  # clientAuth.bindRoles: true by default
     MetadataConfig(tls_cert_file=service.tls_cert, tls_key_file=service.tls_key,
-                   tls_client_ca_file=service.tls_client_ca, cluster_secret=TEST_SECRET)
+                   tls_client_ca_file=service.tls_client_ca, cluster_secret=TEST_SECRET,
+                   tls_bind_client_roles=service.tls_bind_client_roles)
     launcher = ClusterConfig.from_dict(cluster_config(render(values)))
     assert launcher.metadata_tls_fields() == expected  # what every node actor is given
     assert router_config(launcher, launcher.metadata_address, TEST_SECRET).metadata_tls \
@@ -157,8 +161,14 @@ def test_flags_and_cluster_yaml_build_tls_configs(name: str) -> None:
 
 @pytest.mark.parametrize("tls, match", [
     ({"enabled": True}, "needs metadata.tls.secretName"),
-    ({"clientAuth": {"enabled": True, "secretName": "x"}}, "needs metadata.tls.enabled"),
-    ({**TLS, "clientAuth": {"enabled": True}}, "needs metadata.tls.clientAuth.secretName"),
+    ({"clientAuth": {"enabled": True, "routerSecretName": "a", "nodeSecretName": "b"}},
+     "needs metadata.tls.enabled"),
+    ({**TLS, "clientAuth": {"enabled": True, "routerSecretName": "x"}},
+     "needs metadata.tls.clientAuth.routerSecretName and nodeSecretName"),
+    ({**TLS, "clientAuth": {"enabled": True, "routerSecretName": "x", "nodeSecretName": "x"}},
+     "must not share one client certificate"),
+    ({**TLS, "clientAuth": {"enabled": True, "secretName": "shared"}},
+     "additional properties 'secretName' not allowed"),
     ({**TLS, "caFile": "x"}, "additional properties 'caFile' not allowed"),
     ({"enabled": "yes"}, "got string, want boolean|expected boolean"),
 ])

@@ -68,9 +68,11 @@ def test_cluster_secret_is_mounted_into_every_consumer(name: str) -> None:
     assert set(pods) >= CONSUMERS, sorted(pods)
     for component, tmpl in pods.items():
         spec = tmpl["spec"]
-        volumes = [v for v in spec.get("volumes", []) if "secret" in v]
+        # the credentials' Secret (TLS certificates: test_metadata_tls.py, test_etcd_access.py)
+        volumes = [v for v in spec.get("volumes", [])
+                   if v.get("secret", {}).get("secretName") == secret_name]
         if component not in CONSUMERS:
-            # etcd and the launcher Job run no pdcluster code: they get no credential
+            # etcd, the launcher Job and the etcd-setup Job hold no cluster credential
             assert not volumes, component
             continue
         keys = CREDENTIALS.get(component, ["cluster-secret"])

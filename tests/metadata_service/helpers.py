@@ -53,7 +53,10 @@ def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05, wha
 
 
 class EtcdProcess:
-    """A real etcd on free loopback ports with its own data dir; restartable on the same dir."""
+    """A real etcd on free loopback ports with its own data dir; restartable on the same dir.
+    Subclasses serve TLS (``scheme``, ``server_args``, ``etcdctl_args``: etcd_tls.py)."""
+
+    scheme = "http"
 
     def __init__(self, data_dir: Path) -> None:
         binary = shutil.which("etcd")
@@ -69,14 +72,21 @@ class EtcdProcess:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
+    def server_args(self) -> list[str]:
+        return []
+
+    def etcdctl_args(self) -> list[str]:
+        return []
+
     def start(self) -> EtcdProcess:
-        url = f"http://{self.endpoint}"
+        url = f"{self.scheme}://{self.endpoint}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         self.proc = subprocess.Popen(
             [self.binary, "--name", "test", "--data-dir", str(self.data_dir),
              "--listen-client-urls", url, "--advertise-client-urls", url,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"test={peer}", "--log-level", "error"],
+             "--initial-cluster", f"test={peer}", "--log-level", "error",
+             *self.server_args()],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_until(self._accepts, timeout_s=15, what="etcd to listen")
         return self
@@ -93,7 +103,8 @@ class EtcdProcess:
         self.proc = None
 
     def etcdctl(self, *args: str) -> str:
-        return subprocess.run(["etcdctl", "--endpoints", self.endpoint, *args],
+        return subprocess.run(["etcdctl", "--endpoints", self.endpoint, *self.etcdctl_args(),
+                               *args],
                               capture_output=True, text=True, check=True, timeout=10,
                               env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"}).stdout
 
