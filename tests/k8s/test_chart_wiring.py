@@ -5,6 +5,8 @@ endpoint, and the Grafana dashboard queries the metrics docs/deploy.md lists."""
 
 from __future__ import annotations
 
+import copy
+
 import json
 import re
 import shutil
@@ -252,6 +254,22 @@ def test_router_command_env_and_service() -> None:
     assert ingress["spec"]["tls"][0]["secretName"] == "llm-tls"
     assert not find(render(VALUE_SETS["no-ingress"]), "Ingress")
     assert not find(render(VALUE_SETS["no-ingress"]), "HorizontalPodAutoscaler")
+
+
+def test_the_ingress_pins_each_tenant_to_one_router_replica() -> None:
+    """Each router routes only on the claims it attested itself: the ingress hashes the API key
+    so a tenant's requests meet the replica that placed its blocks; annotations given win."""
+    hash_by = "nginx.ingress.kubernetes.io/upstream-hash-by"
+    ingress = one(render(VALUE_SETS["ingress"]), "Ingress")
+    assert ingress["metadata"]["annotations"][hash_by] == "$http_authorization"
+    values = copy.deepcopy(VALUE_SETS["ingress"])
+    values["router"]["ingress"]["tenantAffinity"] = False
+    assert "annotations" not in one(render(values), "Ingress")["metadata"]
+    values["router"]["ingress"].update(tenantAffinity=True, annotations={
+        hash_by: "$http_x_tenant", "nginx.ingress.kubernetes.io/proxy-body-size": "8m"})
+    annotations = one(render(values), "Ingress")["metadata"]["annotations"]
+    assert annotations == {hash_by: "$http_x_tenant",
+                           "nginx.ingress.kubernetes.io/proxy-body-size": "8m"}
 
 
 def test_monitoring_objects() -> None:
