@@ -6,7 +6,6 @@ endpoint, and the Grafana dashboard queries the metrics docs/deploy.md lists."""
 from __future__ import annotations
 
 import copy
-
 import json
 import re
 import shutil
