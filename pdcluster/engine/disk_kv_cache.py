@@ -48,6 +48,7 @@ import torch
 
 from pdcluster.core.paths import cache_dir
 from pdcluster.engine.kv_costs import CopyTimer
+from pdcluster.engine.tier_sizes import tier_blocks
 
 logger = logging.getLogger(__name__)
 _GIB = 2**30
@@ -60,19 +61,10 @@ def default_disk_dir() -> Path:
 def disk_tier_blocks(disk_cache_gib: float, num_disk_blocks: int | None, block_nbytes: int,
                      free_bytes: int | None) -> int:
     """Blocks of the disk tier (0: none); ValueError when they do not fit the free space."""
-    num_blocks = num_disk_blocks if num_disk_blocks is not None else \
-        int(disk_cache_gib * _GIB) // block_nbytes
-    if num_blocks == 0 and (disk_cache_gib > 0 or num_disk_blocks):
-        raise ValueError(f"disk_cache_gib={disk_cache_gib} holds no KV block of "
-                         f"{block_nbytes / 2**20:.2f} MiB")
-    wanted = num_blocks * block_nbytes
-    if num_blocks and free_bytes is not None and wanted > free_bytes:
-        raise ValueError(
-            f"the disk KV tier does not fit: {num_blocks} blocks are {wanted / _GIB:.2f} GiB "
-            f"(disk_cache_gib={disk_cache_gib}) but its directory has only "
-            f"{free_bytes / _GIB:.2f} GiB free; lower disk_cache_gib (diskCacheGiB in the "
-            "chart) or point disk_cache_dir elsewhere")
-    return num_blocks
+    return tier_blocks("disk", "disk_cache_gib", disk_cache_gib, num_disk_blocks, block_nbytes,
+                       free_bytes, "its directory has only {:.2f} GiB free",
+                       "lower disk_cache_gib (diskCacheGiB in the chart) or point "
+                       "disk_cache_dir elsewhere")
 
 
 def _wipe_stale(folder: Path) -> None:

@@ -39,8 +39,7 @@ from pdcluster.engine.disk_kv_cache import DiskKVCache
 from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
 from pdcluster.engine.kv_costs import CopyTimer
 from pdcluster.engine.kv_tiers import KVTiers, TierCopies
-
-_GIB = 2**30
+from pdcluster.engine.tier_sizes import tier_blocks
 
 
 def copy_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -88,18 +87,9 @@ def available_host_bytes(meminfo: Path = Path("/proc/meminfo"),
 def host_tier_blocks(host_cache_gib: float, num_host_blocks: int | None, block_nbytes: int,
                      available: int | None) -> int:
     """Blocks of the host tier (0: none); ValueError when they do not fit."""
-    num_blocks = num_host_blocks if num_host_blocks is not None else \
-        int(host_cache_gib * _GIB) // block_nbytes
-    if num_blocks == 0 and (host_cache_gib > 0 or num_host_blocks):
-        raise ValueError(f"host_cache_gib={host_cache_gib} holds no KV block of "
-                         f"{block_nbytes / 2**20:.2f} MiB")
-    wanted = num_blocks * block_nbytes
-    if num_blocks and available is not None and wanted > available:
-        raise ValueError(
-            f"the host KV tier does not fit: {num_blocks} blocks are {wanted / _GIB:.2f} GiB "
-            f"(host_cache_gib={host_cache_gib}) but only {available / _GIB:.2f} GiB of host "
-            "memory is available; lower host_cache_gib (hostCacheGiB in the chart)")
-    return num_blocks
+    return tier_blocks("host", "host_cache_gib", host_cache_gib, num_host_blocks, block_nbytes,
+                       available, "only {:.2f} GiB of host memory is available",
+                       "lower host_cache_gib (hostCacheGiB in the chart)")
 
 
 class HostKVCache:
