@@ -17,7 +17,9 @@ the engine thread nothing, and the messages to live peers go out meanwhile.
 Bounded per peer-chosen value: at most `max_peers` sockets are open (past that one is closed,
 preferring those that never delivered anything; `num_evicted` counts them), and at most
 `max_queued` messages wait in all. A peer naming 10,000 reply addresses therefore costs
-`max_peers` sockets, not 10,000.
+`max_peers` sockets, not 10,000. Nor can they crowd out the live peers: messages to addresses
+that have not delivered anything yet may fill at most half of `max_queued`, so a flood of dead
+addresses leaves the other half to the peers already proven live.
 
 Authentication: with `curve`, each socket is a CURVE client presenting that key pair and
 expecting the server key `server_key_for(address)` (default: the pair's own public key, the
@@ -66,6 +68,7 @@ class _Outgoing:
     payload: bytes
     deadline: float
     on_failure: FailureHandler | None
+    unproven: bool = False  # queued for an address that had delivered nothing yet
 
 
 class SideChannelClient:
@@ -83,6 +86,9 @@ class SideChannelClient:
         self._cond = threading.Condition()
         self._incoming: deque[tuple[str, _Outgoing]] = deque()
         self._num_queued = 0  # incoming + pending, guarded by _cond
+        # of those, the ones for addresses not (yet) in _proven: at most half the queue
+        self._num_unproven, self._max_unproven = 0, max(1, max_queued // 2)
+        self._proven: set[str] = set()  # addresses with a live socket, guarded by _cond
         self._closed = False
         self.num_failed = 0
         self.num_evicted = 0
@@ -115,11 +121,16 @@ class SideChannelClient:
         with self._cond:
             if self._closed:
                 raise TransferError("side-channel client is closed")
-            if self._num_queued >= self._max_queued:
+            unproven = address not in self._proven
+            if self._num_queued >= self._max_queued or \
+                    (unproven and self._num_unproven >= self._max_unproven):
                 raise TransferError(f"{self._num_queued} side-channel messages already wait "
-                                    "to be sent")
+                                    f"to be sent ({self._num_unproven} to addresses that "
+                                    "delivered nothing yet)")
             self._num_queued += 1
-            self._incoming.append((address, _Outgoing(payload, deadline, on_failure)))
+            self._num_unproven += unproven
+            self._incoming.append((address, _Outgoing(payload, deadline, on_failure,
+                                                      unproven)))
             self._cond.notify()
 
     def close(self, timeout_s: float = 2.0) -> None:
@@ -194,10 +205,11 @@ class SideChannelClient:
                 self._close(address)
                 sock = self._socket_for(address, queue) if queue else None
                 continue
-            queue.popleft()
-            self._done(1)
+            self._done(queue.popleft())
             if address in self._fresh:  # it delivered: a live peer from now on
                 self._live[address] = self._fresh.pop(address)
+                with self._cond:
+                    self._proven.add(address)
 
     def _socket_for(self, address: str, queue: deque[_Outgoing]) -> zmq.Socket[Any] | None:
         for sockets in (self._live, self._fresh):
@@ -235,6 +247,8 @@ class SideChannelClient:
     def _close(self, address: str) -> None:
         sock = self._fresh.pop(address, None) or self._live.pop(address)
         sock.close(linger=0)
+        with self._cond:
+            self._proven.discard(address)
 
     def _dealer_socket(self, address: str) -> zmq.Socket[Any]:
         server_key = None
@@ -260,7 +274,7 @@ class SideChannelClient:
         return sock
 
     def _fail(self, out: _Outgoing, reason: str) -> None:
-        self._done(1)
+        self._done(out)
         self.num_failed += 1
         if out.on_failure is None:
             if self._failure_log.ready():
@@ -272,6 +286,7 @@ class SideChannelClient:
         except Exception:  # a caller's bug must not stop the sender
             logger.exception("side-channel failure handler raised")
 
-    def _done(self, count: int) -> None:
+    def _done(self, out: _Outgoing) -> None:
         with self._cond:
-            self._num_queued -= count
+            self._num_queued -= 1
+            self._num_unproven -= out.unproven

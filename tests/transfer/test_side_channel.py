@@ -262,6 +262,29 @@ def test_ten_thousand_reply_addresses_cost_a_bounded_number_of_sockets(server, c
         client.close()
 
 
+def test_a_flood_of_dead_addresses_leaves_room_for_the_live_peers(server, collector):
+    """Messages to addresses that delivered nothing take at most half the queue: with the
+    queue full of them, a peer that is live still gets its message through."""
+    client = SideChannelClient(send_timeout_s=30, curve=TEST_CURVE, max_queued=100)
+    refused = 0
+    try:
+        client.send(server.address, XferAbort("warm"))
+        collector.wait_for(1)
+        for port in range(1, 201):  # nothing listens there: each waits 30 s for a peer
+            try:
+                client.send(f"tcp://127.0.0.2:{port}", XferAbort(f"t-{port}"))
+            except TransferError:
+                refused += 1
+        assert refused == 150  # half the queue for addresses that never delivered
+        for i in range(50):  # the other half: the live peer's
+            client.send(server.address, XferAbort(f"live-{i}"))
+        assert collector.wait_for(51)[-1] == XferAbort("live-49")
+        with pytest.raises(TransferError, match="already wait"):
+            client.send("tcp://127.0.0.2:999", XferAbort("one more dead"))
+    finally:
+        client.close()
+
+
 def test_sends_resume_when_a_peer_comes_back_at_the_same_address(client, collector) -> None:
     with SideChannelServer(Collector(), curve=TEST_CURVE) as first:
         address = first.address
