@@ -131,6 +131,11 @@ class SideChannelServer:
             except zmq.Again:
                 return
             self._on_frames(frames)
+            # Hand the GIL over between messages: a non-blocking receive keeps it, and under a
+            # flood this loop would hold it for whole switch intervals (5 ms) against the
+            # engine thread of the same process (measured: a normal request 2.2-2.8x idle
+            # under a 20,000-message flood without this, 1.3-1.6x with it).
+            time.sleep(0)
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         self.num_received += 1

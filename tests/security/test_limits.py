@@ -65,10 +65,11 @@ def pair(model_dirs):
 
 
 _ids = iter(range(10**9))
-# The bound is 2x idle, except for the flood of 10,000 reply addresses: every one of its
-# 20,000 messages is CURVE-decrypted by ZMQ's I/O thread before any check can drop it, and
-# here that thread shares 2 cores with P, D, the client and the attacker. Measured on a quiet
-# machine: 2.2x (55 ms against 25 ms idle); under other load it stayed within 2x.
+# The bound is 2x idle. The flood of 10,000 reply addresses gets a margin for CI's noise: each
+# of its 20,000 messages is CURVE-decrypted by ZMQ's I/O thread before any check can drop it,
+# and here that thread shares 2 cores with P, D and the client (one process). Measured on a
+# quiet machine since the side channel hands the GIL over between messages: 1.65-1.83x (34-39
+# ms against ~20 ms idle); before that change 1.9-2.5x.
 SLOWDOWN = {"10,000 reply addresses": 2.5}
 
 
@@ -87,6 +88,15 @@ def disaggregated_s(pair, hf_reference, model: str) -> float:
     to_p.collect({f"p{n}"}, timeout_s=60)
     assert tokens_of(got) == hf_reference(model, prompt, GREEDY.max_tokens)
     return elapsed
+
+
+def _until_drained(node, timeout_s: float = 30.0) -> None:
+    """Until P's side channel has received nothing new for 0.3 s."""
+    server = node.engine.connector.worker.transport._server
+    deadline, seen = time.monotonic() + timeout_s, -1
+    while server.num_received != seen and time.monotonic() < deadline:
+        seen = server.num_received
+        time.sleep(0.3)
 
 
 def _max_rss_mib() -> float:
@@ -119,6 +129,7 @@ def test_an_attack_leaves_a_normal_request_within_2x_of_idle(pair, hf_reference,
     while client._num_queued and time.monotonic() < deadline:
         time.sleep(0.05)
     assert client.num_sockets <= 256
+    _until_drained(p)  # idle again: P has received (or dropped) everything sent to it
     # the machine is shared and noisy: idle is measured on both sides of the attack
     idle += [disaggregated_s(pair, hf_reference, model) for _ in range(3)]
     assert loaded <= SLOWDOWN.get(attack, 2.0) * statistics.median(idle), (attack, idle, loaded)
