@@ -21,11 +21,11 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def start_disaggregated(start_router, make_node, decode_ttft_s: float = 30.0,
-                        **prefill_options):
+                        prefill_ttft_s: float = 30.0, **prefill_options):
     """A router in front of prefill node p0 and decode node d0 that both hold every request
     (D "waits for its KV" `decode_ttft_s`), with one streaming request sent through both;
     its outcome lands in the returned list (an exception, or "done")."""
-    prefill = make_node("p0", role="prefill", ttft_s=30.0, **prefill_options)
+    prefill = make_node("p0", role="prefill", ttft_s=prefill_ttft_s, **prefill_options)
     decode = make_node("d0", role="decode", ttft_s=decode_ttft_s)
     router = start_router([prefill, decode], policy=PolicyConfig(local_prefill_threshold=0))
     wait_until(lambda: all(n.healthy for n in router.app.dispatcher.nodes.values()))
@@ -60,6 +60,34 @@ def test_a_dead_prefill_node_is_reported_to_the_decode_node_at_once(start_router
     assert notice.transfer_id == d_request.transfer.transfer_id
     assert "p0" in notice.reason
     assert lost_count(router, "lost") == 1
+
+
+def test_a_prefill_node_dying_after_its_part_but_before_the_kv_arrived_is_reported(
+        start_router, make_node):
+    # P answered (its one token: its KV is pinned, waiting for D to ask), D is still queued
+    router, prefill, decode, _ = start_disaggregated(start_router, make_node,
+                                                     prefill_ttft_s=0.0)
+    wait_until(lambda: not prefill.num_active())
+    time.sleep(0.2)
+    assert notices(decode) == []  # P finishing its part is not news
+    killed = time.monotonic()
+    prefill.close()
+    wait_until(lambda: notices(decode), timeout_s=2.0)
+    assert time.monotonic() - killed < 1.0
+    (notice,) = notices(decode)
+    assert notice.transfer_id == decode.requests()[0].transfer.transfer_id
+    assert lost_count(router, "lost") == 1
+
+
+def test_a_prefill_node_dying_after_the_decode_node_began_is_not_news(start_router,
+                                                                      make_node):
+    router, prefill, decode, outcome = start_disaggregated(
+        start_router, make_node, prefill_ttft_s=0.0, decode_ttft_s=0.0)
+    wait_until(lambda: outcome, timeout_s=5.0)
+    prefill.close()
+    time.sleep(0.5)
+    assert outcome == ["done"] and notices(decode) == []
+    assert lost_count(router, "lost") == 0
 
 
 def test_a_prefill_node_that_is_overloaded_lets_the_decode_node_compute(start_router,

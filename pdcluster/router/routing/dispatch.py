@@ -15,8 +15,10 @@ same fresh transfer id and are sent together. Tokens stream from D; P's own repl
 in the background. A P whose connection closed (its process died), or that refused the
 request for a reason of its own (overloaded, draining, an internal error), is reported to D at
 once (`PrefillLost`), and D computes the prompt itself instead of waiting out its KV timeout;
-a P that only stopped answering (it may be hung, and could still write the KV) is left to D's
-timeout. P refusing the request as invalid fails it (D would refuse it too).
+so is a P whose connection closes after it finished its part but before D streamed a token
+(its KV leaves only when D asks for it). A P that only stopped answering (it may be hung, and
+could still write the KV) is left to D's timeout. P refusing the request as invalid fails it
+(D would refuse it too).
 Whatever ends the stream early (client gone, stop string, error), `execute`'s cleanup aborts
 the request on both nodes. `execute` is one attempt; router.routing.migration moves a request whose
 D is lost to another node.
@@ -242,6 +244,7 @@ class Dispatcher:
         streams: list[tuple[NodeLink, NodeStream]] = []
         failure: asyncio.Future[NodeFailure] = asyncio.get_running_loop().create_future()
         generated: list[int] = []
+        d_began = asyncio.Event()  # D streamed its first token (or the attempt ended)
         try:
             if prefill is not None and p_request is not None:  # set together, above
                 p_stream = await prefill.generate(p_request)
@@ -249,13 +252,16 @@ class Dispatcher:
             d_stream = await decode.generate(d_request)
             streams.append((decode, d_stream))
             if prefill is not None:  # drained once D has the request: it may be told P died
-                self._spawn(self._drain_prefill(prefill, p_stream, decode, d_request, failure))
+                self._spawn(self._drain_prefill(prefill, p_stream, decode, d_request, failure,
+                                                d_began))
             self._charge(prefill or decode, self._tokens_to_compute(decision, request, source))
             async for msg in _race(d_stream, failure):
+                d_began.set()
                 self._charge(decode, 0, len(msg.token_ids))
                 generated.extend(msg.token_ids)
                 yield msg
         finally:
+            d_began.set()
             self._attest_output(decode, placement.chain, request, generated)
             # D ended early (client gone, error): P's part may be finished, its blocks pinned
             # for a transfer that D, still queued, never asked for; the abort frees them now
@@ -270,20 +276,34 @@ class Dispatcher:
                     await node.abort(stream.request_id)
 
     async def _drain_prefill(self, prefill: NodeLink, stream: NodeStream, decode: NodeLink,
-                             d_request: GenerateRequest, failure: asyncio.Future) -> None:
+                             d_request: GenerateRequest, failure: asyncio.Future,
+                             d_began: asyncio.Event) -> None:
+        assert d_request.transfer is not None  # a disaggregated request
+        transfer_id = d_request.transfer.transfer_id
         async for msg in stream:
             if not isinstance(msg, RequestError):
                 continue
             if not stream.lost and msg.code == "invalid_request":  # D would refuse it too
                 if not failure.done():
                     failure.set_result(NodeFailure(msg.code, f"prefill node: {msg.message}"))
-            elif (not stream.lost or prefill.disconnected) and d_request.transfer is not None:
+            elif not stream.lost or prefill.disconnected:
                 # P died, or cannot take the request now (overloaded, draining): its KV is
                 # not coming, so D computes the prompt itself
                 self.metrics.prefill_lost.labels("refused" if not stream.lost else "lost").inc()
-                await decode.prefill_lost(d_request.request_id,
-                                          d_request.transfer.transfer_id,
+                await decode.prefill_lost(d_request.request_id, transfer_id,
                                           f"{prefill.node_id}: {msg.code}: {msg.message}")
+            return
+        # P finished its part, but its KV leaves only when D asks for it (D may still be
+        # queued): should P's connection close before D's first token, D is told as above
+        gone, began = prefill.gone(), asyncio.ensure_future(d_began.wait())
+        try:
+            await asyncio.wait({gone, began}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            began.cancel()
+        if gone.done() and not d_began.is_set():
+            self.metrics.prefill_lost.labels("lost").inc()
+            await decode.prefill_lost(d_request.request_id, transfer_id,
+                                      f"{prefill.node_id}: disconnected before its KV arrived")
 
     def _tokens_to_compute(self, decision: RouteDecision, request: GenerateRequest,
                            source: PrefixSource | None) -> int:

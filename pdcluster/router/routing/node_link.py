@@ -109,6 +109,7 @@ class NodeLink:
         self._socket.connect(spec.request_address)
         self._streams: dict[str, NodeStream] = {}
         self._load_waiter: asyncio.Future[LoadReport] | None = None
+        self._gone: asyncio.Future[None] | None = None  # resolved when the connection closes
         self._receiver = asyncio.create_task(self._receive_forever(), name=f"recv-{spec.node_id}")
         self._watcher = asyncio.create_task(self._watch_forever(), name=f"mon-{spec.node_id}")
 
@@ -148,6 +149,16 @@ class NodeLink:
         except zmq.ZMQError as exc:  # this node is unreachable too: its stream fails anyway
             logger.debug("prefill-lost notice for %s not sent to %s: %s", request_id,
                          self.node_id, exc)
+
+    def gone(self) -> asyncio.Future[None]:
+        """Done when this node's connection next closes (at once if it is closed now): for
+        watching a node after its own request ended, e.g. a prefill node whose KV is still on
+        its way to a decode node."""
+        if self._gone is None or (self._gone.done() and not self.disconnected):
+            self._gone = asyncio.get_running_loop().create_future()
+            if self.disconnected:
+                self._gone.set_result(None)
+        return self._gone
 
     def forget(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
@@ -213,6 +224,8 @@ class NodeLink:
             self.disconnected, self.healthy = True, False
             self.version += 1
             self.fail_streams(f"node {self.node_id} disconnected")
+            if self._gone is not None and not self._gone.done():
+                self._gone.set_result(None)
         elif event & _HANDSHAKE_FAILED:
             if not self.refused_us:  # logged once
                 logger.error("node %s refused the router's key (not registered with its "
