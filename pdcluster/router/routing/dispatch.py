@@ -295,9 +295,10 @@ class Dispatcher:
             return
         # P finished its part, but its KV leaves only when D asks for it (D may still be
         # queued): should P's connection close before D's first token, D is told as above
-        gone, began = prefill.gone(), asyncio.ensure_future(d_began.wait())
+        gone = prefill.gone()
+        began: asyncio.Future[object] = asyncio.ensure_future(d_began.wait())
         try:
-            await asyncio.wait({gone, began}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((gone, began), return_when=asyncio.FIRST_COMPLETED)
         finally:
             began.cancel()
         if gone.done() and not d_began.is_set():
