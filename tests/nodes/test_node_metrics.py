@@ -184,7 +184,7 @@ def test_speculative_decoding_acceptance_is_exported(model_dirs):
         assert len(tokens_of(client.collect({"r"})["r"])) == 24
         stats = node.engine.spec_decode_stats()
         assert stats.num_draft_tokens > 0
-        samples = scrape(node)
+        samples = scrape_settled(node)  # the last verification's figures included
         assert samples[("pdcluster_node_spec_draft_tokens_total", ())] == stats.num_draft_tokens
         assert samples[("pdcluster_node_spec_accepted_tokens_total", ())] == \
             stats.num_accepted_tokens
