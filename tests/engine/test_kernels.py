@@ -233,6 +233,32 @@ def test_engine_through_the_kernels_matches_transformers(ops, model_dirs, hf_ref
     assert [_generate(model, prompts) for prompts in batches] == got
 
 
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-tied-bias-mha", "mixtral-4x2"])
+def test_a_batch_one_decode_runs_its_layer_stack_as_one_op(ops, model_dirs, hf_reference,
+                                                         monkeypatch, variant) -> None:
+    """One sequence in decode: plain dense layers go through `decode_layers_` (one C++ call a
+    step), with greedy tokens equal to transformers' and the hidden states bit for bit those
+    of the per-layer kernels; biases (Qwen2) or experts (Mixtral) keep the per-layer path."""
+    from pdcluster.engine.models import llama
+    from tests.models import random_prompts
+
+    stacks = count_calls(monkeypatch, llama.DecodeStack, "__call__")
+    steps = count_calls(monkeypatch, llama.CausalLM, "forward")
+    model = model_dirs[variant]
+    prompt = random_prompts(1, 11, 11, seed=5)[0]
+    (tokens,) = _generate(model, [prompt], max_tokens=12)
+    assert tokens == hf_reference(model, prompt, 12)
+    assert len(stacks) == (11 if variant == "llama-gqa" else 0)  # every decode step
+    if not stacks:
+        return
+    # the last step again (it rewrites the same k, v into the same slot), both ways
+    causal_lm, input_ids, positions, kv_cache, meta = steps[-1]
+    one_op = causal_lm(input_ids, positions, kv_cache, meta)
+    monkeypatch.setattr(causal_lm, "_one_op_stack", lambda *args: None)
+    per_layer = causal_lm(input_ids, positions, kv_cache, meta)
+    assert len(stacks) == 12 and torch.equal(one_op, per_layer)
+
+
 def test_the_build_command_runs_from_outside_the_checkout(ops, tmp_path) -> None:
     """`python -m pdcluster.engine.kernels`, as setup runs it: found when already built."""
     import os

@@ -6,7 +6,9 @@ them, with its compiler and for its CPU, and loaded as `torch.ops.pdcluster.*`.
 - `gemv`, `gemv_swiglu`: one row times a weight matrix at the memory's rate (batch-1 decode's
   projections, engine/models/linear.py);
 - `rms_norm`, `add_rms_norm_`, `rope_and_cache_`: a decoder layer's small steps as one op each
-  (engine/models/llama.py).
+  (engine/models/llama.py);
+- `decode_layers_`: a batch-1 decode step's whole layer stack through the kernels above in one
+  call, with no return to Python between them (engine/models/llama.py, `CausalLM.forward`).
 
 `build()` compiles the sources with g++ against the installed torch (`python -m
 pdcluster.engine.kernels`; scripts/setup.sh runs it) into `cache_dir()/kernels/<key>/`, where the
@@ -37,7 +39,9 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PDCLUSTER_KERNELS"
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("paged_attention.cpp", "gemv.cpp", "layer_ops.cpp"))
+                for name in ("paged_attention.cpp", "gemv.cpp", "layer_ops.cpp",
+                             "decode_step.cpp"))
+HEADERS = (Path(__file__).with_name("csrc") / "kernels.h",)  # part of the key, not compiled
 # -march=native: built for the machine it runs on (the key holds its instruction sets), AVX2
 # or AVX-512 alike. Where the compiler or assembler does not know this CPU (an old g++ on a new
 # host), `build` retries with the instruction sets named (`isa_choices`): the sources use AVX2
@@ -65,7 +69,7 @@ def cpu_flags() -> str:
 
 def library_path() -> Path:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(" ".join((torch.__version__, *CXXFLAGS, cpu_flags())).encode())
     return cache_dir() / "kernels" / digest.hexdigest()[:16] / f"{_NAME}.so"
@@ -148,7 +152,7 @@ def ops():
     library does not load here; the reason is logged once)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    if not all(source.is_file() for source in SOURCES):
+    if not all(source.is_file() for source in (*SOURCES, *HEADERS)):
         logger.warning("engine kernel sources missing from %s: using the torch paths",
                        SOURCES[0].parent)
         return None

@@ -11,7 +11,10 @@ each); RMSNorm follows the reference formula (float32 statistics) so outputs mat
 With the engine's kernels (engine.kernels; CPU, float32) a layer's small steps are one op
 each: the residual add and the next RMSNorm (`add_rms_norm_`, which is why a layer returns
 its output and the residual stream separately), RoPE of q and k together with the cache write
-of k and v (`rope_and_cache_`; not for Qwen3's q/k norms, which take the torch path).
+of k and v (`rope_and_cache_`; not for Qwen3's q/k norms, which take the torch path). A
+batch-1 decode step of plain dense layers goes further: the whole stack is one op
+(`DecodeStack`, `decode_layers_`), the same kernels in the same order without returning to
+Python between them.
 """
 
 from __future__ import annotations
@@ -157,6 +160,9 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # built at the first batch-1 decode on a cache (None: this model does not fit it)
+        self._decode_stack: DecodeStack | None = None
+        self._decode_stack_cache: PagedKVCache | None = None
 
     def init_buffers(self, device: torch.device) -> None:
         """Recompute the RoPE tables (buffers, not weights) on `device` after `to_empty`."""
@@ -164,15 +170,100 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer), "the decoder holds DecoderLayers only"
             layer.self_attn.rope = rope.to(device)
+        self._decode_stack_cache = None  # the stack holds the old tables: built again
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache: PagedKVCache, meta: AttentionMetadata):
         x, residual = self.embed_tokens(input_ids), None
+        stack = self._one_op_stack(x, kv_cache, meta)
+        if stack is not None:  # a batch-1 decode: every layer in one C++ call
+            return stack(x, positions, meta)
         for layer in self.layers:
             x, residual = layer(x, residual, positions, kv_cache, meta)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(x, residual)[0]
 
+    def _one_op_stack(self, x: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata
+                      ) -> DecodeStack | None:
+        """The one-op layer stack for this step, where it applies: one token in decode, the
+        kernels on for this float32 CPU model, plain dense layers (`DecodeStack.dense_layers`)."""
+        if (x.shape[0] != 1 or meta.num_decodes != 1 or meta.prefills or meta.cascade
+                or meta.decode_lens is None or meta.decode_block_table is None):
+            return None
+        ops = kernels.ops_for(x, kv_cache.tensor)
+        if ops is None or not hasattr(ops, "decode_layers_"):
+            return None
+        if self._decode_stack_cache is not kv_cache:  # built (or refused) once per cache
+            self._decode_stack = DecodeStack.build(self, kv_cache)
+            self._decode_stack_cache = kv_cache
+        return self._decode_stack
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+class DecodeStack:
+    """The arguments of `torch.ops.pdcluster.decode_layers_` that stay fixed from step to step
+    (weights, per-layer cache views, RoPE tables), gathered once per model and cache. The op
+    runs the same kernels in the same order as the layers' forward, so the tokens do not
+    change; it only skips ~10 Python-level calls per layer (engine/kernels/csrc/decode_step.cpp).
+    The weights are the parameters themselves (no copy): a reload in place is seen."""
+
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, first: Attention,
+                 weights: list[torch.Tensor], k_caches: list[torch.Tensor],
+                 v_caches: list[torch.Tensor]) -> None:
+        self.model, self.kv_cache = model, kv_cache
+        self.weights, self.k_caches, self.v_caches = weights, k_caches, v_caches
+        self.cos, self.sin = first.rope.cos, first.rope.sin
+        self.heads, self.kv_heads, self.scale = first.num_heads, first.num_kv_heads, first.scale
+
+    @staticmethod
+    def dense_layers(model: CausalLM) -> list[tuple[DecoderLayer, Attention, MLP]] | None:
+        """Each layer and its parts where every one is a dense layer of this module's
+        `Attention` without biases or q/k norms, in float32 on the CPU, sharing one float32
+        RoPE table; else None (the op does not apply)."""
+        layers: list[tuple[DecoderLayer, Attention, MLP]] = []
+        for layer in model.layers:
+            if not isinstance(layer, DecoderLayer):
+                return None
+            attn, mlp = layer.self_attn, layer.mlp
+            if (type(attn) is not Attention or type(mlp) is not MLP or attn.q_norm is not None
+                    or attn.qkv_proj.bias is not None or attn.o_proj.bias is not None
+                    or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None):
+                return None
+            if any(p.dtype != torch.float32 or p.device.type != "cpu"
+                   for p in layer.parameters()):
+                return None
+            layers.append((layer, attn, mlp))
+        rope = layers[0][1].rope if layers else None
+        if rope is None or any(attn.rope is not rope for _, attn, _ in layers):
+            return None
+        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (rope.cos, rope.sin)):
+            return None
+        return layers
+
+    @classmethod
+    def build(cls, model: CausalLM, kv_cache: PagedKVCache) -> DecodeStack | None:
+        layers = cls.dense_layers(model)
+        if layers is None:
+            return None
+        weights: list[torch.Tensor] = []
+        k_caches, v_caches = [], []
+        for i, (layer, attn, mlp) in enumerate(layers):
+            weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+                        mlp.down_proj.weight]
+            keys, values = kv_cache.layer_kv(i)
+            k_caches.append(keys)
+            v_caches.append(values)
+        return cls(model, kv_cache, layers[0][1], weights, k_caches, v_caches)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                 ) -> torch.Tensor:
+        model = self.model
+        assert meta.decode_block_table is not None and meta.decode_lens is not None
+        return torch.ops.pdcluster.decode_layers_(
+            x, positions, self.weights, model.norm.weight, model.norm.eps, self.cos, self.sin,
+            self.heads, self.kv_heads, self.kv_cache.rows, self.k_caches, self.v_caches,
+            meta.slot_rows, meta.decode_block_table, meta.decode_lens, self.scale)

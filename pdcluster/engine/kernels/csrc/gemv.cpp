@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -86,6 +88,10 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   return shape;
 }
 
+}  // namespace
+
+namespace pdcluster {
+
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   const int64_t n = w.size(0), k = w.size(1);
   check(x, w, bias, n);
@@ -131,7 +137,7 @@ at::Tensor gemv_swiglu(const at::Tensor& x, const at::Tensor& w,
   return out;
 }
 
-}  // namespace
+}  // namespace pdcluster
 
 TORCH_LIBRARY_FRAGMENT(pdcluster, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
@@ -139,6 +145,6 @@ TORCH_LIBRARY_FRAGMENT(pdcluster, m) {
 }
 
 TORCH_LIBRARY_IMPL(pdcluster, CPU, m) {
-  m.impl("gemv", &gemv);
-  m.impl("gemv_swiglu", &gemv_swiglu);
+  m.impl("gemv", &pdcluster::gemv);
+  m.impl("gemv_swiglu", &pdcluster::gemv_swiglu);
 }

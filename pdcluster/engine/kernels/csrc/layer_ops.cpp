@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -38,6 +40,10 @@ void normalize_row(const float* in, const float* weight, int64_t n, float eps, f
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (in[i] * inv);
 }
+
+}  // namespace
+
+namespace pdcluster {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm");
@@ -134,7 +140,7 @@ void rope_and_cache_(const at::Tensor& qkv, const at::Tensor& positions, const a
   });
 }
 
-}  // namespace
+}  // namespace pdcluster
 
 TORCH_LIBRARY_FRAGMENT(pdcluster, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -146,7 +152,7 @@ TORCH_LIBRARY_FRAGMENT(pdcluster, m) {
 }
 
 TORCH_LIBRARY_IMPL(pdcluster, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("rope_and_cache_", &rope_and_cache_);
+  m.impl("rms_norm", &pdcluster::rms_norm);
+  m.impl("add_rms_norm_", &pdcluster::add_rms_norm_);
+  m.impl("rope_and_cache_", &pdcluster::rope_and_cache_);
 }

@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -253,6 +255,10 @@ Cache as_cache(const at::Tensor& t) {
   return {t.data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
 }
 
+}  // namespace
+
+namespace pdcluster {
+
 std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                    const at::Tensor& v_cache,
                                                    const at::Tensor& block_table,
@@ -299,7 +305,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
   return {out, lse};
 }
 
-}  // namespace
+}  // namespace pdcluster
 
 TORCH_LIBRARY_FRAGMENT(pdcluster, m) {
   m.def(
@@ -307,4 +313,4 @@ TORCH_LIBRARY_FRAGMENT(pdcluster, m) {
       "Tensor context_lens, float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(pdcluster, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(pdcluster, CPU, m) { m.impl("paged_attention", &pdcluster::paged_attention); }
