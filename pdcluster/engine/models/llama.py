@@ -190,8 +190,7 @@ class CausalLM(nn.Module):
         if (x.shape[0] != 1 or meta.num_decodes != 1 or meta.prefills or meta.cascade
                 or meta.decode_lens is None or meta.decode_block_table is None):
             return None
-        ops = kernels.ops_for(x, kv_cache.tensor)
-        if ops is None or not hasattr(ops, "decode_layers_"):
+        if kernels.ops_for(x, kv_cache.tensor) is None:  # built from every source, or not
             return None
         if self._decode_stack_cache is not kv_cache:  # built (or refused) once per cache
             self._decode_stack = DecodeStack.build(self, kv_cache)
@@ -213,8 +212,10 @@ class DecodeStack:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, first: Attention,
                  weights: list[torch.Tensor], k_caches: list[torch.Tensor],
                  v_caches: list[torch.Tensor]) -> None:
-        self.model, self.kv_cache = model, kv_cache
+        self.kv_cache = kv_cache
         self.weights, self.k_caches, self.v_caches = weights, k_caches, v_caches
+        self.row_offsets = [kv_cache.key_row_offset(i) for i in range(len(k_caches))]
+        self.final_norm, self.eps = model.norm.weight, model.norm.eps
         self.cos, self.sin = first.rope.cos, first.rope.sin
         self.heads, self.kv_heads, self.scale = first.num_heads, first.num_kv_heads, first.scale
 
@@ -261,9 +262,9 @@ class DecodeStack:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
                  ) -> torch.Tensor:
-        model = self.model
         assert meta.decode_block_table is not None and meta.decode_lens is not None
         return torch.ops.pdcluster.decode_layers_(
-            x, positions, self.weights, model.norm.weight, model.norm.eps, self.cos, self.sin,
-            self.heads, self.kv_heads, self.kv_cache.rows, self.k_caches, self.v_caches,
-            meta.slot_rows, meta.decode_block_table, meta.decode_lens, self.scale)
+            x, positions, self.weights, self.final_norm, self.eps, self.cos, self.sin,
+            self.heads, self.kv_heads, self.kv_cache.rows, self.row_offsets,
+            self.kv_cache.spec.block_size, self.k_caches, self.v_caches, meta.slot_rows,
+            meta.decode_block_table, meta.decode_lens, self.scale)

@@ -7,8 +7,10 @@
 // torch.ops.pdcluster.decode_layers_(x [1, H] (the token's embedding; the residual stream,
 //   updated in place), positions [1], weights (6 per layer: input norm [H], qkv [(Hq + 2 Hkv) D,
 //   H], o [H, Hq D], post-attention norm [H], gate_up [2 I, H], down [H, I]), final_norm [H],
-//   eps, cos, sin, heads, kv_heads, cache_rows, k_caches, v_caches (one [NB, BS, Hkv, D] view
-//   per layer), slot_rows [1], block_table [1, MB], context_lens [1], scale) -> [1, H]
+//   eps, cos, sin, heads, kv_heads, cache_rows, row_offsets and value_offset (each layer's
+//   rows in cache_rows, as rope_and_cache_ takes them: PagedKVCache.key_row_offset and the
+//   block size), k_caches, v_caches (one [NB, BS, Hkv, D] view per layer), slot_rows [1],
+//   block_table [1, MB], context_lens [1], scale) -> [1, H]
 //   the final norm's output: what CausalLM.forward returns for the token.
 // Dense layers without biases only (Llama, Mistral, Qwen3 without q/k norms, SmolLM); the
 // model takes its Python path for anything else.
@@ -29,21 +31,22 @@ at::Tensor decode_layers_(const at::Tensor& x, const at::Tensor& positions,
                           at::TensorList weights, const at::Tensor& final_norm, double eps,
                           const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                           int64_t kv_heads, const at::Tensor& cache_rows,
+                          at::IntArrayRef row_offsets, int64_t value_offset,
                           at::TensorList k_caches, at::TensorList v_caches,
                           const at::Tensor& slot_rows, const at::Tensor& block_table,
                           const at::Tensor& context_lens, double scale) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
-                  static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer,
-              "decode_layers_: expected ", kWeightsPerLayer, " weights and a k and v cache view "
-              "per layer");
+                  static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer &&
+                  static_cast<int64_t>(row_offsets.size()) == layers,
+              "decode_layers_: expected ", kWeightsPerLayer, " weights, a row offset and a k "
+              "and v cache view per layer");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous() &&
                   x.scalar_type() == at::kFloat,
               "decode_layers_: x must be one contiguous float32 token [1, H]");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0,
               "decode_layers_: heads must be a multiple of kv_heads");
   const int64_t dim = cos.size(1), q_size = heads * dim;
-  const int64_t block_size = k_caches[0].size(1);
   const at::Tensor& residual = x;  // the stream every layer adds to, in place
   at::Tensor out;                  // the previous layer's output
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -57,7 +60,7 @@ at::Tensor decode_layers_(const at::Tensor& x, const at::Tensor& positions,
     }
     at::Tensor qkv = gemv(h, w[1], c10::nullopt);
     rope_and_cache_(qkv, positions, cos, sin, heads, kv_heads, cache_rows, slot_rows,
-                    2 * layer * block_size, block_size);  // PagedKVCache.key_row_offset
+                    row_offsets[layer], value_offset);
     // a KV head's query heads as the rows of one matrix, as engine/attention.py lays them out
     at::Tensor rows = qkv.narrow(1, 0, q_size).reshape({1, kv_heads, heads / kv_heads, dim})
                           .contiguous();
@@ -78,7 +81,7 @@ TORCH_LIBRARY_FRAGMENT(pdcluster, m) {
   m.def(
       "decode_layers_(Tensor(a!) x, Tensor positions, Tensor[] weights, Tensor final_norm, "
       "float eps, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(b!) cache_rows, "
-      "Tensor[] k_caches, Tensor[] v_caches, Tensor slot_rows, Tensor block_table, "
+      "int[] row_offsets, int value_offset, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_rows, Tensor block_table, "
       "Tensor context_lens, float scale) -> Tensor");
 }
 
