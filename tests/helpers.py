@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from pdcluster.engine.block_pool import BlockPool
-from pdcluster.engine.kv_tiers import KVTiers
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.kv_tiers import KVTiers
 
 
 def assert_pool_clean(pool: BlockPool) -> None:

@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of the families that `engine.tiny_model` does not write by hand
+"""Tiny random checkpoints of the families that `engine.models.tiny_model` does not write by hand
 (Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V2/V3), built by transformers itself and saved with
 `save_pretrained`, so the checkpoint layout (per-expert weights, MLA names) is the real one.
 

@@ -43,7 +43,7 @@ class ModelDirs(dict):
         self.root = root
 
     def __missing__(self, name: str) -> str:
-        from pdcluster.engine.tiny_model import make_tiny_model
+        from pdcluster.engine.models.tiny_model import make_tiny_model
 
         spec = dict(MODEL_VARIANTS[name])
         seed = list(MODEL_VARIANTS).index(name)

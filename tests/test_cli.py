@@ -178,10 +178,10 @@ def test_make_tiny_model_wiring(monkeypatch: pytest.MonkeyPatch, capsys, tmp_pat
         seen.update(out_dir=out_dir, arch=arch, seed=seed, preset=preset)
         return Path(out_dir)
 
-    module = types.ModuleType("pdcluster.engine.tiny_model")
+    module = types.ModuleType("pdcluster.engine.models.tiny_model")
     module.make_tiny_model = make_tiny_model
     monkeypatch.setitem(sys.modules, "pdcluster.engine", types.ModuleType("pdcluster.engine"))
-    monkeypatch.setitem(sys.modules, "pdcluster.engine.tiny_model", module)
+    monkeypatch.setitem(sys.modules, "pdcluster.engine.models.tiny_model", module)
     out = str(tmp_path / "m")
     assert cli.main(["make-tiny-model", out, "--arch", "qwen2", "--seed", "3"]) == 0
     assert seen == {"out_dir": out, "arch": "qwen2", "seed": 3, "preset": "tiny"}

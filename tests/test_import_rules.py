@@ -165,7 +165,7 @@ OFFENDING_SOURCE = textwrap.dedent("""
     def lazy():
         import ray
         import importlib
-        return importlib.import_module("pdcluster.engine.sampler"), __import__("torch")
+        return importlib.import_module("pdcluster.engine.sample.sampler"), __import__("torch")
 """)
 
 
@@ -175,7 +175,7 @@ def test_checker_flags_synthetic_offender() -> None:
         "fake.py:3 imports torch.nn",
         "fake.py:4 imports pdcluster.engine.model",
         "fake.py:9 imports ray",
-        "fake.py:11 imports pdcluster.engine.sampler",
+        "fake.py:11 imports pdcluster.engine.sample.sampler",
         "fake.py:11 imports torch",
     ]
 
@@ -438,6 +438,60 @@ def test_subroom_check_catches_an_offender() -> None:
              "import pdcluster.router.simple\n"
     assert subroom_violations(source, "x.py", SUBROOM_FORBIDDEN["router/routing"]) == [
         "x.py:1 imports aiohttp", "x.py:2 imports pdcluster.router.sim.replay"]
+
+
+# ---- engine's sub-rooms ----------------------------------------------------------------------
+
+# engine/ in layers, each importing only the layers below it (docs/architecture.md): the
+# torch-free core at the bottom, beside the kernels; KV storage and sampling on the core; the
+# models on the kernels and KV storage; the runner on all of those; speculative decoding on the
+# runner; the engine itself (the top-level modules) on everything.
+ENGINE_LAYERS: dict[str, frozenset[str]] = {
+    "core": frozenset(),
+    "kernels": frozenset(),
+    "kv": frozenset({"core"}),
+    "sample": frozenset({"core"}),
+    "models": frozenset({"core", "kv", "kernels"}),
+    "runner": frozenset({"core", "kv", "kernels", "models", "sample"}),
+    "spec_decode": frozenset({"core", "kv", "kernels", "models", "sample", "runner"}),
+}
+
+
+def engine_layer_violations(source: str, filename: str, layer: str) -> list[str]:
+    """'file:line imports name' for each engine module outside the layers `layer` may use."""
+    allowed = ENGINE_LAYERS[layer] | {layer}
+    found = []
+    for line, name in _imported_names(ast.parse(source, filename=filename)):
+        parts = name.split(".")
+        if parts[:2] == ["pdcluster", "engine"] and (len(parts) < 3 or parts[2] not in allowed):
+            found.append(f"{filename}:{line} imports {name}")
+    return found
+
+
+@pytest.mark.parametrize("layer", sorted(ENGINE_LAYERS))
+def test_engine_subrooms_import_only_the_layers_below(layer: str) -> None:
+    files = sorted(p for p in (PACKAGE / "engine" / layer).rglob("*.py")
+                   if "__pycache__" not in p.parts)
+    assert files, layer
+    violations = []
+    for path in files:
+        violations += engine_layer_violations(path.read_text(encoding="utf-8"),
+                                              str(path.relative_to(REPO_ROOT)), layer)
+    assert not violations, "imports against engine's layers:\n" + "\n".join(violations)
+
+
+def test_every_engine_subroom_has_a_layer_rule() -> None:
+    subrooms = {p.parent.name for p in (PACKAGE / "engine").glob("*/__init__.py")}
+    assert subrooms == set(ENGINE_LAYERS)
+
+
+def test_engine_layer_check_catches_an_offender() -> None:
+    source = ("from pdcluster.engine.runner.model_runner import ModelRunner\n"
+              "from pdcluster.engine.core.request import Request\n"
+              "import pdcluster.engine.llm_engine\n")
+    assert engine_layer_violations(source, "x.py", "sample") == [
+        "x.py:1 imports pdcluster.engine.runner.model_runner",
+        "x.py:3 imports pdcluster.engine.llm_engine"]
 
 
 # ---- module paths named in strings ---------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.benchmarks.model_counts import model_counts, prefill_flops
-from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.model_config import ModelConfig
 
 SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,

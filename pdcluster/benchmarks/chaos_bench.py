@@ -301,7 +301,7 @@ def goals(measured: dict, lease_ttl_s: int) -> dict[str, bool]:
 
 
 def _tiny_model(tmp: str, engine: str) -> str:
-    from pdcluster.engine.tiny_model import make_tiny_model
+    from pdcluster.engine.models.tiny_model import make_tiny_model
 
     if engine == "vllm":  # vLLM's CPU attention kernels take head sizes of 32 and up
         return str(make_tiny_model(Path(tmp) / "tiny", preset="tiny", hidden_size=128,

@@ -9,7 +9,7 @@ benchmarks/host_tier_bench.py).
 
 Measures, in one run, on `--model` (e.g. the built-in SmolLM2-135M-Instruct) or else on one
 random model big enough that compute dominates on CPU (the `bench` preset of
-`engine.tiny_model`: hidden 512, 8 layers, 8 heads / 4 KV heads, 32k vocab). Prompts are
+`engine.models.tiny_model`: hidden 512, 8 layers, 8 heads / 4 KV heads, 32k vocab). Prompts are
 random token ids either way (greedy, EOS ignored: the lengths are exact):
 
 - throughput: output tokens/s of `LLM.generate` over N concurrent requests (prompt 256,
@@ -108,16 +108,16 @@ def run(args: argparse.Namespace) -> dict:
 def _model_dir(model: str | None, tmp: str) -> str:
     """The model to measure: `model` (a folder, or a GGUF converted once), else a random one."""
     if model:
-        from pdcluster.engine.gguf import resolve_model
+        from pdcluster.engine.models.gguf import resolve_model
 
         return resolve_model(model)
-    from pdcluster.engine.tiny_model import make_tiny_model
+    from pdcluster.engine.models.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp, arch="llama", seed=0, preset="bench"))
 
 
 def _model_facts(model_dir: str) -> dict:
-    from pdcluster.engine.model_config import ModelConfig
+    from pdcluster.engine.models.model_config import ModelConfig
 
     mc = ModelConfig.from_pretrained(model_dir)
     per_layer = (

@@ -24,7 +24,7 @@ BLOCK = 16
 def _layer():
     import torch
 
-    from pdcluster.engine.model_config import ModelConfig
+    from pdcluster.engine.models.model_config import ModelConfig
 
     hf = {"architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 32, "hidden_size": HIDDEN,
           "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": HEADS,
@@ -45,7 +45,7 @@ def _layer():
 def _decode_meta(batch: int, context: int):
     import torch
 
-    from pdcluster.engine.attention import AttentionMetadata, GatherWorkspace
+    from pdcluster.engine.models.attention import AttentionMetadata, GatherWorkspace
 
     blocks = context // BLOCK
     table = torch.arange(batch * blocks).view(batch, blocks)
@@ -74,7 +74,7 @@ def _time(layer, cache, meta, batch: int, context: int, steps: int) -> dict[bool
 def absorbed_vs_expanded(steps: int = 5) -> dict:
     import torch
 
-    from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
+    from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
 
     layer = _layer()
     result = {}
@@ -92,7 +92,7 @@ def absorbed_vs_expanded(steps: int = 5) -> dict:
 
 
 def kv_bytes_per_token() -> dict:
-    from pdcluster.engine.kv_cache import KVCacheSpec
+    from pdcluster.engine.kv.kv_cache import KVCacheSpec
 
     def per_token(layers: int, heads: int, dim: int, planes: int) -> int:
         return KVCacheSpec(1, layers, BLOCK, heads, dim, 2, planes).block_nbytes // BLOCK

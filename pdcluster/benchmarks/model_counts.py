@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.model_config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ def write_mixtral(out: Path, seed: int = 0) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pdcluster.engine.tiny_model import make_tiny_model
+    from pdcluster.engine.models.tiny_model import make_tiny_model
 
     make_tiny_model(out, arch="mistral", seed=seed, preset="bench")
     cfg = json.loads((out / "config.json").read_text())
@@ -82,7 +82,7 @@ def _measure(model_dir: str, device: str, steps: int) -> dict[str, float]:
 
 
 def moe_vs_dense(tmp: str, device: str, steps: int) -> dict:
-    from pdcluster.engine.tiny_model import make_tiny_model
+    from pdcluster.engine.models.tiny_model import make_tiny_model
 
     dense_dir = make_tiny_model(Path(tmp) / "dense", arch="mistral", seed=0, preset="bench")
     moe_dir = write_mixtral(Path(tmp) / "moe")

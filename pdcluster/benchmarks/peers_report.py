@@ -14,7 +14,7 @@ from pathlib import Path
 from pdcluster.benchmarks.model_counts import model_counts, prefill_flops
 from pdcluster.benchmarks.peers_settings import PeerSettings
 from pdcluster.benchmarks.peers_workloads import PeerSizes
-from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.model_config import ModelConfig
 
 # pdcluster / peer per workload: (figure, ratio name); throughputs: higher is better,
 # times: lower is better.

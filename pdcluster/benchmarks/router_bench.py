@@ -72,7 +72,7 @@ QUICK = Sizes(nodes=16, blocks=50_000, samples=200, concurrency=16, load_request
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pdcluster.engine.tiny_model import make_tiny_model
+    from pdcluster.engine.models.tiny_model import make_tiny_model
 
     sizes = QUICK if getattr(args, "quick", False) else Sizes()
     with tempfile.TemporaryDirectory(prefix="pdcluster-router-bench-") as tmp:

@@ -40,7 +40,7 @@ QUICK = Sizes(ttft_prompt_len=512, ttft_repeats=2, batch_requests=4, batch_promp
 def run(args: argparse.Namespace) -> dict:
     from pdcluster.cluster.config import ClusterConfig
     from pdcluster.cluster.ray_cluster import RayCluster
-    from pdcluster.engine.tiny_model import make_tiny_model
+    from pdcluster.engine.models.tiny_model import make_tiny_model
 
     sizes = QUICK if getattr(args, "quick", False) else Sizes()
     with tempfile.TemporaryDirectory(prefix="pdcluster-serve-bench-") as tmp:

@@ -111,7 +111,7 @@ def _tier_headlines(kv: dict | None, tiers: dict) -> dict:
 
 
 def _tiny_model(tmp: str) -> str:
-    from pdcluster.engine.tiny_model import make_tiny_model
+    from pdcluster.engine.models.tiny_model import make_tiny_model
 
     return str(make_tiny_model(Path(tmp) / "tiny", preset="tiny",
                                max_position_embeddings=8192))

@@ -37,7 +37,7 @@ QUICK = Sizes(tokens_per_request=1024, num_requests=4, repeats=2)
 
 
 def _spec(num_blocks: int):
-    from pdcluster.engine.kv_cache import KVCacheSpec
+    from pdcluster.engine.kv.kv_cache import KVCacheSpec
 
     return KVCacheSpec(num_blocks, LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPE_BYTES)
 

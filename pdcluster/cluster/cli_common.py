@@ -57,13 +57,13 @@ def require_device(device: str) -> None:
 def resolve_model_arg(model: str) -> str:
     """`--model` as the folder to serve, absolute (Ray workers need not share our working
     directory): a folder is checked, a GGUF file is converted into the cache once
-    (engine.gguf) and its folder returned; a bad file is a usage error."""
+    (engine.models.gguf) and its folder returned; a bad file is a usage error."""
     if not Path(model).is_file():
         if Path(model).suffix.lower() == ".gguf":
             raise UsageError(f"GGUF file not found: {model}")
         check_model_dir(model)
         return os.path.abspath(model)
-    from pdcluster.engine.gguf import GGUFError, is_gguf, resolve_model
+    from pdcluster.engine.models.gguf import GGUFError, is_gguf, resolve_model
 
     if not is_gguf(model):
         raise UsageError(f"not a model folder or a GGUF file: {model}")

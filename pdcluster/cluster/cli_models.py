@@ -28,7 +28,8 @@ from pdcluster.cluster.cli_common import (
     resolve_model_arg,
 )
 
-# Mirrors engine.tiny_model.ARCHS / PRESETS; repeated here so that --help never imports torch.
+# Mirrors engine.models.tiny_model.ARCHS / PRESETS; repeated here so that --help never imports
+# torch.
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 TINY_PRESETS = ("tiny", "bench")
 
@@ -104,7 +105,7 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from pdcluster.engine.tiny_model import make_tiny_model
+    from pdcluster.engine.models.tiny_model import make_tiny_model
 
     path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, preset=args.preset)
     print(path)
@@ -189,7 +190,7 @@ def add_convert_gguf(subparsers: argparse._SubParsersAction) -> None:
 def _cmd_convert_gguf(args: argparse.Namespace) -> int:
     if Path(args.out_dir).exists():
         raise UsageError(f"{args.out_dir} already exists")
-    from pdcluster.engine.gguf import GGUFError, convert_gguf
+    from pdcluster.engine.models.gguf import GGUFError, convert_gguf
 
     try:
         out = convert_gguf(args.gguf_file, args.out_dir)

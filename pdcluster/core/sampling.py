@@ -15,9 +15,10 @@ from typing import Annotated
 from pdcluster.core.wire import MaxLen
 
 GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
-# What the wire carries at most: looser than the engine's own limits (engine/sampling_params.py),
-# so a request past those is refused by the engine with the field's name, not dropped as
-# malformed; tight enough to bound what one frame can cost to decode (core.wire).
+# What the wire carries at most: looser than the engine's own limits
+# (engine/core/sampling_params.py), so a request past those is refused by the engine with the
+# field's name, not dropped as malformed; tight enough to bound what one frame can cost to
+# decode (core.wire).
 WIRE_MAX_GUIDED_SPEC_CHARS = 1 << 20
 WIRE_MAX_STOP_STRINGS = 64
 WIRE_MAX_STOP_STRING_CHARS = 1024

@@ -4,7 +4,7 @@ Public API: `LLM` (offline batch generation), `LLMEngine` (step loop: add_reques
 abort_request), `SamplingParams`, `RequestOutput`, `EngineConfig`. Bookkeeping — block pool,
 KV cache manager, scheduler, request — is torch-free; the model, attention, KV tensor, runner
 and sampler are torch. The names load lazily, so importing a torch-free module such as
-`engine.scheduler` does not import torch. See docs/engine.md.
+`engine.core.scheduler` does not import torch. See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ _EXPORTS = {
     "EngineConfig": "pdcluster.engine.config",
     "LLM": "pdcluster.engine.llm",
     "LLMEngine": "pdcluster.engine.llm_engine",
-    "RequestOutput": "pdcluster.engine.outputs",
-    "SamplingParams": "pdcluster.engine.sampling_params",
+    "RequestOutput": "pdcluster.engine.core.outputs",
+    "SamplingParams": "pdcluster.engine.core.sampling_params",
 }
 __all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.core.outputs import RequestOutput
+    from pdcluster.engine.core.sampling_params import SamplingParams
     from pdcluster.engine.llm import LLM
     from pdcluster.engine.llm_engine import LLMEngine
-    from pdcluster.engine.outputs import RequestOutput
-    from pdcluster.engine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):

@@ -7,7 +7,7 @@ thread, except `cached_block_hashes`, which the metadata publisher calls from it
 
 - `submit` admits a request (prompt token ids, the wire's `SamplingSpec`, the KV transfer it
   takes part in, a prefix-pull hint); it raises `ValueError` for a request the engine refuses
-  and `engine.pins.OverloadedError` when it has no room now. `abort_request` ends one.
+  and `engine.core.pins.OverloadedError` when it has no room now. `abort_request` ends one.
 - `step` advances the engine and returns each request's new tokens (`RequestOutput`); a node
   calls it while `has_unfinished_requests()` or `has_pinned_blocks()`.
 - `load`, `counters`, `take_step_times`, `transfer_counters`, `take_transfer_latencies` and
@@ -28,7 +28,7 @@ from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, TransferId
 from pdcluster.core.node_wire import KVCosts
 from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash, ReqId
-from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput
+from pdcluster.engine.core.outputs import EngineCounters, EngineLoad, RequestOutput
 
 
 class NodeEngine(ABC):

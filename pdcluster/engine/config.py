@@ -28,12 +28,12 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib
     kv_cache_memory_gib: float | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
-    # The host tier below the device's KV cache (engine/kv_tiers.py): blocks the device evicts
+    # The host tier below the device's KV cache (engine/core/kv_tiers.py): blocks the device evicts
     # are copied there and loaded back on a prefix hit. Sized in GiB of host memory, or in
     # blocks (num_host_blocks wins); 0 / None: no host tier.
     host_cache_gib: float = 0.0
     num_host_blocks: int | None = None
-    # The disk tier below the host tier (engine/disk_kv_cache.py): blocks the host evicts are
+    # The disk tier below the host tier (engine/kv/disk_kv_cache.py): blocks the host evicts are
     # written to one preallocated file under disk_cache_dir (None: core.paths' cache dir,
     # kv-disk/) by a writer thread, at most disk_max_pending_writes at a time (more are
     # dropped, never waited for). In GiB of disk, or in blocks (num_disk_blocks wins); 0 /
@@ -52,7 +52,7 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20  # the most top logprobs a request may ask for (vLLM's default)
     # KV blocks held for other nodes (sends to decode nodes, prefix pulls served): at most
-    # this fraction of the pool, each send pin for at most `pin_timeout_s` (engine/pins.py).
+    # this fraction of the pool, each send pin for at most `pin_timeout_s` (engine/core/pins.py).
     max_pinned_fraction: float = 0.5
     pin_timeout_s: float = 10.0
     # Speculative decoding (engine/spec_decode): a SpeculativeConfig or its text form

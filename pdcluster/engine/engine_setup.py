@@ -3,8 +3,8 @@ sequence, the tokenizer (if the model folder has one) and the size of the paged 
 
 `kv_cache_spec` fills the configured KV memory (1 GiB on CPU by default, 90% of free memory on
 CUDA) with blocks, never more than every sequence slot at full length can use. `host_tier`
-builds the host tier below it (engine/kv_tiers.py), and the disk tier below that
-(engine/disk_kv_cache.py), when the config asks for them.
+builds the host tier below it (engine/core/kv_tiers.py), and the disk tier below that
+(engine/kv/disk_kv_cache.py), when the config asks for them.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from pathlib import Path
 
 import torch
 
-from pdcluster.engine.block_pool import BlockPool
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.disk_kv_cache import DiskKVCache
-from pdcluster.engine.host_kv_cache import HostKVCache, available_host_bytes, host_tier_blocks
-from pdcluster.engine.host_pool import HostBlockPool
-from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
-from pdcluster.engine.kv_cache_manager import cdiv
-from pdcluster.engine.kv_tiers import KVTiers
-from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.host_pool import HostBlockPool
+from pdcluster.engine.core.kv_cache_manager import cdiv
+from pdcluster.engine.core.kv_tiers import KVTiers
+from pdcluster.engine.kv.disk_kv_cache import DiskKVCache
+from pdcluster.engine.kv.host_kv_cache import HostKVCache, available_host_bytes, host_tier_blocks
+from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
+from pdcluster.engine.models.model_config import ModelConfig
 
 _CPU_KV_GIB = 1.0
 _CUDA_MEMORY_FRACTION = 0.9

@@ -1,6 +1,7 @@
 """`LLM`: offline batch generation on top of `LLMEngine`.
 
-    llm = LLM("path/to/model", dtype="float32")   # or a .gguf file (engine.gguf converts it once)
+    llm = LLM("path/to/model", dtype="float32")   # or a .gguf file (converted once:
+                                                  # engine.models.gguf)
     outs = llm.generate(["Hello", [1, 15043]], SamplingParams(temperature=0, max_tokens=16))
     outs[0].text, outs[0].token_ids
 """
@@ -12,10 +13,10 @@ from collections.abc import Sequence
 from typing import cast
 
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.gguf import resolve_model
+from pdcluster.engine.core.outputs import RequestOutput
+from pdcluster.engine.core.sampling_params import SamplingParams, as_params_list
 from pdcluster.engine.llm_engine import LLMEngine
-from pdcluster.engine.outputs import RequestOutput
-from pdcluster.engine.sampling_params import SamplingParams, as_params_list
+from pdcluster.engine.models.gguf import resolve_model
 
 
 class LLM:

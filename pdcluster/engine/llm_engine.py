@@ -9,8 +9,8 @@
 
 It owns the tokenizer, the scheduler and KV cache manager (bookkeeping, torch-free) and the
 model runner (torch). Bad requests raise ValueError at `add_request`, before any state changes
-(engine/validation.py); a `RemoteDecode` request past the node's pin budget raises
-`OverloadedError` (engine/pins.py). A fault while serving one request fails it alone (`step`).
+(engine/core/validation.py); a `RemoteDecode` request past the node's pin budget raises
+`OverloadedError` (engine/core/pins.py). A fault while serving one request fails it alone (`step`).
 
 With a `KVConnector` (see core/kv_connector.py) the engine takes part in disaggregated
 serving: `add_request(..., kv_transfer=RemotePrefill(...))` on a decode node waits for its
@@ -41,8 +41,15 @@ from pdcluster.core.node_wire import KVCosts
 from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash, ReqId
 from pdcluster.engine.api import NodeEngine
-from pdcluster.engine.block_pool import BlockPool
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.kv_cache_manager import KVCacheManager
+from pdcluster.engine.core.kv_costs import KVCostMeter
+from pdcluster.engine.core.outputs import EngineCounters, EngineLoad, RequestOutput
+from pdcluster.engine.core.request import Request, RequestStatus
+from pdcluster.engine.core.sampling_params import SamplingParams
+from pdcluster.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdcluster.engine.core.validation import RequestLimits, validate_keys, validate_request
 from pdcluster.engine.engine_setup import (
     host_tier,
     kv_cache_spec,
@@ -51,21 +58,14 @@ from pdcluster.engine.engine_setup import (
     resolve_dtype,
     resolve_max_len,
 )
-from pdcluster.engine.kv_cache import PagedKVCache
-from pdcluster.engine.kv_cache_manager import KVCacheManager
-from pdcluster.engine.kv_costs import KVCostMeter
-from pdcluster.engine.model_config import ModelConfig
-from pdcluster.engine.model_runner import ModelRunner
+from pdcluster.engine.kv.kv_cache import PagedKVCache
 from pdcluster.engine.models.loader import load_model
+from pdcluster.engine.models.model_config import ModelConfig
 from pdcluster.engine.output_builder import OutputBuilder
-from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput
-from pdcluster.engine.request import Request, RequestStatus
-from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdcluster.engine.runner.model_runner import ModelRunner
+from pdcluster.engine.sample.structured_output import GrammarCompiler
 from pdcluster.engine.spec_decode.decoder import SpecDecoder, build_proposer
 from pdcluster.engine.spec_decode.stats import SpecDecodeStats
-from pdcluster.engine.structured_output import GrammarCompiler
-from pdcluster.engine.validation import RequestLimits, validate_keys, validate_request
 
 logger = logging.getLogger(__name__)
 _STEP_TIMES_KEPT = 4096  # step durations kept for `take_step_times` (oldest dropped)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdcluster.core.types import ReqId
-from pdcluster.engine.outputs import RequestOutput, StopStringChecker
-from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.core.outputs import RequestOutput, StopStringChecker
+from pdcluster.engine.core.request import Request, RequestStatus
 from pdcluster.engine.spec_decode.stops import cut_at_first_stop
 
 

@@ -48,7 +48,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from pdcluster.engine.api import NodeEngine
-from pdcluster.engine.outputs import EngineCounters
+from pdcluster.engine.core.outputs import EngineCounters
 
 logger = logging.getLogger(__name__)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)

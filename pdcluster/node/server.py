@@ -69,8 +69,8 @@ from pdcluster.core.node_wire import (
 from pdcluster.core.throttle import Throttle
 from pdcluster.core.wire import WireError
 from pdcluster.engine.api import NodeEngine
-from pdcluster.engine.outputs import RequestOutput
-from pdcluster.engine.pins import OverloadedError
+from pdcluster.engine.core.outputs import RequestOutput
+from pdcluster.engine.core.pins import OverloadedError
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 2

@@ -41,7 +41,7 @@ from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash, ReqId
 from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.outputs import EngineCounters, EngineLoad, RequestOutput
+from pdcluster.engine.core.outputs import EngineCounters, EngineLoad, RequestOutput
 from pdcluster.transfer.side_channel import SideChannelClient
 from pdcluster.vllm_backend.aborts import AbortTracker
 from pdcluster.vllm_backend.connector_scheduler import kv_transfer_params

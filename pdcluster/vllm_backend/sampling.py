@@ -19,7 +19,7 @@ from vllm.outputs import RequestOutput as VllmOutput
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 from pdcluster.core.sampling import GuidedDecoding, SamplingSpec
-from pdcluster.engine.outputs import RequestOutput
+from pdcluster.engine.core.outputs import RequestOutput
 
 # vLLM's finish reasons are the node's ("stop", "length", "abort", "error").
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}

@@ -5,7 +5,7 @@ real `Proposer` interface; it stands in for nothing in the product."""
 
 from __future__ import annotations
 
-from pdcluster.engine.request import Request
+from pdcluster.engine.core.request import Request
 from pdcluster.engine.spec_decode.proposer import Proposer
 
 

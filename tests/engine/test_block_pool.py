@@ -15,7 +15,7 @@ from hypothesis.stateful import (
 
 from pdcluster.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pdcluster.core.hashing import hash_block_tokens
-from pdcluster.engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from pdcluster.engine.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from tests.helpers import assert_pool_clean
 
 BLOCK_SIZE = 4

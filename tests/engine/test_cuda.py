@@ -34,8 +34,8 @@ def test_cuda_bfloat16_generates(model_dirs):
 
 def test_cuda_shared_prefix_decodes_take_the_cascade_and_match(model_dirs, hf_reference,
                                                                 monkeypatch):
-    """The cascade split (engine/attention.py) off the CPU runs `_attend_matmul`."""
-    from pdcluster.engine import attention
+    """The cascade split (engine/models/attention.py) off the CPU runs `_attend_matmul`."""
+    from pdcluster.engine.models import attention
 
     calls = count_calls(monkeypatch, attention, "_attend_matmul")
     llm = LLM(model_dirs["llama-gqa"], device="cuda", dtype="float32", num_kv_blocks=128,

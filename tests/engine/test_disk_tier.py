@@ -19,7 +19,7 @@ from pdcluster.core.block_index import BlockIndex, apply_events
 from pdcluster.core.events import DISK, HOST, BlockMoved
 from pdcluster.engine import LLM, SamplingParams
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.disk_kv_cache import disk_tier_blocks
+from pdcluster.engine.kv.disk_kv_cache import disk_tier_blocks
 from pdcluster.router.routing.policy import NodeView, PolicyConfig
 from pdcluster.router.routing.tier_costs import tier_cost
 from tests.helpers import assert_tiers_clean
@@ -267,7 +267,7 @@ def test_disk_sizes_that_cannot_work_are_refused(model_dirs, tmp_path):
 def test_the_metadata_service_counts_a_nodes_disk_blocks(model_dirs, make_llm):
     """The engine's events, published to the real metadata service, make its Query say how
     many of a prompt's leading blocks the node holds on disk only (NodeMatch.num_disk_blocks)."""
-    from pdcluster.engine.request import Request
+    from pdcluster.engine.core.request import Request
     from pdcluster.metadata_service.events import encode_events
     from tests.metadata_service.test_service import make_service, register
 

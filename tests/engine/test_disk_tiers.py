@@ -10,11 +10,11 @@ import random
 
 from pdcluster.core.block_index import BlockIndex, apply_events
 from pdcluster.core.events import DISK, HOST, BlockMoved, BlockRemoved
-from pdcluster.engine.block_pool import BlockPool
-from pdcluster.engine.host_kv_cache import copy_runs
-from pdcluster.engine.host_pool import HostBlockPool
-from pdcluster.engine.kv_cache_manager import KVCacheManager
-from pdcluster.engine.kv_tiers import DiskHit, HostHit, KVTiers
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.host_pool import HostBlockPool
+from pdcluster.engine.core.kv_cache_manager import KVCacheManager
+from pdcluster.engine.core.kv_tiers import DiskHit, HostHit, KVTiers
+from pdcluster.engine.kv.host_kv_cache import copy_runs
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request
 from tests.helpers import assert_pool_clean, assert_tiers_clean
 
@@ -194,7 +194,7 @@ def test_index_fed_by_the_events_matches_all_three_tiers() -> None:
 
 def test_a_peer_pull_is_served_from_the_host_but_never_from_the_disk() -> None:
     from pdcluster.core.kv_connector import ConnectorResults, PrefixTokens, PullLookup
-    from pdcluster.engine.scheduler import Scheduler, SchedulerConfig
+    from pdcluster.engine.core.scheduler import Scheduler, SchedulerConfig
     from pdcluster.transfer.connector_scheduler import ConnectorScheduler
 
     kv, pool, tiers = make_tiered(num_host=4)

@@ -1,6 +1,6 @@
 """The engine's CPU fast paths against their plain-torch definitions: oneDNN linears and the
 SwiGLU epilogues (engine/models/linear.py), and attention's reused gather buffers
-(engine/attention.py). The exact-greedy tests (test_hf_parity.py, test_real_model.py) check
+(engine/models/attention.py). The exact-greedy tests (test_hf_parity.py, test_real_model.py) check
 the same paths end to end against transformers."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from pdcluster.engine.attention import GatherWorkspace  # noqa: E402
 from pdcluster.engine.kernels import gemm  # noqa: E402
-from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
+from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from pdcluster.engine.models import linear as linear_mod  # noqa: E402
+from pdcluster.engine.models.attention import GatherWorkspace  # noqa: E402
 from pdcluster.engine.models.linear import Linear, linear, silu_and_mul  # noqa: E402
 from tests.helpers import count_calls  # noqa: E402
 
@@ -143,8 +143,8 @@ def _decode_meta(cache: PagedKVCache, tables: list[list[int]], lens: list[int],
                  runner_cascade: bool):
     """Attention metadata for one decode token per table, built by the model runner's own
     table code (with or without the cascade split)."""
-    from pdcluster.engine.attention import AttentionMetadata
-    from pdcluster.engine.model_runner import ModelRunner
+    from pdcluster.engine.models.attention import AttentionMetadata
+    from pdcluster.engine.runner.model_runner import ModelRunner
 
     runner = ModelRunner.__new__(ModelRunner)  # only the table helpers: no model needed
     runner.block_size, runner.kv_cache, runner.device = cache.spec.block_size, cache, CPU
@@ -166,7 +166,7 @@ def _big_cache(num_blocks=24, block_size=4, kv_heads=2, head_dim=16) -> PagedKVC
 
 
 def test_cascade_equals_one_batched_softmax() -> None:
-    from pdcluster.engine import attention
+    from pdcluster.engine.models import attention
 
     cache = _big_cache()
     shared = [3, 7, 1, 9, 4]
@@ -202,7 +202,7 @@ def test_cascade_equals_one_batched_softmax() -> None:
     ([[1, 2, 3, 4, 5], [1, 9, 3, 4, 5]], [20, 20], None),  # differs at block 2
 ])
 def test_cascade_takes_only_blocks_every_context_covers(tables, lens, shared) -> None:
-    from pdcluster.engine.model_runner import MIN_SHARED_BLOCKS
+    from pdcluster.engine.runner.model_runner import MIN_SHARED_BLOCKS
 
     assert MIN_SHARED_BLOCKS == 4  # the cases above are written for it
     meta = _decode_meta(_big_cache(), tables, lens, runner_cascade=True)
@@ -240,8 +240,8 @@ def test_decodes_sharing_a_prompt_prefix_match_transformers(model_dirs, hf_refer
 @pytest.mark.parametrize("earlier, own", [(1, 512), (37, 600), (512, 520)])
 def test_split_prefill_equals_one_masked_call(earlier, own) -> None:
     """block_size 4; `earlier` need not end on a block boundary (a mid-block chunk start)."""
-    from pdcluster.engine import attention
-    from pdcluster.engine.attention import PrefillChunk
+    from pdcluster.engine.models import attention
+    from pdcluster.engine.models.attention import PrefillChunk
 
     bs, kv_heads, dim = 4, 2, 16
     total = earlier + own

@@ -1,4 +1,4 @@
-"""GGUF as an input format (engine/gguf.py): the real SmolLM2 GGUF gives the same tokens as
+"""GGUF as an input format (engine/models/gguf.py): the real SmolLM2 GGUF gives the same tokens as
 the folder setup converted from it; small fake GGUFs written with the `gguf` package's own
 writer check the errors — an unsupported architecture is named, a corrupt or truncated file
 is refused before anything is written, and the CLI reports both as one line."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pdcluster.engine import LLM, SamplingParams
-from pdcluster.engine.gguf import (
+from pdcluster.engine.models.gguf import (
     GGUFError,
     UnsupportedGGUFArchitecture,
     convert_gguf,

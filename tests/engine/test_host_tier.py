@@ -9,7 +9,7 @@ import pytest
 
 from pdcluster.engine import LLM, SamplingParams
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.host_kv_cache import host_tier_blocks
+from pdcluster.engine.kv.host_kv_cache import host_tier_blocks
 from tests.helpers import assert_tiers_clean
 from tests.models import random_prompts
 
@@ -121,7 +121,7 @@ def test_tier_sizes_that_cannot_work_are_refused(model_dirs):
 
 
 def test_available_host_memory_is_capped_by_the_cgroup(tmp_path):
-    from pdcluster.engine.host_kv_cache import available_host_bytes
+    from pdcluster.engine.kv.host_kv_cache import available_host_bytes
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:  67108864 kB\nMemAvailable:  33554432 kB\n")

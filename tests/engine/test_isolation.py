@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pdcluster.engine import LLMEngine, SamplingParams  # noqa: E402
-from pdcluster.engine.outputs import RequestOutput  # noqa: E402
+from pdcluster.engine.core.outputs import RequestOutput  # noqa: E402
 from tests.helpers import assert_pool_clean  # noqa: E402
 from tests.models import random_prompts  # noqa: E402
 

@@ -11,8 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pdcluster.engine import attention, kernels  # noqa: E402
-from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
+from pdcluster.engine import kernels  # noqa: E402
+from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
+from pdcluster.engine.models import attention  # noqa: E402
 from tests.helpers import count_calls  # noqa: E402
 
 
@@ -169,7 +170,7 @@ def test_rms_norms_equal_the_reference(ops) -> None:
 def test_rope_and_cache_equal_rotation_and_write(ops) -> None:
     """Bit-identical to the torch RoPE (so to transformers'), and the cache rows hold what
     `PagedKVCache.write` would have written."""
-    from pdcluster.engine.model_config import RopeConfig
+    from pdcluster.engine.models.model_config import RopeConfig
     from pdcluster.engine.models.rope import RotaryEmbedding
 
     heads, kv_heads, dim, layer = 6, 2, 16, 1

@@ -16,9 +16,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pdcluster.engine import attention, kernels  # noqa: E402
+from pdcluster.engine import kernels  # noqa: E402
 from pdcluster.engine.kernels import __main__ as kernels_setup  # noqa: E402
 from pdcluster.engine.kernels import gemm  # noqa: E402
+from pdcluster.engine.models import attention  # noqa: E402
 from tests.helpers import count_calls  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,10 +12,10 @@ import pytest
 
 from pdcluster.core.events import BlockRemoved, BlockStored
 from pdcluster.core.hashing import BlockExtra, hash_block_tokens
-from pdcluster.engine.block_pool import BlockPool
-from pdcluster.engine.kv_cache_manager import KVCacheManager
-from pdcluster.engine.request import Request
-from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.kv_cache_manager import KVCacheManager
+from pdcluster.engine.core.request import Request
+from pdcluster.engine.core.sampling_params import SamplingParams
 from tests.helpers import assert_pool_clean
 
 BLOCK_SIZE = 4

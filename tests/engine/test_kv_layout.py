@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pdcluster.engine import LLMEngine, SamplingParams  # noqa: E402
-from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
+from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -10,11 +10,11 @@ import pytest
 
 from pdcluster.core.block_index import BlockIndex, apply_events
 from pdcluster.core.events import DEVICE, HOST, BlockMoved, BlockRemoved, BlockStored
-from pdcluster.engine.block_pool import BlockPool
-from pdcluster.engine.host_kv_cache import copy_runs
-from pdcluster.engine.host_pool import HostBlockPool
-from pdcluster.engine.kv_cache_manager import KVCacheManager
-from pdcluster.engine.kv_tiers import HostHit, KVTiers
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.host_pool import HostBlockPool
+from pdcluster.engine.core.kv_cache_manager import KVCacheManager
+from pdcluster.engine.core.kv_tiers import HostHit, KVTiers
+from pdcluster.engine.kv.host_kv_cache import copy_runs
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request
 from tests.helpers import assert_pool_clean, assert_tiers_clean
 

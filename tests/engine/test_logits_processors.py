@@ -9,10 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pdcluster.engine.logits_processors import LogitsProcessors  # noqa: E402
-from pdcluster.engine.request import Request  # noqa: E402
-from pdcluster.engine.sampler import Sampler  # noqa: E402
-from pdcluster.engine.sampling_params import SamplingParams  # noqa: E402
+from pdcluster.engine.core.request import Request  # noqa: E402
+from pdcluster.engine.core.sampling_params import SamplingParams  # noqa: E402
+from pdcluster.engine.sample.logits_processors import LogitsProcessors  # noqa: E402
+from pdcluster.engine.sample.sampler import Sampler  # noqa: E402
 
 VOCAB = 16
 CPU = torch.device("cpu")

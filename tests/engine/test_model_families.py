@@ -7,11 +7,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pdcluster.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
-from pdcluster.engine.model_families import MoEConfig  # noqa: E402
+from pdcluster.engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
+from pdcluster.engine.models.model_families import MoEConfig  # noqa: E402
 from pdcluster.engine.models.moe import Experts, Router  # noqa: E402
 from pdcluster.engine.models.registry import model_class  # noqa: E402
-from pdcluster.engine.tiny_model import hf_config  # noqa: E402
+from pdcluster.engine.models.tiny_model import hf_config  # noqa: E402
 
 
 def test_every_supported_architecture_has_an_implementation() -> None:
@@ -140,7 +140,7 @@ def test_checkpoint_missing_an_expert_weight_is_rejected(model_dirs, tmp_path) -
 
 
 def test_mla_latent_plane_is_one_contiguous_range_per_block() -> None:
-    from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
+    from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
 
     spec = KVCacheSpec(3, 2, 4, 1, 6, 4, num_planes=1)
     assert spec.block_nbytes == 2 * 4 * 6 * 4  # layers x slots x (latent + rope key), float32

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pdcluster.engine import LLM, SamplingParams  # noqa: E402
-from pdcluster.engine.tiny_model import make_tiny_model  # noqa: E402
+from pdcluster.engine.models.tiny_model import make_tiny_model  # noqa: E402
 from tests.helpers import assert_pool_clean  # noqa: E402
 
 N_OUT = 12

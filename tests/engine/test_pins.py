@@ -1,4 +1,4 @@
-"""Bounded pins (engine/pins.py): blocks held for other nodes — remote decodes waiting for
+"""Bounded pins (engine/core/pins.py): blocks held for other nodes — remote decodes waiting for
 their decode node, prefix pulls being served — stay within the node's budget in count, and a
 send pin expires after `pin_timeout_s`. Torch-free scheduler scenarios (the production
 connector scheduler, the test playing the worker), then one on two real engines over the
@@ -19,11 +19,11 @@ from pdcluster.core.kv_connector import (
     RecvResult,
 )
 from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill
-from pdcluster.engine.block_pool import BlockPool
-from pdcluster.engine.kv_cache_manager import KVCacheManager
-from pdcluster.engine.pins import OverloadedError, PinBudget
-from pdcluster.engine.request import RequestStatus
-from pdcluster.engine.scheduler import Scheduler, SchedulerConfig
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.kv_cache_manager import KVCacheManager
+from pdcluster.engine.core.pins import OverloadedError, PinBudget
+from pdcluster.engine.core.request import RequestStatus
+from pdcluster.engine.core.scheduler import Scheduler, SchedulerConfig
 from pdcluster.transfer.connector_scheduler import ConnectorScheduler
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request
 from tests.engine.test_prefix_pulls import pulling

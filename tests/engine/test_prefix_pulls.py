@@ -8,11 +8,11 @@ import pytest
 
 from pdcluster.core.kv_connector import ConnectorResults, PrefixTokens, PullLookup, PullResult
 from pdcluster.core.kv_transfer import PrefixPull, RemoteDecode
-from pdcluster.engine.block_pool import BlockPool
-from pdcluster.engine.kv_cache_manager import KVCacheManager
-from pdcluster.engine.prefix_pulls import _Lookup
-from pdcluster.engine.request import RequestStatus
-from pdcluster.engine.scheduler import Scheduler, SchedulerConfig
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.kv_cache_manager import KVCacheManager
+from pdcluster.engine.core.prefix_pulls import _Lookup
+from pdcluster.engine.core.request import RequestStatus
+from pdcluster.engine.core.scheduler import Scheduler, SchedulerConfig
 from pdcluster.transfer.connector_scheduler import ConnectorScheduler
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request
 from tests.engine.test_scheduler import run_all, step

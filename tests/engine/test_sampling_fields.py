@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from pdcluster.core.sampling import SamplingSpec
-from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.core.sampling_params import SamplingParams
 from pdcluster.router.api.protocol import CompletionRequest
 
 WIRE_FIELDS = {f.name for f in fields(SamplingSpec)}

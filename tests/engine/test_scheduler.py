@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdcluster.engine.block_pool import BlockPool
-from pdcluster.engine.kv_cache_manager import KVCacheManager
-from pdcluster.engine.outputs import SampledToken
-from pdcluster.engine.request import Request, RequestStatus
-from pdcluster.engine.scheduler import Scheduler, SchedulerConfig
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.kv_cache_manager import KVCacheManager
+from pdcluster.engine.core.outputs import SampledToken
+from pdcluster.engine.core.request import Request, RequestStatus
+from pdcluster.engine.core.scheduler import Scheduler, SchedulerConfig
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, EOS, make_request
 from tests.helpers import assert_pool_clean
 

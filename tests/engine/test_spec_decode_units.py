@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdcluster.engine.sample.rejection import accept_greedy, rejection_sample
 from pdcluster.engine.spec_decode.config import SpeculativeConfig
 from pdcluster.engine.spec_decode.ngram import NgramProposer
-from pdcluster.engine.spec_decode.rejection import accept_greedy, rejection_sample
 from pdcluster.engine.spec_decode.stats import SpecDecodeStats
 
 

@@ -16,7 +16,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from pdcluster.core.sampling import GuidedDecoding  # noqa: E402
 from pdcluster.engine import LLM, SamplingParams  # noqa: E402
-from pdcluster.engine.tiny_model import make_tiny_model  # noqa: E402
+from pdcluster.engine.models.tiny_model import make_tiny_model  # noqa: E402
 from tests.helpers import assert_pool_clean  # noqa: E402
 from tests.models import random_prompts  # noqa: E402
 

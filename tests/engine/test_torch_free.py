@@ -27,7 +27,7 @@ def test_module_does_not_import_torch(module):
 
 
 def test_the_check_detects_torch():
-    code = "import sys, pdcluster.engine.kv_cache; print('torch' in sys.modules)"
+    code = "import sys, pdcluster.engine.kv.kv_cache; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.strip() == "True"

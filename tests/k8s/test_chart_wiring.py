@@ -393,7 +393,7 @@ def test_notes_tell_how_to_call_the_endpoint(tmp_path) -> None:
 
 
 def test_dashboard_node_metrics_exist_on_the_nodes() -> None:
-    from pdcluster.engine.outputs import EngineCounters, EngineLoad
+    from pdcluster.engine.core.outputs import EngineCounters, EngineLoad
     from pdcluster.node.metrics import NodeMetrics
 
     metrics = NodeMetrics("n0", "prefill")

@@ -24,7 +24,7 @@ SCRIPT = (22557, 1526, 28725, 456, 349, 264, 1369, 28723)
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model folder with only what the router reads: tokenizer files and config.json."""
-    from pdcluster.engine.tiny_model import write_tokenizer
+    from pdcluster.engine.models.tiny_model import write_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-model")
     write_tokenizer(out, MAX_MODEL_LEN)

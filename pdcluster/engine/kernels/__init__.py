@@ -1,8 +1,8 @@
 """The engine's native CPU kernels: C++ ops (csrc/*.cpp) built once on the machine that runs
 them, with its compiler and for its CPU, and loaded as `torch.ops.pdcluster.*`.
 
-- `paged_attention`: decode attention reading the paged KV cache in place (engine/attention.py
-  uses it on CPU for float32 caches);
+- `paged_attention`: decode attention reading the paged KV cache in place
+  (engine/models/attention.py uses it on CPU for float32 caches);
 - `gemv`, `gemv_swiglu`: one row times a weight matrix at the memory's rate (batch-1 decode's
   projections, engine/models/linear.py);
 - `rms_norm`, `add_rms_norm_`, `rope_and_cache_`: a decoder layer's small steps as one op each

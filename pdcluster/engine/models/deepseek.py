@@ -7,9 +7,9 @@ greedy or group-limited vs. sigmoid with score correction), and V3's `rope_inter
 
 from __future__ import annotations
 
-from pdcluster.engine.model_config import ModelConfig
 from pdcluster.engine.models.llama import CausalLM
 from pdcluster.engine.models.mla import MLAttention, mla_config
+from pdcluster.engine.models.model_config import ModelConfig
 
 
 class DeepseekForCausalLM(CausalLM):

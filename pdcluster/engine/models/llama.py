@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from pdcluster.engine import kernels
-from pdcluster.engine.attention import AttentionMetadata, paged_attention
-from pdcluster.engine.kv_cache import PagedKVCache
-from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.kv.kv_cache import PagedKVCache
+from pdcluster.engine.models.attention import AttentionMetadata, paged_attention
 from pdcluster.engine.models.linear import Linear
+from pdcluster.engine.models.model_config import ModelConfig
 from pdcluster.engine.models.moe import MLP, FusedLinear, SparseMoE
 from pdcluster.engine.models.rope import RotaryEmbedding
 

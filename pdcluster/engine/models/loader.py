@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from pdcluster.engine.model_config import ModelConfig
+from pdcluster.engine.models.model_config import ModelConfig
 from pdcluster.engine.models.registry import model_class
 
 if TYPE_CHECKING:

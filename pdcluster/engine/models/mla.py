@@ -2,7 +2,7 @@
 
 Per token and layer the cache holds one entry of `kv_lora_rank + qk_rope_head_dim` values:
 the RMS-normed compressed latent `c` and the RoPE'd key `k_pe` shared by every head (one plane
-of `engine.kv_cache`, so a block stays one contiguous byte range and moves between nodes as
+of `engine.kv.kv_cache`, so a block stays one contiguous byte range and moves between nodes as
 such). Queries come from a low-rank (`q_lora_rank`) or full projection and split into a
 no-position part and a RoPE part (decoupled RoPE; DeepSeek's interleaved pairs are
 de-interleaved first, then rotated rotate-half style — the same dot products).
@@ -13,7 +13,7 @@ de-interleaved first, then rotated rotate-half style — the same dot products).
   the query (`q_nope @ W_uk` per head) and its value half applied after attention, so a decode
   attends straight over the cached entries as one shared KV head — nothing is expanded per
   context token. `absorb_decode=False` expands like prefill (for measurement and tests).
-The token order and `AttentionMetadata` are those of `engine.attention`.
+The token order and `AttentionMetadata` are those of `engine.models.attention`.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.engine.attention import AttentionMetadata, GatherWorkspace, PrefillChunk
-from pdcluster.engine.kv_cache import PagedKVCache
-from pdcluster.engine.model_config import ModelConfig
-from pdcluster.engine.model_families import MLAConfig
+from pdcluster.engine.kv.kv_cache import PagedKVCache
+from pdcluster.engine.models.attention import AttentionMetadata, GatherWorkspace, PrefillChunk
 from pdcluster.engine.models.linear import Linear
 from pdcluster.engine.models.llama import RMSNorm
+from pdcluster.engine.models.model_config import ModelConfig
+from pdcluster.engine.models.model_families import MLAConfig
 from pdcluster.engine.models.rope import RotaryEmbedding
 
 _LORA_NORM_EPS = 1e-6  # transformers builds q_a/kv_a_layernorm with the default eps

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.engine.model_families import MoEConfig
 from pdcluster.engine.models.linear import Linear, linear, silu_and_mul
+from pdcluster.engine.models.model_families import MoEConfig
 
 
 class FusedLinear(Linear):

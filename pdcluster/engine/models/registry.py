@@ -1,7 +1,7 @@
 """Which model implementation serves which Hugging Face `architectures` name.
 
 `model_class(architecture)` returns the `nn.Module` class to build; `SUPPORTED_ARCHITECTURES`
-(torch-free, in `engine.model_config`) is the list users see in errors. Family modules are
+(torch-free, in `engine.models.model_config`) is the list users see in errors. Family modules are
 imported on demand, so loading a Llama never imports the MLA code; they are named relative to
 this package (`"llama:CausalLM"` is `pdcluster.engine.models.llama`), so the name cannot
 drift from where the package is installed.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from pdcluster.engine.model_config import SUPPORTED_ARCHITECTURES
+from pdcluster.engine.models.model_config import SUPPORTED_ARCHITECTURES
 
 if TYPE_CHECKING:
     from pdcluster.engine.models.llama import CausalLM

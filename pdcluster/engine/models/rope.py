@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from pdcluster.engine.model_config import RopeConfig
+from pdcluster.engine.models.model_config import RopeConfig
 
 
 def _need(cfg: RopeConfig, name: str) -> float:

@@ -11,9 +11,9 @@ back-off. Text that does not repeat thus costs next to nothing over plain decodi
 from __future__ import annotations
 
 from pdcluster.core.types import ReqId
-from pdcluster.engine.request import Request, RequestStatus
-from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.scheduler_output import SchedulerOutput
+from pdcluster.engine.core.request import Request, RequestStatus
+from pdcluster.engine.core.sampling_params import SamplingParams
+from pdcluster.engine.core.scheduler_output import SchedulerOutput
 from pdcluster.engine.spec_decode.config import SpeculativeConfig
 from pdcluster.engine.spec_decode.proposer import Proposer
 from pdcluster.engine.spec_decode.stats import SpecDecodeStats

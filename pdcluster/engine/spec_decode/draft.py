@@ -19,16 +19,16 @@ from __future__ import annotations
 import dataclasses
 
 from pdcluster.core.types import ReqId
-from pdcluster.engine.block_pool import BlockPool
-from pdcluster.engine.kv_cache import PagedKVCache
-from pdcluster.engine.kv_cache_manager import KVCacheManager
-from pdcluster.engine.model_config import ModelConfig
-from pdcluster.engine.model_runner import ModelRunner
+from pdcluster.engine.core.block_pool import BlockPool
+from pdcluster.engine.core.kv_cache_manager import KVCacheManager
+from pdcluster.engine.core.outputs import SampledToken
+from pdcluster.engine.core.request import Request
+from pdcluster.engine.core.sampling_params import SamplingParams
+from pdcluster.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from pdcluster.engine.kv.kv_cache import PagedKVCache
 from pdcluster.engine.models.loader import load_model
-from pdcluster.engine.outputs import SampledToken
-from pdcluster.engine.request import Request
-from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pdcluster.engine.models.model_config import ModelConfig
+from pdcluster.engine.runner.model_runner import ModelRunner
 from pdcluster.engine.spec_decode.config import SpeculativeConfig
 from pdcluster.engine.spec_decode.proposer import Proposer
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from pdcluster.engine.request import Request
+from pdcluster.engine.core.request import Request
 from pdcluster.engine.spec_decode.proposer import Proposer
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from pdcluster.core.types import ReqId
-from pdcluster.engine.request import Request
+from pdcluster.engine.core.request import Request
 
 
 class Proposer(ABC):

@@ -4,8 +4,8 @@ token whose text contains a stop string, so the run is cut back to that token.""
 
 from __future__ import annotations
 
-from pdcluster.engine.outputs import StopStringChecker
-from pdcluster.engine.request import Request
+from pdcluster.engine.core.outputs import StopStringChecker
+from pdcluster.engine.core.request import Request
 
 
 def cut_at_first_stop(checker: StopStringChecker, req: Request, num_before: int

@@ -61,7 +61,7 @@ at::Tensor decode_layers_(const at::Tensor& x, const at::Tensor& positions,
     at::Tensor qkv = gemv(h, w[1], c10::nullopt);
     rope_and_cache_(qkv, positions, cos, sin, heads, kv_heads, cache_rows, slot_rows,
                     row_offsets[layer], value_offset);
-    // a KV head's query heads as the rows of one matrix, as engine/attention.py lays them out
+    // a KV head's query heads as the rows of one matrix, as engine/models/attention.py lays them out
     at::Tensor rows = qkv.narrow(1, 0, q_size).reshape({1, kv_heads, heads / kv_heads, dim})
                           .contiguous();
     at::Tensor attended = std::get<0>(paged_attention(rows, k_caches[layer], v_caches[layer],

@@ -11,7 +11,7 @@
 //   rotates every q and k head of each token in place (rotate-half RoPE: x cos +
 //   rotate_half(x) sin, element for element as transformers computes it), then copies the
 //   token's k and v into rows slot_rows[t] + row_offset (+ value_offset for v) of the cache
-//   (engine/kv_cache.py's row view of the region; the offset picks the layer).
+//   (engine/kv/kv_cache.py's row view of the region; the offset picks the layer).
 //
 // This file is compiled like the others (-ffp-contract=off keeps a * b + c as two roundings,
 // as torch's separate ops do): RoPE's output is bit-identical to transformers'.

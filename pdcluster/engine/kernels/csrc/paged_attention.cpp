@@ -5,7 +5,7 @@
 //                                one sequence, or every sequence's group when S = 1 reads
 //                                blocks all of them share: cascade attention)
 //   k/v_cache    [NB, BS, Hkv, D] any strides with the last one 1: one layer's view of the
-//                                block-contiguous region (engine/kv_cache.py)
+//                                block-contiguous region (engine/kv/kv_cache.py)
 //   block_table  [S, MB] int64, context_lens [S] int64 (tokens attended; 0 allowed)
 //   -> (out [S, Hkv, R, D], lse [S, Hkv, R]): softmax(scale * q k^T) v and the natural-log
 //      sum-exp of each row's scaled scores (-inf, out 0, for an empty context), which is what

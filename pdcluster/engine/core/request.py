@@ -20,7 +20,7 @@ from pdcluster.core.hashing import (
 )
 from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull
 from pdcluster.core.types import ReqId
-from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -18,7 +18,7 @@ chunk reached their last token, applies stop conditions and frees finished reque
 
 Where requests wait, how they finish and how KV from other nodes reaches them (the KV
 connector's results, pinned blocks, the pin budget, prefix pulls) is `RequestQueues`
-(engine/request_queues.py), which `Scheduler` extends.
+(engine/core/request_queues.py), which `Scheduler` extends.
 """
 
 from __future__ import annotations
@@ -27,10 +27,14 @@ import logging
 from collections.abc import Mapping
 
 from pdcluster.core.types import ReqId
-from pdcluster.engine.outputs import RequestFailure, SampledToken, StepResult
-from pdcluster.engine.request import Request, RequestStatus
-from pdcluster.engine.request_queues import RequestQueues
-from pdcluster.engine.scheduler_output import ScheduledRequest, SchedulerConfig, SchedulerOutput
+from pdcluster.engine.core.outputs import RequestFailure, SampledToken, StepResult
+from pdcluster.engine.core.request import Request, RequestStatus
+from pdcluster.engine.core.request_queues import RequestQueues
+from pdcluster.engine.core.scheduler_output import (
+    ScheduledRequest,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 

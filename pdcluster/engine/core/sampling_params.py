@@ -103,7 +103,7 @@ class SamplingParams(SamplingSpec):
 
 def _checked_logit_bias(bias: object) -> dict[int, float]:
     """A copy of `bias` (token id -> float); ids are checked against the vocabulary by the
-    engine (engine.validation)."""
+    engine (engine.core.validation)."""
     if not isinstance(bias, dict):
         raise ValueError(f"logit_bias must be a map of token id to bias, got {bias!r}")
     if len(bias) > MAX_LOGIT_BIAS:

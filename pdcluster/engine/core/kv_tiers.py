@@ -1,6 +1,6 @@
 """`KVTiers`: the device block pool with a host tier below it and, optionally, a disk tier
-below that (torch-free bookkeeping; the copies themselves run in `engine.host_kv_cache` and
-`engine.disk_kv_cache`).
+below that (torch-free bookkeeping; the copies themselves run in `engine.kv.host_kv_cache` and
+`engine.kv.disk_kv_cache`).
 
 - **Demotion.** When an allocation evicts a cached device block (its slot is about to be
   reused), the block is copied to a host slot instead of being dropped: the host's LRU makes
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pdcluster.core.block_index import MEDIUM_BITS
 from pdcluster.core.events import DEVICE, DISK, HOST, BlockMoved, BlockRemoved
 from pdcluster.core.types import BlockHash
-from pdcluster.engine.block_pool import BlockPool, KVCacheBlock
-from pdcluster.engine.host_pool import HostBlockPool
+from pdcluster.engine.core.block_pool import BlockPool, KVCacheBlock
+from pdcluster.engine.core.host_pool import HostBlockPool
 
 _DEVICE_BIT, _HOST_BIT, _DISK_BIT = MEDIUM_BITS[DEVICE], MEDIUM_BITS[HOST], MEDIUM_BITS[DISK]
 

@@ -34,7 +34,7 @@ import torch
 
 from pdcluster.core.sampling import GuidedDecoding
 from pdcluster.core.types import ReqId
-from pdcluster.engine.request import Request
+from pdcluster.engine.core.request import Request
 
 if TYPE_CHECKING:  # llguidance itself loads at the first guided request
     from llguidance import LLExecutor, LLMatcher, LLTokenizer

@@ -3,9 +3,9 @@
 Greedy rows take argmax (first index on ties, as the reference does). Sampled rows apply
 temperature, top-k and top-p, then draw with the request's own `torch.Generator` when it has a
 seed, so a seeded request is reproducible whatever else shares its batch. Before either, in
-one batched pass: `logit_bias` and the penalties (engine.logits_processors), the min_tokens
+one batched pass: `logit_bias` and the penalties (engine.sample.logits_processors), the min_tokens
 bans (rows that have not reached `min_tokens` cannot pick EOS or a stop token), and the
-grammar masks of guided requests (engine.structured_output). Logprobs are of the model's
+grammar masks of guided requests (engine.sample.structured_output). Logprobs are of the model's
 distribution (before all of these, temperature and filters included).
 
 Isolation: one request's parameters must not fail the others. The batched stage draws no
@@ -23,10 +23,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdcluster.engine.logits_processors import LogitsProcessors, uses_processors
-from pdcluster.engine.outputs import RequestFailure, SampledToken
-from pdcluster.engine.request import Request
-from pdcluster.engine.structured_output import GrammarCompiler, GrammarError, StructuredOutput
+from pdcluster.engine.core.outputs import RequestFailure, SampledToken
+from pdcluster.engine.core.request import Request
+from pdcluster.engine.sample.logits_processors import LogitsProcessors, uses_processors
+from pdcluster.engine.sample.structured_output import (
+    GrammarCompiler,
+    GrammarError,
+    StructuredOutput,
+)
 
 logger = logging.getLogger(__name__)
 _FAILED = "sampling failed on the node"

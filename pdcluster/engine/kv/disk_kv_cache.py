@@ -1,5 +1,5 @@
 """`DiskKVCache`: the bytes of the KV cache's disk tier, below the host tier (the bookkeeping is
-`engine.kv_tiers.KVTiers`, its LRU a `HostBlockPool` of disk slots).
+`engine.core.kv_tiers.KVTiers`, its LRU a `HostBlockPool` of disk slots).
 
 Layout: ONE preallocated file of fixed-size slots, one block each, laid out as a host block
 (all layers, all planes: one contiguous range). One file rather than a file per block: a slot
@@ -47,8 +47,8 @@ import numpy as np
 import torch
 
 from pdcluster.core.paths import cache_dir
-from pdcluster.engine.kv_costs import CopyTimer
-from pdcluster.engine.tier_sizes import tier_blocks
+from pdcluster.engine.core.kv_costs import CopyTimer
+from pdcluster.engine.core.tier_sizes import tier_blocks
 
 logger = logging.getLogger(__name__)
 _GIB = 2**30

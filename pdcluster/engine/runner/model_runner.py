@@ -3,28 +3,28 @@ from the scheduler's plan, runs the forward pass, and samples one token for ever
 whose chunk reached its last known token.
 
 Tokens are ordered decode-first (every single-token chunk, including a prompt whose only
-uncached token is its last), then prefill chunks; see `engine.attention`.
+uncached token is its last), then prefill chunks; see `engine.models.attention`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdcluster.engine.attention import (
+from pdcluster.engine.core.outputs import StepResult
+from pdcluster.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from pdcluster.engine.kv.kv_cache import PagedKVCache
+from pdcluster.engine.models.attention import (
     AttentionMetadata,
     CascadeTables,
     GatherWorkspace,
     PrefillChunk,
 )
-from pdcluster.engine.kv_cache import PagedKVCache
 from pdcluster.engine.models.llama import CausalLM
-from pdcluster.engine.outputs import StepResult
-from pdcluster.engine.sampler import Sampler
-from pdcluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from pdcluster.engine.spec_decode.rejection import verify_chunks
+from pdcluster.engine.sample.rejection import verify_chunks
+from pdcluster.engine.sample.sampler import Sampler
 
-# Decode attention splits at the blocks all decodes share (engine/attention.py) from this many
-# on. Chosen, not tuned: a few shared blocks save little reading and still cost a second
+# Decode attention splits at the blocks all decodes share (engine/models/attention.py) from this
+# many on. Chosen, not tuned: a few shared blocks save little reading and still cost a second
 # attention call and the merge (measured only at W4's 64 shared blocks: step 0.40 -> 0.23 s).
 MIN_SHARED_BLOCKS = 4
 
@@ -42,7 +42,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[StepResult]:
         """One entry per `out.scheduled` item, in that order; None where nothing is sampled,
-        a `RequestFailure` where sampling failed for that request alone (engine.sampler), a
+        a `RequestFailure` where sampling failed for that request alone (engine.sample.sampler), a
         list of tokens for a chunk that verified proposed tokens (engine/spec_decode)."""
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_tokens > 1)
         items = [out.scheduled[i] for i in order]

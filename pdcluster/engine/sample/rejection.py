@@ -21,10 +21,10 @@ import logging
 
 import torch
 
-from pdcluster.engine.outputs import RequestFailure, SampledToken
-from pdcluster.engine.request import Request
-from pdcluster.engine.sampler import Sampler, _top_p_filter
-from pdcluster.engine.scheduler_output import ScheduledRequest
+from pdcluster.engine.core.outputs import RequestFailure, SampledToken
+from pdcluster.engine.core.request import Request
+from pdcluster.engine.core.scheduler_output import ScheduledRequest
+from pdcluster.engine.sample.sampler import Sampler, _top_p_filter
 
 logger = logging.getLogger(__name__)
 

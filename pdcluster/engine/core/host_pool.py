@@ -1,6 +1,6 @@
 """`HostBlockPool`: the bookkeeping of the host tier of the KV cache (torch-free; the bytes
-live in `engine.host_kv_cache.HostKVCache`), and of the disk tier below it, which keeps its
-slots the same way (`engine.disk_kv_cache.DiskKVCache` holds those bytes).
+live in `engine.kv.host_kv_cache.HostKVCache`), and of the disk tier below it, which keeps its
+slots the same way (`engine.kv.disk_kv_cache.DiskKVCache` holds those bytes).
 
 The host tier holds copies of blocks the device pool evicted, in `num_slots` slots of one
 block each, as a prefix cache of its own: `hash -> slot`, least recently used first. A slot

@@ -13,15 +13,15 @@ carries out the KV connector's side of disaggregated serving:
   parks without using the token budget (`_park_for_remote_kv`, called by the scheduler).
   `apply_connector_results` turns an arrival into a running request (prompt computed, first
   token appended) and a failure into a local recompute or an error, by policy.
-- Blocks held for other nodes are bounded (engine/pins.py): a `RemoteDecode` request that would
+- Blocks held for other nodes are bounded (engine/core/pins.py): a `RemoteDecode` request that would
   pass the budget is refused at `add_request` (`OverloadedError`), and `expire_pins` cancels
   sends whose decode node has not fetched the blocks within `pin_timeout_s`. The blocks a
   remote prefill parks for the prefill node's write count too: past the budget it waits, and
   one that could never fit computes its prompt here.
-- Global prefix reuse (engine/prefix_pulls.py) parks a request the same way while blocks past
+- Global prefix reuse (engine/core/prefix_pulls.py) parks a request the same way while blocks past
   its local hit are pulled from another node, and serves other nodes' pulls from this cache.
 
-`Scheduler` (engine/scheduler.py) builds on it with the per-step decisions.
+`Scheduler` (engine/core/scheduler.py) builds on it with the per-step decisions.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from pdcluster.core.kv_connector import (
 )
 from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill
 from pdcluster.core.types import ReqId
-from pdcluster.engine.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
-from pdcluster.engine.pins import OverloadedError, PinBudget
-from pdcluster.engine.prefix_pulls import PrefixPulls
-from pdcluster.engine.request import Request, RequestStatus
-from pdcluster.engine.scheduler_output import SchedulerConfig
+from pdcluster.engine.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
+from pdcluster.engine.core.pins import OverloadedError, PinBudget
+from pdcluster.engine.core.prefix_pulls import PrefixPulls
+from pdcluster.engine.core.request import Request, RequestStatus
+from pdcluster.engine.core.scheduler_output import SchedulerConfig
 
 
 class RequestQueues:

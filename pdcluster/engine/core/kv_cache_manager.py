@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdcluster.core.types import BlockHash, ReqId
-from pdcluster.engine.block_pool import BlockPool, KVCacheBlock
-from pdcluster.engine.kv_tiers import KVTiers, LowerHit
-from pdcluster.engine.request import Request
+from pdcluster.engine.core.block_pool import BlockPool, KVCacheBlock
+from pdcluster.engine.core.kv_tiers import KVTiers, LowerHit
+from pdcluster.engine.core.request import Request
 
 PrefixHit = KVCacheBlock | LowerHit
 

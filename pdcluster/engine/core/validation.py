@@ -12,7 +12,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.core.sampling_params import SamplingParams
 
 # Both travel with every reply or into every block hash: a megabyte salt would make each
 # block of the prompt hash a megabyte.

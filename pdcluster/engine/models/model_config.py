@@ -4,7 +4,7 @@
 fields that differ across architectures and transformers versions (legacy `rope_scaling` +
 `rope_theta` versus transformers-5 `rope_parameters`; `head_dim` present or derived; Qwen2's
 always-on qkv bias; Qwen3's q/k norms). Mixture-of-experts routing (`MoEConfig`) and DeepSeek's
-Multi-head Latent Attention (`MLAConfig`) are parsed by `engine.model_families`.
+Multi-head Latent Attention (`MLAConfig`) are parsed by `engine.models.model_families`.
 `SUPPORTED_ARCHITECTURES` is the one list of `architectures` names the engine serves.
 Torch-free: the scheduler and the CLI may read it without loading weights.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdcluster.engine.model_families import MLAConfig, MoEConfig, parse_mla, parse_moe
+from pdcluster.engine.models.model_families import MLAConfig, MoEConfig, parse_mla, parse_moe
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",

@@ -1,16 +1,16 @@
 """`HostKVCache`: the bytes of the KV cache's host tier, and the copies between it and the
-device's paged cache (`engine.kv_cache.PagedKVCache`). The bookkeeping is
-`engine.kv_tiers.KVTiers`.
+device's paged cache (`engine.kv.kv_cache.PagedKVCache`). The bookkeeping is
+`engine.core.kv_tiers.KVTiers`.
 
 Layout: one tensor `[num_blocks, *block]` in host memory, each block laid out exactly as a
 device block (all layers, all planes: one contiguous range), so a copy of a run of
 consecutive blocks is one `copy_` of one contiguous range each way. A step's copies are
-grouped into such runs (`copy_runs`): demotions first, then loads (engine/kv_tiers.py says
+grouped into such runs (`copy_runs`): demotions first, then loads (engine/core/kv_tiers.py says
 why). On CUDA the region is pinned and the copies run on a stream of their own, which the
 compute stream waits for before the model runs: they overlap the step's batch preparation,
 not its forward pass. On CPU the copies are plain memcpys on the engine's thread.
 
-With a disk tier (`disk`, an `engine.disk_kv_cache.DiskKVCache`) a step's spills run first:
+With a disk tier (`disk`, an `engine.kv.disk_kv_cache.DiskKVCache`) a step's spills run first:
 each host slot the host evicted is staged (one block's bytes copied out) and queued for the
 disk's writer thread, before a demotion of the same step reuses the slot; its disk loads run
 last, read straight into the device blocks.
@@ -19,7 +19,7 @@ Sizing (`host_tier_blocks`): `EngineConfig.host_cache_gib` of blocks, refused wi
 `ValueError` when it is more than the host memory available (`/proc/meminfo`
 `MemAvailable`, capped by the container's cgroup limit).
 
-Cost: each step's loads are timed (`engine.kv_costs.CopyTimer`): bytes and seconds, from
+Cost: each step's loads are timed (`engine.core.kv_costs.CopyTimer`): bytes and seconds, from
 which a node reports the host tier's bandwidth and latency to the router
 (`router.routing.tier_costs`); a calibration copy at start gives the first figure before
 any load.
@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from pdcluster.engine.disk_kv_cache import DiskKVCache
-from pdcluster.engine.kv_cache import KVCacheSpec, PagedKVCache
-from pdcluster.engine.kv_costs import CopyTimer
-from pdcluster.engine.kv_tiers import KVTiers, TierCopies
-from pdcluster.engine.tier_sizes import tier_blocks
+from pdcluster.engine.core.kv_costs import CopyTimer
+from pdcluster.engine.core.kv_tiers import KVTiers, TierCopies
+from pdcluster.engine.core.tier_sizes import tier_blocks
+from pdcluster.engine.kv.disk_kv_cache import DiskKVCache
+from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
 
 
 def copy_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdcluster.core.types import ReqId
-from pdcluster.engine.request import Request
+from pdcluster.engine.core.request import Request
 
 
 @dataclass(frozen=True, slots=True)

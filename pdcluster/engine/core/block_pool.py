@@ -11,7 +11,7 @@ hit, ``get_new_blocks`` for the rest, ``cache_blocks`` as blocks fill up, and ``
 
 When events are enabled the pool records ``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared`` for the global block index; ``take_events`` drains them. With a host
-tier (engine/kv_tiers.py) the blocks an allocation evicts go to ``on_evict`` instead, which
+tier (engine/core/kv_tiers.py) the blocks an allocation evicts go to ``on_evict`` instead, which
 demotes them and records what happened to each (``record_event``; consecutive events of one
 kind are merged, so a step's demotions are one event).
 
@@ -246,7 +246,7 @@ class BlockPool:
             self._events.append(BlockStored(tuple(run), parent_hash, self.block_size))
 
     def record_event(self, event: BlockRemoved | BlockMoved) -> None:
-        """Record a tier change (engine/kv_tiers.py), merged into the previous event when
+        """Record a tier change (engine/core/kv_tiers.py), merged into the previous event when
         that is of the same kind and media."""
         if not self.enable_events:
             return

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from pdcluster.engine import kernels
-from pdcluster.engine.kv_cache import PagedKVCache
+from pdcluster.engine.kv.kv_cache import PagedKVCache
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ Requester (a request with a `PrefixPull` hint, admitted from the waiting queue):
    last prompt token). If any, the scheduler allocates blocks [k0, k) unhashed and parks the
    request in `WAITING_FOR_REMOTE_KVS`; `on_parked` hands the connector their ids and what
    names them (`PrefixTokens`: the prompt's leading tokens and its cache salt). The parked
-   blocks count against the node's pin budget (engine/pins.py); a pull that does not fit is
+   blocks count against the node's pin budget (engine/core/pins.py); a pull that does not fit is
    not made, and the request computes its prefix.
 2. `apply_result`: n <= k - k0 blocks arrived (the holder sends the leading run it still
    has; 0 on failure or timeout). They are hashed into the prefix cache, the request counts
@@ -22,7 +22,7 @@ failed or expired. With a host tier the run goes on through blocks only the host
 slots are pinned instead and named by the ids past the device's (`KVRegion`'s host slots),
 so the peer reads them straight from host memory, no load back to the device first: the
 cluster's host tiers are one global pool. The run is cut to what the node's pin budget has
-left (engine/pins.py), so a flood of pulls cannot tie up the pool; the requester computes
+left (engine/core/pins.py), so a flood of pulls cannot tie up the pool; the requester computes
 whatever is not sent.
 """
 
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from pdcluster.core.hashing import BlockExtra, BlockHasher, HashConfig
 from pdcluster.core.kv_connector import KVConnectorScheduler, PrefixTokens, PullLookup, PullResult
 from pdcluster.core.kv_transfer import TransferId
-from pdcluster.engine.block_pool import KVCacheBlock
-from pdcluster.engine.kv_cache_manager import KVCacheManager, PrefixHit
-from pdcluster.engine.kv_tiers import HostHit
-from pdcluster.engine.pins import PinBudget
-from pdcluster.engine.request import Request
+from pdcluster.engine.core.block_pool import KVCacheBlock
+from pdcluster.engine.core.kv_cache_manager import KVCacheManager, PrefixHit
+from pdcluster.engine.core.kv_tiers import HostHit
+from pdcluster.engine.core.pins import PinBudget
+from pdcluster.engine.core.request import Request
 
 # Blocks of peers' pull lookups hashed per engine step, all lookups together: a peer naming a
 # 1M-token prompt costs the engine thread a bounded slice of each step, not one long stall.

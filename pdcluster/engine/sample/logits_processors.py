@@ -1,5 +1,5 @@
 """The sampler's batched logits processors: `logit_bias` and the three penalties
-(engine.sampling_params documents their meaning). Each is one tensor operation over every row
+(engine.core.sampling_params documents their meaning). Each is one tensor operation over every row
 that uses it, whatever the mix of settings in the batch: a row with neutral values (bias 0,
 penalties 0/0/1) comes out bit-identical, so a request samples the same tokens alone or in
 any batch.
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from pdcluster.core.types import ReqId
-from pdcluster.engine.request import Request
-from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.core.request import Request
+from pdcluster.engine.core.sampling_params import SamplingParams
 
 
 def uses_processors(params: SamplingParams) -> bool:

@@ -1,7 +1,7 @@
 """Config sections of the model families beyond the dense decoder, parsed from a Hugging Face
 `config.json`: mixture-of-experts routing (`MoEConfig`: Mixtral, Qwen3-MoE, DeepSeek-V2/V3)
 and Multi-head Latent Attention (`MLAConfig`: DeepSeek-V2/V3). `parse_moe` / `parse_mla`
-return None for architectures without the feature. Torch-free, like `engine.model_config`.
+return None for architectures without the feature. Torch-free, like `engine.models.model_config`.
 """
 
 from __future__ import annotations

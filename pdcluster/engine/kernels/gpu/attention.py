@@ -1,0 +1,328 @@
+"""Paged attention in Triton: decode (flash-decoding, split over the context) and prefill (a
+varlen flash kernel over each chunk's cached context plus itself, causally). Both read the
+paged KV cache in place through block tables: no gather, no padding, no mask tensor.
+
+Cache views are one layer's `[num_blocks, block_size, num_kv_heads, head_dim]` (any strides
+with the last one 1; engine/kv/kv_cache.py). A token `t` of a sequence lives in block
+`table[t // block_size]` at row `t % block_size`, so a tile of keys may span blocks of any size.
+
+Decode, `paged_attention(rows, k_cache, v_cache, block_table, lens, scale)`, has the CPU C++
+op's signature (engine/kernels/csrc/paged_attention.cpp): `rows [S, Hkv, R, D]` are the R query
+rows that share KV head h of sequence s (a GQA group; or every sequence's group when S = 1
+reads blocks they all share: cascade attention). Each program scores one tile of keys against
+all R rows at once, so a key is read once per group. The context is split into `num_splits`
+pieces, each a program writing its partial output and log-sum-exp; a second kernel merges
+them. The split count depends only on shapes (never on `lens`), so a CUDA graph captured once
+replays for any context length.
+
+Prefill, `prefill_attention(q, k_cache, v_cache, out, ...)`, runs every prefill chunk of a
+step in one launch: a program takes BLOCK_M queries of one chunk and one head, and walks keys
+from position 0 to its last query's position (tiles wholly below the diagonal without a mask,
+then the diagonal tiles with `key_pos <= query_pos`). A chunk's own keys are in the cache
+already (written before attention), so a chunk after a cached prefix or an earlier chunk, even
+one starting mid-block, is the same loop.
+
+Float32 inputs are multiplied in IEEE float32 (not TF32): with greedy sampling the engine must
+give transformers' tokens exactly, and only summation order may differ.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, TABLE, LENS, OUT, LSE,
+    scale_log2,
+    stride_qs, stride_qh, stride_qr,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ts,
+    stride_os, stride_oh, stride_osplit, stride_or,
+    stride_ls, stride_lh, stride_lsplit,
+    num_kv_heads, num_rows, head_dim, num_splits,
+    BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq_head = tl.program_id(0)
+    split = tl.program_id(1)
+    row_tile = tl.program_id(2)
+    seq = seq_head // num_kv_heads
+    head = seq_head % num_kv_heads
+    length = tl.load(LENS + seq).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, length)
+
+    rows = row_tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < num_rows
+    dim_ok = dims < head_dim
+    q = tl.load(Q + seq * stride_qs + head * stride_qh + rows[:, None] * stride_qr
+                + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for first in range(start, end, BLOCK_N):
+        toks = first + tl.arange(0, BLOCK_N)
+        tok_ok = toks < end
+        block = tl.load(TABLE + seq * stride_ts + toks // BLOCK_SIZE, mask=tok_ok, other=0)
+        slot = toks % BLOCK_SIZE
+        kv_mask = tok_ok[:, None] & dim_ok[None, :]
+        k = tl.load(K + block[:, None].to(tl.int64) * stride_kb + slot[:, None] * stride_kt
+                    + head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        v = tl.load(V + block[:, None].to(tl.int64) * stride_vb + slot[:, None] * stride_vt
+                    + head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    empty = l_sum == 0.0
+    out = acc / tl.where(empty, 1.0, l_sum)[:, None]
+    lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l_sum)))
+    base = seq * stride_os + head * stride_oh + split * stride_osplit
+    tl.store(OUT + base + rows[:, None] * stride_or + dims[None, :],
+             out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(LSE + seq * stride_ls + head * stride_lh + split * stride_lsplit + rows,
+             lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    PART, PART_LSE, OUT, LSE,
+    stride_ps, stride_ph, stride_psplit, stride_pr,
+    stride_pls, stride_plh, stride_plsplit,
+    stride_os, stride_oh, stride_or,
+    stride_ls, stride_lh,
+    num_kv_heads, num_rows, head_dim, num_splits,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq_head = tl.program_id(0)
+    row_tile = tl.program_id(1)
+    seq = seq_head // num_kv_heads
+    head = seq_head % num_kv_heads
+    rows = row_tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (dims < head_dim)[None, :]
+    lse_base = PART_LSE + seq * stride_pls + head * stride_plh + rows
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for split in range(num_splits):
+        top = tl.maximum(top, tl.load(lse_base + split * stride_plsplit, mask=row_ok,
+                                      other=float("-inf")))
+    safe_top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    part_base = PART + seq * stride_ps + head * stride_ph
+    for split in range(num_splits):
+        weight = tl.exp2(tl.load(lse_base + split * stride_plsplit, mask=row_ok,
+                                 other=float("-inf")) - safe_top)
+        part = tl.load(part_base + split * stride_psplit + rows[:, None] * stride_pr
+                       + dims[None, :], mask=mask, other=0.0)
+        acc += part * weight[:, None]
+        total += weight
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)[:, None]
+    lse = tl.where(empty, float("-inf"), safe_top + tl.log2(tl.where(empty, 1.0, total)))
+    tl.store(OUT + seq * stride_os + head * stride_oh + rows[:, None] * stride_or + dims[None, :],
+             out.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(LSE + seq * stride_ls + head * stride_lh + rows, lse, mask=row_ok)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _decode_tiles(num_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, BLOCK_N): rows padded to tl.dot's 16; keys per tile smaller for
+    float32 and wide heads, so a program's tiles fit in registers."""
+    block_r = min(max(16, triton.next_power_of_2(num_rows)), 64)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    wide = block_d > 128 or dtype == torch.float32
+    return block_r, block_d, 32 if wide or block_r > 16 else 64
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_len: int | None,
+                  block_n: int = 32) -> int:
+    """How many pieces each sequence's context is split into: enough programs for two waves
+    over the GPU's multiprocessors, at most 32, never more than the tiles `max_len` (when
+    known) makes. Depends on shapes only, so a captured graph holds for any length."""
+    programs = max(1, num_seqs * num_kv_heads)
+    splits = min(32, max(1, -(-2 * num_sms // programs)))
+    if max_len is not None:
+        splits = min(splits, max(1, -(-max_len // block_n)))
+    return splits
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # Triton's interpreter on CPU: a few splits, so tests cover the merge
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def paged_attention(rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_table: torch.Tensor, lens: torch.Tensor, scale: float,
+                    max_len: int | None = None, num_splits: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention: `rows [S, Hkv, R, D]` against each sequence's `lens[s]` cached tokens
+    -> `(out [S, Hkv, R, D] in rows' dtype, lse [S, Hkv, R] float32, natural log)`; an empty
+    context gives out 0 and lse -inf. `max_len` (a host-side bound on `lens`, when known) only
+    trims the split count; `num_splits` fixes it."""
+    seqs, kv_heads, num_rows, dim = rows.shape
+    assert rows.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, \
+        "the head dimension is contiguous"
+    block_r, block_d, block_n = _decode_tiles(num_rows, dim, rows.dtype)
+    splits = num_splits or decode_splits(seqs, kv_heads, num_sms(rows.device), max_len, block_n)
+    out = torch.empty_like(rows)
+    lse = torch.empty((seqs, kv_heads, num_rows), dtype=torch.float32, device=rows.device)
+    if splits == 1:
+        part, part_lse = out.unsqueeze(2), lse.unsqueeze(2)
+    else:
+        part = torch.empty((seqs, kv_heads, splits, num_rows, dim), dtype=torch.float32,
+                           device=rows.device)
+        part_lse = torch.empty((seqs, kv_heads, splits, num_rows), dtype=torch.float32,
+                               device=rows.device)
+    row_tiles = -(-num_rows // block_r)
+    _decode_split_kernel[(seqs * kv_heads, splits, row_tiles)](
+        rows, k_cache, v_cache, block_table, lens, part, part_lse,
+        scale * _LOG2E,
+        rows.stride(0), rows.stride(1), rows.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        kv_heads, num_rows, dim, splits,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n,
+        PRECISION=_precision(rows.dtype), num_warps=4)
+    if splits > 1:
+        _decode_merge_kernel[(seqs * kv_heads, row_tiles)](
+            part, part_lse, out, lse,
+            part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            kv_heads, num_rows, dim, splits,
+            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+    return out, lse.mul_(_LN2)
+
+
+@triton.jit
+def _prefill_tile(q, acc, m, l_sum, K, V, TABLE, chunk, head, first, q_pos, end,
+                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                  stride_tc, dims, dim_ok, scale_log2,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    toks = first + tl.arange(0, BLOCK_N)
+    tok_ok = toks < end
+    block = tl.load(TABLE + chunk * stride_tc + toks // BLOCK_SIZE, mask=tok_ok, other=0)
+    slot = toks % BLOCK_SIZE
+    kv_mask = tok_ok[:, None] & dim_ok[None, :]
+    k = tl.load(K + block[:, None].to(tl.int64) * stride_kb + slot[:, None] * stride_kt
+                + head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if CAUSAL:
+        s = tl.where(tok_ok[None, :] & (toks[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    v = tl.load(V + block[:, None].to(tl.int64) * stride_vb + slot[:, None] * stride_vt
+                + head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_sum
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, OUT, TABLE, Q_STARTS, FIRST_POS,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_tc,
+    group, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    m_tile = tl.program_id(2)
+    q_start = tl.load(Q_STARTS + chunk)
+    q_len = tl.load(Q_STARTS + chunk + 1) - q_start
+    if m_tile * BLOCK_M < q_len:
+        first_pos = tl.load(FIRST_POS + chunk)
+        kv_head = head // group
+        rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        q_pos = first_pos + rows
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < head_dim
+        io_mask = row_ok[:, None] & dim_ok[None, :]
+        q = tl.load(Q + (q_start + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh
+                    + dims[None, :], mask=io_mask, other=0.0)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # keys every row of the tile sees (below its first query), then the diagonal
+        lowest = first_pos + m_tile * BLOCK_M
+        end = tl.minimum(lowest + BLOCK_M, first_pos + q_len)
+        full_end = (lowest // BLOCK_N) * BLOCK_N
+        for first in range(0, full_end, BLOCK_N):
+            acc, m, l_sum = _prefill_tile(
+                q, acc, m, l_sum, K, V, TABLE, chunk, kv_head, first, q_pos, end,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tc,
+                dims, dim_ok, scale_log2, BLOCK_SIZE, BLOCK_N, False, PRECISION)
+        for first in range(full_end, end, BLOCK_N):
+            acc, m, l_sum = _prefill_tile(
+                q, acc, m, l_sum, K, V, TABLE, chunk, kv_head, first, q_pos, end,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tc,
+                dims, dim_ok, scale_log2, BLOCK_SIZE, BLOCK_N, True, PRECISION)
+        out = acc / l_sum[:, None]
+        tl.store(OUT + (q_start + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh
+                 + dims[None, :], out.to(OUT.dtype.element_ty), mask=io_mask)
+
+
+def _prefill_tiles(head_dim: int, dtype: torch.dtype, device: torch.device
+                   ) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) for this head size and dtype."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if device.type != "cuda":
+        return 16, 16, block_d, 4, 1  # the interpreter: small tiles run fastest
+    if dtype == torch.float32 or block_d > 128:
+        return 64, 32, block_d, 4, 2
+    return 128, 64, block_d, 8, 3
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      out: torch.Tensor, block_tables: torch.Tensor, q_starts: torch.Tensor,
+                      first_pos: torch.Tensor, max_chunk_len: int, scale: float) -> None:
+    """Every prefill chunk's causal attention over its cached context plus itself, into
+    `out`. `q [T, H, D]` (the step's flattened queries; chunk c's are rows
+    `q_starts[c]:q_starts[c+1]`, its first at position `first_pos[c]`), `block_tables [C,
+    max_blocks]` (int32 or int64), `out [T, H, D]` (rows outside the chunks untouched)."""
+    heads, dim = q.shape[1], q.shape[2]
+    group = heads // k_cache.shape[2]
+    block_m, block_n, block_d, warps, stages = _prefill_tiles(dim, q.dtype, q.device)
+    grid = (block_tables.shape[0], heads, -(-max_chunk_len // block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, q_starts, first_pos,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        group, dim,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
+        PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)

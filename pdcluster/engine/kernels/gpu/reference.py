@@ -1,0 +1,69 @@
+"""Plain torch definitions of what each GPU kernel computes: the kernels' tests compare against
+these (in float64 where they can), and they state each kernel's contract in a few lines."""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_context(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence: `[length, Hkv, D]` from its block table."""
+    block_size = cache.shape[1]
+    blocks = cache[table[: -(-length // block_size)].long()]
+    return blocks.flatten(0, 1)[:length]
+
+
+def paged_attention(rows, k_cache, v_cache, block_table, lens, scale):
+    """`rows [S, Hkv, R, D]` -> `(out [S, Hkv, R, D], lse [S, Hkv, R])`, natural-log lse;
+    an empty context gives out 0 and lse -inf."""
+    out = torch.zeros_like(rows)
+    lse = torch.full(rows.shape[:3], float("-inf"), dtype=rows.dtype, device=rows.device)
+    for s in range(rows.shape[0]):
+        length = int(lens[s])
+        if length == 0:
+            continue
+        keys = gather_context(k_cache, block_table[s], length).transpose(0, 1)  # [Hkv, n, D]
+        values = gather_context(v_cache, block_table[s], length).transpose(0, 1)
+        scores = rows[s] @ keys.transpose(-1, -2) * scale  # [Hkv, R, n]
+        lse[s] = torch.logsumexp(scores, -1)
+        out[s] = torch.softmax(scores, -1) @ values
+    return out, lse
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, q_starts, first_pos, scale):
+    """`q [T, H, D]` -> `[T, H, D]`: chunk c's queries (rows `q_starts[c]:q_starts[c+1]`, the
+    first at position `first_pos[c]`) attend causally to their context in the cache."""
+    out = torch.zeros_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    for c in range(block_tables.shape[0]):
+        start, end = int(q_starts[c]), int(q_starts[c + 1])
+        pos0, n = int(first_pos[c]), end - start
+        keys = gather_context(k_cache, block_tables[c], pos0 + n)
+        values = gather_context(v_cache, block_tables[c], pos0 + n)
+        keys = keys.repeat_interleave(group, 1).transpose(0, 1)  # [H, ctx, D]
+        values = values.repeat_interleave(group, 1).transpose(0, 1)
+        scores = q[start:end].transpose(0, 1) @ keys.transpose(-1, -2) * scale  # [H, n, ctx]
+        visible = torch.arange(pos0 + n)[None, :] <= (pos0 + torch.arange(n))[:, None]
+        scores = scores.masked_fill(~visible.to(q.device), float("-inf"))
+        out[start:end] = (torch.softmax(scores, -1) @ values).transpose(0, 1)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+         ) -> torch.Tensor:
+    """Rotate-half RoPE of `x [T, N, D]` at `positions [T]`."""
+    half = x.shape[-1] // 2
+    c = cos[positions].unsqueeze(1).to(x.dtype)
+    s = sin[positions].unsqueeze(1).to(x.dtype)
+    return x * c + torch.cat((-x[..., half:], x[..., :half]), -1) * s
+
+
+def silu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    gate, up = gate_up.split(intermediate, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -1,0 +1,1 @@
+"""KV storage: the paged device cache and its byte layout, the host and disk tiers."""

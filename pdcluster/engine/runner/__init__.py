@@ -1,0 +1,1 @@
+"""The model runner: a scheduled step turned into the model's inputs, run, and sampled."""
