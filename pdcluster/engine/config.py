@@ -58,11 +58,14 @@ class EngineConfig:
     # Speculative decoding (engine/spec_decode): a SpeculativeConfig or its text form
     # ("ngram:k=4", "draft:PATH,k=4"), turned into the config here; None: off.
     speculative: SpeculativeConfig | str | None = None
-    # vLLM only (the own engine refuses values other than these): tensor parallelism, the
-    # share of GPU memory vLLM may take (None: vLLM's default), and eager mode on GPUs (on
-    # CPU vLLM always runs eager here: no minute-long compile per engine).
+    # vLLM only (the own engine refuses values other than these): tensor parallelism and the
+    # share of GPU memory vLLM may take (None: vLLM's default).
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float | None = None
+    # Both engines, on CUDA: True runs every step eagerly, False (the default) replays decode
+    # steps as CUDA graphs captured at start-up (engine/runner/cuda_graphs.py; vLLM: its own).
+    # On CPU every step is eager either way (vLLM's CPU build here too: no minute-long compile
+    # per engine).
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:

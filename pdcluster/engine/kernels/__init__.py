@@ -20,8 +20,8 @@ the same tokens. Nothing compiles at run time. `PDCLUSTER_KERNELS=0` turns the k
 The GPU kernels (Triton) are the subpackage `gpu`; `layer_ops_for(*tensors)` picks whichever
 set serves the tensors for the ops both have.
 
-API: `ops()`, `ops_for(*tensors)`, `layer_ops_for(*tensors)`, `ENABLED`, `build(force=False)`, `library_path()`,
-`DISABLE_ENV`.
+API: `ops()`, `ops_for(*tensors)`, `layer_ops_for(*tensors)`, `ENABLED`, `build(force=False)`,
+`library_path()`, `DISABLE_ENV`.
 """
 
 from __future__ import annotations
