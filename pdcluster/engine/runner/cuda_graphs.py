@@ -76,9 +76,10 @@ class DecodeGraphs:
         device = kv_cache.tensor.device
         width = cdiv(max_model_len, kv_cache.spec.block_size)
         # ids, positions, slot rows, context lengths: one pinned staging row each, one copy
-        self._host = torch.zeros((4, self.max_batch), dtype=torch.int64, pin_memory=True)
+        pinned = device.type == "cuda"
+        self._host = torch.zeros((4, self.max_batch), dtype=torch.int64, pin_memory=pinned)
         self._host_table = torch.zeros((self.max_batch, width), dtype=torch.int32,
-                                       pin_memory=True)
+                                       pin_memory=pinned)
         self._inputs = torch.zeros((4, self.max_batch), dtype=torch.int64, device=device)
         self._table = torch.zeros((self.max_batch, width), dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -123,7 +124,10 @@ class DecodeGraphs:
         self._host_table.numpy()[:n, :width] = table
         self._inputs[:, :size].copy_(self._host[:, :size], non_blocking=True)
         self._table[:n, :width].copy_(self._host_table[:n, :width], non_blocking=True)
-        self._graphs[size].replay()
+        graph = self._graphs.get(size)
+        if graph is None:  # not captured (off CUDA: the same forward, eagerly, for tests)
+            return self._forward(size)[:n]
+        graph.replay()
         return self._logits[size][:n]
 
     def _pad_inputs(self, n: int, size: int) -> None:
