@@ -84,7 +84,7 @@ class LLMEngine(NodeEngine):
         self.max_model_len = resolve_max_len(config, self.model_config)
         self.tokenizer = load_tokenizer(config.model)
         model = load_model(config.model, self.model_config, self.dtype, self.device,
-                           self.max_model_len)
+                           self.max_model_len, dummy=config.load_format == "dummy")
         self.kv_spec = kv_cache_spec(config, self.model_config, self.dtype, self.device,
                                      self.max_model_len)
         self.runner = ModelRunner(model, PagedKVCache(self.kv_spec, self.dtype, self.device),

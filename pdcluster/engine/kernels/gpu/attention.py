@@ -192,7 +192,7 @@ def paged_attention(rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         "the head dimension is contiguous"
     block_r, block_d, block_n = _decode_tiles(num_rows, dim, rows.dtype)
     splits = num_splits or decode_splits(seqs, kv_heads, num_sms(rows.device), max_len, block_n)
-    out = torch.empty_like(rows)
+    out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)  # contiguous
     lse = torch.empty((seqs, kv_heads, num_rows), dtype=torch.float32, device=rows.device)
     if splits == 1:
         part, part_lse = out.unsqueeze(2), lse.unsqueeze(2)
