@@ -8,7 +8,8 @@ bfloat16, measures in one run:
 - the machine's ceilings: device copy rate (bytes read + written, a 1 GiB device-to-device
   copy) and bf16 matmul rate (8192^3);
 - batch-1 decode ms/token (the median step of one request, scheduler and sampling included)
-  and its ratio to the HBM floor: the weight bytes a step reads / the copy rate;
+  and its ratio to the HBM floor: the weight bytes a step reads / the copy rate; and the
+  device part alone (one replay of the batch-1 CUDA graph, timed with events);
 - TTFT of a 2,048-token prompt (median of 3 fresh prompts) and its MFU: the step's FLOPs
   (2 x tokens x layer weights, the LM head for one row, causal attention) / the matmul rate;
 - output tokens/s of 64 x (1,024 -> 128) and of 32 x (1,024 shared + 64) -> 64 through
@@ -139,6 +140,11 @@ def run_shape(shape: str, folder: Path, sizes: GpuSizes, limits: dict, with_hf: 
     floor_s = weight_bytes_read(mc) / (limits["copy_gb_s"] * 1e9)
     out.update(decode_ms=round(step_s * 1e3, 3), decode_floor_ms=round(floor_s * 1e3, 3),
                decode_vs_floor=round(step_s / floor_s, 3))
+    graphs = llm.engine.runner.graphs
+    if graphs is not None:  # the step's device part alone: the rest is the host's
+        replay_s = graphs.replay_seconds(1)
+        out.update(decode_replay_ms=round(replay_s * 1e3, 3),
+                   decode_replay_vs_floor=round(replay_s / floor_s, 3))
     ttft = _ttft(llm, sizes, rng)
     out.update(ttft_2k_ms=round(ttft * 1e3, 2),
                ttft_2k_mfu=round(prefill_flops(mc, sizes.ttft_len) / ttft
