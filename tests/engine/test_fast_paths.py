@@ -276,7 +276,7 @@ def test_long_chunk_after_a_cached_prefix_matches_transformers(model_dirs, hf_re
 
     calls = count_calls(monkeypatch, attention, "_split_prefill_attention")
     model = model_dirs["llama-gqa"]
-    llm = LLM(model, num_kv_blocks=256, block_size=8)
+    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=256, block_size=8)  # CPU path
     prefix = random_prompts(1, 50, 50, seed=9)[0]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm.generate([prefix], params)  # caches the prefix's 6 full blocks
