@@ -28,6 +28,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SHAPES = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -134,7 +135,7 @@ def run_shape(shape: str, folder: Path, sizes: GpuSizes, limits: dict, with_hf: 
     mc = ModelConfig.from_pretrained(str(model_dir))
     start = time.perf_counter()
     llm = LLM(str(model_dir), **ENGINE_SETTINGS)
-    out = {"load_and_capture_s": round(time.perf_counter() - start, 1),
+    out: dict[str, Any] = {"load_and_capture_s": round(time.perf_counter() - start, 1),
            "cuda_graphs": llm.engine.uses_cuda_graphs}
     rng = random.Random(0)
     step_s = _decode_step(llm, sizes, rng)
