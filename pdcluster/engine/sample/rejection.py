@@ -24,7 +24,8 @@ import torch
 from pdcluster.engine.core.outputs import RequestFailure, SampledToken
 from pdcluster.engine.core.request import Request
 from pdcluster.engine.core.scheduler_output import ScheduledRequest
-from pdcluster.engine.sample.sampler import Sampler, _top_p_filter
+from pdcluster.engine.sample.draw import filter_logits
+from pdcluster.engine.sample.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +113,9 @@ def _draw_residual(p: torch.Tensor, draft: int, draft_probs: torch.Tensor | None
 
 def target_probs(logits: torch.Tensor, req: Request) -> torch.Tensor:
     """The distribution the sampler draws from, per row: temperature, top-k, top-p."""
-    p = req.params
-    logits = logits / p.temperature
-    if 0 < p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        logits = torch.stack([_top_p_filter(row, p.top_p) for row in logits])
-    return torch.softmax(logits, dim=-1)
+    p, rows = req.params, logits.shape[0]
+    return torch.softmax(filter_logits(logits, [p.temperature] * rows, [p.top_k] * rows,
+                                       [p.top_p] * rows), dim=-1)
 
 
 def _ban_early_stop(logits: torch.Tensor, req: Request) -> None:
