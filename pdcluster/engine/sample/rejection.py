@@ -30,14 +30,10 @@ from pdcluster.engine.sample.sampler import Sampler
 logger = logging.getLogger(__name__)
 
 
-def verify_chunks(model, sampler: Sampler, hidden: torch.Tensor,
-                  items: list[ScheduledRequest], last_rows: list[int]
+def verify_chunks(sampler: Sampler, logits: torch.Tensor, items: list[ScheduledRequest]
                   ) -> list[list[SampledToken] | RequestFailure]:
-    """Accepted tokens (+ one drawn token) per verifying chunk; `last_rows[i]` is the row of
-    `hidden` holding chunk i's last proposed token."""
-    rows = torch.cat([torch.arange(last - len(item.spec_token_ids), last + 1)
-                      for item, last in zip(items, last_rows, strict=True)])
-    logits = model.compute_logits(hidden[rows.to(hidden.device)]).float()
+    """Accepted tokens (+ one drawn token) per verifying chunk; `logits` holds each chunk's
+    `len(spec_token_ids) + 1` rows in turn (from its last known token on)."""
     results: list[list[SampledToken] | RequestFailure] = []
     offset = 0
     for item in items:
