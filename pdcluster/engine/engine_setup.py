@@ -26,6 +26,7 @@ from pdcluster.engine.models.llama import CausalLM
 from pdcluster.engine.models.loader import load_model
 from pdcluster.engine.models.model_config import ModelConfig
 from pdcluster.engine.models.parallel import TensorParallel, local_heads
+from pdcluster.engine.models.registry import model_class
 from pdcluster.engine.runner.tp_workers import RankSpec, StepPeers
 
 _CPU_KV_GIB = 1.0
@@ -73,6 +74,8 @@ def build_model(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
     size, dummy = config.tensor_parallel_size, config.load_format == "dummy"
     if size == 1:
         return load_model(config.model, mc, dtype, device, max_model_len, dummy=dummy), None
+    with torch.device("meta"):  # a split that does not divide fails here, before any process
+        model_class(mc.architecture)(mc, max_model_len, TensorParallel(0, size))
     spec = RankSpec(config.model, str(dtype).removeprefix("torch."), str(device),
                     max_model_len, config.load_format,
                     threads=max(1, torch.get_num_threads() // size))
