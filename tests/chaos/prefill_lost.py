@@ -114,10 +114,12 @@ def _stream(chaos: Chaos, prompt: list[int]) -> _Call:
         try:
             for chunk in client.completions.create(
                     model=chaos.model_name, prompt=prompt, max_tokens=MAX_TOKENS,
-                    temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                    temperature=0, stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True}):
                 if chunk.choices and chunk.choices[0].text is not None:
-                    reply.num_tokens += 1
                     reply.first_token = reply.first_token or time.monotonic()
+                if chunk.usage is not None:  # the last chunk
+                    reply.num_tokens = chunk.usage.completion_tokens
             reply.done = time.monotonic()
         except openai.APIError as exc:
             reply.error = f"{type(exc).__name__}: {exc}"
