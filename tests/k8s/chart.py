@@ -4,7 +4,7 @@ API: `find_helm()`, `needs_helm` (skip marker), `helm(*args)`, `template(values)
 `render(values)` (the manifests as dicts, cached), `VALUE_SETS`, `pod_templates(doc)` /
 `pod_specs(doc)` / `containers(docs)` (every pod of a workload or RayCluster, every container
 in them), `validate_kubernetes(doc, version)`, `kuberay_validator(kind)` (a strict validator
-for KubeRay's custom resources; None without ../shared), `cluster_config(docs)`.
+for KubeRay's custom resources, from the CRD schemas in tests/data/kuberay), `cluster_config(docs)`.
 
 helm comes from scripts/get_helm.sh (.venv/bin/helm); $HELM overrides it.
 """
@@ -27,7 +27,8 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART = REPO_ROOT / "k8s"
-KUBERAY_SCHEMAS = REPO_ROOT.parent / "shared" / "schemas" / "kuberay"
+# KubeRay 1.7.0's CRD schemas, copied into the repository (tests/data/README.md).
+KUBERAY_SCHEMAS = REPO_ROOT / "tests" / "data" / "kuberay"
 RELEASE = "pd"
 NAMESPACE = "serving"
 # The oldest Kubernetes the chart declares (Chart.yaml kubeVersion) and a recent one.
@@ -266,12 +267,11 @@ def _strict(schema: object) -> object:
 
 @functools.lru_cache(maxsize=4)
 def kuberay_validator(kind: str):
-    """A jsonschema validator for a KubeRay kind (RayCluster, RayJob), None without ../shared."""
+    """A strict jsonschema validator for a KubeRay kind (RayCluster, RayJob). A missing schema
+    file raises FileNotFoundError: the tests fail, they do not skip."""
     import jsonschema
 
     path = KUBERAY_SCHEMAS / f"{kind.lower()}.v1.schema.json"
-    if not path.is_file():
-        return None
     schema = _strict(json.loads(path.read_text())["openAPIV3Schema"])
     return jsonschema.Draft7Validator(schema)
 

@@ -51,7 +51,7 @@ def free_port() -> int:
 
 def ray_env(install: Installed, token: str, secret_file: Path) -> dict[str, str]:
     return install.env(
-        # Keeps every Ray listener on 127.0.0.1 (../shared/ENVIRONMENT.md).
+        # Keeps every Ray listener on 127.0.0.1 (pdcluster/cluster/ray_cluster.py says why).
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
         RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
         PDCLUSTER_CLUSTER_SECRET_FILE=str(secret_file))
