@@ -14,7 +14,6 @@ import pytest
 
 from pdcluster.cluster.cli import main
 
-pytest.importorskip("ray")
 pytestmark = [
     pytest.mark.timeout(900),
     pytest.mark.skipif(os.geteuid() != 0 or not all(map(shutil.which, ("unshare", "iptables"))),

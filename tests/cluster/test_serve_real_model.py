@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.cluster.test_serve_e2e import decisions, free_port
 from tests.real_model import LONG_SYSTEM, MAX_TOKENS, chats
 from tests.serve_process import start_serve, stop_serve, wait_until_answering
 
-openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 THRESHOLD = 64  # tokens; the short chats are ~40, the long ones ~130
 

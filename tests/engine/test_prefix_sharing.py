@@ -5,13 +5,9 @@ each layer writes every token's keys before any chunk attends."""
 
 from __future__ import annotations
 
-import pytest
-
-torch = pytest.importorskip("torch")
-
-from pdcluster.engine import LLMEngine, SamplingParams  # noqa: E402
-from tests.helpers import assert_pool_clean  # noqa: E402
-from tests.models import random_prompts  # noqa: E402
+from pdcluster.engine import LLMEngine, SamplingParams
+from tests.helpers import assert_pool_clean
+from tests.models import random_prompts
 
 
 def test_a_shared_uncached_prefix_is_computed_once_per_step(model_dirs, hf_reference) -> None:

@@ -336,10 +336,8 @@ def test_dashboard_queries_the_documented_metrics() -> None:
 
 
 def test_dashboard_router_metrics_exist_in_the_router() -> None:
-    try:
-        from pdcluster.router.metrics import RouterMetrics
-    except ImportError as exc:
-        pytest.skip(f"pdcluster.router.metrics not importable ({exc}): issue 6 builds it")
+    from pdcluster.router.metrics import RouterMetrics
+
     exported = set(re.findall(r"^# TYPE (\S+) (\S+)$", RouterMetrics().render().decode(),
                               re.M))
     names = {name for name, _ in exported}

@@ -1,5 +1,6 @@
 """The replay tool: the public Mooncake trace (tests/data) and a synthetic multi-turn trace
-(target on both: hit ratio >= 0.97 x ideal with work imbalance <= 1.10 on 8 nodes, 100,000 blocks)."""
+(target on both: hit ratio >= 0.97 x ideal with work imbalance <= 1.10 on 8 nodes, 100,000
+blocks)."""
 
 from __future__ import annotations
 

@@ -95,7 +95,6 @@ def standalone(tmp_path_factory) -> Iterator[Target]:
 def embedded(model_dirs) -> Iterator[Target]:
     """The cluster code's own service (`RayCluster`, as `pdcluster serve` runs it), with the
     real node actors p0 and d0 registered in it."""
-    pytest.importorskip("ray")
     from pdcluster.cluster.config import ClusterConfig
     from pdcluster.cluster.ray_cluster import RayCluster
 

@@ -72,7 +72,6 @@ def test_a_pull_is_served_from_the_holders_host_tier(model, hf_reference):
 
 
 def test_a_pull_from_the_host_tier_over_mooncake(model, hf_reference):
-    pytest.importorskip("mooncake.engine")
     from pdcluster.transfer.transport import MooncakeTransport
     from tests.cluster_secret import TEST_CURVE
 

@@ -20,17 +20,16 @@ from __future__ import annotations
 import asyncio
 import time
 
+import openai
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
-pytest.importorskip("ray")
-openai = pytest.importorskip("openai")
 
-from pdcluster.benchmarks.chaos_bench import fault_load, fault_outcomes  # noqa: E402
-from pdcluster.benchmarks.chaos_load import LoadSpec, make_prompts  # noqa: E402
-from pdcluster.core.node_wire import GenerateRequest, SamplingSpec  # noqa: E402
-from pdcluster.node.client import tokens_of  # noqa: E402
-from tests.chaos.conftest import Chaos, start_chaos  # noqa: E402
+from pdcluster.benchmarks.chaos_bench import fault_load, fault_outcomes
+from pdcluster.benchmarks.chaos_load import LoadSpec, make_prompts
+from pdcluster.core.node_wire import GenerateRequest, SamplingSpec
+from pdcluster.node.client import tokens_of
+from tests.chaos.conftest import Chaos, start_chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 LEASE_TTL_S = 4
