@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.benchmarks import peers_machine, peers_settings
-from pdcluster.benchmarks.peers_machine import LoadGate, LoadMonitor, own_running_threads
-from pdcluster.benchmarks.peers_report import paired_ratios, spread
-from pdcluster.benchmarks.peers_settings import PeerSettings
+from benchmarks import peers_machine, peers_settings
+from benchmarks.peers_machine import LoadGate, LoadMonitor, own_running_threads
+from benchmarks.peers_report import paired_ratios, spread
+from benchmarks.peers_settings import PeerSettings
 from pdcluster.cluster.cli_common import UsageError
 from pdcluster.engine.config import EngineConfig
 

@@ -9,10 +9,10 @@ import asyncio
 import json
 from pathlib import Path
 
-from pdcluster.benchmarks.chaos_bench import fault_load, run_abort_storm, run_fault, wait_ready
-from pdcluster.benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
-from pdcluster.benchmarks.chaos_load import LoadSpec
-from pdcluster.benchmarks.chaos_soak import run_soak
+from benchmarks.chaos_bench import fault_load, run_abort_storm, run_fault, wait_ready
+from benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
+from benchmarks.chaos_load import LoadSpec
+from benchmarks.chaos_soak import run_soak
 
 MODEL = "llama-gqa"
 # small: a few seconds of load around each fault (rate x count), 8 tokens out

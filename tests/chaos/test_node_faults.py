@@ -1,5 +1,5 @@
 """Faults of nodes and clients under load, on a live cluster (tests/chaos/conftest.py): each
-fault of `pdcluster bench chaos` at a small size, asserting its goals: no request
+fault of `python -m benchmarks chaos` at a small size, asserting its goals: no request
 lost (a decode node's death may cost only the streams it had open), no KV block leaked on
 any node once the load drained, and the global index exact again within a lease TTL."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.benchmarks.chaos_load import LoadSpec
+from benchmarks.chaos_load import LoadSpec
 from tests.chaos.conftest import assert_load_sent_and_completed, start_chaos
 
 pytestmark = pytest.mark.timeout(600)

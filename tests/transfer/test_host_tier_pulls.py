@@ -10,10 +10,10 @@ import pytest
 from pdcluster.core.hashing import hash_block_tokens
 from pdcluster.core.kv_transfer import PrefixPull
 from pdcluster.engine import SamplingParams
-from pdcluster.transfer.loopback import LoopbackFabric
 from tests.helpers import assert_pool_clean, assert_tiers_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import drive, idle, make_engine
+from tests.transfer.loopback import LoopbackFabric
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BLOCK = 8

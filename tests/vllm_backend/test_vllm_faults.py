@@ -25,8 +25,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
 
-from pdcluster.benchmarks.chaos_bench import fault_load, fault_outcomes
-from pdcluster.benchmarks.chaos_load import LoadSpec, make_prompts
+from benchmarks.chaos_bench import fault_load, fault_outcomes
+from benchmarks.chaos_load import LoadSpec, make_prompts
 from pdcluster.core.node_wire import GenerateRequest, SamplingSpec
 from pdcluster.node.client import tokens_of
 from tests.chaos.conftest import Chaos, start_chaos

@@ -30,19 +30,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pdcluster.benchmarks.chaos_checks import IndexCheck, drain_and_count_leaks, total_leaked
-from pdcluster.benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
-from pdcluster.benchmarks.chaos_faults import (
+from benchmarks.chaos_checks import IndexCheck, drain_and_count_leaks, total_leaked
+from benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
+from benchmarks.chaos_faults import (
     FAULTS,
     LINK_FAULTS,
     FaultRun,
     fault_seconds,
     router_health,
 )
-from pdcluster.benchmarks.chaos_load import LoadSpec, run_load
-from pdcluster.benchmarks.chaos_netns import in_private_netns, run_in_private_netns
-from pdcluster.benchmarks.chaos_soak import run_soak
-from pdcluster.benchmarks.chaos_stats import summarize
+from benchmarks.chaos_load import LoadSpec, run_load
+from benchmarks.chaos_netns import in_private_netns, run_in_private_netns
+from benchmarks.chaos_soak import run_soak
+from benchmarks.chaos_stats import summarize
 from pdcluster.cluster.cli_common import UsageError
 
 _ROUTER_COUNTERS = ("router_prefill_lost_total", "router_migrations_total",
