@@ -42,7 +42,8 @@ import sys
 import grpc
 from google.protobuf import runtime_version
 grpc.__version__ = sys.argv[1]
-runtime_version.MAJOR, runtime_version.MINOR, runtime_version.PATCH = map(int, sys.argv[2].split("."))
+major, minor, patch = map(int, sys.argv[2].split("."))
+runtime_version.MAJOR, runtime_version.MINOR, runtime_version.PATCH = major, minor, patch
 import pdcluster.proto.metadata_pb2_grpc
 """
 
