@@ -40,6 +40,10 @@ class RouterConfig:
     model_name: str = ""  # served name; default: the model folder's name
     host: str = "127.0.0.1"
     port: int = 8000
+    # more addresses the public API listens on, on the same port: in a pod, 127.0.0.1 beside
+    # the pod's IP (`host`), so that `kubectl port-forward` (which dials the pod's loopback)
+    # reaches it without a wildcard listener
+    also_listen: tuple[str, ...] = ()
     nodes: tuple[NodeSpec, ...] = ()
     metadata_address: str | None = None
     # TLS to the metadata service (core.tls.ClientTLS): the CA that signed its certificate;
@@ -114,6 +118,10 @@ class RouterConfig:
             raise ValueError("node ids must be unique")
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
+        if any(not address or address == self.host for address in self.also_listen) \
+                or len(set(self.also_listen)) != len(self.also_listen):
+            raise ValueError(f"also_listen must name addresses other than host ({self.host}), "
+                             f"each once, got {self.also_listen}")
         if self.admin_port is not None and not 0 <= self.admin_port < 65536:
             raise ValueError(f"admin_port must be in [0, 65536), got {self.admin_port}")
         if self.shared_curve is not None and not isinstance(self.shared_curve, CurveKeys):

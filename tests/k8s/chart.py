@@ -31,6 +31,8 @@ CHART = REPO_ROOT / "k8s"
 KUBERAY_SCHEMAS = REPO_ROOT / "tests" / "data" / "kuberay"
 RELEASE = "pd"
 NAMESPACE = "serving"
+# the Secret of the cluster secret, the router token, Ray's token and the API keys (secret.yaml)
+CLUSTER_SECRET = f"{RELEASE}-pdcluster-secrets"
 # The oldest Kubernetes the chart declares (Chart.yaml kubeVersion) and a recent one.
 KUBE_VERSIONS = ("1.25", "1.33")
 
@@ -39,9 +41,13 @@ WORKLOAD_KINDS = {"Deployment", "StatefulSet", "Job", "DaemonSet", "ReplicaSet"}
 # Named value sets rendered by the tests, on top of values.yaml.
 VALUE_SETS: dict[str, dict] = {
     "default": {},
+    # an external etcd trusts no CA of the chart's and has its own users: its client
+    # certificate and the user's password are named
     "external-etcd": {
         "etcd": {"enabled": False,
-                 "externalEndpoints": ["etcd-0.infra:2379", "etcd-1.infra:2379"]},
+                 "externalEndpoints": ["etcd-0.infra:2379", "etcd-1.infra:2379"],
+                 "tls": {"secretName": "etcd-client"},
+                 "auth": {"passwordSecret": {"name": "etcd-pw"}}},
     },
     "no-ingress": {"router": {"ingress": {"enabled": False}, "hpa": {"enabled": False}}},
     "ingress": {
@@ -148,7 +154,7 @@ def write_values(values: dict, folder: Path) -> Path:
     return path
 
 
-# The chart refuses an open router (issue 24): a value set that gives no API keys, no existing
+# The chart refuses an open router: a value set that gives no API keys, no existing
 # Secret and no acknowledgement renders with this test key.
 TEST_API_KEYS = ["sk-chart-test-0123456789"]
 
@@ -162,20 +168,9 @@ def with_api_keys(values: dict) -> dict:
     return values
 
 
-def with_plaintext_etcd_acknowledged(values: dict) -> dict:
-    """The chart refuses etcd without TLS unless acknowledged (issue 24): a value set that does
-    not speak of etcd's TLS renders with the acknowledgement (test_etcd_access.py tests the
-    refusal and the TLS settings)."""
-    values = copy.deepcopy(values)
-    etcd = values.setdefault("etcd", {})
-    if "tls" not in etcd and "acknowledgePlaintext" not in etcd:
-        etcd["acknowledgePlaintext"] = True
-    return values
-
-
 def template(values: dict, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_values(with_plaintext_etcd_acknowledged(with_api_keys(values)), Path(tmp))
+        path = write_values(with_api_keys(values), Path(tmp))
         return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(path),
                     *extra, check=check)
 

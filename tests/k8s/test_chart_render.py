@@ -288,7 +288,8 @@ def test_launcher(name: str) -> None:
 
 def launch_name(values: dict) -> str:
     docs = render(values)
-    (launcher,) = [d for d in docs if d["kind"] in ("RayJob", "Job")]
+    (launcher,) = [d for d in docs if d["kind"] in ("RayJob", "Job")
+                   and not d["metadata"]["name"].endswith("-etcd-setup")]
     return launcher["metadata"]["name"]
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from pdcluster.cluster import cli
 from tests.k8s.chart import (
+    CLUSTER_SECRET,
     RELEASE,
     REPO_ROOT,
     VALUE_SETS,
@@ -71,7 +72,7 @@ def chart_cluster_secret(values: dict, folder: Path):
     read through $PDCLUSTER_CLUSTER_SECRET_FILE (core.credentials)."""
     from pdcluster.core.credentials import SECRET_FILE_ENV, ClusterSecret
 
-    secret = one(render(values), "Secret")
+    secret = one(render(values), "Secret", CLUSTER_SECRET)
     path = folder / "cluster-secret"
     path.write_bytes(base64.b64decode(secret["data"]["cluster-secret"]))
     return ClusterSecret.from_env({SECRET_FILE_ENV: str(path)})
@@ -98,8 +99,12 @@ def test_router_arguments_parse() -> None:
     args = parser.parse_args(command_of(VALUE_SETS["ingress"], "router"))
     assert args.command == "router"
     assert args.host == POD_IP
+    assert args.also_listen == ["127.0.0.1"]  # the pod's loopback: `kubectl port-forward`
     args = parser.parse_args(command_of(VALUE_SETS["network-policy-off"], "router"))
     assert args.host == "0.0.0.0"  # router.host overrides
+    assert args.also_listen == []  # a wildcard covers the loopback
+    args = parser.parse_args(command_of({"router": {"listenOnLoopback": False}}, "router"))
+    assert (args.host, args.also_listen) == (POD_IP, [])
 
 
 def test_launcher_module_takes_config() -> None:

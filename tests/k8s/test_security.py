@@ -14,6 +14,7 @@ import pytest
 
 from tests.k8s.chart import (
     CHART,
+    CLUSTER_SECRET,
     NAMESPACE,
     RELEASE,
     REPO_ROOT,
@@ -105,7 +106,7 @@ def test_cluster_secret_is_mounted_into_every_consumer(name: str) -> None:
 
 
 def test_long_cluster_secret_is_accepted() -> None:
-    secret = one(render({"secrets": {"clusterSecret": "AB" * 64}}), "Secret")
+    secret = one(render({"secrets": {"clusterSecret": "AB" * 64}}), "Secret", CLUSTER_SECRET)
     assert base64.b64decode(secret["data"]["cluster-secret"]).decode() == "AB" * 64
 
 

@@ -56,6 +56,8 @@ class RouterApp:
         await self._runner.setup()
         await web.TCPSite(self._runner, self.config.host, self.config.port).start()
         self.port = self._runner.addresses[0][1]
+        for address in self.config.also_listen:  # the same port (the one picked for port 0)
+            await web.TCPSite(self._runner, address, self.port).start()
         if admin is not None:
             self._admin_runner = EdgeRunner(admin, self.config)
             await self._admin_runner.setup()
