@@ -237,7 +237,8 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
     with config_errors_as_usage():
         config = RouterConfig(
             model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
-            also_listen=tuple(args.also_listen), metadata_address=args.metadata, api_keys=api_keys_from_env(),
+            also_listen=tuple(args.also_listen), metadata_address=args.metadata,
+            api_keys=api_keys_from_env(),
             metadata_token=token, admin_port=args.admin_port, admin_host=args.admin_host,
             **metadata_tls_fields(args),
             max_migrations=args.max_migrations, index_mirror=args.index_mirror,
