@@ -274,7 +274,7 @@ def _cli_args(args: argparse.Namespace) -> list[str]:
 
 
 def goals(measured: dict, lease_ttl_s: int) -> dict[str, bool]:
-    """Each fault's goals (issue 28), as booleans: nothing lost (decode_kill: only the
+    """Each fault's goals, as booleans: nothing lost (decode_kill: only the
     streams its dead node had sent), nothing leaked, the index exact within a TTL, no child
     process of a killed node outliving it, nothing running after the cluster stopped, and per
     fault: no decode waited out its KV timeout (prefill_kill), every node idle within 1 s

@@ -1,4 +1,4 @@
-"""Attack 5 of issue 11, against real processes: the metadata service a standalone
+"""Calls without a valid token, against real processes: the metadata service a standalone
 `pdcluster metadata serve` runs, and the one the cluster code embeds (`RayCluster`, what
 `pdcluster serve` starts, with real node actors registered in it). The attacker speaks raw
 gRPC, so no client-side check hides anything:

@@ -1,4 +1,4 @@
-"""Faults on a served cluster whose nodes run vLLM (issue 30's faults, with `pdcluster bench
+"""Faults on a served cluster whose nodes run vLLM (the vLLM faults, with `python -m benchmarks
 chaos`'s machinery: benchmarks/chaos_*.py). One cluster for the module — a prefill and a
 decode node actor on a local Ray, each vLLM's AsyncLLM with its engine-core and worker
 processes, the metadata service and the router as their own processes, the tiny
