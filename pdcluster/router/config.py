@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
 from pdcluster.core.roles import Role, role_names
 from pdcluster.core.tls import ClientTLS
@@ -57,9 +56,6 @@ class RouterConfig:
     # index, register this router's key; never act as a node). The router makes its own CURVE
     # key pair and registers it, so that nodes admit it. It holds no cluster secret.
     metadata_token: str | None = None
-    # The shared-key mode, for unit tests and benchmarks only: connect to nodes with this one
-    # pair (static nodes without a metadata service). None in a cluster.
-    shared_curve: CurveKeys | None = None
     # "tenant:key" or "key" entries (router.tenants): a tenant's requests share a KV
     # cache with nobody else's
     api_keys: tuple[str, ...] = ()
@@ -124,14 +120,9 @@ class RouterConfig:
                              f"each once, got {self.also_listen}")
         if self.admin_port is not None and not 0 <= self.admin_port < 65536:
             raise ValueError(f"admin_port must be in [0, 65536), got {self.admin_port}")
-        if self.shared_curve is not None and not isinstance(self.shared_curve, CurveKeys):
-            raise ValueError("shared_curve must be CurveKeys")
         if self.metadata_address is not None and not self.metadata_token:
             raise ValueError("a router with a metadata service needs its metadata_token (the "
                              "client credential of principal 'service')")
-        if self.shared_curve is None and self.metadata_address is None:
-            raise ValueError("a router needs a metadata service (nodes admit it once it has "
-                             "registered its key there), or shared_curve (the test mode)")
         ApiKeys(self.api_keys)  # ValueError for a malformed entry
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 
