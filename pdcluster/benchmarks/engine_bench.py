@@ -1,6 +1,8 @@
 """Engine benchmark: `pdcluster bench engine [--json] [--quick] [--threads N] [--device D]
-[--model DIR|GGUF] [--speculative SPEC] [--host-tier]` (`--speculative ngram:k=4` measures
-decode tokens/s with and without speculative decoding instead of the parts below:
+[--model DIR|GGUF] [--speculative SPEC] [--host-tier]` (`--device cuda` without `--model`
+measures random models of real shapes against the GPU's limits instead: benchmarks/gpu_bench.py,
+`--shapes`, `--hf-shapes`; `--speculative ngram:k=4` measures decode tokens/s with and without
+speculative decoding instead of the parts below:
 benchmarks/spec_decode_bench.py; `--host-tier` measures the TTFT of prompts re-asked after the
 device pool cycled, host tier and disk tier against recompute, instead:
 benchmarks/host_tier_bench.py). The MoE and MLA studies are harnesses of the checkout:
@@ -71,6 +73,12 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     sizes = QUICK if args.quick else BenchSizes()
     device = getattr(args, "device", "cpu") or "cpu"
+    if device == "cuda" and not getattr(args, "model", None):
+        from pdcluster.benchmarks.gpu_bench import gpu_fields
+
+        with tempfile.TemporaryDirectory(prefix="pdcluster-bench-") as tmp:
+            return gpu_fields(args.shapes.split(","), args.hf_shapes.split(","), args.quick,
+                              Path(tmp))
     with tempfile.TemporaryDirectory(prefix="pdcluster-bench-") as tmp:
         model_dir = _model_dir(getattr(args, "model", None), tmp)
         result = {

@@ -165,7 +165,17 @@ class Sampler:
         if p.top_p < 1.0:
             logits = _top_p_filter(logits, p.top_p)
         probs = torch.softmax(logits, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self._generator_for(req)))
+        # On CUDA, multinomial over NaN or all-zero probabilities is a device-side assert that
+        # poisons the whole process: draw from a stand-in and fail the row after the one
+        # device-to-host copy instead (on CPU it would have raised, with the same outcome).
+        valid = torch.isfinite(probs).all() & (probs.sum() > 0)
+        safe = torch.where(valid, probs, torch.ones_like(probs))
+        drawn = torch.multinomial(safe, 1, generator=self._generator_for(req))
+        token, ok = torch.stack((drawn[0], valid.long())).tolist()
+        if not ok:
+            raise ValueError(f"sampling probabilities of request {req.request_id} are not a "
+                             "distribution (NaN or all zero)")
+        return int(token)
 
     def _generator_for(self, req: Request) -> torch.Generator:
         if req.params.seed is None:
