@@ -77,8 +77,8 @@ def test_a_vllm_engine_config_hashes_as_vllm_does() -> None:
                                      speculative="ngram:k=2"))
     with pytest.raises(ValueError, match="block_size 16"):
         check_supported(EngineConfig("m", backend="vllm", block_size=16))
-    with pytest.raises(ValueError, match="vLLM options"):
-        EngineConfig("m", tensor_parallel_size=2)  # the own engine runs on one device
+    with pytest.raises(ValueError, match="gpu_memory_utilization is a vLLM option"):
+        EngineConfig("m", gpu_memory_utilization=0.5)  # the own engine sizes its KV cache
 
 
 # ---- the connector's scheduler side on vLLM's Request ----------------------------------
