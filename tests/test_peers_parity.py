@@ -1,6 +1,6 @@
-"""The parity parts of `bench peers`: one settings object translated for every engine
-(benchmarks/peers_settings.py), the load gate and monitor and the read bandwidth
-(benchmarks/peers_machine.py), the spread and paired ratios of the report."""
+"""The parity parts of the peer comparison (`python -m benchmarks peers`): one settings object
+translated for every engine (benchmarks/peers_settings.py), the load gate and monitor and the
+read bandwidth (benchmarks/peers_machine.py), the spread and paired ratios of the report."""
 
 from __future__ import annotations
 

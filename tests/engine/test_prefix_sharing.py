@@ -1,7 +1,7 @@
-"""Requests that share a prefix nobody has cached yet, admitted in the same step (W4 of
-`bench peers`): the prefix is computed once. Blocks are hashed when they are allocated, so the
-second request's prefix hit names blocks the first one fills in the same forward pass, and
-each layer writes every token's keys before any chunk attends."""
+"""Requests that share a prefix nobody has cached yet, admitted in the same step (W4 of the peer
+comparison): the prefix is computed once. Blocks are hashed when they are allocated, so the
+second request's prefix hit names blocks the first one fills in the same forward pass, and each
+layer writes every token's keys before any chunk attends."""
 
 from __future__ import annotations
 
