@@ -121,7 +121,7 @@ def _measure(sizes: Sizes, model: str, nodes: dict[str, list[InstantNode]], meta
              procs: list, secret: ClusterSecret) -> dict:
     pop = Population(sizes.nodes, sizes.blocks, 128)
     prompts = _prompts(model)
-    _populate(f"127.0.0.1:{meta_port}", pop, nodes["identity"], secret)
+    _populate(f"127.0.0.1:{meta_port}", pop, nodes["identity"], secret, model)
     decision_us = _decisions(pop, nodes["shared"], model, sizes.samples, secret)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in (SECRET_FILE_ENV, SECRET_ENV)}
@@ -159,17 +159,20 @@ def _prompts(model: str) -> list[str]:
 
 
 def _populate(address: str, pop: Population, nodes: list[InstantNode],
-              secret: ClusterSecret) -> None:
-    """Register the nodes (each with its own credential) and ingest the 1M-block
-    population."""
+              secret: ClusterSecret, model: str) -> None:
+    """Register the nodes (each with its own credential and the KV identity of a node
+    serving `model`, which the router takes) and ingest the 1M-block population."""
+    from pdcluster.core.hashing import DEFAULT_HASH_CONFIG
+    from pdcluster.core.kv_identity import KVIdentity
     from pdcluster.metadata_service.client import make_node_info
 
+    identity = KVIdentity.of(16, DEFAULT_HASH_CONFIG, model)
     infos = {}
     for i, node_id in enumerate(pop.node_ids):
         role = "prefill" if i % 2 == 0 else "decode"
         node = nodes[i % len(nodes)]
         infos[node_id] = make_node_info(node_id, role, request_address=node.address,
-                                        kv_address="tcp://127.0.0.1:9",
+                                        kv_address="tcp://127.0.0.1:9", identity=identity,
                                         curve_public_key=node.keys.public)
         with node_client(address, secret, node_id) as client:
             client.register(infos[node_id], 300)
