@@ -47,6 +47,10 @@ def admin_get(router, path: str) -> str:
         return reply.read().decode()
 
 
+def health(router) -> dict:
+    return json.loads(admin_get(router, "/health"))
+
+
 def other_tokenizer(model_dir: str, out: Path) -> str:
     """A copy of the model whose tokenizer maps two words to each other's ids: same folder
     name, same weights, another tokenizer."""
@@ -93,8 +97,9 @@ def test_nodes_with_another_kv_identity_are_quarantined(registry, start_router, 
     bad = {"bad-block": start("bad-block", model_dirs[MODEL], block_size=16),
            "bad-seed": start("bad-seed", model_dirs[MODEL], hash_seed="another-seed"),
            "bad-tokenizer": start("bad-tokenizer", other_tokenizer(model_dirs[MODEL], tmp_path))}
-    wait_for(lambda: set(dispatcher.identity.quarantined) == set(bad),
-             "the router to quarantine the three")
+    # every registered node seen by the router: routed to, or quarantined
+    wait_for(lambda: set(health(router)["nodes"]) | set(health(router).get("quarantined", {}))
+             == {"good", *bad}, "the router to see every node")
 
     client = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0, timeout=60)
     for prompt in random_prompts(8, 20, 40, seed=3):
@@ -105,15 +110,15 @@ def test_nodes_with_another_kv_identity_are_quarantined(registry, start_router, 
     assert good.server.stats.num_requests == 8
     assert set(dispatcher.nodes) == {"good"}
 
-    health = json.loads(admin_get(router, "/health"))
-    assert health["status"] == "ok"
-    assert health["kv_identity"]["block_size"] == BLOCK
-    assert health["kv_identity"]["source"] == "node good"
-    assert health["router_tokenizer_digest"] == health["kv_identity"]["tokenizer_digest"]
-    quarantined = {n: q["mismatch"] for n, q in health["quarantined"].items()}
+    body = health(router)
+    assert body["status"] == "ok"
+    assert body["kv_identity"]["block_size"] == BLOCK
+    assert body["kv_identity"]["source"] == "node good"
+    assert body["router_tokenizer_digest"] == body["kv_identity"]["tokenizer_digest"]
+    quarantined = {n: q["mismatch"] for n, q in body["quarantined"].items()}
     assert quarantined == {"bad-block": ["block_size"], "bad-seed": ["hash_seed"],
                            "bad-tokenizer": ["tokenizer_digest"]}
-    assert "another-seed" in health["quarantined"]["bad-seed"]["reason"]
+    assert "another-seed" in body["quarantined"]["bad-seed"]["reason"]
     metrics = admin_get(router, "/metrics")
     assert "router_quarantined_nodes 3.0" in metrics
     assert 'router_node_quarantined{mismatch="hash_seed",node="bad-seed"} 1.0' in metrics
@@ -133,7 +138,6 @@ def test_a_router_with_no_block_size_routes_by_the_registry(registry, start_rout
     wait_for(lambda: {"n0", "n1"} <= set(dispatcher.nodes)
              and all(n.healthy for n in dispatcher.nodes.values())
              and dispatcher.metadata.mirror_in_sync, "the router to find the nodes")
-    assert dispatcher.identity.current.block_size == BLOCK
     client = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0, timeout=60)
     prompt = random_prompts(1, 44, 44, seed=11)[0]  # 5 blocks of 8 and 4 tokens
     client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
@@ -150,6 +154,9 @@ def test_a_router_with_no_block_size_routes_by_the_registry(registry, start_rout
     client.completions.create(model="tiny", prompt=prompt + [5, 6, 7, 8], max_tokens=2)
     hits = router.app.metrics.registry.get_sample_value("router_prefix_hit_tokens_total")
     assert hits == 5 * BLOCK  # the router's hashes of the prompt are the nodes' blocks
+    identity = health(router)["kv_identity"]
+    assert (identity["block_size"], identity["hash_algorithm"], identity["model"]) \
+        == (BLOCK, "sha256", MODEL)
 
 
 @pytest.mark.parametrize("flag", [["--block-size", "16"], ["--engine", "vllm"]])
