@@ -2,6 +2,10 @@
 the load loop; `place` asks the policy where a request goes (pure decision), `execute` sends
 it there and yields the decode node's token deltas.
 
+Nodes: the static ones of the config, and those the metadata service lists whose KV identity
+is the cluster's (`router.routing.identity.ClusterIdentity`, which also names the block size
+and hash scheme prompts are hashed with); the others are quarantined and sent nothing.
+
 Work accounting: the dispatcher keeps `work` (`router.routing.load_decay.DecayedWork`, advanced by
 the injected `clock`) and charges each node what it computes for it: the prompt tokens the
 prefilling node neither holds nor pulls, once the request is sent, and `output_token_weight` per
