@@ -12,8 +12,8 @@ import pytest
 from pdcluster.router.planning.capacity import CapacityModel, Workload, erlang_c, wait_exceeds
 from pdcluster.router.planning.planner import (
     PlanDecision,
-    PlannerConfig,
     Planner,
+    PlannerConfig,
     RoleBounds,
     Signals,
 )

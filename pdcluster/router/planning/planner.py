@@ -21,8 +21,9 @@ Every `decide(signals)`:
    and only down to the largest requirement seen over the last `down_window_s` (a dip
    shorter than the window moves nothing), at most `max_down_step` nodes at a time.
    Scale-in also needs the load with `down_band` more to fit the smaller count (two
-   thresholds, up and down: noise around one boundary moves nothing). Targets stay within [min, max] per role; with `max_nodes`, the sum is capped, the cut
-   shared in proportion to what each role asks for above its minimum.
+   thresholds, up and down: noise around one boundary moves nothing). Targets stay within
+   [min, max] per role; with `max_nodes`, the sum is capped, the cut shared in proportion
+   to what each role asks for above its minimum.
 
 API: `PlannerConfig`, `Signals`, `PlanDecision`, `Planner`, `RoleBounds`.
 """
@@ -79,8 +80,8 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         if not (self.slo_ttft_s > 0 and self.slo_itl_s > 0 and self.interval_s > 0):
             raise ValueError("SLOs and interval_s must be > 0")
-        for name in ("lead_s", "max_trend_gain", "headroom", "down_band", "up_cooldown_s", "down_cooldown_s", "down_window_s",
-                     "decode_z", "trend_window_s"):
+        for name in ("lead_s", "max_trend_gain", "headroom", "down_band", "up_cooldown_s",
+                     "down_cooldown_s", "down_window_s", "decode_z", "trend_window_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.wait_miss < 1 or not self.rate_half_life_s > 0:
