@@ -22,15 +22,15 @@ Every `decide(signals)`:
    shorter than the window moves nothing), at most `max_down_step` nodes at a time.
    Scale-in also needs the load with `down_band` more to fit the smaller count (two
    thresholds, up and down: noise around one boundary moves nothing). Targets stay within
-   [min, max] per role; with `max_nodes`, the sum is capped, the cut shared in proportion
-   to what each role asks for above its minimum.
+   [min, max] per role; with `max_nodes`, the sum is capped: the nodes each role runs and
+   still wants stay, and the room left is shared in proportion to what each role asks for
+   above that (no node is drained in one role to be started in the other).
 
 API: `PlannerConfig`, `Signals`, `PlanDecision`, `Planner`, `RoleBounds`.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -166,10 +166,10 @@ class Planner:
         targets = {role: self._target(role, required[role], max(kept[role], required[role]),
                                       current[role], now, reasons)
                    for role in (PREFILL, DECODE)}
-        targets = self._cap(targets, reasons)
+        targets = self._cap(targets, current, reasons)
         for role in (PREFILL, DECODE):
             if targets[role] != current[role]:
-                self._changed_at[role] = now  # type: ignore[index]  # set above
+                self._changed_at[role] = now
         return PlanDecision(targets[PREFILL], targets[DECODE], required[PREFILL],
                             required[DECODE], rate, tuple(reasons))
 
@@ -233,21 +233,35 @@ class Planner:
             return target
         return max(current, bounds.min_nodes)
 
-    def _cap(self, targets: dict[str, int], reasons: list[str]) -> dict[str, int]:
+    def _cap(self, targets: dict[str, int], current: dict[str, int],
+             reasons: list[str]) -> dict[str, int]:
         cap = self.config.max_nodes
         if cap is None or targets[PREFILL] + targets[DECODE] <= cap:
             return targets
-        floors = {role: self.config.bounds(role).min_nodes for role in targets}
-        room = cap - sum(floors.values())
-        extra = {role: targets[role] - floors[role] for role in targets}
-        total = sum(extra.values())
-        capped = {role: floors[role] + math.floor(room * extra[role] / total)
-                  for role in targets}
-        for role in sorted(targets, key=lambda r: -extra[r]):  # the rounding's leftover
-            if sum(capped.values()) < cap and capped[role] < targets[role]:
-                capped[role] += 1
+        # nodes running and still wanted stay: taking them from one role to start them in
+        # the other loses both a start-up and the role's capacity (flapping under the cap)
+        kept = {role: min(targets[role], current[role]) for role in targets}
+        if sum(kept.values()) > cap:
+            floors = {role: self.config.bounds(role).min_nodes for role in targets}
+            kept = _share(floors, kept, cap)
+        capped = _share(kept, targets, cap)
         reasons.append(f"capped at {cap} nodes")
         return capped
+
+
+def _share(base: dict[str, int], asked: dict[str, int], cap: int) -> dict[str, int]:
+    """`base` plus the room left under `cap`, shared in proportion to what each role asks
+    above its base."""
+    room = cap - sum(base.values())
+    extra = {role: asked[role] - base[role] for role in base}
+    total = sum(extra.values())
+    if total <= 0 or room <= 0:
+        return dict(base)
+    shared = {role: base[role] + room * extra[role] // total for role in base}
+    for role in sorted(base, key=lambda r: -extra[r]):  # the rounding's leftover
+        if sum(shared.values()) < cap and shared[role] < asked[role]:
+            shared[role] += 1
+    return shared
 
 
 def _trend(points: deque[tuple[float, float]], now: float) -> tuple[float, float]:
