@@ -69,5 +69,19 @@ class RouterMetrics:
             "router_migration_failures", "requests whose decode node was lost and that could "
             "not move (no migration left, no healthy node)", ["reason"], registry=r)
 
+        self.shed = Counter("router_shed_requests", "requests refused with 429 by admission "
+                            "(predicted TTFT over their class's limit), by priority class",
+                            ["priority"], registry=r)
+        self.admission_waiting = Gauge("router_admission_waiting", "requests held by "
+                                       "admission (mode queue) until their predicted TTFT "
+                                       "fits", registry=r)
+        self.ttft_prediction_error = Histogram(
+            "router_ttft_prediction_error_seconds", "|measured - predicted| TTFT of admitted "
+            "requests (the admission predictor's error)", registry=r,
+            buckets=_LATENCY_BUCKETS)
+        self.ttft_prediction_relative_error = Gauge(
+            "router_ttft_prediction_relative_error", "recent mean of |measured - predicted| "
+            "/ measured TTFT", registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

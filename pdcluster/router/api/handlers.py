@@ -19,6 +19,7 @@ import logging
 
 from aiohttp import web
 
+from pdcluster.router.api.admission_gate import AdmissionGate
 from pdcluster.router.api.edge import json_error
 from pdcluster.router.api.fanout import local_placement
 from pdcluster.router.api.generation import EndedWithError, Generation
@@ -40,6 +41,9 @@ class Handlers:
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
         self._metrics, self.dispatcher = metrics, dispatcher
         self._api_keys = ApiKeys(config.api_keys)
+        self.admission = (AdmissionGate(config.admission, dispatcher, metrics,
+                                        config.load_interval_s)
+                          if config.admission is not None else None)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -97,11 +101,22 @@ class Handlers:
         req.cache_salt = tenant_salt(tenant, req.cache_salt)  # tenants never share a cache
         prompt = resolve_prompt(req, self.tokenizer, self.model_name,
                                 self.config.max_tokens_limit)
-        placement = await self.dispatcher.place(prompt.token_ids, req.cache_salt)
-        if _needs_local_prefill(req):
-            placement = local_placement(placement)
+        async def place() -> Placement:
+            placed = await self.dispatcher.place(prompt.token_ids, req.cache_salt)
+            return local_placement(placed) if _needs_local_prefill(req) else placed
+
+        on_first_token = None
+        if self.admission is not None:
+            gate = self.admission
+            priority = gate.config.priority(request.headers.get(gate.config.header),
+                                            tenant.name if tenant is not None else None)
+            placement, prediction = await gate.admit(place, len(prompt.token_ids), priority)
+            on_first_token = lambda ttft: gate.observe(prediction, ttft)  # noqa: E731
+        else:
+            placement = await place()
         self._count(placement, len(prompt.token_ids))
-        generation = Generation(req, prompt, self.model_name, self.tokenizer, self._metrics)
+        generation = Generation(req, prompt, self.model_name, self.tokenizer, self._metrics,
+                                on_first_token)
         return await generation.respond(request, self.dispatcher, placement)
 
     def _count(self, placement: Placement, num_prompt: int) -> None:

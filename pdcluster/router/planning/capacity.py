@@ -30,7 +30,8 @@ estimates: the prefill rate as a ratio of decayed sums, the step-time coefficien
 recursive least squares on (1, B, ctx) with forgetting, kept non-negative. Until observations
 arrive the priors (the constructor's figures) stand.
 
-API: `CapacityModel`, `Workload`, `erlang_c`, `wait_exceeds`.
+API: `CapacityModel`, `Workload`, `erlang_c`, `wait_exceeds`, `Rls` (least squares with
+forgetting, shared with router.planning.admission).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def wait_exceeds(servers: int, load: float, service_s: float, wait_s: float) -> 
     return waits * math.exp(-(servers - load) * wait_s / service_s)
 
 
-class _Rls:
+class Rls:
     """Recursive least squares with exponential forgetting on a few features."""
 
     def __init__(self, prior: list[float], forget: float, prior_weight: float) -> None:
@@ -120,7 +121,7 @@ class CapacityModel:
         # the rate as decayed tokens over decayed seconds, seeded with 1 s of the prior
         self._tokens, self._busy_s = prefill_tokens_per_s, 1.0
         # scales of the features keep the least-squares problem well conditioned
-        self._step = _Rls([step_base_s, step_per_seq_s * 100, step_per_ctx_token_s * 1e6],
+        self._step = Rls([step_base_s, step_per_seq_s * 100, step_per_ctx_token_s * 1e6],
                           forget, prior_weight=100.0)
 
     @property
