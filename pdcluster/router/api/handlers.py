@@ -30,6 +30,7 @@ from pdcluster.router.config import RouterConfig
 from pdcluster.router.errors import ApiError, NodeFailure, NoHealthyNode, api_error
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.routing.dispatch import Dispatcher, Placement
+from pdcluster.router.routing.handoff import HotPrefixes
 from pdcluster.router.tenants import ApiKeys, tenant_salt
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,11 @@ logger = logging.getLogger(__name__)
 
 class Handlers:
     def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer, model_name: str,
-                 metrics: RouterMetrics, dispatcher: Dispatcher) -> None:
+                 metrics: RouterMetrics, dispatcher: Dispatcher,
+                 hot_prefixes: HotPrefixes | None = None) -> None:
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
         self._metrics, self.dispatcher = metrics, dispatcher
+        self.hot_prefixes = hot_prefixes  # what a draining node hands off (routing.handoff)
         self._api_keys = ApiKeys(config.api_keys)
         self.admission = (AdmissionGate(config.admission, dispatcher, metrics,
                                         config.load_interval_s)
@@ -115,9 +118,19 @@ class Handlers:
         else:
             placement = await place()
         self._count(placement, len(prompt.token_ids))
+        self._remember(placement, prompt.token_ids, req.cache_salt)
         generation = Generation(req, prompt, self.model_name, self.tokenizer, self._metrics,
                                 on_first_token)
         return await generation.respond(request, self.dispatcher, placement)
+
+    def _remember(self, placement: Placement, token_ids: list[int],
+                  cache_salt: str | None) -> None:
+        """Both nodes of a placement hold the prompt's blocks afterwards."""
+        if self.hot_prefixes is None or not placement.chain:
+            return
+        decision = placement.decision
+        for node_id in {decision.decode_node, decision.prefill_node or decision.decode_node}:
+            self.hot_prefixes.record(node_id, token_ids, cache_salt, placement.chain)
 
     def _count(self, placement: Placement, num_prompt: int) -> None:
         m, d = self._metrics, placement.decision
