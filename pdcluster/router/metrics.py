@@ -69,6 +69,8 @@ class RouterMetrics:
             "router_migration_failures", "requests whose decode node was lost and that could "
             "not move (no migration left, no healthy node)", ["reason"], registry=r)
 
+        self.output_tokens = Counter("router_output_tokens", "tokens streamed to clients (the "
+                                     "planner's output length per request)", registry=r)
         self.shed = Counter("router_shed_requests", "requests refused with 429 by admission "
                             "(predicted TTFT over their class's limit), by priority class",
                             ["priority"], registry=r)

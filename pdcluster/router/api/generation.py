@@ -101,6 +101,7 @@ class Generation:
             self._first = False
             if self.on_first_token is not None:
                 self.on_first_token(now - self.started)
+        self.metrics.output_tokens.inc(len(delta.token_ids))
         if not choice.token_ids:
             self.metrics.node_prompt_tokens.inc(delta.num_prompt_tokens)
             self.metrics.node_cached_tokens.inc(delta.num_cached_tokens)

@@ -46,8 +46,8 @@ class RoleBounds:
     max_nodes: int = 8
 
     def __post_init__(self) -> None:
-        if not 0 <= self.min_nodes <= self.max_nodes or self.max_nodes < 1:
-            raise ValueError(f"need 0 <= min <= max and max >= 1, got [{self.min_nodes}, "
+        if not 0 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(f"need 0 <= min <= max, got [{self.min_nodes}, "
                              f"{self.max_nodes}]")
 
     def clamp(self, n: int) -> int:
