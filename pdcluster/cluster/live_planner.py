@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 from pdcluster.cluster.planner_settings import PlannerSettings
@@ -61,6 +62,11 @@ class LivePlanner:
         self._last_at: float | None = None
         self._output_avg = OUTPUT_PRIOR_TOKENS
         self.events: list[dict] = []  # every change: time, targets, reasons
+        self.last: dict | None = None  # the latest decision and what it was made from
+
+    def set_slo_itl(self, slo_s: float) -> None:
+        self.settings = replace(self.settings, slo_itl_ms=slo_s * 1000)
+        self.planner.config = replace(self.planner.config, slo_itl_s=slo_s)
 
     def step(self) -> PlanDecision | None:
         """One decision (None until two scrapes of the router's metrics make a window)."""
@@ -78,6 +84,17 @@ class LivePlanner:
         sig = signals(stats, max(now - last, 1e-3), self.fleet.loads(), current["prefill"],
                       current["decode"], self.model, self._output_avg)
         decision = self.planner.decide(sig, now)
+        self.last = {"at": now, "signals": {
+            "rate_per_s": round(sig.rate_per_s, 3), "prefill_tokens": round(sig.prefill_tokens),
+            "output_tokens": round(sig.output_tokens), "context_tokens": round(sig.context_tokens),
+            "queued_prefill_tokens": sig.queued_prefill_tokens, "ttft_p90_s": sig.ttft_p90_s,
+            "itl_p90_s": sig.itl_p90_s},
+            "required": [decision.required_prefill, decision.required_decode],
+            "targets": [decision.prefill, decision.decode],
+            "planned_rate_per_s": round(decision.planned_rate_per_s, 3),
+            "model": {"prefill_tokens_per_s": round(self.model.prefill_tokens_per_s),
+                      "step_s": [float(f"{c:.4g}") for c in self.model.step_coefficients]},
+            "reasons": list(decision.reasons)}
         targets = {"prefill": decision.prefill, "decode": decision.decode}
         for role in ROLES:
             self._move(role, current[role], targets[role])

@@ -182,12 +182,16 @@ class RayFleet:
             time.sleep(0.2)
         return None
 
+    def wait_retired(self, timeout_s: float) -> None:
+        """Wait for the retirements under way."""
+        for thread in self._threads:
+            thread.join(timeout_s)
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Drain every node left (in parallel) and wait for retirements under way."""
         import ray
 
-        for thread in self._threads:
-            thread.join(timeout_s)
+        self.wait_retired(timeout_s)
         with self._lock:
             handles = dict(self.actors)
             self.actors.clear()

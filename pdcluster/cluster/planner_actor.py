@@ -88,8 +88,12 @@ class PlannerActor:
             "planned_rate_per_s": decision.planned_rate_per_s,
             "reasons": list(decision.reasons)}
 
+    def set_slo_itl(self, slo_s: float) -> None:
+        """Change the ITL SLO (a benchmark sets it from a baseline it measured)."""
+        self.live.set_slo_itl(slo_s)
+
     def status(self) -> dict[str, Any]:
-        return {"events": list(self.live.events),
+        return {"events": list(self.live.events), "last": self.live.last,
                 "serving": {role: self.fleet.serving(role) for role in ROLES},
                 "starting": sorted(self.fleet.starting()),
                 "retired": list(self.fleet.retired)}
@@ -97,8 +101,13 @@ class PlannerActor:
     def nodes(self) -> list[dict[str, str]]:
         return self.fleet.info()
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
+    def pause(self, timeout_s: float = 30.0) -> None:
+        """Stop deciding (the nodes stay as they are, retirements under way finish)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        self.fleet.wait_retired(timeout_s)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        self.pause(timeout_s)
         self.fleet.shutdown(timeout_s)

@@ -5,7 +5,9 @@ measured prefill rate), which the launcher reads through the node actors.
 
 `RouterWindow.take(text)` turns two consecutive scrapes into one window's figures: counter
 deltas and, from histogram bucket deltas, a p90 (the upper bound of the bucket the 90th
-percentile falls in: conservative). `signals(...)` builds the planner's `Signals` and feeds
+percentile falls in: conservative). The mean inter-token latency comes from the streamed
+requests' histogram, or, with none streamed, from the requests' decode time (e2e latency less
+TTFT) over the tokens after the first. `signals(...)` builds the planner's `Signals` and feeds
 the capacity model's calibration: the prefill nodes' measured rates, and the decode step time
 (the window's mean inter-token latency, one token per step) against the decode nodes' mean
 batch and the context it holds.
@@ -66,6 +68,14 @@ class RouterWindow:
             return max(0.0, now.get(name, 0.0) - last.get(name, 0.0))
 
         itl_count = delta("router_inter_token_latency_seconds_count")
+        itl_mean = delta("router_inter_token_latency_seconds_sum") / itl_count \
+            if itl_count else None
+        # streamed or not, a request's decode time is its e2e latency less its TTFT
+        decode_tokens = delta("router_output_tokens_total") - delta("completed")
+        decode_s = (delta("router_e2e_latency_seconds_sum")
+                    - delta("router_ttft_seconds_sum"))
+        if itl_mean is None and decode_tokens > 0 and decode_s > 0:
+            itl_mean = decode_s / decode_tokens
         return WindowStats(
             delta("requests"), delta("completed"), delta("router_prompt_tokens_total"),
             delta("router_prefix_hit_tokens_total"), delta("router_output_tokens_total"),
@@ -73,7 +83,7 @@ class RouterWindow:
                  last_buckets.get("router_ttft_seconds", {})),
             _p90(buckets.get("router_inter_token_latency_seconds", {}),
                  last_buckets.get("router_inter_token_latency_seconds", {})),
-            delta("router_inter_token_latency_seconds_sum") / itl_count if itl_count else None)
+            itl_mean)
 
 
 def _read(text: str) -> tuple[dict[str, float], dict[str, dict[float, float]]]:
@@ -118,8 +128,10 @@ def signals(window: WindowStats, window_s: float, loads: list[NodeLoad], num_pre
     uncached = max(0.0, window.prompt_tokens - window.cached_tokens) / requests
     prompt = window.prompt_tokens / requests
     context = prompt + output_avg / 2
-    running = sum(n.num_running for n in decode) / max(len(decode), 1)
-    if window.itl_mean_s and running >= 1:
+    # the window's tokens came from batches of at least one sequence, whatever the load
+    # report caught at this instant
+    running = max(1.0, sum(n.num_running for n in decode) / max(len(decode), 1))
+    if window.itl_mean_s:
         model.observe_step(round(running), running * context, window.itl_mean_s)
     return Signals(window_s, round(window.requests), uncached, output_avg, context,
                    num_prefill, num_decode, float(sum(n.queued_prefill_tokens for n in prefill)),

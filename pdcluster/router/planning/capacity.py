@@ -83,7 +83,10 @@ def wait_exceeds(servers: int, load: float, service_s: float, wait_s: float) -> 
 
 
 class Rls:
-    """Recursive least squares with exponential forgetting on a few features."""
+    """Recursive least squares with exponential forgetting on a few features. The covariance's
+    trace is held at or below its starting value: forgetting alone lets it grow without bound
+    in directions the data does not excite (a live load that repeats itself), and one unusual
+    sample would then swing the fit ("wind-up")."""
 
     def __init__(self, prior: list[float], forget: float, prior_weight: float) -> None:
         n = len(prior)
@@ -91,6 +94,7 @@ class Rls:
         # a diagonal covariance: how far the prior may move with the first observations
         self._p = [[(1.0 / prior_weight if i == j else 0.0) for j in range(n)]
                    for i in range(n)]
+        self._max_trace = n / prior_weight
         self._forget = forget
 
     def update(self, x: list[float], y: float) -> None:
@@ -102,6 +106,10 @@ class Rls:
         self.coef = [c + g * error for c, g in zip(self.coef, gain, strict=True)]
         self._p = [[(p[i][j] - gain[i] * px[j]) / self._forget for j in range(n)]
                    for i in range(n)]
+        trace = sum(self._p[i][i] for i in range(n))
+        if trace > self._max_trace:
+            scale = self._max_trace / trace
+            self._p = [[v * scale for v in row] for row in self._p]
 
 
 class CapacityModel:
@@ -122,7 +130,7 @@ class CapacityModel:
         self._tokens, self._busy_s = prefill_tokens_per_s, 1.0
         # scales of the features keep the least-squares problem well conditioned
         self._step = Rls([step_base_s, step_per_seq_s * 100, step_per_ctx_token_s * 1e6],
-                          forget, prior_weight=100.0)
+                          forget, prior_weight=1.0)
 
     @property
     def prefill_tokens_per_s(self) -> float:
