@@ -54,6 +54,8 @@ async def _run(config: ClusterConfig, cluster: RayCluster,
     from pdcluster.router.api.server import serve_forever, wait_for_signal
 
     if not config.router_enabled:  # e.g. the Helm chart runs the router as a Deployment
+        if config.planner is not None and config.planner.router_url:
+            cluster.attach_router(config.planner.router_url.rstrip("/"))
         print(f"pdcluster: {config.num_prefill} prefill + {config.num_decode} decode nodes up",
               flush=True)
         await wait_for_signal()

@@ -16,6 +16,7 @@ cluster.yaml:
       down_window_s: 180       # it scales in only below the largest need seen over this
       rate_half_life_s: 30     # of the arrival rate's average
       drain_timeout_s: 120     # a leaving node's streams and hand-off get this long
+      router_url: http://router-admin:9091   # a router running elsewhere (its admin port)
 
 API: `PlannerSettings`.
 """
@@ -29,7 +30,7 @@ from pdcluster.router.planning.planner import PlannerConfig, RoleBounds
 
 _KEYS = {"enabled", "slo_ttft_s", "slo_itl_ms", "interval_s", "startup_s", "prefill", "decode",
          "max_nodes", "down_cooldown_s", "down_window_s", "rate_half_life_s",
-         "drain_timeout_s"}
+         "drain_timeout_s", "router_url"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,9 @@ class PlannerSettings:
     down_window_s: float = 180.0
     rate_half_life_s: float = 30.0  # of the arrival rate's average
     drain_timeout_s: float = 120.0
+    # where the planner reads the router's /metrics and /health when the router runs
+    # elsewhere (the chart: its admin Service); None: the launcher's own router
+    router_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.min_decode < 1:
@@ -85,6 +89,7 @@ class PlannerSettings:
                 raise ValueError(f"planner.{name} takes min and max only")
         fields = {k: data[k] for k in ("slo_ttft_s", "slo_itl_ms", "interval_s", "startup_s",
                                        "max_nodes", "down_cooldown_s", "down_window_s",
-                                       "rate_half_life_s", "drain_timeout_s") if k in data}
+                                       "rate_half_life_s", "drain_timeout_s", "router_url")
+                  if k in data}
         return cls(min_prefill=prefill.get("min", 1), max_prefill=prefill.get("max", 4),
                    min_decode=decode.get("min", 1), max_decode=decode.get("max", 4), **fields)
