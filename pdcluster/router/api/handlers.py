@@ -18,7 +18,9 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
+from opentelemetry import trace
 
+from pdcluster.core import tracing
 from pdcluster.router.api.admission_gate import AdmissionGate
 from pdcluster.router.api.edge import json_error
 from pdcluster.router.api.fanout import local_placement
@@ -80,6 +82,19 @@ class Handlers:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         endpoint = "chat" if chat else "completions"
+        # the request's trace (core.tracing): continues a client's traceparent, if sent
+        with tracing.tracer().start_as_current_span(
+                "router.request", context=tracing.parent_context(
+                    request.headers.get("traceparent")),
+                kind=trace.SpanKind.SERVER,
+                attributes={"pdcluster.component": "router", "pdcluster.endpoint": endpoint}
+        ) as span:
+            response = await self._answer(request, chat, endpoint)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+
+    async def _answer(self, request: web.Request, chat: bool,
+                      endpoint: str) -> web.StreamResponse:
         counter = self._metrics.requests
         try:
             response = await self._checked(request, chat)
@@ -118,6 +133,12 @@ class Handlers:
         else:
             placement = await place()
         self._count(placement, len(prompt.token_ids))
+        decision = placement.decision
+        trace.get_current_span().set_attributes({
+            "pdcluster.decode_node": decision.decode_node,
+            "pdcluster.prefill_node": decision.prefill_node or decision.decode_node,
+            "pdcluster.prompt_tokens": len(prompt.token_ids),
+            "pdcluster.cached_tokens": decision.cached_tokens})
         self._remember(placement, prompt.token_ids, req.cache_salt)
         generation = Generation(req, prompt, self.model_name, self.tokenizer, self._metrics,
                                 on_first_token)
