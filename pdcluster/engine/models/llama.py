@@ -8,13 +8,13 @@ Forward takes a flattened batch of tokens (`[T]` ids and positions) plus the ste
 the rows the sampler needs. q/k/v and gate/up projections are fused at load time (one matmul
 each); RMSNorm follows the reference formula (float32 statistics) so outputs match exactly.
 
-With the engine's kernels (engine.kernels; CPU, float32) a layer's small steps are one op
-each: the residual add and the next RMSNorm (`add_rms_norm_`, which is why a layer returns
-its output and the residual stream separately), RoPE of q and k together with the cache write
-of k and v (`rope_and_cache_`; not for Qwen3's q/k norms, which take the torch path). A
-batch-1 decode step of plain dense layers goes further: the whole stack is one op
-(`DecodeStack`, `decode_layers_`), the same kernels in the same order without returning to
-Python between them.
+With the engine's kernels (engine.kernels: the C++ ops on CPU for float32, the Triton kernels on
+CUDA, one signature each) a layer's small steps are one op each: the residual add and the next
+RMSNorm (`add_rms_norm_`, which is why a layer returns its output and the residual stream
+separately), RoPE of q and k together with the cache write of k and v (`rope_and_cache_`; not
+for Qwen3's q/k norms, which take the torch path). A batch-1 decode step of plain dense layers
+goes further: the whole stack is one op (`DecodeStack`, `decode_layers_`), the same kernels in
+the same order without returning to Python between them.
 """
 
 from __future__ import annotations
@@ -25,9 +25,17 @@ from torch import nn
 from pdcluster.engine import kernels
 from pdcluster.engine.kv.kv_cache import PagedKVCache
 from pdcluster.engine.models.attention import AttentionMetadata, paged_attention
-from pdcluster.engine.models.linear import Linear
 from pdcluster.engine.models.model_config import ModelConfig
-from pdcluster.engine.models.moe import MLP, FusedLinear, SparseMoE
+from pdcluster.engine.models.moe import MLP, SparseMoE
+from pdcluster.engine.models.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    even_slice,
+    head_slice,
+)
 from pdcluster.engine.models.rope import RotaryEmbedding
 
 
@@ -38,7 +46,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = kernels.ops_for(x, self.weight) if x.dim() == 2 and x.is_contiguous() else None
+        ops = kernels.layer_ops_for(x, self.weight) if x.dim() == 2 and x.is_contiguous() \
+            else None
         if ops is not None:
             return ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
@@ -50,7 +59,7 @@ class RMSNorm(nn.Module):
         """The residual stream plus `x`, and its norm: `(norm(residual + x), residual + x)`.
         With the engine's kernels one pass, in place (x and residual are the step's own
         intermediates)."""
-        ops = kernels.ops_for(x, residual, self.weight)
+        ops = kernels.layer_ops_for(x, residual, self.weight)
         if ops is not None and x.is_contiguous() and residual.is_contiguous():
             ops.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
@@ -59,19 +68,23 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+    """With tensor parallelism this rank's query heads and KV heads (engine/models/parallel.py):
+    q/k/v column-parallel by heads, the output projection row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = FusedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                    bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        q_rows = head_slice(cfg.num_heads, cfg.head_dim, tp, "num_attention_heads")
+        kv_rows = head_slice(cfg.num_kv_heads, cfg.head_dim, tp, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
+        self.num_heads = q_rows.length // cfg.head_dim
+        self.num_kv_heads = kv_rows.length // cfg.head_dim
+        self.q_size, self.kv_size = q_rows.length, kv_rows.length
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_rows, kv_rows, kv_rows],
+                                             bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        cfg.o_bias, tp)
         self.scale = cfg.head_dim**-0.5
         self.rope = rope
         self.q_norm: RMSNorm | None = None
@@ -84,7 +97,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
-        ops = None if self.q_norm is not None else kernels.ops_for(qkv, kv_cache.tensor)
+        ops = None if self.q_norm is not None else kernels.layer_ops_for(qkv, kv_cache.tensor)
         if ops is not None:
             # RoPE on q and k in place and k, v into their cache slots: one op.
             ops.rope_and_cache_(qkv, positions, self.rope.cos, self.rope.sin, self.num_heads,
@@ -109,21 +122,22 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+def make_mlp(cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE) -> nn.Module:
     """The layer's feed-forward block: sparse where the config routes it, else dense."""
     if cfg.moe is not None and layer in cfg.moe.moe_layers:
-        return SparseMoE(cfg.moe, cfg.hidden_size)
-    return MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        return SparseMoE(cfg.moe, cfg.hidden_size, tp)
+    return MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, tp=tp)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding,
-                 attention_cls: type[nn.Module] = Attention) -> None:
+                 attention_cls: type[nn.Module] = Attention,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = attention_cls(cfg, layer, rope)
+        self.self_attn = attention_cls(cfg, layer, rope, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = make_mlp(cfg, layer)
+        self.mlp = make_mlp(cfg, layer, tp)
 
     def forward(self, x, residual, positions, kv_cache, meta):
         """`x` is the previous layer's output (the embeddings for the first, with `residual`
@@ -140,7 +154,9 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """Families with another attention subclass this and set `attention_cls` (its
-    constructor takes `(cfg, layer, rope)`) and `rope_dim`."""
+    constructor takes `(cfg, layer, rope, tp)`) and `rope_dim`. With tensor parallelism
+    (`tp`) the embedding and the LM head hold this rank's rows of the vocabulary; the logits
+    are gathered, so every rank sees all of them."""
 
     attention_cls: type[nn.Module] = Attention
 
@@ -148,16 +164,18 @@ class CausalLM(nn.Module):
     def rope_dim(cfg: ModelConfig) -> int:
         return cfg.head_dim
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE
+                 ) -> None:
         super().__init__()
-        self.config = cfg
+        self.config, self.tp = cfg, tp
         self.max_positions = max_positions
         rope = RotaryEmbedding(cfg.rope, self.rope_dim(cfg), max_positions)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, self.attention_cls)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, self.attention_cls, tp)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ColumnParallelLinear(
+            cfg.hidden_size, [even_slice(cfg.vocab_size, tp, "vocab_size")], bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # built at the first batch-1 decode on a cache (None: this model does not fit it)
@@ -199,7 +217,7 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.tp.all_gather_last(self.lm_head(hidden)).float()
 
 
 class DecodeStack:
@@ -224,6 +242,8 @@ class DecodeStack:
         """Each layer and its parts where every one is a dense layer of this module's
         `Attention` without biases or q/k norms, in float32 on the CPU, sharing one float32
         RoPE table; else None (the op does not apply)."""
+        if model.tp.size > 1:  # the op has no collectives
+            return None
         layers: list[tuple[DecoderLayer, Attention, MLP]] = []
         for layer in model.layers:
             if not isinstance(layer, DecoderLayer):

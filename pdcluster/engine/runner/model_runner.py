@@ -1,27 +1,46 @@
 """Runs one scheduled step on the model: builds the flattened batch and attention metadata
-from the scheduler's plan, runs the forward pass, and samples one token for every request
-whose chunk reached its last known token.
+from the scheduler's plan (engine/runner/inputs.py), runs the forward pass, and samples one
+token for every request whose chunk reached its last known token.
 
-Tokens are ordered decode-first (every single-token chunk, including a prompt whose only
-uncached token is its last), then prefill chunks; see `engine.models.attention`.
+On CUDA, once `capture_graphs` has run, a step of decodes only (no prefill chunk, no proposed
+tokens to verify, at most the largest captured batch) replays the CUDA graph of its batch-size
+bucket instead (engine/runner/cuda_graphs.py); every other step runs eagerly. Either way the
+step waits for the device once: for the sampled token ids.
 """
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import torch
 
 from pdcluster.engine.core.outputs import StepResult
 from pdcluster.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from pdcluster.engine.kernels import gpu
 from pdcluster.engine.kv.kv_cache import PagedKVCache
 from pdcluster.engine.models.attention import (
     AttentionMetadata,
     CascadeTables,
     GatherWorkspace,
+    PrefillBatch,
     PrefillChunk,
 )
 from pdcluster.engine.models.llama import CausalLM
+from pdcluster.engine.runner.cuda_graphs import DecodeGraphs, graph_blocker
+from pdcluster.engine.runner.inputs import (
+    StepInputs,
+    StepPlan,
+    build_inputs,
+    chunk_tables,
+    decode_table,
+    to_device,
+)
+from pdcluster.engine.runner.tp_workers import StepPeers
 from pdcluster.engine.sample.rejection import verify_chunks
 from pdcluster.engine.sample.sampler import Sampler
+
+logger = logging.getLogger(__name__)
 
 # Decode attention splits at the blocks all decodes share (engine/models/attention.py) from this
 # many on. Chosen, not tuned: a few shared blocks save little reading and still cost a second
@@ -38,89 +57,125 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(device, seed)
         self.workspace = GatherWorkspace()  # attention's gather buffers, reused every step
+        self.graphs: DecodeGraphs | None = None
+        self.peers: StepPeers | None = None  # the other tensor-parallel ranks, if any
+
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> bool:
+        """Capture the decode step's CUDA graphs (CUDA only); False, with the reason logged,
+        where this model or device cannot take them."""
+        reason = graph_blocker(self.model, self.kv_cache)
+        if reason is not None:
+            logger.info("decode steps run eagerly: %s", reason)
+            return False
+        if self.peers is not None:  # every rank captures at once: the forward holds collectives
+            self.peers.capture(max_batch, max_model_len)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, max_model_len)
+        self.graphs.capture()
+        return True
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[StepResult]:
         """One entry per `out.scheduled` item, in that order; None where nothing is sampled,
-        a `RequestFailure` where sampling failed for that request alone (engine.sample.sampler), a
-        list of tokens for a chunk that verified proposed tokens (engine/spec_decode)."""
+        a `RequestFailure` where sampling failed for that request alone (engine.sample.sampler),
+        a list of tokens for a chunk that verified proposed tokens (engine/spec_decode)."""
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_tokens > 1)
         items = [out.scheduled[i] for i in order]
-        input_ids, positions, meta, last_rows = self._prepare(items)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        sampling = [k for k, item in enumerate(items) if item.samples and not item.spec_token_ids]
-        results: list[StepResult] = [None] * len(items)
-        verifying = [k for k, item in enumerate(items) if item.spec_token_ids]
-        if verifying:
-            verified = verify_chunks(self.model, self.sampler, hidden,
-                                     [items[k] for k in verifying],
-                                     [last_rows[k] for k in verifying])
-            for k, tokens in zip(verifying, verified, strict=True):
-                results[k] = tokens
-        if sampling:
-            rows = torch.tensor([last_rows[k] for k in sampling], device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
-            sampled = self.sampler.sample(logits, [items[k].request for k in sampling])
-            for k, token in zip(sampling, sampled, strict=True):
-                results[k] = token
+        plan = self._plan(items)
+        if self.peers is None:
+            logits = self.forward(plan)
+        else:  # the other tensor-parallel ranks run the same forward
+            self.peers.step(plan)
+            try:
+                logits = self.forward(plan)
+            except RuntimeError as exc:
+                raise self.peers.failed(exc) from exc
+        results = self._sample(items, logits)
         unordered: list[StepResult] = [None] * len(items)
         for k, i in enumerate(order):
             unordered[i] = results[k]
         return unordered
 
-    def _prepare(self, items: list[ScheduledRequest]):
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[torch.Tensor] = []
-        slot_blocks: list[torch.Tensor] = []
-        last_rows: list[int] = []
-        decodes = [it for it in items if it.num_tokens == 1]
-        prefills: list[PrefillChunk] = []
-        for it in items:
-            start, end = it.start, it.start + it.num_tokens
-            ids.extend(it.token_ids)
-            p = torch.arange(start, end)
-            table = torch.tensor(it.block_ids[: -(-end // bs)])
-            pos.append(p)
-            slot_blocks.append(table[p // bs])
-            if it.num_tokens > 1:
-                prefills.append(self._prefill_chunk(len(ids) - it.num_tokens, p, table))
-            last_rows.append(len(ids) - 1)
-        positions = torch.cat(pos)
-        slot_rows = self.kv_cache.slot_rows(torch.cat(slot_blocks), positions % bs)
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """The step's forward pass: logits `[len(plan.logit_rows), vocab]` (float32). Every
+        tensor-parallel rank runs it on the same plan (its collectives pair up)."""
+        if plan.replay:
+            assert self.graphs is not None and plan.decode_table is not None, \
+                "a replayed step has graphs and a decode table"
+            return self.graphs.replay(plan.inputs, plan.decode_table)
+        inputs = plan.inputs
+        hidden = self.model(to_device(inputs.token_ids, self.device),
+                            to_device(inputs.positions, self.device), self.kv_cache,
+                            self._metadata(plan))
+        rows = to_device(plan.logit_rows, self.device)
+        return self.model.compute_logits(hidden[rows])
+
+    def _plan(self, items: list[ScheduledRequest]) -> StepPlan:
+        inputs = build_inputs(items, self.kv_cache)
+        n = inputs.num_decodes
+        table = decode_table(items[:n], inputs.decode_lens, self.block_size) if n else None
+        replay = self._replays(items)
+        rows: list[int] = []  # verifying chunks' rows, then the sampled rows
+        for item, last in zip(items, inputs.last_rows, strict=True):
+            if item.spec_token_ids:
+                rows += range(last - len(item.spec_token_ids), last + 1)
+        rows += [last for item, last in zip(items, inputs.last_rows, strict=True)
+                 if item.samples and not item.spec_token_ids]
+        return StepPlan(inputs, table, np.asarray(rows, dtype=np.int64), replay)
+
+    def _replays(self, items: list[ScheduledRequest]) -> bool:
+        graphs = self.graphs
+        return (graphs is not None and len(items) <= graphs.max_batch
+                and all(it.num_tokens == 1 and it.samples and not it.spec_token_ids
+                        for it in items))
+
+    def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor) -> list[StepResult]:
+        """`logits` rows in `_plan`'s order: each verifying chunk's, then the sampled rows."""
+        results: list[StepResult] = [None] * len(items)
+        verifying = [k for k, item in enumerate(items) if item.spec_token_ids]
+        offset = 0
+        if verifying:
+            verified = verify_chunks(self.sampler, logits, [items[k] for k in verifying])
+            for k, tokens in zip(verifying, verified, strict=True):
+                results[k] = tokens
+            offset = sum(len(items[k].spec_token_ids) + 1 for k in verifying)
+        sampling = [k for k, item in enumerate(items) if item.samples and not item.spec_token_ids]
+        if sampling:
+            sampled = self.sampler.sample(logits[offset:], [items[k].request for k in sampling])
+            for k, token in zip(sampling, sampled, strict=True):
+                results[k] = token
+        return results
+
+    def _metadata(self, plan: StepPlan) -> AttentionMetadata:
+        inputs, device, n = plan.inputs, self.device, plan.inputs.num_decodes
         meta = AttentionMetadata(
-            slot_rows=slot_rows.to(self.device),
-            num_decodes=len(decodes),
+            slot_rows=to_device(inputs.slot_rows, device),
+            num_decodes=n,
             decode_block_table=None,
-            decode_mask=None,
-            prefills=prefills,
+            decode_lens=None,
+            prefills=[self._prefill_chunk(inputs, c) for c in range(len(inputs.chunks))],
             workspace=self.workspace,
         )
-        if decodes:
-            (meta.decode_block_table, meta.decode_mask, meta.decode_lens,
-             meta.cascade) = self._decode_tables(decodes)
-        input_ids = torch.tensor(ids, device=self.device)
-        return input_ids, positions.to(self.device), meta, last_rows
+        if n:
+            table = plan.decode_table
+            assert table is not None, "a step with decodes has their table"
+            meta.decode_block_table = to_device(table, device)
+            meta.decode_lens = to_device(inputs.decode_lens, device)
+            meta.cascade = self._cascade(torch.from_numpy(table),
+                                         torch.from_numpy(inputs.decode_lens))
+        if inputs.chunks and gpu.serves(self.kv_cache.tensor):
+            tables, starts, first, longest = chunk_tables(inputs, len(inputs.token_ids))
+            meta.prefill_batch = PrefillBatch(to_device(tables, device),
+                                              to_device(starts, device),
+                                              to_device(first, device), longest)
+        return meta
 
-    def _prefill_chunk(self, offset: int, positions: torch.Tensor, table: torch.Tensor):
-        n, context_len = len(positions), int(positions[-1]) + 1
-        mask = None
-        if int(positions[0]) > 0:
-            mask = (torch.arange(context_len)[None, :] <= positions[:, None]).to(self.device)
-        return PrefillChunk(offset, offset + n, context_len, table.to(self.device), mask)
-
-    def _decode_tables(self, decodes: list[ScheduledRequest]):
-        bs = self.block_size
-        context_lens = [it.start + 1 for it in decodes]
-        max_blocks = -(-max(context_lens) // bs)
-        table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
-        for row, (it, ctx) in enumerate(zip(decodes, context_lens, strict=True)):
-            n = -(-ctx // bs)
-            table[row, :n] = torch.tensor(it.block_ids[:n])
-        lens = torch.tensor(context_lens)
-        mask = torch.arange(max_blocks * bs)[None, :] < lens[:, None]
-        return (table.to(self.device), mask[:, None, None, :].to(self.device),
-                lens.to(self.device), self._cascade(table, lens))
+    def _prefill_chunk(self, inputs: StepInputs, c: int) -> PrefillChunk:
+        row, first_pos, blocks = inputs.chunks[c]
+        end = inputs.chunks[c + 1][0] if c + 1 < len(inputs.chunks) else len(inputs.token_ids)
+        context_len = first_pos + end - row
+        table = torch.tensor(blocks[: -(-context_len // self.block_size)])
+        return PrefillChunk(row, end, context_len, table.to(self.device))
 
     def _cascade(self, table: torch.Tensor, lens: torch.Tensor) -> CascadeTables | None:
         """The decode batch split at its leading blocks common to every sequence (only blocks

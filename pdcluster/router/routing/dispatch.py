@@ -17,8 +17,8 @@ request for a reason of its own (overloaded, draining, an internal error), is re
 once (`PrefillLost`), and D computes the prompt itself instead of waiting out its KV timeout;
 so is a P whose connection closes after it finished its part but before D streamed a token
 (its KV leaves only when D asks for it). A P that only stopped answering (it may be hung, and
-could still write the KV) is left to D's timeout. P refusing the request as invalid fails it
-(D would refuse it too).
+could still write the KV) is left to D's timeout, unless its connection then closes. P
+refusing the request as invalid fails it (D would refuse it too).
 Whatever ends the stream early (client gone, stop string, error), `execute`'s cleanup aborts
 the request on both nodes. `execute` is one attempt; router.routing.migration moves a request whose
 D is lost to another node.
@@ -286,15 +286,17 @@ class Dispatcher:
             if not stream.lost and msg.code == "invalid_request":  # D would refuse it too
                 if not failure.done():
                     failure.set_result(NodeFailure(msg.code, f"prefill node: {msg.message}"))
-            elif not stream.lost or prefill.disconnected:
+                return
+            if not stream.lost or prefill.disconnected:
                 # P died, or cannot take the request now (overloaded, draining): its KV is
                 # not coming, so D computes the prompt itself
                 self.metrics.prefill_lost.labels("refused" if not stream.lost else "lost").inc()
                 await decode.prefill_lost(d_request.request_id, transfer_id,
                                           f"{prefill.node_id}: {msg.code}: {msg.message}")
-            return
-        # P finished its part, but its KV leaves only when D asks for it (D may still be
-        # queued): should P's connection close before D's first token, D is told as above
+                return
+            break  # P stopped answering: it may still write the KV, unless it dies (below)
+        # P finished its part (or hangs), but its KV leaves only when D asks for it (D may
+        # still be queued): should P's connection close before D's first token, D is told
         gone = prefill.gone()
         began: asyncio.Future[object] = asyncio.ensure_future(d_began.wait())
         try:
