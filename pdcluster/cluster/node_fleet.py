@@ -29,8 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pdcluster.cluster.config import ClusterConfig
+from pdcluster.cluster.node_actors import start_node_actor
 from pdcluster.cluster.planner_signals import NodeLoad
-from pdcluster.cluster.ray_cluster import start_node_actor
 from pdcluster.core.credentials import ClusterSecret
 
 logger = logging.getLogger(__name__)
