@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import openai
 import psutil
 
-from pdcluster.benchmarks.chaos_bench import wait_ready
-from pdcluster.benchmarks.chaos_load import LoadSpec, make_prompts
-from pdcluster.benchmarks.chaos_procs import descendants, kill_tree
+from benchmarks.chaos_bench import wait_ready
+from benchmarks.chaos_load import LoadSpec, make_prompts
+from benchmarks.chaos_procs import descendants, kill_tree
 from tests.chaos.conftest import Chaos
 
 MAX_TOKENS = 8

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.benchmarks.chaos_bench import RESUME_GOAL_S, fault_load, goals, inflight_figures
-from pdcluster.benchmarks.chaos_cluster import ChaosSettings
-from pdcluster.benchmarks.chaos_load import LoadSpec, Outcome, make_prompts
-from pdcluster.benchmarks.chaos_netns import IN_NETNS_ENV, LinkFault
-from pdcluster.benchmarks.chaos_procs import descendants, kill_tree
-from pdcluster.benchmarks.chaos_stats import quantile, summarize
-from pdcluster.cluster.cli import main
+from benchmarks.__main__ import main
+from benchmarks.chaos_bench import RESUME_GOAL_S, fault_load, goals, inflight_figures
+from benchmarks.chaos_cluster import ChaosSettings
+from benchmarks.chaos_load import LoadSpec, Outcome, make_prompts
+from benchmarks.chaos_netns import IN_NETNS_ENV, LinkFault
+from benchmarks.chaos_procs import descendants, kill_tree
+from benchmarks.chaos_stats import quantile, summarize
 
 
 def outcome(i: int, sent: float, latency: float, ok: bool = True, **kw) -> Outcome:
@@ -108,9 +108,9 @@ def test_vllm_nodes_get_vllms_block_size_and_backend():
 
 
 def test_bad_options_are_refused_before_anything_starts(capsys):
-    assert main(["bench", "chaos", "--faults", "prefill_kill,typo"]) == 2
+    assert main(["chaos", "--faults", "prefill_kill,typo"]) == 2
     assert "unknown faults ['typo']" in capsys.readouterr().err
-    assert main(["bench", "chaos", "--faults", "etcd_restart"]) == 2
+    assert main(["chaos", "--faults", "etcd_restart"]) == 2
     assert "needs --backend etcd" in capsys.readouterr().err
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from pdcluster.engine.core.request import Request  # noqa: E402
-from pdcluster.engine.core.sampling_params import SamplingParams  # noqa: E402
-from pdcluster.engine.sample.sampler import Sampler  # noqa: E402
+from pdcluster.engine.core.request import Request
+from pdcluster.engine.core.sampling_params import SamplingParams
+from pdcluster.engine.sample.sampler import Sampler
 
 VOCAB = 16
 EOS = 2

@@ -1,4 +1,4 @@
-"""The chart's side of the authenticated internal plane (issue 11): the cluster secret reaches
+"""The chart's side of the authenticated internal plane: the cluster secret reaches
 every pod that runs pdcluster code as a read-only file named by $PDCLUSTER_CLUSTER_SECRET_FILE,
 the old shared metadata token is gone, every pdcluster listener binds its pod's IP, and the
 NetworkPolicies admit exactly the traffic the components need. The policies are checked by
@@ -14,6 +14,7 @@ import pytest
 
 from tests.k8s.chart import (
     CHART,
+    CLUSTER_SECRET,
     NAMESPACE,
     RELEASE,
     REPO_ROOT,
@@ -36,7 +37,7 @@ SETS = sorted(VALUE_SETS)
 SECRET_DIR = "/var/run/secrets/pdcluster"
 SECRET_FILE = f"{SECRET_DIR}/cluster-secret"
 # Pods that run pdcluster code, hence present credentials: the cluster secret everywhere but
-# in the router, which holds its client credential only (issue 24); the metadata service
+# in the router, which holds its client credential only; the metadata service
 # holds both (it accepts the router's).
 CONSUMERS = {"router", "metadata", "ray-head", "ray-prefill", "ray-decode"}
 ROUTER_TOKEN_DIR = "/var/run/secrets/pdcluster-router"
@@ -105,7 +106,7 @@ def test_cluster_secret_is_mounted_into_every_consumer(name: str) -> None:
 
 
 def test_long_cluster_secret_is_accepted() -> None:
-    secret = one(render({"secrets": {"clusterSecret": "AB" * 64}}), "Secret")
+    secret = one(render({"secrets": {"clusterSecret": "AB" * 64}}), "Secret", CLUSTER_SECRET)
     assert base64.b64decode(secret["data"]["cluster-secret"]).decode() == "AB" * 64
 
 
@@ -362,7 +363,7 @@ def test_network_policies_render_the_given_peers() -> None:
     assert {"ipBlock": {"cidr": "192.168.0.0/24"}} in rule["from"]
 
 
-# --- what the chart refuses without an acknowledgement (issue 24) ---------------------------
+# --- what the chart refuses without an acknowledgement -------------------------------------
 
 
 @pytest.mark.parametrize("values, match", [

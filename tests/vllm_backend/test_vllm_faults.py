@@ -1,4 +1,4 @@
-"""Faults on a served cluster whose nodes run vLLM (issue 30's faults, with `pdcluster bench
+"""Faults on a served cluster whose nodes run vLLM (the vLLM faults, with `python -m benchmarks
 chaos`'s machinery: benchmarks/chaos_*.py). One cluster for the module — a prefill and a
 decode node actor on a local Ray, each vLLM's AsyncLLM with its engine-core and worker
 processes, the metadata service and the router as their own processes, the tiny
@@ -23,18 +23,17 @@ from __future__ import annotations
 import asyncio
 import time
 
+import openai
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
-pytest.importorskip("ray")
-openai = pytest.importorskip("openai")
 
-from pdcluster.benchmarks.chaos_bench import fault_load, fault_outcomes  # noqa: E402
-from pdcluster.benchmarks.chaos_load import LoadSpec, make_prompts  # noqa: E402
-from pdcluster.core.node_wire import GenerateRequest, SamplingSpec  # noqa: E402
-from pdcluster.node.client import tokens_of  # noqa: E402
-from tests.chaos.conftest import Chaos, start_chaos  # noqa: E402
-from tests.chaos.prefill_lost import kill_prefill_after_its_part  # noqa: E402
+from benchmarks.chaos_bench import fault_load, fault_outcomes
+from benchmarks.chaos_load import LoadSpec, make_prompts
+from pdcluster.core.node_wire import GenerateRequest, SamplingSpec
+from pdcluster.node.client import tokens_of
+from tests.chaos.conftest import Chaos, start_chaos
+from tests.chaos.prefill_lost import kill_prefill_after_its_part
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 LEASE_TTL_S = 4

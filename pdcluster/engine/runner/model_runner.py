@@ -11,6 +11,7 @@ step waits for the device once: for the sampled token ids.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -36,11 +37,23 @@ from pdcluster.engine.runner.inputs import (
     decode_table,
     to_device,
 )
-from pdcluster.engine.runner.tp_workers import StepPeers
 from pdcluster.engine.sample.rejection import verify_chunks
 from pdcluster.engine.sample.sampler import Sampler
 
 logger = logging.getLogger(__name__)
+
+
+class Peers(Protocol):
+    """The other tensor-parallel ranks, as rank 0 drives them (engine/runner/tp_workers.py's
+    `StepPeers`; named here by what it does, so that the ranks' module may import this one)."""
+
+    def step(self, plan: StepPlan) -> None: ...
+
+    def capture(self, max_batch: int, max_model_len: int) -> None: ...
+
+    def failed(self, exc: Exception) -> Exception: ...
+
+    def close(self) -> None: ...
 
 # Decode attention splits at the blocks all decodes share (engine/models/attention.py) from this
 # many on. Chosen, not tuned: a few shared blocks save little reading and still cost a second
@@ -58,7 +71,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.workspace = GatherWorkspace()  # attention's gather buffers, reused every step
         self.graphs: DecodeGraphs | None = None
-        self.peers: StepPeers | None = None  # the other tensor-parallel ranks, if any
+        self.peers: Peers | None = None  # the other tensor-parallel ranks, if any
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> bool:
         """Capture the decode step's CUDA graphs (CUDA only); False, with the reason logged,

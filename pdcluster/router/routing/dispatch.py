@@ -80,8 +80,18 @@ class Placement:
 
 
 class Dispatcher:
+    """Decides where a request goes and sends it there.
+
+    `shared_keys`: one CURVE pair every member holds, instead of a key pair of the router's
+    own registered with the metadata service: static nodes without one, as tests and
+    benchmarks run them. Nothing builds it from a configuration."""
+
     def __init__(self, config: RouterConfig, metrics: RouterMetrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 shared_keys: CurveKeys | None = None) -> None:
+        if shared_keys is None and config.metadata_address is None:
+            raise ValueError("a router needs a metadata service (nodes admit it once it has "
+                             "registered its key there)")
         self.config = config
         self.metrics = metrics
         self.clock = clock
@@ -95,8 +105,9 @@ class Dispatcher:
         self.metadata: MetadataLink | None = None
         self._context = zmq.asyncio.Context()
         # the router's own key pair, registered with the metadata service (nodes admit the
-        # keys it names); the shared pair in the test mode
-        self._curve = config.shared_curve or CurveKeys.generate()
+        # keys it names), or the pair every member shares
+        self._shared_keys = shared_keys is not None
+        self._curve = shared_keys or CurveKeys.generate()
         self.client_id = secrets.token_hex(8)
         self._key_renewed_at = float("-inf")
         self._loop_task: asyncio.Task[None] | None = None
@@ -120,7 +131,7 @@ class Dispatcher:
 
     async def _renew_key(self) -> None:
         """Register this router's key (again, within a third of its lease)."""
-        if self.metadata is None or self.config.shared_curve is not None:
+        if self.metadata is None or self._shared_keys:
             return
         now = self.clock()
         if now - self._key_renewed_at < KEY_RENEW_S:
@@ -134,7 +145,7 @@ class Dispatcher:
 
     def _sync_nodes(self, specs: list[NodeSpec]) -> None:
         for spec in specs:
-            if not spec.curve_public_key and self.config.shared_curve is None:
+            if not spec.curve_public_key and not self._shared_keys:
                 continue  # a node without a key of its own: this router cannot check it
             known = self.nodes.get(spec.node_id)
             if known is not None and known.spec == spec:

@@ -1,4 +1,4 @@
-"""Chaos benchmark: `pdcluster bench chaos [--json]` — faults under load, where nothing may
+"""Chaos benchmark: `python -m benchmarks chaos [--json]` — faults under load, where nothing may
 be lost.
 
 A served cluster (benchmarks/chaos_cluster.py: a local Ray with prefill and decode node
@@ -32,19 +32,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pdcluster.benchmarks.chaos_checks import IndexCheck, drain_and_count_leaks, total_leaked
-from pdcluster.benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
-from pdcluster.benchmarks.chaos_faults import (
+from benchmarks.chaos_checks import IndexCheck, drain_and_count_leaks, total_leaked
+from benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
+from benchmarks.chaos_faults import (
     FAULTS,
     LINK_FAULTS,
     FaultRun,
     fault_seconds,
     router_health,
 )
-from pdcluster.benchmarks.chaos_load import LoadSpec, run_load
-from pdcluster.benchmarks.chaos_netns import in_private_netns, run_in_private_netns
-from pdcluster.benchmarks.chaos_soak import run_soak
-from pdcluster.benchmarks.chaos_stats import summarize
+from benchmarks.chaos_load import LoadSpec, run_load
+from benchmarks.chaos_netns import in_private_netns, run_in_private_netns
+from benchmarks.chaos_soak import run_soak
+from benchmarks.chaos_stats import summarize
 from pdcluster.cluster.cli_common import UsageError
 
 _ROUTER_COUNTERS = ("router_prefill_lost_total", "router_migrations_total",
@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _cli_args(args: argparse.Namespace) -> list[str]:
-    """`args` as `pdcluster bench chaos` options again (for the run in a network namespace)."""
+    """`args` as `python -m benchmarks chaos` options again (for the run in a network namespace)."""
     out = ["--faults", args.faults, "--engine", args.engine,
            "--num-prefill", str(args.num_prefill),
            "--num-decode", str(args.num_decode), "--backend", args.backend,
@@ -291,7 +291,7 @@ def _cli_args(args: argparse.Namespace) -> list[str]:
 
 
 def goals(measured: dict, lease_ttl_s: int, kv_timeout_s: float = 30.0) -> dict[str, bool]:
-    """Each fault's goals (issues 28, 39), as booleans: nothing lost (decode_kill: only the
+    """Each fault's goals, as booleans: nothing lost (decode_kill: only the
     streams its dead node had sent), nothing leaked, the index exact within a TTL, no child
     process of a killed node outliving it, nothing running after the cluster stopped, and per
     fault: no decode waited out its KV timeout — none counted, every request in flight done
