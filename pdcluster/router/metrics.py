@@ -74,6 +74,10 @@ class RouterMetrics:
         self.shed = Counter("router_shed_requests", "requests refused with 429 by admission "
                             "(predicted TTFT over their class's limit), by priority class",
                             ["priority"], registry=r)
+        self.admission_probes = Counter(
+            "router_admission_probes", "requests admitted over their predicted TTFT because "
+            "their node had none for probe_after_s (re-calibrating its prediction)",
+            registry=r)
         self.admission_waiting = Gauge("router_admission_waiting", "requests held by "
                                        "admission (mode queue) until their predicted TTFT "
                                        "fits", registry=r)

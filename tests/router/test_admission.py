@@ -200,3 +200,20 @@ def test_queue_mode_gives_up_after_max_queue_s(start_router, make_queued_node) -
     with pytest.raises(openai.RateLimitError):
         ask(router)
     assert 0.3 < time.monotonic() - started < 3.0
+
+
+def test_a_node_shed_for_long_gets_a_probe(start_router, make_queued_node) -> None:
+    """A prediction stuck high (the node drained its queue, but no admitted request has told
+    the fit so) would shed everything for good; after probe_after_s one request goes."""
+    node = make_queued_node(queued_tokens=100_000, consistent=False)
+    router = start_router([node], admission=AdmissionConfig(slo_ttft_s=2.0,
+                                                            probe_after_s=0.5))
+    wait_for_report(router, "n0", 100_000)
+    with pytest.raises(openai.RateLimitError):
+        ask(router)
+    time.sleep(0.6)
+    assert ask(router)  # the probe
+    metrics = router.app.metrics.render().decode()
+    assert "router_admission_probes_total 1.0" in metrics
+    # its TTFT went into the fit (and here showed the reported queue costs nothing)
+    assert "router_ttft_prediction_error_seconds_count 1.0" in metrics

@@ -1,7 +1,8 @@
 """The router's admission gate: each placed request's TTFT predicted from its prefilling
 node's queue and its uncached prompt (router.planning.admission), then admitted, held (mode
 "queue") or shed with 429 and Retry-After; the prediction is checked against the TTFT
-measured at the first token, and its error exported.
+measured at the first token, and its error exported. A node with no admission for
+`probe_after_s` takes the next request anyway (a probe that re-calibrates its fit).
 
 The queue a node has is what its last load report said plus the prompt tokens the router
 sent it since (`NodeLink.pending_tokens`), as the routing policy sees it. In mode "queue" a
@@ -48,6 +49,7 @@ class AdmissionGate:
         self.predictor = TtftPredictor(config)
         self._poll_s = poll_s
         self._waiting = dict.fromkeys(PRIORITIES, 0)
+        self._admitted_at: dict[str, float] = {}  # node -> when a request last went there
 
     def predict(self, placement: Placement, num_prompt: int) -> Prediction:
         decision = placement.decision
@@ -79,7 +81,9 @@ class AdmissionGate:
                 placement = await place()
                 prediction = self.predict(placement, num_prompt)
                 verdict = admit(self.config, prediction.predicted_s, priority)
-                if verdict.admitted and not self._outranked(priority):
+                if (verdict.admitted and not self._outranked(priority)) \
+                        or self._probe(prediction.node_id):
+                    self._admitted_at[prediction.node_id] = time.monotonic()
                     return placement, prediction
                 if time.monotonic() + self._poll_s > deadline:
                     raise self._shed(verdict, priority)
@@ -92,6 +96,15 @@ class AdmissionGate:
             if held:
                 self._waiting[priority] -= 1
                 self._count_waiting()
+
+    def _probe(self, node_id: str) -> bool:
+        """No request went to `node_id` for `probe_after_s`: this one does (its TTFT
+        re-calibrates the node's fit)."""
+        last = self._admitted_at.setdefault(node_id, time.monotonic())
+        if time.monotonic() - last < self.config.probe_after_s:
+            return False
+        self.metrics.admission_probes.inc()
+        return True
 
     def _outranked(self, priority: str) -> bool:
         """A request of a higher class is being held (mode "queue"): it goes first."""

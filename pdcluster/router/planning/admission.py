@@ -16,9 +16,13 @@ Decision: a request of priority class c is admitted when predicted <= `slo_ttft_
 `shed_at[c]`. The lower a class's share, the earlier it is shed as queues grow: with the
 defaults low requests go once the queue alone would take half the SLO, normal ones at 0.8
 of it, high ones only when they would miss it anyway, so a rising load sheds low first and
-keeps room for the others. A shed request gets 429 with Retry-After (the seconds until the
-queue drains to its threshold at the node's rate, at least 1), or, in mode "queue", waits up
-to `max_queue_s` for the prediction to come under its threshold, higher classes first.
+keeps room for the others. A node that has had no request admitted for `probe_after_s`
+gets the next one whatever its prediction (a probe): the fit learns only from admitted
+requests, so without probes a prediction that went high (a burst, a busy machine) would shed
+everything after the queue drained, for good. A shed request gets 429 with Retry-After (the
+seconds until the queue drains to its threshold at the node's rate, at least 1), or, in
+mode "queue", waits up to `max_queue_s` for the prediction to come under its threshold,
+higher classes first.
 
 Priority: the header `header` (high / normal / low) or the API key's tenant setting
 (`tenant_priorities`); with API keys the header may lower a tenant's class, never raise it.
@@ -47,13 +51,16 @@ class AdmissionConfig:
     default_priority: str = "normal"
     header: str = "X-Priority"
     tenant_priorities: tuple[tuple[str, str], ...] = ()  # (tenant name, class)
+    # a node no request was admitted to for this long gets the next one anyway: its fit
+    # learns only from admitted requests, and would otherwise never see the queue drain
+    probe_after_s: float = 5.0
     prior_base_s: float = 0.05  # fixed part of a TTFT before any measurement
     prior_tokens_per_s: float = 10_000.0  # until the node reports its prefill rate
     forget: float = 0.95
 
     def __post_init__(self) -> None:
-        if not self.slo_ttft_s > 0 or self.max_queue_s < 0:
-            raise ValueError("slo_ttft_s must be > 0 and max_queue_s >= 0")
+        if not self.slo_ttft_s > 0 or self.max_queue_s < 0 or self.probe_after_s <= 0:
+            raise ValueError("slo_ttft_s and probe_after_s must be > 0 and max_queue_s >= 0")
         if self.mode not in MODES:
             raise ValueError(f"admission mode must be one of {MODES}, got {self.mode!r}")
         if {name for name, _ in self.shed_at} != set(PRIORITIES):
