@@ -62,6 +62,9 @@ BENCHMARKS = {
     "metadata": ("metadata_bench", "Metadata service: prefix-query latency over gRPC (against "
                  "an empty RPC in the same run), ingest rate, etcd write rate, recovery time "
                  "and index memory."),
+    "tp": ("tp_bench", "Tensor parallelism: decode steps (batch 1 and 16) and 512-token TTFT "
+           "at TP=1 and TP=N on one random model, each TP=N figure over TP=1's (same run), "
+           "tokens compared."),
     "router": ("router_bench", "The router's own cost: decision time over a 1M-block index of "
                "64 nodes, latency overhead against a direct node call (same run), requests/s "
                "at 64 streaming clients."),
@@ -197,9 +200,15 @@ def _planner_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds the one client waits between requests after the step")
 
 
+def _tp_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
+    parser.add_argument("--tensor-parallel-size", type=int, default=2,
+                        help="the TP size measured against TP=1")
+
+
 _BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "metadata": _metadata_bench_args,
                      "client": _client_bench_args, "trace": _trace_bench_args,
-                     "planner": _planner_bench_args}
+                     "planner": _planner_bench_args, "tp": _tp_bench_args}
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
