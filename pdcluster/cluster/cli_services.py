@@ -26,6 +26,7 @@ from pdcluster.cluster.cli_metadata_ops import (
     add_metadata_operator_commands,
     etcd_access_fields,
 )
+from pdcluster.cluster.cli_planner import add_planner_args, planner_fields
 from pdcluster.core.tls import MetadataTLSFields
 
 
@@ -78,6 +79,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--node-metrics-port", type=int, default=None,
                         help="serve each node's Prometheus metrics on this port of its host "
                         "(0: a free port each, listed in the metadata service; default: none)")
+    add_planner_args(parser)
 
 
 def add_engine_arg(parser: argparse.ArgumentParser) -> None:
@@ -122,7 +124,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                metadata_address=args.metadata, router_host=args.host,
                                router_port=args.port, node_gpus=args.gpus_per_node,
                                routing=args.routing, node_metrics_port=args.node_metrics_port,
-                               **thresholds, **metadata_tls_fields(args))
+                               **thresholds, **metadata_tls_fields(args),
+                               **planner_fields(args))
     return serve(config, cluster_secret=_serve_secret())
 
 

@@ -210,6 +210,11 @@ class Dispatcher:
                 logger.exception("router load refresh failed")
 
     @property
+    def block_size(self) -> int:
+        """Tokens per KV block of the cluster's identity (0 before there is one)."""
+        return self._policy.block_size
+
+    @property
     def prefix_aware(self) -> bool:
         return self.metadata is not None and self.metadata.answers_prefixes
 
@@ -355,7 +360,7 @@ class Dispatcher:
         """Prompt tokens the prefilling node computes: not those it holds, nor those it pulls."""
         held = decision.cached_tokens
         if source is not None:
-            held = max(held, source.num_blocks * self._policy.block_size)
+            held = max(held, source.num_blocks * self.block_size)
         return len(request.prompt_token_ids) - held
 
     def _prefix_source(self, decision: RouteDecision) -> PrefixSource | None:
