@@ -32,7 +32,7 @@ def ids(specs: list[NodeSpec]) -> list[str]:
     return [s.node_id for s in specs]
 
 
-def test_the_first_registered_node_names_the_cluster() -> None:
+def test_the_first_registered_node_names_the_cluster(caplog) -> None:
     cluster = ClusterIdentity(TOKENIZER)
     assert cluster.current is None and ids(cluster.admit([])) == []
     assert ids(cluster.admit([spec("n1")])) == ["n1"]
@@ -43,6 +43,11 @@ def test_the_first_registered_node_names_the_cluster() -> None:
     verdict = cluster.quarantined["a0"]
     assert verdict.fields == ("block_size",)
     assert verdict.reason == "block_size 32 (the cluster's: 16)"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["node a0 quarantined, it gets no requests: its KV identity differs "
+                        "from the cluster's: block_size 32 (the cluster's: 16)"]
+    cluster.admit([late, spec("n1")])  # logged once per node and difference
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
 
 
 def test_a_router_joining_a_running_cluster_takes_its_majority() -> None:
