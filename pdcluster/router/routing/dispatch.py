@@ -255,6 +255,12 @@ class Dispatcher:
                            "not routed on (%d such lines suppressed)", node_id, num_blocks,
                            self._unattested_log.take_suppressed())
 
+    def _fills_a_block(self, num_before: int, num_after: int) -> bool:
+        identity = self.identity.current
+        if identity is None:
+            return False
+        return num_after // identity.block_size > num_before // identity.block_size
+
     def _attest_output(self, node: NodeLink, chain: Sequence[BlockHash],
                        request: GenerateRequest, generated: list[int]) -> None:
         """The decode node also caches the blocks of the tokens it generated."""
@@ -305,7 +311,12 @@ class Dispatcher:
             async for msg in _race(d_stream, failure):
                 d_began.set()
                 self._charge(decode, 0, len(msg.token_ids))
+                before = len(request.prompt_token_ids) + len(generated)
                 generated.extend(msg.token_ids)
+                if self._fills_a_block(before, before + len(msg.token_ids)):
+                    # as the tokens arrive: the node announces a block it has filled as soon
+                    # as it has, which can reach the claims mirror before the stream ends
+                    self._attest_output(decode, placement.chain, request, generated)
                 yield msg
         finally:
             d_began.set()
