@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> dict:
         _check_vllm()
     if set(names) & set(LINK_FAULTS) and not in_private_netns():
         # the whole run moves into a network namespace of its own, where it may drop packets
-        return run_in_private_netns(["bench", "chaos", "--json", *_cli_args(args)],
+        return run_in_private_netns(["chaos", "--json", *_cli_args(args)],
                                     timeout_s=6 * 3600)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pdcluster-chaos-bench-") as tmp:

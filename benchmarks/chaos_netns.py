@@ -35,18 +35,20 @@ def in_private_netns() -> bool:
     return os.environ.get(IN_NETNS_ENV) == "1"
 
 
-def run_in_private_netns(cli_args: list[str], timeout_s: float) -> dict:
-    """`pdcluster <cli_args>` (a benchmark printing its JSON last) inside a fresh network
-    namespace with loopback up; its JSON result."""
+def run_in_private_netns(harness_args: list[str], timeout_s: float) -> dict:
+    """`python -m benchmarks <harness_args>` (a harness printing its JSON last) inside a fresh
+    network namespace with loopback up, from the checkout holding `benchmarks`; its JSON
+    result."""
     missing = [tool for tool in ("unshare", "ip", "iptables") if shutil.which(tool) is None]
     if os.geteuid() != 0 or missing:
         raise RuntimeError("the link faults need root and unshare, ip and iptables (Debian: "
                            f"util-linux, iproute2, iptables) to make their own network "
                            f"namespace; missing: {missing or 'root'}")
     command = ["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
-               sys.executable, "-m", "pdcluster.cluster.cli", *cli_args]
+               sys.executable, "-m", "benchmarks", *harness_args]
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(command, env={**os.environ, IN_NETNS_ENV: "1"}, timeout=timeout_s,
-                          stdout=subprocess.PIPE, text=True)
+                          stdout=subprocess.PIPE, text=True, cwd=checkout)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"the benchmark in its network namespace failed (status "
