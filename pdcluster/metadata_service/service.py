@@ -44,7 +44,15 @@ from pdcluster.metadata_service.events import (
     unpack_query,
     unpack_snapshot,
 )
-from pdcluster.metadata_service.identities import ClientKeys, Registrations
+from pdcluster.metadata_service.identities import (
+    ClientKeys,
+    check_allowed,
+    check_proof,
+    check_unique,
+    identity_changed,
+    new_proof,
+    proof_hash,
+)
 from pdcluster.metadata_service.stall import StallClock
 from pdcluster.metadata_service.store import IndexStore, NodeState
 from pdcluster.metadata_service.watch import NodeWatch, WatchedIndex
@@ -63,6 +71,7 @@ class _Node:
     epoch: int
     seq: int = 0
     deadline: float | None = None  # memory backend: when the lease expires
+    proof_hash: bytes = b""  # of the registration's proof (metadata_service.identities)
 
 
 class MetadataService:
@@ -82,7 +91,6 @@ class MetadataService:
         self._stall = StallClock(config.sweep_interval_s, clock, self.forgive_stall)
         self.counters: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
-        self.registrations = Registrations()
         self.clients = ClientKeys(clock=clock)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -112,35 +120,61 @@ class MetadataService:
     def register_node(self, info: pb.NodeInfo, lease_ttl_s: int, proof: bytes = b""
                       ) -> tuple[int, int, bytes]:
         """`register`, guarded (metadata_service.identities): a live registration of the id
-        is taken over only with its `proof`. Returns (TTL, last seq, registration secret or
-        b"" for an unchanged refresh); raises `RegistrationConflict`."""
+        changes only with its `proof`, and no two live nodes share a key, address or
+        session. Returns (TTL, last seq, registration secret or b"" for an unchanged
+        refresh); raises `RegistrationConflict`. A changed registration is a new incarnation:
+        the index drops the node's blocks (watchers see it removed), as for a restart."""
         self._checked(info.node_id, check_node_info, info)
+        check_allowed(info, self.config.node_allowlist)
         ttl = self.config.clamp_ttl(lease_ttl_s)
         node = self._nodes.get(info.node_id)
-        secret = self.registrations.admit(None if node is None else node.info, info, proof)
-        restarted = node is not None and node.epoch != info.epoch
+        live = None if node is None else node.info
+        changed = live is not None and identity_changed(live, info)
+        if changed:
+            assert node is not None, "a changed registration has a live node"
+            check_proof(live, node.proof_hash, proof, "changing its epoch, key or address")
+        check_unique(info, (n.info for n in self._nodes.values()), self.clients.public_keys())
+        secret = new_proof(live, info)
         if node is None:
             node = self._nodes[info.node_id] = _Node(pb.NodeInfo(), ttl, info.epoch)
             self.index.add_node(info.node_id)
-        elif restarted:
-            logger.info("node %s restarted (new epoch): dropping its blocks", info.node_id)
-            self.index.clear_node(info.node_id)
-            node.epoch, node.seq = info.epoch, 0
+        elif changed:
+            logger.info("node %s registered anew (epoch, key or address changed): dropping "
+                        "its blocks", info.node_id)
+            self._new_incarnation(node, info.epoch)
+        if secret is not None:
+            node.proof_hash = proof_hash(secret)
         node.info.CopyFrom(info)
         node.lease_ttl_s = ttl
         self._touch(node)
-        self.store.node_up(node.info, ttl, restarted)
+        self.store.node_up(node.info, ttl, changed, node.proof_hash)
         self.node_watch.notify(pb.NodeChange.UP, node.info)
-        return ttl, node.seq, secret
+        return ttl, node.seq, secret or b""
+
+    def _new_incarnation(self, node: _Node, epoch: int) -> None:
+        """Forget everything the index and its watchers hold for the node's previous
+        incarnation: a router drops its attestations and its link on the removal."""
+        node_id = node.info.node_id
+        self.node_watch.notify(pb.NodeChange.DOWN, node.info)
+        self.index.remove_node(node_id)
+        self.index.add_node(node_id)
+        node.epoch, node.seq = epoch, 0
 
     def release_node(self, node_id: NodeId) -> bool:
         """An operator's action: forget the id's registration (and its blocks), so that a
         new key may register it at once. False if it was not registered."""
-        self.registrations.forget(node_id)
         released = self._drop(node_id)
         if released:
             self.store.node_down(node_id)
         return released
+
+    def register_client(self, key: pb.ClientKey, lease_ttl_s: int) -> int:
+        """A router's key, under a lease (shared with every replica through the store);
+        returns the TTL granted. A live node's key is refused (RegistrationConflict)."""
+        ttl = self.config.clamp_ttl(lease_ttl_s)
+        self.clients.register(key, ttl, (n.info.curve_public_key for n in self._nodes.values()))
+        self.store.client_up(key, ttl)
+        return ttl
 
     def heartbeat(self, node_id: NodeId, epoch: int) -> bool:
         node = self._nodes.get(node_id)
@@ -150,7 +184,12 @@ class MetadataService:
         self.store.node_alive(node_id)
         return True
 
-    def deregister(self, node_id: NodeId) -> None:
+    def deregister(self, node_id: NodeId, proof: bytes = b"") -> None:
+        """Drop the node's registration: only the holder of its proof may (RegistrationConflict
+        otherwise; an operator's `release_node` needs none)."""
+        node = self._nodes.get(node_id)
+        if node is not None:
+            check_proof(node.info, node.proof_hash, proof, "deregistering it")
         if self._drop(node_id):
             self.store.node_down(node_id)
 
@@ -290,19 +329,32 @@ class MetadataService:
 
     # -- StoreSink: changes made elsewhere -------------------------------------------------
 
-    def remote_node_up(self, info: pb.NodeInfo, lease_ttl_s: int) -> None:
+    def remote_node_up(self, info: pb.NodeInfo, lease_ttl_s: int, proof_hash: bytes = b""
+                       ) -> None:
         node = self._nodes.get(info.node_id)
-        if node is not None and node.epoch == info.epoch:
-            node.info.CopyFrom(info)
-            return
         if node is None:
             self.index.add_node(info.node_id)
             node = self._nodes[info.node_id] = _Node(pb.NodeInfo(), lease_ttl_s, info.epoch)
+        elif not identity_changed(node.info, info):
+            node.info.CopyFrom(info)  # a refresh elsewhere (model, capacity): nothing new
+            node.proof_hash = proof_hash
+            return
         else:
-            self.index.clear_node(info.node_id)
-            node.epoch, node.seq = info.epoch, 0
+            self._new_incarnation(node, info.epoch)
+        node.proof_hash = proof_hash
         node.info.CopyFrom(info)
         self.node_watch.notify(pb.NodeChange.UP, node.info)
+
+    def remote_node_gone(self, node_id: NodeId, epoch: int) -> None:
+        node = self._nodes.get(node_id)
+        if node is not None and node.epoch == epoch:  # not a newer registration made here
+            self._drop(node_id)
+
+    def remote_client_up(self, key: pb.ClientKey) -> None:
+        self.clients.remote_up(key)
+
+    def remote_client_down(self, client_id: str) -> None:
+        self.clients.remote_down(client_id)
 
     def remote_node_down(self, node_id: NodeId) -> None:
         self._stall.tick()  # an etcd delete may come before the sweeper's overdue tick
@@ -312,7 +364,7 @@ class MetadataService:
             # stood still past the TTL (the node's own lease was renewed well within it)
             logger.warning("node %s: its etcd lease expired while the service stalled; "
                            "writing it back", node_id)
-            self.store.node_up(node.info, node.lease_ttl_s, False)
+            self.store.node_up(node.info, node.lease_ttl_s, False, node.proof_hash)
             return
         self._drop(node_id)
 
@@ -352,7 +404,7 @@ class MetadataService:
 
     def _install(self, state: NodeState) -> None:
         node_id = state.info.node_id
-        self.remote_node_up(state.info, state.lease_ttl_s)
+        self.remote_node_up(state.info, state.lease_ttl_s, state.proof_hash)
         node = self._nodes[node_id]
         self.index.replace_node_blocks(node_id, state.block_hashes)
         node.epoch, node.seq = state.epoch, state.seq
@@ -361,8 +413,7 @@ class MetadataService:
         node.deadline = self._clock() + node.lease_ttl_s
 
     def _drop(self, node_id: NodeId) -> bool:
-        node = self._nodes.pop(node_id, None)
-        self.registrations.forget(node_id)  # the id is free: the next key takes it
+        node = self._nodes.pop(node_id, None)  # the id is free: the next key takes it
         if node is None:
             return False
         self.index.remove_node(node_id)
