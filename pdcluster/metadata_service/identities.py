@@ -166,8 +166,8 @@ class ClientKeys:
         self._expire()
         return [key for key, _ in self._keys.values()]
 
-    def public_keys(self) -> list[str]:
-        return [key.curve_public_key for key in self.list()]
+    def public_keys(self) -> set[str]:
+        return {key.curve_public_key for key in self.list()}
 
     def _expire(self) -> None:
         now = self._clock()

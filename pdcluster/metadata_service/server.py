@@ -13,8 +13,8 @@ Publish, Snapshot and Deregister for node X are allowed only to principal ``node
 (PERMISSION_DENIED otherwise), checked in the servicer, which alone sees the request's node id;
 a Register that would change X's live registration, or a Deregister, without its proof is
 PERMISSION_DENIED too, as is one that would share a live node's key, address or session, or
-an id off the allowlist (metadata_service.identities). RegisterClient (a router's key) is ``service``'s alone,
-ReleaseNode ``operator``'s.
+an id off the allowlist (metadata_service.identities). RegisterClient (a router's key) is
+``service``'s alone, ReleaseNode ``operator``'s.
 
 TLS (config ``tls_cert_file``/``tls_key_file``) and mTLS (``tls_client_ca_file``: a client
 without a certificate signed by that CA fails the handshake) protect the connection; the token

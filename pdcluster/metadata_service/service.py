@@ -29,11 +29,9 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
-from pdcluster.core.types import BlockHash, NodeId
-from pdcluster.metadata_service.codec import Delta
+from pdcluster.core.types import NodeId
 from pdcluster.metadata_service.config import MetadataConfig
 from pdcluster.metadata_service.errors import InvalidBatch
 from pdcluster.metadata_service.events import (
@@ -53,8 +51,9 @@ from pdcluster.metadata_service.identities import (
     new_proof,
     proof_hash,
 )
+from pdcluster.metadata_service.replica_sink import NodeEntry, ReplicaSink
 from pdcluster.metadata_service.stall import StallClock
-from pdcluster.metadata_service.store import IndexStore, NodeState
+from pdcluster.metadata_service.store import IndexStore
 from pdcluster.metadata_service.watch import NodeWatch, WatchedIndex
 from pdcluster.proto import metadata_pb2 as pb
 
@@ -64,17 +63,7 @@ PublishStatus = pb.PublishReply.Status
 T = TypeVar("T")
 
 
-@dataclass(slots=True)
-class _Node:
-    info: pb.NodeInfo
-    lease_ttl_s: int
-    epoch: int
-    seq: int = 0
-    deadline: float | None = None  # memory backend: when the lease expires
-    proof_hash: bytes = b""  # of the registration's proof (metadata_service.identities)
-
-
-class MetadataService:
+class MetadataService(ReplicaSink):
     def __init__(
         self,
         config: MetadataConfig,
@@ -86,7 +75,7 @@ class MetadataService:
         self.index = WatchedIndex(config.hash_size, config.watch_max_pending_hashes)
         self.node_watch = NodeWatch()
         self._clock = clock
-        self._nodes: dict[NodeId, _Node] = {}
+        self._nodes: dict[NodeId, NodeEntry] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._stall = StallClock(config.sweep_interval_s, clock, self.forgive_stall)
         self.counters: Counter[str] = Counter()
@@ -136,7 +125,7 @@ class MetadataService:
         check_unique(info, (n.info for n in self._nodes.values()), self.clients.public_keys())
         secret = new_proof(live, info)
         if node is None:
-            node = self._nodes[info.node_id] = _Node(pb.NodeInfo(), ttl, info.epoch)
+            node = self._nodes[info.node_id] = NodeEntry(pb.NodeInfo(), ttl, info.epoch)
             self.index.add_node(info.node_id)
         elif changed:
             logger.info("node %s registered anew (epoch, key or address changed): dropping "
@@ -151,7 +140,7 @@ class MetadataService:
         self.node_watch.notify(pb.NodeChange.UP, node.info)
         return ttl, node.seq, secret or b""
 
-    def _new_incarnation(self, node: _Node, epoch: int) -> None:
+    def _new_incarnation(self, node: NodeEntry, epoch: int) -> None:
         """Forget everything the index and its watchers hold for the node's previous
         incarnation: a router drops its attestations and its link on the removal."""
         node_id = node.info.node_id
@@ -212,6 +201,7 @@ class MetadataService:
             return PublishStatus.RESYNC_NEEDED, node.seq
         if seq <= node.seq:
             return PublishStatus.DUPLICATE, node.seq
+        self._checked(node_id, self._check_capacity, node, ops)
         self._apply(node_id, ops)
         node.seq = seq
         self.store.position(node_id, epoch, seq)
@@ -229,6 +219,13 @@ class MetadataService:
             self._reject(node_id, InvalidBatch(
                 "unknown_node", f"snapshot from {node_id} epoch {epoch}: not registered with "
                 "that epoch; register first"))
+        cap = self.config.node_block_cap(node.info.capacity_blocks)
+        if len(block_hashes) > cap:
+            self._reject(node_id, InvalidBatch(
+                "over_capacity", f"snapshot of {len(block_hashes)} blocks from {node_id}: "
+                f"more than the {cap} it may hold (its declared capacity_blocks "
+                f"{node.info.capacity_blocks} x {self.config.node_capacity_factor}, at most "
+                f"max_node_blocks {self.config.max_node_blocks})"))
         self.index.replace_node_blocks(node_id, block_hashes, lower)
         node.seq = seq
         self.store.blocks_cleared(node_id)
@@ -236,6 +233,25 @@ class MetadataService:
         self.store.position(node_id, epoch, seq)
         self.counters["snapshots_applied"] += 1
         return seq
+
+    def _check_capacity(self, node: NodeEntry, changes: list[Change]) -> None:
+        """Refuse a batch that would leave the node holding more blocks than it may (its
+        removals in the batch are not counted: a node at its cap frees before it stores)."""
+        node_id = node.info.node_id
+        cap = self.config.node_block_cap(node.info.capacity_blocks)
+        cleared = max((i for i, c in enumerate(changes) if c.op is Op.CLEARED), default=-1)
+        held = 0 if cleared >= 0 else self.index.num_node_blocks(node_id)
+        stores = [c for c in changes[cleared + 1:] if c.op is Op.STORED or c.op is Op.MOVED]
+        if held + sum(len(c.block_hashes) for c in stores) <= cap:
+            return
+        holds = self.index.holds if cleared < 0 else (lambda _n, _h: False)
+        new = {h for c in stores for h in c.block_hashes if not holds(node_id, h)}
+        if held + len(new) > cap:
+            raise InvalidBatch("over_capacity", f"node {node_id} would hold {held + len(new)} "
+                               f"blocks, more than the {cap} it may (declared capacity_blocks "
+                               f"{node.info.capacity_blocks} x "
+                               f"{self.config.node_capacity_factor}, at most max_node_blocks "
+                               f"{self.config.max_node_blocks})")
 
     def _apply(self, node_id: NodeId, changes: list[Change]) -> None:
         """Apply to the index; the store keeps membership only (which blocks a node holds on
@@ -327,89 +343,7 @@ class MetadataService:
             block_watchers_cut=self.index.num_cut,
         )
 
-    # -- StoreSink: changes made elsewhere -------------------------------------------------
-
-    def remote_node_up(self, info: pb.NodeInfo, lease_ttl_s: int, proof_hash: bytes = b""
-                       ) -> None:
-        node = self._nodes.get(info.node_id)
-        if node is None:
-            self.index.add_node(info.node_id)
-            node = self._nodes[info.node_id] = _Node(pb.NodeInfo(), lease_ttl_s, info.epoch)
-        elif not identity_changed(node.info, info):
-            node.info.CopyFrom(info)  # a refresh elsewhere (model, capacity): nothing new
-            node.proof_hash = proof_hash
-            return
-        else:
-            self._new_incarnation(node, info.epoch)
-        node.proof_hash = proof_hash
-        node.info.CopyFrom(info)
-        self.node_watch.notify(pb.NodeChange.UP, node.info)
-
-    def remote_node_gone(self, node_id: NodeId, epoch: int) -> None:
-        node = self._nodes.get(node_id)
-        if node is not None and node.epoch == epoch:  # not a newer registration made here
-            self._drop(node_id)
-
-    def remote_client_up(self, key: pb.ClientKey) -> None:
-        self.clients.remote_up(key)
-
-    def remote_client_down(self, client_id: str) -> None:
-        self.clients.remote_down(client_id)
-
-    def remote_node_down(self, node_id: NodeId) -> None:
-        self._stall.tick()  # an etcd delete may come before the sweeper's overdue tick
-        node = self._nodes.get(node_id)
-        if node is not None and self._is_served_here(node_id, margin_s=node.lease_ttl_s / 4):
-            # etcd let the lease of a node this replica keeps alive expire: this process
-            # stood still past the TTL (the node's own lease was renewed well within it)
-            logger.warning("node %s: its etcd lease expired while the service stalled; "
-                           "writing it back", node_id)
-            self.store.node_up(node.info, node.lease_ttl_s, False, node.proof_hash)
-            return
-        self._drop(node_id)
-
-    def remote_delta(self, node_id: NodeId, delta: Delta) -> None:
-        node = self._nodes.get(node_id)
-        if node is None or (delta.epoch == node.epoch and delta.seq < node.seq):
-            return
-        if delta.cleared:
-            self.index.clear_node(node_id)
-        self.index.remove_blocks(node_id, delta.removed)
-        self.index.add_blocks(node_id, delta.added)
-        node.epoch, node.seq = delta.epoch, delta.seq
-
-    def remote_reload(self, states: list[NodeState]) -> None:
-        """etcd's view after an outage: take it for every node, except those this replica
-        serves right now (their lease is kept alive here), whose in-memory state is newer."""
-        loaded = {state.info.node_id for state in states}
-        for node_id in [n for n in self._nodes if n not in loaded]:
-            if not self._is_served_here(node_id):
-                self._drop(node_id)
-        for state in states:
-            if not self._is_served_here(state.info.node_id):
-                self._install(state)
-
-    def node_snapshot(self, node_id: NodeId) -> tuple[int, int, set[BlockHash]] | None:
-        node = self._nodes.get(node_id)
-        if node is None:
-            return None
-        return node.epoch, node.seq, set(self.index.node_blocks(node_id))
-
-    # -- internals -------------------------------------------------------------------------
-
-    def _is_served_here(self, node_id: NodeId, margin_s: float = 0.0) -> bool:
-        node = self._nodes.get(node_id)
-        return (node is not None and node.deadline is not None
-                and node.deadline > self._clock() + margin_s)
-
-    def _install(self, state: NodeState) -> None:
-        node_id = state.info.node_id
-        self.remote_node_up(state.info, state.lease_ttl_s, state.proof_hash)
-        node = self._nodes[node_id]
-        self.index.replace_node_blocks(node_id, state.block_hashes)
-        node.epoch, node.seq = state.epoch, state.seq
-
-    def _touch(self, node: _Node) -> None:
+    def _touch(self, node: NodeEntry) -> None:
         node.deadline = self._clock() + node.lease_ttl_s
 
     def _drop(self, node_id: NodeId) -> bool:
