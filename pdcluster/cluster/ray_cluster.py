@@ -112,6 +112,7 @@ class RayCluster:
                                  node_principal(node_id)),
                              kv_protocol=cfg.kv_protocol, kv_device=cfg.kv_device,
                              kv_timeout_s=cfg.kv_timeout_s, metrics_port=cfg.node_metrics_port,
+                             port=cfg.node_request_port, port_span=cfg.node_request_ports,
                              lease_ttl_s=cfg.lease_ttl_s)
 
     def router_clients(self) -> dict:

@@ -23,6 +23,9 @@ class NodeConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0  # request endpoint; 0 picks a free port
+    # with a port: bind the first free one of [port, port + port_span) (a fixed range that a
+    # NetworkPolicy can admit the router to, several nodes of one pod taking one each)
+    port_span: int = 1
     # Prometheus metrics at http://host:metrics_port/metrics (node/metrics.py); 0 picks a
     # free port, None serves none
     metrics_port: int | None = None
@@ -56,8 +59,8 @@ class NodeConfig:
             raise ValueError(f"role must be one of {role_names(NODE_ROLES)}, got {self.role!r}")
         if not _NODE_ID.match(self.node_id):
             raise ValueError(f"node id {self.node_id!r} must match {_NODE_ID.pattern}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port {self.port} out of range")
+        if not 0 <= self.port < 65536 or not 1 <= self.port_span <= 65536 - max(1, self.port):
+            raise ValueError(f"ports [{self.port}, {self.port} + {self.port_span}) out of range")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics port {self.metrics_port} out of range")
         if self.lease_ttl_s < 1:

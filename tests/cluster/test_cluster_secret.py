@@ -131,7 +131,8 @@ def test_configs_refuse_to_run_without_credentials() -> None:
 def test_a_node_actor_gets_its_own_bootstrap_credential_only(no_secret_env,
                                                              monkeypatch) -> None:
     """The launcher hands each node actor the token of its own principal, never the secret;
-    without one, the actor derives its own from the worker's secret (if any)."""
+    without one, the actor refuses to start, even with the secret in its worker's environment
+    (only the launcher issues node tokens)."""
     seen = []
     monkeypatch.setattr("pdcluster.node.actor.NodeRuntime",
                         lambda config: seen.append(config) or _Started())
@@ -140,11 +141,12 @@ def test_a_node_actor_gets_its_own_bootstrap_credential_only(no_secret_env,
         role = "prefill"
 
     Prefill("p0", "m", metadata_address="meta:1", bootstrap_token=node_token("p0"))
-    monkeypatch.setenv(SECRET_ENV, TEST_SECRET.to_text())
-    Prefill("p1", "m", metadata_address="meta:1")
-    assert [c.bootstrap_token for c in seen] == [node_token("p0"), node_token("p1")]
+    assert [c.bootstrap_token for c in seen] == [node_token("p0")]
     assert not any(isinstance(v, ClusterSecret) for c in seen
                    for v in (getattr(c, f) for f in c.__dataclass_fields__))
+    monkeypatch.setenv(SECRET_ENV, TEST_SECRET.to_text())
+    with pytest.raises(ValueError, match="bootstrap_token"):
+        Prefill("p1", "m", metadata_address="meta:1")
     monkeypatch.delenv(SECRET_ENV)
     with pytest.raises(ValueError, match="bootstrap_token"):
         Prefill("p2", "m", metadata_address="meta:1")

@@ -32,6 +32,7 @@ from tests.k8s.chart import (
     pod_templates,
     render,
     with_api_keys,
+    with_metadata_transport_acknowledged,
     with_plaintext_etcd_acknowledged,
     write_values,
 )
@@ -140,7 +141,8 @@ def test_pdbs_can_be_disabled() -> None:
 def test_names_fit_kubernetes_limits(release: str) -> None:
     out = helm("template", release, str(CHART), "--set", "launcher.mode=job",
                "--set", "router.acknowledgeOpenApi=true",
-               "--set", "etcd.acknowledgePlaintext=true").stdout
+               "--set", "etcd.acknowledgePlaintext=true",
+               "--set", "metadata.acknowledgePlaintext=true").stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     for doc in docs:
         name = doc["metadata"]["name"]
@@ -362,7 +364,8 @@ def render_notes(values: dict, tmp_path: Path) -> str:
     (chart / "templates" / "test-notes.yaml").write_text(
         "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
         '  notes: {{ include "test.notes" . | quote }}\n')
-    path = write_values(with_plaintext_etcd_acknowledged(with_api_keys(values)), tmp_path)
+    path = write_values(with_metadata_transport_acknowledged(
+        with_plaintext_etcd_acknowledged(with_api_keys(values))), tmp_path)
     out = helm("template", RELEASE, str(chart), "--namespace", "serving", "-f", str(path),
                "--show-only", "templates/test-notes.yaml").stdout
     return yaml.safe_load(out)["data"]["notes"]
