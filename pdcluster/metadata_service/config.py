@@ -53,7 +53,7 @@ class MetadataConfig:
     cluster_secret: ClusterSecret | None = None
     # Also accepted as principal "service" (the router's client credential), so that a
     # router can be given a random token instead of one derived from the secret (the chart)
-    router_token: str | None = None
+    router_token: str | None = field(default=None, repr=False)
     # Unit tests of this room only: no credentials checked. No product entry point sets it.
     allow_unauthenticated: bool = False
     tls_cert_file: str | None = None

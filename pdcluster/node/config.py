@@ -4,7 +4,7 @@ validated here."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.roles import NODE_ROLES, role_names
@@ -40,7 +40,7 @@ class NodeConfig:
     # (ClusterSecret.metadata_token), good for registering this id and nothing else. With it,
     # the node makes its own CURVE key pair, registers the public half and admits only the
     # routers and nodes the metadata service names (core.identity).
-    bootstrap_token: str | None = None
+    bootstrap_token: str | None = field(default=None, repr=False)
     # The shared-key mode, for unit tests and benchmarks only: serve and connect with this
     # one pair and admit its holders for everything. None in a cluster.
     shared_curve: CurveKeys | None = None

@@ -165,3 +165,36 @@ def test_the_launcher_gives_the_router_a_client_credential_only() -> None:
 class _Started:
     def start(self):
         return self
+
+
+def test_a_link_planted_where_the_secret_goes_is_replaced_not_followed(tmp_path) -> None:
+    """Another local user plants a link at the secret's path (or opens the file first): the
+    secret must not land in the link's target (theirs to read), nor in an open file."""
+    target = tmp_path / "attacker-readable"
+    target.write_text("")
+    target.chmod(0o644)
+    path = tmp_path / "cache" / "cluster-secret"
+    path.parent.mkdir()
+    path.symlink_to(target)
+    write_secret_file(TEST_SECRET, path)
+    assert target.read_text() == ""
+    assert not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ClusterSecret.from_text(path.read_text().strip()) == TEST_SECRET
+    assert sorted(p.name for p in path.parent.iterdir()) == ["cluster-secret"]  # no leftovers
+
+
+def test_configs_keep_credentials_out_of_their_reprs() -> None:
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.metadata_service.config import MetadataConfig
+    from pdcluster.node.config import NodeConfig
+
+    router = RouterConfig(model_dir="m", metadata_address="meta:1",
+                          metadata_token="service:router-token-value",
+                          api_keys=("tenant:sk-tenant-key",))
+    node = NodeConfig(node_id="p0", role="prefill", engine=EngineConfig("m"),
+                      metadata_address="meta:1", bootstrap_token=node_token("p0"))
+    metadata = MetadataConfig(cluster_secret=TEST_SECRET, router_token="router-token-value")
+    text = repr(router) + repr(node) + repr(metadata)
+    for secret in ("router-token-value", "sk-tenant-key", node_token("p0"),
+                   TEST_SECRET.to_text()):
+        assert secret not in text
