@@ -97,7 +97,7 @@ class ClusterConfig:
         EngineConfig.from_options(self.model, self.engine)  # every node's, checked at load
         if self.node_metrics_port is not None and not 0 <= self.node_metrics_port < 65536:
             raise ValueError(f"node metrics port {self.node_metrics_port} out of range")
-        if not (0 <= self.node_request_port < 65536 and 1 <= self.node_request_ports
+        if not (0 <= self.node_request_port < 65536 and self.node_request_ports >= 1
                 and self.node_request_port + self.node_request_ports <= 65536):
             raise ValueError(f"node request ports [{self.node_request_port}, "
                              f"+{self.node_request_ports}) out of range")
