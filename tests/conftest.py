@@ -20,6 +20,25 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _interpret_triton_here() -> None:
+    """Without a GPU the engine's Triton kernels run in Triton's interpreter
+    (tests/triton_kernels.py). Triton reads TRITON_INTERPRET when a function is decorated,
+    its own library's included, so triton.language is imported under it before anything
+    else imports triton; the variable is then dropped, so processes the tests start do not
+    inherit it."""
+    if _cuda_available() or os.environ.get("TRITON_INTERPRET"):
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.experimental.gluon  # noqa: F401  (the interpreter imports it at launch)
+        import triton.language  # noqa: F401
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+
+
+_interpret_triton_here()
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     """Tiny random HF model folders, one per variant in tests/models.py."""

@@ -457,11 +457,24 @@ ENGINE_LAYERS: dict[str, frozenset[str]] = {
 }
 
 
+def _engine_module_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """`_imported_names`, with `from pdcluster.engine import x` read as `pdcluster.engine.x`."""
+    found = []
+    for line, name in _imported_names(tree):
+        if name != "pdcluster.engine":
+            found.append((line, name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 \
+                and node.module == "pdcluster.engine":
+            found += [(node.lineno, f"pdcluster.engine.{alias.name}") for alias in node.names]
+    return sorted(found)
+
+
 def engine_layer_violations(source: str, filename: str, layer: str) -> list[str]:
     """'file:line imports name' for each engine module outside the layers `layer` may use."""
     allowed = ENGINE_LAYERS[layer] | {layer}
     found = []
-    for line, name in _imported_names(ast.parse(source, filename=filename)):
+    for line, name in _engine_module_names(ast.parse(source, filename=filename)):
         parts = name.split(".")
         if parts[:2] == ["pdcluster", "engine"] and (len(parts) < 3 or parts[2] not in allowed):
             found.append(f"{filename}:{line} imports {name}")
@@ -488,10 +501,13 @@ def test_every_engine_subroom_has_a_layer_rule() -> None:
 def test_engine_layer_check_catches_an_offender() -> None:
     source = ("from pdcluster.engine.runner.model_runner import ModelRunner\n"
               "from pdcluster.engine.core.request import Request\n"
-              "import pdcluster.engine.llm_engine\n")
+              "import pdcluster.engine.llm_engine\n"
+              "from pdcluster.engine import LLM, kernels\n")
     assert engine_layer_violations(source, "x.py", "sample") == [
         "x.py:1 imports pdcluster.engine.runner.model_runner",
-        "x.py:3 imports pdcluster.engine.llm_engine"]
+        "x.py:3 imports pdcluster.engine.llm_engine",
+        "x.py:4 imports pdcluster.engine.LLM",
+        "x.py:4 imports pdcluster.engine.kernels"]
 
 
 # ---- module paths named in strings ---------------------------------------------------------

@@ -1,5 +1,7 @@
 """Engine benchmark: `pdcluster bench engine [--json] [--quick] [--threads N] [--device D]
-[--model DIR|GGUF] [--moe] [--mla] [--speculative SPEC] [--host-tier]` (`--moe` adds a MoE vs
+[--model DIR|GGUF] [--moe] [--mla] [--speculative SPEC] [--host-tier]` (`--device cuda`
+without `--model` measures random models of real shapes against the GPU's limits instead:
+benchmarks/gpu_bench.py, `--shapes`, `--hf-shapes`; `--moe` adds a MoE vs
 dense step comparison: benchmarks/moe_step.py; `--mla` MLA decode absorbed vs expanded and KV
 bytes per token: benchmarks/mla_decode.py; `--speculative ngram:k=4` measures decode tokens/s
 with and without speculative decoding instead of the parts below:
@@ -72,6 +74,12 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     sizes = QUICK if args.quick else BenchSizes()
     device = getattr(args, "device", "cpu") or "cpu"
+    if device == "cuda" and not getattr(args, "model", None):
+        from pdcluster.benchmarks.gpu_bench import gpu_fields
+
+        with tempfile.TemporaryDirectory(prefix="pdcluster-bench-") as tmp:
+            return gpu_fields(args.shapes.split(","), args.hf_shapes.split(","), args.quick,
+                              Path(tmp))
     with tempfile.TemporaryDirectory(prefix="pdcluster-bench-") as tmp:
         model_dir = _model_dir(getattr(args, "model", None), tmp)
         result = {

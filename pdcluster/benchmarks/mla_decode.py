@@ -49,9 +49,9 @@ def _decode_meta(batch: int, context: int):
 
     blocks = context // BLOCK
     table = torch.arange(batch * blocks).view(batch, blocks)
-    mask = torch.ones(batch, 1, 1, blocks * BLOCK, dtype=torch.bool)
+    lens = torch.full((batch,), blocks * BLOCK)
     slot_rows = table[:, -1] * BLOCK + BLOCK - 1  # one layer, one plane: row = block*bs + off
-    return AttentionMetadata(slot_rows, batch, table, mask, [], GatherWorkspace())
+    return AttentionMetadata(slot_rows, batch, table, lens, [], GatherWorkspace())
 
 
 def _time(layer, cache, meta, batch: int, context: int, steps: int) -> dict[bool, float]:

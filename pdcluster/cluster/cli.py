@@ -112,6 +112,13 @@ def _engine_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="measure decode tokens/s with and without speculative decoding "
                         "(ngram:k=4 or draft:PATH,k=4) instead of the default parts; use a "
                         "model with a chat template (--model)")
+    parser.add_argument("--shapes", default="llama-1b,llama-8b",
+                        help="with --device cuda and no --model: random bf16 models of these "
+                        "shapes (llama-1b, llama-8b), measured against the GPU's copy and "
+                        "matmul rates")
+    parser.add_argument("--hf-shapes", default="llama-1b",
+                        help="with --device cuda: the shapes also run through transformers' "
+                        "generate (the baseline)")
     parser.add_argument("--host-tier", action="store_true",
                         help="measure the TTFT of prompts re-asked after the device KV pool "
                         "cycled (a working set 4x the pool), host tier and disk tier against "

@@ -13,6 +13,9 @@ from pdcluster.core.vllm_hashing import VLLM_DEFAULT_SEED, VLLM_HASH_ALGORITHM
 from pdcluster.engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# "auto": the checkpoint's weights; "dummy": random weights of the config's shapes (only
+# config.json is read), for benchmarks and capacity tests without a checkpoint.
+LOAD_FORMATS = ("auto", "dummy")
 # The engine a node runs: the project's own (this package) or vLLM (pdcluster.vllm_backend).
 BACKENDS = ("pdcluster", "vllm")
 
@@ -25,6 +28,7 @@ class EngineConfig:
     backend: str = "pdcluster"
     dtype: str = "auto"  # float32 on CPU; the checkpoint's half type (else bfloat16) on CUDA
     device: str = "auto"  # cuda when available, else cpu
+    load_format: str = "auto"  # see LOAD_FORMATS
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib
     kv_cache_memory_gib: float | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
@@ -58,11 +62,14 @@ class EngineConfig:
     # Speculative decoding (engine/spec_decode): a SpeculativeConfig or its text form
     # ("ngram:k=4", "draft:PATH,k=4"), turned into the config here; None: off.
     speculative: SpeculativeConfig | str | None = None
-    # vLLM only (the own engine refuses values other than these): tensor parallelism, the
-    # share of GPU memory vLLM may take (None: vLLM's default), and eager mode on GPUs (on
-    # CPU vLLM always runs eager here: no minute-long compile per engine).
+    # vLLM only (the own engine refuses values other than these): tensor parallelism and the
+    # share of GPU memory vLLM may take (None: vLLM's default).
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float | None = None
+    # Both engines, on CUDA: True runs every step eagerly, False (the default) replays decode
+    # steps as CUDA graphs captured at start-up (engine/runner/cuda_graphs.py; vLLM: its own).
+    # On CPU every step is eager either way (vLLM's CPU build here too: no minute-long compile
+    # per engine).
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
@@ -74,6 +81,11 @@ class EngineConfig:
             object.__setattr__(self, "hash_seed", VLLM_DEFAULT_SEED)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got "
+                             f"{self.load_format!r}")
+        if self.backend == "vllm" and self.load_format != "auto":
+            raise ValueError("load_format is an option of the own engine (backend: pdcluster)")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")

@@ -84,7 +84,7 @@ class LLMEngine(NodeEngine):
         self.max_model_len = resolve_max_len(config, self.model_config)
         self.tokenizer = load_tokenizer(config.model)
         model = load_model(config.model, self.model_config, self.dtype, self.device,
-                           self.max_model_len)
+                           self.max_model_len, dummy=config.load_format == "dummy")
         self.kv_spec = kv_cache_spec(config, self.model_config, self.dtype, self.device,
                                      self.max_model_len)
         self.runner = ModelRunner(model, PagedKVCache(self.kv_spec, self.dtype, self.device),
@@ -111,6 +111,9 @@ class LLMEngine(NodeEngine):
                                     self.max_model_len, config.block_size,
                                     self.kv_spec.num_blocks, self.tokenizer is not None)
         self.spec_decoder = self._spec_decoder()
+        self.uses_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                                 and self.runner.capture_graphs(config.max_num_seqs,
+                                                                self.max_model_len))
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens",
                     self.model_config.architecture, self.device, self.dtype,
                     self.kv_spec.num_blocks, config.block_size)

@@ -1,30 +1,61 @@
-"""CUDA paths of the engine. Skipped on CPU-only machines (see tests/conftest.py)."""
+"""CUDA paths of the engine: the Triton kernels, the varlen prefill, CUDA graphs of decode
+steps, the cascade on the GPU, and every family's eager fallback. Skipped on CPU-only machines
+(see tests/conftest.py); tests/engine/test_gpu_path.py runs the same kernels and graph buffers
+on CPU through Triton's interpreter."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.runner.cuda_graphs import DecodeGraphs
 from tests.helpers import assert_pool_clean, count_calls
 from tests.models import random_prompts
 
 pytestmark = pytest.mark.gpu
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-tied-bias-mha"])
-def test_cuda_float32_matches_transformers(variant, model_dirs, hf_reference):
-    llm = LLM(model_dirs[variant], device="cuda", dtype="float32", num_kv_blocks=256,
-              max_num_batched_tokens=64)
-    prompts = random_prompts(8, 5, 80, seed=11)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+def _assert_matches(llm: LLM, model: str, hf_reference, prompts, params=GREEDY) -> None:
     for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
-        assert out.token_ids == hf_reference(model_dirs[variant], prompt, 12)
+        assert out.token_ids == hf_reference(model, prompt, params.max_tokens)
     assert_pool_clean(llm.engine.block_pool)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-tied-bias-mha",
+                                     "llama-mqa-headdim-llama3rope", "qwen3-headdim"])
+def test_cuda_float32_with_graphs_matches_transformers(variant, model_dirs, hf_reference,
+                                                       monkeypatch):
+    replays = count_calls(monkeypatch, DecodeGraphs, "replay")
+    llm = LLM(model_dirs[variant], device="cuda", dtype="float32", num_kv_blocks=256,
+              max_num_batched_tokens=64, max_num_seqs=8)
+    assert llm.engine.uses_cuda_graphs
+    _assert_matches(llm, model_dirs[variant], hf_reference, random_prompts(8, 5, 80, seed=11))
+    assert replays, "no decode step replayed a graph"
+    assert torch.isfinite(llm.engine.kv_cache.tensor).all()
+
+
+def test_cuda_enforce_eager_takes_no_graphs_and_matches(model_dirs, hf_reference, monkeypatch):
+    replays = count_calls(monkeypatch, DecodeGraphs, "replay")
+    llm = LLM(model_dirs["llama-gqa"], device="cuda", dtype="float32", num_kv_blocks=256,
+              enforce_eager=True)
+    assert not llm.engine.uses_cuda_graphs and llm.engine.runner.graphs is None
+    _assert_matches(llm, model_dirs["llama-gqa"], hf_reference, random_prompts(5, 3, 60, seed=3))
+    assert not replays
+
+
+@pytest.mark.parametrize("variant", ["mixtral-4x2", "deepseek-v2-qlora-grouped"])
+def test_cuda_families_without_graphs_run_eagerly_and_match(variant, model_dirs, hf_reference):
+    llm = LLM(model_dirs[variant], device="cuda", dtype="float32", num_kv_blocks=256)
+    assert not llm.engine.uses_cuda_graphs
+    _assert_matches(llm, model_dirs[variant], hf_reference, random_prompts(4, 5, 40, seed=5))
 
 
 def test_cuda_bfloat16_generates(model_dirs):
     llm = LLM(model_dirs["llama-gqa"], device="cuda", dtype="bfloat16")
-    assert llm.engine.kv_cache.tensor.is_cuda
+    assert llm.engine.kv_cache.tensor.is_cuda and llm.engine.uses_cuda_graphs
     outs = llm.generate(random_prompts(4, 10, 40, seed=12),
                         SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=8,
                                        ignore_eos=True))
@@ -34,15 +65,26 @@ def test_cuda_bfloat16_generates(model_dirs):
 
 def test_cuda_shared_prefix_decodes_take_the_cascade_and_match(model_dirs, hf_reference,
                                                                 monkeypatch):
-    """The cascade split (engine/models/attention.py) off the CPU runs `_attend_matmul`."""
+    """Eager steps split decode attention at the blocks every sequence shares (the Triton
+    kernel's log-sum-exps merged on the GPU)."""
     from pdcluster.engine.models import attention
 
-    calls = count_calls(monkeypatch, attention, "_attend_matmul")
+    merges = count_calls(monkeypatch, attention, "_merge")
     llm = LLM(model_dirs["llama-gqa"], device="cuda", dtype="float32", num_kv_blocks=128,
-              block_size=4)
+              block_size=4, enforce_eager=True)
     prefix = random_prompts(1, 40, 40, seed=7)[0]
     prompts = [prefix + tail for tail in random_prompts(4, 1, 9, seed=8)]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
-        assert out.token_ids == hf_reference(model_dirs["llama-gqa"], prompt, 10)
-    assert calls
+    _assert_matches(llm, model_dirs["llama-gqa"], hf_reference, prompts,
+                    SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert merges
+
+
+def test_cuda_long_prompts_chunked_with_prefix_hits_match(model_dirs, hf_reference):
+    """Chunks after a cached prefix and after earlier chunks, starting mid-block, in one
+    varlen launch with decodes in the same step."""
+    llm = LLM(model_dirs["llama-gqa"], device="cuda", dtype="float32", num_kv_blocks=512,
+              block_size=16, max_num_batched_tokens=100)
+    prefix = random_prompts(1, 150, 150, seed=9)[0]
+    prompts = [prefix + tail for tail in random_prompts(3, 20, 200, seed=10)]
+    prompts += random_prompts(3, 300, 400, seed=13)
+    _assert_matches(llm, model_dirs["llama-gqa"], hf_reference, prompts)

@@ -151,10 +151,9 @@ def _decode_meta(cache: PagedKVCache, tables: list[list[int]], lens: list[int],
     width = max(map(len, tables))
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     lens_t = torch.tensor(lens)
-    mask = torch.arange(width * cache.spec.block_size)[None, :] < lens_t[:, None]
     cascade = runner._cascade(table, lens_t) if runner_cascade else None
     return AttentionMetadata(torch.zeros(len(tables), dtype=torch.long), len(tables), table,
-                             mask[:, None, None, :], [], GatherWorkspace(), cascade)
+                             lens_t, [], GatherWorkspace(), cascade)
 
 
 
@@ -218,7 +217,8 @@ def test_decodes_sharing_a_prompt_prefix_match_transformers(model_dirs, hf_refer
     """End to end: decodes behind a shared cached prefix take the cascade path, and their
     greedy tokens still equal transformers'. (The torch path; tests/engine/test_kernels.py
     runs the same with the engine's C++ kernel.)"""
-    from pdcluster.engine import LLM, SamplingParams, attention, kernels
+    from pdcluster.engine import LLM, SamplingParams, kernels
+    from pdcluster.engine.models import attention
     from tests.models import random_prompts
 
     monkeypatch.setattr(kernels, "ENABLED", False)
@@ -256,7 +256,8 @@ def test_split_prefill_equals_one_masked_call(earlier, own) -> None:
     q = torch.randn(own, 3 * kv_heads, dim)
     positions = torch.arange(earlier, total)
     mask = torch.arange(total)[None, :] <= positions[:, None]
-    chunk = PrefillChunk(0, own, total, block_ids, mask)
+    chunk = PrefillChunk(0, own, total, block_ids)
+    assert torch.equal(chunk.mask, mask)
     assert own >= attention.MIN_SPLIT_CHUNK
     got = attention._prefill_attention(q, k, v, k_cache, v_cache, chunk, 0.25,
                                        GatherWorkspace())
@@ -269,7 +270,8 @@ def test_split_prefill_equals_one_masked_call(earlier, own) -> None:
 
 def test_long_chunk_after_a_cached_prefix_matches_transformers(model_dirs, hf_reference,
                                                                monkeypatch) -> None:
-    from pdcluster.engine import LLM, SamplingParams, attention
+    from pdcluster.engine import LLM, SamplingParams
+    from pdcluster.engine.models import attention
     from tests.models import random_prompts
 
     calls = count_calls(monkeypatch, attention, "_split_prefill_attention")

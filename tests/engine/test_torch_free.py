@@ -1,5 +1,6 @@
-"""The engine's bookkeeping (block pool, KV cache manager, scheduler, request, sampling params)
-stays torch-free, so the KV connector's scheduler side and tests can use it without torch."""
+"""The engine's core (engine/core/: block pool, KV cache manager, scheduler, requests, sampling
+params, every module of it) stays torch-free, so the KV connector's scheduler side and tests
+can use it without torch."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCH_FREE = [f"pdcluster.engine.{name}" for name in (
-    "block_pool", "kv_cache_manager", "scheduler", "request_queues", "request", "sampling_params",
-    "outputs", "output_builder",
-    "model_config", "config", "prefix_pulls", "scheduler_output", "pins", "validation",
+CORE = sorted(f"pdcluster.engine.core.{path.stem}"
+              for path in (ROOT / "pdcluster/engine/core").glob("*.py") if path.stem != "__init__")
+TORCH_FREE = CORE + [f"pdcluster.engine.{name}" for name in (
+    "config", "output_builder", "models.model_config", "models.model_families",
     "spec_decode.config", "spec_decode.ngram", "spec_decode.decoder", "spec_decode.stats",
     "spec_decode.stops")]
 

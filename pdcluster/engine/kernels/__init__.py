@@ -17,8 +17,11 @@ source, torch or machine gets its own build. `ops()` loads that library when it 
 returns `torch.ops.pdcluster`, else None: the engine then takes its pure-torch paths, which give
 the same tokens. Nothing compiles at run time. `PDCLUSTER_KERNELS=0` turns the kernels off.
 
-API: `ops()`, `ops_for(*tensors)`, `ENABLED`, `build(force=False)`, `library_path()`,
-`DISABLE_ENV`.
+The GPU kernels (Triton) are the subpackage `gpu`; `layer_ops_for(*tensors)` picks whichever
+set serves the tensors for the ops both have.
+
+API: `ops()`, `ops_for(*tensors)`, `layer_ops_for(*tensors)`, `ENABLED`, `build(force=False)`,
+`library_path()`, `DISABLE_ENV`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pathlib import Path
 import torch
 
 from pdcluster.core.paths import cache_dir
+from pdcluster.engine.kernels import gpu
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +148,18 @@ def ops_for(*tensors: torch.Tensor):
         if t.device.type != "cpu" or t.dtype != torch.float32:
             return None
     return ops()
+
+
+def layer_ops_for(*tensors: torch.Tensor):
+    """The ops both kernel sets have — `rms_norm`, `add_rms_norm_`, `rope_and_cache_`,
+    `paged_attention`, with one signature each — for these tensors: the CPU C++ ops for float32
+    CPU tensors (`ops_for`), the Triton kernels (engine/kernels/gpu) for CUDA tensors; None
+    elsewhere or with the kernels off."""
+    if not ENABLED:
+        return None
+    if gpu.serves(*tensors):
+        return gpu.ops()
+    return ops_for(*tensors)
 
 
 @cache

@@ -49,28 +49,34 @@ class KVCacheSpec:
 
 class PagedKVCache:
     """Owns the KV region. Zero-filled: padding slots read during batched decode must be
-    finite, since a NaN times a zero attention weight is still NaN."""
+    finite, since a NaN times a zero attention weight is still NaN.
+
+    One block more than the spec's is allocated after the region: the scratch block, which no
+    request owns and no transfer sees. A CUDA graph captured for a batch of 8 and replayed for
+    5 sequences writes the 3 padding rows' keys and values there (`scratch_slot_row`)."""
 
     def __init__(self, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device) -> None:
         self.spec = spec
-        self.tensor = torch.zeros(
-            (
-                spec.num_blocks,
-                spec.num_layers,
-                spec.num_planes,
-                spec.block_size,
-                spec.num_kv_heads,
-                spec.head_dim,
-            ),
-            dtype=dtype,
-            device=device,
-        )
+        shape = (spec.num_blocks + 1, spec.num_layers, spec.num_planes, spec.block_size,
+                 spec.num_kv_heads, spec.head_dim)
+        self._allocation = torch.zeros(shape, dtype=dtype, device=device)
+        self.tensor = self._allocation[: spec.num_blocks]  # the region: what blocks index
 
         # The region as rows of one token's keys (or values) for one layer. Writes go through
         # this contiguous view with index_copy_: advanced-index assignment into the strided
         # per-layer views takes milliseconds on CPU, this takes microseconds.
-        self._rows = self.tensor.view(-1, spec.num_kv_heads * spec.head_dim)
+        self._rows = self._allocation.view(-1, spec.num_kv_heads * spec.head_dim)
         self._rows_per_block = spec.num_layers * spec.num_planes * spec.block_size
+
+    @property
+    def rows_per_block(self) -> int:
+        """Rows of `rows` one block spans (all layers, planes and slots)."""
+        return self._rows_per_block
+
+    @property
+    def scratch_slot_row(self) -> int:
+        """`slot_rows` entry of the scratch block's first slot (see the class doc)."""
+        return self.spec.num_blocks * self._rows_per_block
 
     @property
     def rows(self) -> torch.Tensor:

@@ -1,5 +1,11 @@
-"""Paged attention over the KV cache: torch's scaled_dot_product_attention, and for decodes on
-CPU the engine's own paged kernel.
+"""Paged attention over the KV cache: the engine's own kernels where they serve the cache (on
+CPU the C++ decode kernel for float32; on CUDA the Triton decode and prefill kernels,
+engine/kernels/gpu), torch's scaled_dot_product_attention elsewhere.
+
+On CUDA nothing is gathered: decodes run the Triton paged kernel over each sequence's blocks
+(split over the context, flash-decoding), and every prefill chunk of the step runs in one
+varlen Triton launch that reads its cached context and its own keys (already written) in
+place, causally, with no mask tensor (`PrefillBatch`, built by the runner).
 
 A step's tokens are laid out decode-first: the first `num_decodes` tokens are one query each
 from sequences in decode, then each prefill chunk's tokens in turn. Per layer, new keys and
@@ -37,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from pdcluster.engine import kernels
+from pdcluster.engine.kernels import gpu
 from pdcluster.engine.kv.kv_cache import PagedKVCache
 
 
@@ -46,7 +53,31 @@ class PrefillChunk:
     end: int
     context_len: int  # tokens attended to: cached/earlier tokens + this chunk
     block_ids: torch.Tensor  # [ceil(context_len / block_size)]
-    mask: torch.Tensor | None  # [chunk_len, context_len] bool, None when the chunk starts at 0
+    _mask: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """`[chunk_len, context_len]` bool, `key_pos <= query_pos`, built on the device at
+        first use (the Triton path never asks); None when the chunk starts at position 0."""
+        first = self.context_len - (self.end - self.start)
+        if first == 0:
+            return None
+        if self._mask is None:
+            device = self.block_ids.device
+            keys = torch.arange(self.context_len, device=device)
+            self._mask = keys[None, :] <= torch.arange(first, self.context_len,
+                                                       device=device)[:, None]
+        return self._mask
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillBatch:
+    """Every prefill chunk of a step as the Triton varlen kernel reads them (CUDA)."""
+
+    block_tables: torch.Tensor  # [num_chunks, max_blocks] int32
+    q_starts: torch.Tensor  # [num_chunks + 1] int32: chunk c is rows q_starts[c]:q_starts[c+1]
+    first_pos: torch.Tensor  # [num_chunks] int32: position of each chunk's first token
+    max_chunk_len: int
 
 
 class GatherWorkspace:
@@ -91,11 +122,24 @@ class AttentionMetadata:
     slot_rows: torch.Tensor  # [T] each new token's cache slot, see PagedKVCache.slot_rows
     num_decodes: int
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_lens: torch.Tensor | None  # [num_decodes] context lengths
     prefills: list[PrefillChunk]
     workspace: GatherWorkspace
     cascade: CascadeTables | None = None  # set when decodes share leading blocks
-    decode_lens: torch.Tensor | None = None  # [num_decodes] int64 context lengths
+    prefill_batch: PrefillBatch | None = None  # set on CUDA, for the Triton prefill kernel
+    _decode_mask: torch.Tensor | None = None
+
+    def decode_mask(self, block_size: int) -> torch.Tensor:
+        """`[num_decodes, 1, 1, max_blocks * block_size]` bool, True on each sequence's
+        keys (for the gathered paths), built on the device at first use."""
+        if self._decode_mask is None:
+            assert self.decode_block_table is not None and self.decode_lens is not None, \
+                "a step with decodes has their tables"
+            keys = self.decode_block_table.shape[1] * block_size
+            mask = torch.arange(keys, device=self.decode_lens.device)[None, :] \
+                < self.decode_lens[:, None]
+            self._decode_mask = mask[:, None, None, :]
+        return self._decode_mask
 
 
 def paged_attention(
@@ -113,11 +157,18 @@ def paged_attention(
     if not cache_written:
         kv_cache.write(layer, meta.slot_rows, k, v)
     k_cache, v_cache = kv_cache.layer_kv(layer)
+    if meta.num_decodes and not meta.prefills:  # a decode step: no copy into a second buffer
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[: meta.num_decodes] = _decode_attention(
             q[: meta.num_decodes], k_cache, v_cache, meta, scale
         )
+    batch = meta.prefill_batch
+    if batch is not None and gpu.serves(q, k_cache):
+        gpu.ops().prefill_attention(q, k_cache, v_cache, out, batch.block_tables,
+                                    batch.q_starts, batch.first_pos, batch.max_chunk_len, scale)
+        return out
     for chunk in meta.prefills:
         out[chunk.start : chunk.end] = _prefill_attention(q, k, v, k_cache, v_cache, chunk, scale,
                                                           meta.workspace)
@@ -125,7 +176,7 @@ def paged_attention(
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    ops = kernels.ops_for(q, k_cache)
+    ops = kernels.layer_ops_for(q, k_cache)
     if ops is not None and meta.decode_lens is not None:
         return _kernel_decode_attention(ops, q, k_cache, v_cache, meta, scale)
     if meta.cascade is not None:
@@ -140,8 +191,11 @@ def _kernel_decode_attention(ops, q, k_cache, v_cache, meta: AttentionMetadata,
     once over each sequence's own blocks, merged by log-sum-exp."""
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[-2]
-    # a KV head's query heads as rows (q is a view into the fused q/k projection: copy it)
-    rows = q.reshape(n, kv_heads, heads // kv_heads, dim).contiguous()
+    # a KV head's query heads as rows (q is a view into the fused q/k projection: the C++ op
+    # takes a contiguous copy, the Triton kernel reads it through its strides)
+    rows = q.reshape(n, kv_heads, heads // kv_heads, dim)
+    if not q.is_cuda:
+        rows = rows.contiguous()
     cascade = meta.cascade
     if cascade is None:
         out, _ = ops.paged_attention(rows, k_cache, v_cache, meta.decode_block_table,
@@ -149,7 +203,8 @@ def _kernel_decode_attention(ops, q, k_cache, v_cache, meta: AttentionMetadata,
         return out.view(n, heads, dim)
     shared = cascade.shared_block_ids
     batch_rows = rows.permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim).contiguous()
-    shared_lens = torch.full((1,), shared.numel() * k_cache.shape[1], dtype=torch.long)
+    shared_lens = torch.full((1,), shared.numel() * k_cache.shape[1], dtype=torch.long,
+                             device=q.device)
     out_shared, lse_shared = ops.paged_attention(batch_rows, k_cache, v_cache, shared[None],
                                                  shared_lens, scale)
     out_shared = out_shared.view(kv_heads, n, -1, dim).transpose(0, 1)  # [n, Hkv, G, D]
@@ -169,8 +224,8 @@ def _batched_decode_attention(q, k_cache, v_cache, meta: AttentionMetadata,
     keys = gather(k_cache, block_table, GatherWorkspace.KEYS)
     values = gather(v_cache, block_table, GatherWorkspace.VALUES)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-    )
+        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask(k_cache.shape[1]), scale=scale,
+        enable_gqa=True)
     return out.squeeze(2)
 
 

@@ -3,8 +3,9 @@
 On CPU it runs oneDNN's GEMM (`torch.ops.mkldnn._linear_pointwise`, the op torch's own compiler
 emits for CPU linears) or `F.linear`'s MKL/OpenBLAS sgemm, whichever this machine's calibration
 chose (engine/kernels/gemm.py: neither wins on every CPU); on CUDA, or where torch was built
-without oneDNN, it is `F.linear`. Measured on an AVX-512 host's 2 threads (benchmarks/
-peers_bench.py measures the whole engine):
+without oneDNN, it is `F.linear` (SwiGLU's activation then one Triton pass,
+engine/kernels/gpu). Measured on an AVX-512 host's 2 threads (benchmarks/peers_bench.py
+measures the whole engine):
 
     [2048 x 576] @ [576 x 3072]   F.linear 153 GFLOP/s   oneDNN 189
     [32 x 576]   @ [576 x 960]    F.linear 127           oneDNN 152
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdcluster.engine import kernels
-from pdcluster.engine.kernels import gemm
+from pdcluster.engine.kernels import gemm, gpu
 
 
 def _onednn_dtypes() -> tuple[torch.dtype, ...]:
@@ -93,7 +94,11 @@ def silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.device.type == "cpu":  # two GEMMs, then silu and multiply in place: no [T, 2I] split
         gate = F.silu(F.linear(x, weight[:intermediate], gate_bias), inplace=True)
         return gate.mul_(F.linear(x, weight[intermediate:], up_bias))
-    gate, up = F.linear(x, weight, bias).split(intermediate, dim=-1)
+    gate_up = F.linear(x, weight, bias)
+    if kernels.ENABLED and gpu.serves(gate_up):  # one fused pass over the GEMM's output
+        return gpu.ops().silu_and_mul(gate_up.view(-1, 2 * intermediate),
+                                      intermediate).view(*x.shape[:-1], intermediate)
+    gate, up = gate_up.split(intermediate, dim=-1)
     return F.silu(gate) * up
 
 

@@ -8,13 +8,13 @@ Forward takes a flattened batch of tokens (`[T]` ids and positions) plus the ste
 the rows the sampler needs. q/k/v and gate/up projections are fused at load time (one matmul
 each); RMSNorm follows the reference formula (float32 statistics) so outputs match exactly.
 
-With the engine's kernels (engine.kernels; CPU, float32) a layer's small steps are one op
-each: the residual add and the next RMSNorm (`add_rms_norm_`, which is why a layer returns
-its output and the residual stream separately), RoPE of q and k together with the cache write
-of k and v (`rope_and_cache_`; not for Qwen3's q/k norms, which take the torch path). A
-batch-1 decode step of plain dense layers goes further: the whole stack is one op
-(`DecodeStack`, `decode_layers_`), the same kernels in the same order without returning to
-Python between them.
+With the engine's kernels (engine.kernels: the C++ ops on CPU for float32, the Triton kernels on
+CUDA, one signature each) a layer's small steps are one op each: the residual add and the next
+RMSNorm (`add_rms_norm_`, which is why a layer returns its output and the residual stream
+separately), RoPE of q and k together with the cache write of k and v (`rope_and_cache_`; not
+for Qwen3's q/k norms, which take the torch path). A batch-1 decode step of plain dense layers
+goes further: the whole stack is one op (`DecodeStack`, `decode_layers_`), the same kernels in
+the same order without returning to Python between them.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = kernels.ops_for(x, self.weight) if x.dim() == 2 and x.is_contiguous() else None
+        ops = kernels.layer_ops_for(x, self.weight) if x.dim() == 2 and x.is_contiguous() \
+            else None
         if ops is not None:
             return ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
@@ -50,7 +51,7 @@ class RMSNorm(nn.Module):
         """The residual stream plus `x`, and its norm: `(norm(residual + x), residual + x)`.
         With the engine's kernels one pass, in place (x and residual are the step's own
         intermediates)."""
-        ops = kernels.ops_for(x, residual, self.weight)
+        ops = kernels.layer_ops_for(x, residual, self.weight)
         if ops is not None and x.is_contiguous() and residual.is_contiguous():
             ops.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
@@ -84,7 +85,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
-        ops = None if self.q_norm is not None else kernels.ops_for(qkv, kv_cache.tensor)
+        ops = None if self.q_norm is not None else kernels.layer_ops_for(qkv, kv_cache.tensor)
         if ops is not None:
             # RoPE on q and k in place and k, v into their cache slots: one op.
             ops.rope_and_cache_(qkv, positions, self.rope.cos, self.rope.sin, self.num_heads,

@@ -35,16 +35,24 @@ _SHARD = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> CausalLM:
+               max_positions: int, dummy: bool = False) -> CausalLM:
+    """The model of `cfg` with the folder's weights, or with random ones (`dummy`: no
+    weight file is read)."""
     files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
+    if not files and not dummy:
         raise FileNotFoundError(f"no *.safetensors weights in model folder {path}")
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
-        model = cls(cfg, max_positions)
+        model = cls(cfg, max_positions).to(dtype=dtype)  # each weight allocated once, in dtype
     model.to_empty(device=device)
-    # RoPE tables are buffers computed from config, not weights: rebuild them on the device.
+    # RoPE tables are buffers computed from config, not weights: rebuild them on the device
+    # (float32, as the reference computes them; each use casts them to the activations' dtype).
     model.init_buffers(device)
+    if dummy:
+        _fill_random(model)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        return model.eval()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, int] = {}
     for file in files:
@@ -54,7 +62,20 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: t
     _check_complete(cfg, params, loaded)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.to(dtype=dtype).eval()
+    return model.eval()
+
+
+@torch.no_grad()
+def _fill_random(model: torch.nn.Module) -> None:
+    """Weights of a plausible scale (normal, std 0.02; norms 1, biases 0), so activations stay
+    in range over many layers; drawn on the device, in its dtype."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02)
 
 
 def _load_tensor(model, cfg: ModelConfig, params, name: str, tensor, loaded) -> None:

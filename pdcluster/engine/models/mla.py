@@ -41,11 +41,11 @@ def mla_config(cfg: ModelConfig) -> MLAConfig:
     return cfg.mla
 
 
-def _decode_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_tables(meta: AttentionMetadata, block_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode rows' block table and key mask (a step with decodes has both)."""
-    assert meta.decode_block_table is not None and meta.decode_mask is not None, \
-        "a step with decodes has their block table and mask"
-    return meta.decode_block_table, meta.decode_mask
+    assert meta.decode_block_table is not None, "a step with decodes has their block table"
+    return meta.decode_block_table, meta.decode_mask(block_size)
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -139,7 +139,7 @@ class MLAttention(nn.Module):
         return out.transpose(0, 1)
 
     def _decode_expanded(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
-        block_table, mask = _decode_tables(meta)
+        block_table, mask = _decode_tables(meta, cache.shape[1])
         entries = meta.workspace.gather(cache, block_table, GatherWorkspace.KEYS)
         keys, values = self._expand(entries.squeeze(1))
         queries = torch.cat([q_nope, q_pe], dim=-1).unsqueeze(2)
@@ -154,7 +154,7 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
         queries = torch.cat([q_latent, q_pe], dim=-1)  # [B, H, rank+rope]
-        block_table, mask = _decode_tables(meta)
+        block_table, mask = _decode_tables(meta, cache.shape[1])
         entries = meta.workspace.gather(cache, block_table, GatherWorkspace.KEYS)
         entries = entries.squeeze(1)  # [B, L, rank+rope]
         scores = torch.matmul(queries, entries.transpose(1, 2)) * self.scale  # [B, H, L]

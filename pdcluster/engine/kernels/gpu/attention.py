@@ -28,6 +28,8 @@ give transformers' tokens exactly, and only summation order may differ.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -169,7 +171,12 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_len: int |
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # Triton's interpreter on CPU: a few splits, so tests cover the merge
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def paged_attention(rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -185,7 +192,7 @@ def paged_attention(rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         "the head dimension is contiguous"
     block_r, block_d, block_n = _decode_tiles(num_rows, dim, rows.dtype)
     splits = num_splits or decode_splits(seqs, kv_heads, num_sms(rows.device), max_len, block_n)
-    out = torch.empty_like(rows)
+    out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)  # contiguous
     lse = torch.empty((seqs, kv_heads, num_rows), dtype=torch.float32, device=rows.device)
     if splits == 1:
         part, part_lse = out.unsqueeze(2), lse.unsqueeze(2)

@@ -1,0 +1,252 @@
+"""The engine on a GPU: `pdcluster bench engine --device cuda [--shapes llama-1b,llama-8b]
+[--quick] [--json]`.
+
+On random-weight models of the named shapes (Llama-3.2-1B's and Llama-3.1-8B's: only a
+config.json is written, the engine draws its weights on the device, `load_format="dummy"`), in
+bfloat16, measures in one run:
+
+- the machine's ceilings: device copy rate (bytes read + written, a 1 GiB device-to-device
+  copy) and bf16 matmul rate (8192^3);
+- batch-1 decode ms/token (the median step of one request, scheduler and sampling included)
+  and its ratio to the HBM floor: the weight bytes a step reads / the copy rate; and the
+  device part alone (one replay of the batch-1 CUDA graph, timed with events);
+- TTFT of a 2,048-token prompt (median of 3 fresh prompts) and its MFU: the step's FLOPs
+  (2 x tokens x layer weights, the LM head for one row, causal attention) / the matmul rate;
+- output tokens/s of 64 x (1,024 -> 128) and of 32 x (1,024 shared + 64) -> 64 through
+  `LLM.generate`, and transformers' `generate` on the same ids with a model of the same shape
+  (SDPA attention, batched, greedy), on the shapes listed in `--hf-shapes` (default: the 1B).
+
+Every figure is a ratio to something measured in the same run. Returns a flat dict.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SHAPES = {
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                     vocab_size=128256, tie_word_embeddings=True),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     vocab_size=128256, tie_word_embeddings=False),
+}
+_COMMON = dict(architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5,
+               rope_theta=500000.0, max_position_embeddings=131072, hidden_act="silu",
+               torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192})
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSizes:
+    decode_steps: int = 128
+    ttft_len: int = 2048
+    repeats: int = 3
+    batch: int = 64
+    prompt_len: int = 1024
+    output_len: int = 128
+    shared_batch: int = 32
+    shared_len: int = 1024
+    shared_tail: int = 64
+    shared_output: int = 64
+
+
+QUICK = GpuSizes(decode_steps=32, repeats=2, batch=16, output_len=32, shared_batch=8,
+                 shared_output=16)
+
+# The engine's settings for every shape: one object, as vLLM's own defaults would set them.
+ENGINE_SETTINGS = dict(device="cuda", dtype="bfloat16", load_format="dummy",
+                       max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192,
+                       block_size=16, enable_prefix_caching=True)
+
+
+def write_shape(folder: Path, shape: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**_COMMON, **SHAPES[shape]}))
+    return folder
+
+
+def ceilings() -> dict:
+    """Device copy rate (GB/s, read + written) and bf16 matmul rate (TFLOP/s), medians."""
+    import torch
+
+    src = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_s = _median_time(lambda: dst.copy_(src), 20)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_s = _median_time(lambda: a @ b, 20)
+    return {"copy_gb_s": round(2 * src.numel() * 2 / copy_s / 1e9, 1),
+            "matmul_tflops": round(2 * 8192**3 / mm_s / 1e12, 1)}
+
+
+def _median_time(fn, repeats: int) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(3, 32000) for _ in range(length)] for _ in range(n)]
+
+
+def weight_bytes_read(mc) -> int:
+    """Bytes of weights one decode step reads: every layer, the final norm and the LM head
+    (the input embedding is one row per token unless it is the LM head too)."""
+    per_layer = (mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)
+                 + 3 * mc.hidden_size * mc.intermediate_size + 2 * mc.hidden_size)
+    return 2 * (mc.num_layers * per_layer + mc.vocab_size * mc.hidden_size + mc.hidden_size)
+
+
+def prefill_flops(mc, tokens: int) -> float:
+    per_layer = (mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)
+                 + 3 * mc.hidden_size * mc.intermediate_size)
+    linear = 2 * tokens * mc.num_layers * per_layer + 2 * mc.vocab_size * mc.hidden_size
+    attention = 4 * mc.num_layers * mc.num_heads * mc.head_dim * tokens * (tokens + 1) / 2
+    return linear + attention
+
+
+def run_shape(shape: str, folder: Path, sizes: GpuSizes, limits: dict, with_hf: bool) -> dict:
+    import torch
+
+    from pdcluster.engine import LLM
+    from pdcluster.engine.models.model_config import ModelConfig
+
+    model_dir = write_shape(folder / shape, shape)
+    mc = ModelConfig.from_pretrained(str(model_dir))
+    start = time.perf_counter()
+    llm = LLM(str(model_dir), **ENGINE_SETTINGS)
+    out = {"load_and_capture_s": round(time.perf_counter() - start, 1),
+           "cuda_graphs": llm.engine.uses_cuda_graphs}
+    rng = random.Random(0)
+    step_s = _decode_step(llm, sizes, rng)
+    floor_s = weight_bytes_read(mc) / (limits["copy_gb_s"] * 1e9)
+    out.update(decode_ms=round(step_s * 1e3, 3), decode_floor_ms=round(floor_s * 1e3, 3),
+               decode_vs_floor=round(step_s / floor_s, 3))
+    graphs = llm.engine.runner.graphs
+    if graphs is not None:  # the step's device part alone: the rest is the host's
+        replay_s = graphs.replay_seconds(1)
+        out.update(decode_replay_ms=round(replay_s * 1e3, 3),
+                   decode_replay_vs_floor=round(replay_s / floor_s, 3))
+    ttft = _ttft(llm, sizes, rng)
+    out.update(ttft_2k_ms=round(ttft * 1e3, 2),
+               ttft_2k_mfu=round(prefill_flops(mc, sizes.ttft_len) / ttft
+                                 / (limits["matmul_tflops"] * 1e12), 3))
+    batch_prompts = _prompts(sizes.batch, sizes.prompt_len, rng)
+    out["batch_tok_s"] = round(_generate_rate(llm, batch_prompts, sizes.output_len), 1)
+    shared = _prompts(1, sizes.shared_len, rng)[0]
+    shared_prompts = [shared + tail for tail in _prompts(sizes.shared_batch, sizes.shared_tail,
+                                                         rng)]
+    out["shared_prefix_tok_s"] = round(_generate_rate(llm, shared_prompts,
+                                                      sizes.shared_output), 1)
+    del llm
+    torch.cuda.empty_cache()
+    if with_hf:
+        out.update(_hf_rates(model_dir, batch_prompts, sizes, shared_prompts))
+        out["batch_vs_hf"] = round(out["batch_tok_s"] / out["hf_batch_tok_s"], 3)
+        out["shared_prefix_vs_hf"] = round(out["shared_prefix_tok_s"]
+                                           / out["hf_shared_prefix_tok_s"], 3)
+    return out
+
+
+def _decode_step(llm, sizes: GpuSizes, rng: random.Random) -> float:
+    """Median `LLMEngine.step` of one request decoding (its prefill step excluded)."""
+    from pdcluster.engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=sizes.decode_steps + 1, ignore_eos=True)
+    engine.add_request("decode", _prompts(1, 128, rng)[0], params)
+    engine.step()  # the prefill
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
+
+
+def _ttft(llm, sizes: GpuSizes, rng: random.Random) -> float:
+    from pdcluster.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate(_prompts(1, sizes.ttft_len, rng), params)  # warm-up
+    times = []
+    for prompt in _prompts(sizes.repeats, sizes.ttft_len, rng):
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _generate_rate(llm, prompts: list[list[int]], output_len: int) -> float:
+    from pdcluster.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.token_ids) == output_len for o in outs)
+    return len(prompts) * output_len / elapsed
+
+
+def _hf_rates(model_dir: Path, prompts, sizes: GpuSizes, shared_prompts) -> dict:
+    """transformers' batched greedy `generate` on the same ids, a random model of the shape."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+
+    def rate(batch: list[list[int]], new: int) -> float:
+        ids = torch.tensor(batch, device="cuda")
+        model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=4,
+                       do_sample=False)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False)
+        torch.cuda.synchronize()
+        assert out.shape[1] == ids.shape[1] + new
+        return len(batch) * new / (time.perf_counter() - start)
+
+    with torch.inference_mode():
+        result = {"hf_batch_tok_s": round(rate(prompts, sizes.output_len), 1),
+                  "hf_shared_prefix_tok_s": round(rate(shared_prompts, sizes.shared_output), 1)}
+    return result
+
+
+def gpu_fields(shapes: list[str], hf_shapes: list[str], quick: bool, folder: Path) -> dict:
+    import torch
+
+    unknown = sorted(set(shapes) - set(SHAPES))
+    if unknown:
+        raise ValueError(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
+    sizes = QUICK if quick else GpuSizes()
+    limits = ceilings()
+    result: dict = {"gpu": torch.cuda.get_device_name(), **limits,
+                    "engine_settings": ENGINE_SETTINGS}
+    for shape in shapes:
+        fields = run_shape(shape, folder, sizes, limits, shape in hf_shapes)
+        result.update({f"{shape}.{k}": v for k, v in fields.items()})
+    return result

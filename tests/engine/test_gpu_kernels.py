@@ -1,0 +1,184 @@
+"""The Triton kernels (engine/kernels/gpu) against their torch definitions
+(engine/kernels/gpu/reference.py), on fresh random inputs: block sizes, GQA ratios, head dims
+64/128/192, contexts around block boundaries and long ones, several chunks per launch, chunks
+starting mid-block. On a GPU they run compiled; on CPU through Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdcluster.engine.kernels.gpu import reference as ref
+from tests.triton_kernels import kernel_device, triton_ops
+
+DEVICE = kernel_device()
+ON_GPU = DEVICE.type == "cuda"
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """float32: summation order only; bfloat16: rounding of the operands."""
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    err = (got.double() - want.double()).norm() / max(want.double().norm(), 1e-12)
+    assert err < tol, f"relative error {err:.2e}"
+    assert not got.isnan().any()
+
+
+def _cache(num_blocks: int, block_size: int, kv_heads: int, dim: int, dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, 2, block_size, kv_heads, dim)  # one layer's two planes
+    region = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    return region[:, 0], region[:, 1]  # strided views, as PagedKVCache.layer_kv gives
+
+
+DECODE_CASES = [
+    # block_size, kv_heads, group, dim, lens
+    (16, 2, 4, 64, [1, 15, 16, 17]),
+    (8, 1, 8, 128, [7, 8, 9, 64]),
+    (16, 4, 1, 192, [33, 3]),
+    (4, 2, 2, 64, [300, 1]),  # long against tiny blocks: every split busy
+]
+if ON_GPU:
+    DECODE_CASES += [(16, 8, 4, 128, [1, 500, 2049, 4096]), (32, 8, 8, 128, [31, 32, 33])]
+
+
+@pytest.mark.parametrize("block_size, kv_heads, group, dim, lens", DECODE_CASES)
+def test_paged_decode_attention_matches_the_reference(block_size, kv_heads, group, dim, lens):
+    ops = triton_ops()
+    blocks_per_seq = -(-max(lens) // block_size)
+    num_blocks = blocks_per_seq * len(lens) + 3
+    k_cache, v_cache = _cache(num_blocks, block_size, kv_heads, dim, torch.float32, seed=dim)
+    gen = torch.Generator().manual_seed(len(lens))
+    table = torch.stack([torch.randperm(num_blocks, generator=gen)[:blocks_per_seq]
+                         for _ in lens]).to(DEVICE)
+    rows = torch.randn(len(lens), kv_heads, group, dim, generator=gen).to(DEVICE)
+    lens_t = torch.tensor(lens, device=DEVICE)
+    want_out, want_lse = ref.paged_attention(rows.double(), k_cache.double(), v_cache.double(),
+                                             table, lens_t, dim ** -0.5)
+    for splits in (None, 1, 3):
+        out, lse = ops.paged_attention(rows, k_cache, v_cache, table, lens_t, dim ** -0.5,
+                                       num_splits=splits)
+        _close(out, want_out, torch.float32)
+        _close(lse, want_lse, torch.float32)
+
+
+def test_decode_attention_of_an_empty_context_is_zero_with_lse_minus_infinity():
+    ops = triton_ops()
+    k_cache, v_cache = _cache(4, 8, 2, 64, torch.float32, seed=1)
+    rows = torch.randn(2, 2, 3, 64).to(DEVICE)
+    table = torch.zeros((2, 2), dtype=torch.int32, device=DEVICE)
+    out, lse = ops.paged_attention(rows, k_cache, v_cache, table,
+                                   torch.tensor([0, 5], device=DEVICE), 0.125)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1]).all()
+
+
+def test_decode_attention_takes_many_rows_per_kv_head():
+    """The cascade's shared pass: every sequence's query rows against blocks they share."""
+    ops = triton_ops()
+    k_cache, v_cache = _cache(12, 16, 2, 64, torch.float32, seed=2)
+    rows = torch.randn(1, 2, 70, 64).to(DEVICE)  # more rows than one tile
+    table = torch.arange(10, device=DEVICE)[None]
+    lens = torch.tensor([160], device=DEVICE)
+    out, lse = ops.paged_attention(rows, k_cache, v_cache, table, lens, 0.125)
+    want_out, want_lse = ref.paged_attention(rows.double(), k_cache.double(), v_cache.double(),
+                                             table, lens, 0.125)
+    _close(out, want_out, torch.float32)
+    _close(lse, want_lse, torch.float32)
+
+
+PREFILL_CASES = [
+    # block_size, kv_heads, group, dim, chunks as (first position, length)
+    (16, 2, 2, 64, [(0, 37)]),
+    (8, 2, 4, 64, [(0, 20), (13, 7), (40, 33)]),  # after a prefix, mid-block, several
+    (4, 1, 2, 192, [(5, 1), (0, 18)]),
+    (16, 4, 1, 128, [(16, 16), (31, 2)]),
+]
+if ON_GPU:
+    PREFILL_CASES += [(16, 8, 4, 128, [(0, 2048)]), (16, 8, 4, 128, [(1000, 300), (0, 700)])]
+
+
+@pytest.mark.parametrize("block_size, kv_heads, group, dim, chunks", PREFILL_CASES)
+def test_paged_prefill_attention_matches_the_reference(block_size, kv_heads, group, dim,
+                                                       chunks):
+    ops = triton_ops()
+    longest = max(p + n for p, n in chunks)
+    blocks_per_chunk = -(-longest // block_size)
+    num_blocks = blocks_per_chunk * len(chunks) + 2
+    k_cache, v_cache = _cache(num_blocks, block_size, kv_heads, dim, torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(dim + len(chunks))
+    decodes = 2  # rows before the chunks: the step's decodes, which the kernel must not touch
+    starts = [decodes]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], kv_heads * group, dim, generator=gen).to(DEVICE)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:blocks_per_chunk]
+                          for _ in chunks]).to(torch.int32).to(DEVICE)
+    q_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    first_pos = torch.tensor([p for p, _ in chunks], dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    ops.prefill_attention(q, k_cache, v_cache, out, tables, q_starts, first_pos,
+                          max(n for _, n in chunks), dim ** -0.5)
+    want = ref.prefill_attention(q.double(), k_cache.double(), v_cache.double(), tables,
+                                 q_starts, first_pos, dim ** -0.5)
+    _close(out[decodes:], want[decodes:], torch.float32)
+    assert out[:decodes].isnan().all()
+
+
+DTYPES = [torch.float32, torch.bfloat16] if ON_GPU else [torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, size", [(1, 64), (7, 576), (3, 4096)])
+def test_rms_norm_and_the_fused_residual_add(dtype, rows, size):
+    ops = triton_ops()
+    gen = torch.Generator().manual_seed(size)
+    x, residual, weight = (torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+                           for shape in ((rows, size), (rows, size), (size,)))
+    _close(ops.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6), dtype)
+    got_x, got_residual = x.clone(), residual.clone()
+    ops.add_rms_norm_(got_x, got_residual, weight, 1e-5)
+    assert torch.equal(got_residual, residual + x)  # the sum rounded once, as torch's add
+    _close(got_x, ref.rms_norm(residual + x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 64), (9, 3, 64), (8, 1, 128)])
+def test_rope_and_cache_write_match_the_reference(dtype, heads, kv_heads, dim):
+    ops = triton_ops()
+    gen = torch.Generator().manual_seed(heads * dim)
+    layers, block_size, num_blocks, tokens = 3, 4, 6, 9
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype).to(DEVICE)
+    positions = torch.randint(0, 50, (tokens,), generator=gen).to(DEVICE)
+    angles = torch.randn(64, dim // 2, generator=gen)
+    cos = torch.cat([angles.cos()] * 2, -1).to(DEVICE)
+    sin = torch.cat([angles.sin()] * 2, -1).to(DEVICE)
+    region = torch.zeros(num_blocks, layers, 2, block_size, kv_heads, dim, dtype=dtype,
+                         device=DEVICE)
+    cache_rows = region.view(-1, kv_heads * dim)
+    per_block = layers * 2 * block_size
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slot_rows = ((slots // block_size) * per_block + slots % block_size).to(DEVICE)
+    layer = 1
+    original = qkv.clone()
+    ops.rope_and_cache_(qkv, positions, cos, sin, heads, kv_heads, cache_rows, slot_rows,
+                        2 * layer * block_size, block_size)
+    n_rot = heads + kv_heads
+    want = ref.rope(original[:, : n_rot * dim].view(tokens, n_rot, dim), positions, cos, sin)
+    rotated = qkv[:, : n_rot * dim].view(tokens, n_rot, dim)
+    _close(rotated, want, dtype)
+    key_rows = slot_rows + 2 * layer * block_size
+    assert torch.equal(cache_rows[key_rows].view(tokens, kv_heads, dim), rotated[:, heads:])
+    assert torch.equal(cache_rows[key_rows + block_size], original[:, n_rot * dim:])
+    written = torch.zeros(cache_rows.shape[0], dtype=torch.bool, device=DEVICE)
+    written[key_rows] = written[key_rows + block_size] = True
+    assert not cache_rows[~written].any(), "the kernel wrote outside the tokens' slots"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, intermediate", [(1, 1536), (5, 100), (2, 8192)])
+def test_silu_and_mul(dtype, rows, intermediate):
+    ops = triton_ops()
+    gen = torch.Generator().manual_seed(intermediate)
+    gate_up = torch.randn(rows, 2 * intermediate, generator=gen).to(dtype).to(DEVICE)
+    got = ops.silu_and_mul(gate_up, intermediate)
+    _close(got, ref.silu_and_mul(gate_up, intermediate), dtype)

@@ -1,0 +1,86 @@
+"""The engine's CUDA path end to end on a machine without a GPU: every tensor is handed to the
+Triton kernels (engine/kernels/gpu), which Triton's interpreter runs on CPU — attention in place
+for decodes, one varlen prefill launch per step, the fused layer ops — and decode steps go
+through the CUDA graphs' static buffers (engine/runner/cuda_graphs.py) with padding rows written
+to the scratch block. Greedy float32 tokens must equal transformers'. On a GPU machine the same
+paths run for real in tests/engine/test_cuda.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdcluster.engine import LLM, SamplingParams, kernels
+from pdcluster.engine.kernels import gpu
+from pdcluster.engine.runner import cuda_graphs
+from pdcluster.engine.runner.cuda_graphs import DecodeGraphs
+from tests.helpers import assert_pool_clean, count_calls
+from tests.models import random_prompts
+from tests.triton_kernels import triton_ops
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="on a GPU machine tests/engine/test_cuda.py runs this path")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The GPU kernels serve every tensor; the CPU C++ ops are off (so nothing bypasses
+    them). Returns the recorded calls of each Triton entry point."""
+    ops = triton_ops()
+    monkeypatch.setattr(gpu, "serves", lambda *tensors: bool(tensors))
+    monkeypatch.setattr(kernels, "ops_for", lambda *tensors: None)
+    return {name: count_calls(monkeypatch, ops, name)
+            for name in ("paged_attention", "prefill_attention", "rope_and_cache_",
+                         "add_rms_norm_")}
+
+
+def test_chunked_prefill_and_decode_through_the_gpu_kernels_match_transformers(
+        model_dirs, hf_reference, kernel_calls):
+    """Small on purpose: the interpreter runs each kernel program in Python."""
+    model = model_dirs["llama-gqa"]
+    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4,
+              max_num_batched_tokens=16)
+    prefix = random_prompts(1, 13, 13, seed=21)[0]  # 3 blocks and a bit: hits start mid-block
+    prompts = random_prompts(2, 5, 20, seed=22) + [prefix + [5, 6], prefix + [7, 8, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+        assert out.token_ids == hf_reference(model, prompt, 4)
+    assert all(kernel_calls.values()), {k: len(v) for k, v in kernel_calls.items()}
+    assert_pool_clean(llm.engine.block_pool)
+
+
+def test_decode_steps_through_the_graph_buffers_with_padding_match_transformers(
+        model_dirs, hf_reference, kernel_calls, monkeypatch):
+    """3 sequences in the bucket of 4: the padding row writes to the scratch block and
+    changes no token."""
+    model = model_dirs["llama-gqa"]
+    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, block_size=8)
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch=5, max_model_len=128)
+    assert runner.graphs.buckets == [1, 2, 4, 5]
+    replays = count_calls(monkeypatch, DecodeGraphs, "replay")
+    prompts = random_prompts(3, 9, 16, seed=23)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+        assert out.token_ids == hf_reference(model, prompt, 5)
+    assert replays, "no decode step went through the graphs' buffers"
+    scratch = runner.kv_cache._allocation[-1]
+    assert scratch.abs().sum() > 0, "the padding row wrote nowhere visible"
+    assert_pool_clean(llm.engine.block_pool)
+
+
+def test_batch_buckets():
+    assert cuda_graphs.batch_buckets(1) == [1]
+    assert cuda_graphs.batch_buckets(3) == [1, 2, 3]
+    assert cuda_graphs.batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert cuda_graphs.batch_buckets(256)[-6:] == [112, 128, 160, 192, 224, 256]
+    assert cuda_graphs.batch_buckets(100)[-3:] == [80, 96, 100]
+    with pytest.raises(ValueError, match="max_batch"):
+        cuda_graphs.batch_buckets(0)
+
+
+def test_graph_blockers_name_why(model_dirs):
+    llm = LLM(model_dirs["llama-gqa"], device="cpu", dtype="float32", num_kv_blocks=8)
+    runner = llm.engine.runner
+    assert "CUDA" in cuda_graphs.graph_blocker(runner.model, runner.kv_cache)
+    assert runner.capture_graphs(4, 64) is False and runner.graphs is None
