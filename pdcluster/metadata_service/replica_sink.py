@@ -38,7 +38,6 @@ class NodeEntry:
     proof_hash: bytes = b""  # of the registration's proof (metadata_service.identities)
 
 
-
 class ReplicaSink:
     """The `StoreSink` half of ``MetadataService`` (a mixin)."""
 
@@ -64,6 +63,7 @@ class ReplicaSink:
             return
         else:
             self._new_incarnation(node, info.epoch)
+            node.deadline = None  # its lease is kept alive elsewhere, not here
         node.proof_hash = proof_hash
         node.info.CopyFrom(info)
         self.node_watch.notify(pb.NodeChange.UP, node.info)
