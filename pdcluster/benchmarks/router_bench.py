@@ -83,8 +83,12 @@ def run(args: argparse.Namespace) -> dict:
         address = f"127.0.0.1:{meta_port}"
         with MetadataClient(address, token=secret.metadata_token(SERVICE), timeout_s=30) as c:
             wait_ready(c)
-        nodes = {mode: [InstantNode(mode, secret, address) for _ in range(4)]
-                 for mode in ("identity", "shared")}
+        # the identity nodes serve the registered node ids, one endpoint (address, key) each:
+        # the metadata service refuses live nodes that share either
+        per_node = -(-sizes.nodes // 4)
+        nodes = {"identity": [InstantNode("identity", secret, address, per_node)
+                              for _ in range(4)],
+                 "shared": [InstantNode("shared", secret, address) for _ in range(4)]}
         nodes["plain"] = [InstantNode("plain", secret)]
         try:
             result = _measure(sizes, model, nodes, meta_port, procs, secret)
@@ -167,10 +171,10 @@ def _populate(address: str, pop: Population, nodes: list[InstantNode],
     infos = {}
     for i, node_id in enumerate(pop.node_ids):
         role = "prefill" if i % 2 == 0 else "decode"
-        node = nodes[i % len(nodes)]
-        infos[node_id] = make_node_info(node_id, role, request_address=node.address,
-                                        kv_address="tcp://127.0.0.1:9",
-                                        curve_public_key=node.keys.public)
+        request_address, keys = nodes[i % len(nodes)].endpoints[i // len(nodes)]
+        infos[node_id] = make_node_info(node_id, role, request_address=request_address,
+                                        kv_address=f"tcp://127.0.0.1:{10_000 + i}",
+                                        curve_public_key=keys.public)
         with node_client(address, secret, node_id) as client:
             client.register(infos[node_id], 300)
     ingest(address, pop, infos, secret)
