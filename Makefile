@@ -20,7 +20,7 @@ PORT ?= 8000
 SERVE_ARGS ?=
 
 .PHONY: setup setup-serve setup-vllm run run-vllm test lint bench peers bench-client bench-peers \
-	clean distclean
+	bench-chaos bench-vllm clean distclean
 
 setup:
 	bash scripts/setup.sh test
@@ -40,9 +40,10 @@ run: setup-serve
 	$(PDCLUSTER) serve --model $(MODEL) --num-prefill 1 --num-decode 1 --port $(PORT) \
 		$(SERVE_ARGS)
 
-# ruff on the package, the tests and the build scripts; mypy as pyproject.toml's [tool.mypy] says.
+# ruff on the package, the harnesses, the tests and the build scripts; mypy as pyproject.toml's
+# [tool.mypy] says.
 lint: setup
-	$(VENV)/bin/ruff check pdcluster tests scripts setup.py
+	$(VENV)/bin/ruff check pdcluster benchmarks tests scripts setup.py
 	$(VENV)/bin/mypy
 
 test: lint
@@ -75,10 +76,21 @@ bench-client: setup-serve peers
 	$(PDCLUSTER) bench client --url http://127.0.0.1:$(PORT) --json \
 		--model $(notdir $(MODEL)) --tokenizer $(MODEL)
 
+# The harnesses of benchmarks/ (from this checkout; not in the installed package): each is
+# `python -m benchmarks NAME`, and prints its JSON result last as `pdcluster bench` does.
 # The engine against vLLM's CPU build (first run installs it into .cache/peers/vllm: ~3.4 GB)
 # and transformers, on $(MODEL). Not part of `bench` or `test`: it installs and takes minutes.
 bench-peers: setup-serve
-	$(PDCLUSTER) bench peers --json --model $(MODEL)
+	$(VENV)/bin/python -m benchmarks peers --json --model $(MODEL)
+
+# Faults under load on a local cluster (nodes killed, metadata service and etcd restarted, an
+# abort storm, a churn soak): nothing may be lost.
+bench-chaos: setup-serve
+	$(VENV)/bin/python -m benchmarks chaos --json
+
+# vLLM as the nodes' engine against vLLM offline on $(MODEL) (needs `make setup-vllm`).
+bench-vllm: setup-vllm
+	$(VENV)/bin/python -m benchmarks vllm --json --model $(MODEL)
 
 clean:
 	rm -rf .cache build dist *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache

@@ -15,10 +15,11 @@ TEST_CURVE = TEST_SECRET.curve_keys()  # the ZMQ CURVE key pair derived from it
 
 
 def node_credentials(node_id: str) -> dict:
-    """A NodeConfig's credentials in the shared-key test mode: the shared pair, and the node's
-    own bootstrap token for the metadata service."""
-    return {"shared_curve": TEST_CURVE, "bootstrap_token": node_token(node_id)}
+    """A NodeConfig's credential: the node's own bootstrap token for the metadata service. In
+    the shared-key test mode the node also gets `NodeRuntime(config, shared_keys=TEST_CURVE)`."""
+    return {"bootstrap_token": node_token(node_id)}
 
 
-# A RouterConfig's credentials in the shared-key test mode.
-ROUTER_CREDENTIALS = {"shared_curve": TEST_CURVE, "metadata_token": SERVICE_TOKEN}
+# A RouterConfig's credential; in the shared-key test mode the router also gets
+# `RouterApp(config, shared_keys=TEST_CURVE)` (or `Dispatcher(..., shared_keys=TEST_CURVE)`).
+ROUTER_CREDENTIALS = {"metadata_token": SERVICE_TOKEN}

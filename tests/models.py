@@ -3,9 +3,14 @@ Torch is imported lazily so torch-free test rooms can collect without it."""
 
 from __future__ import annotations
 
+import os
 import random
 
 from tests.hf_tiny import HF_VARIANTS, build_hf_model
+
+# The SentencePiece file of the tiny models' tokenizer, where mistral-common (which ships it) is
+# not installed: the GPU machine's image (scripts/gpu_check.sh carries the file).
+TOKENIZER_ENV = "PDCLUSTER_TEST_SENTENCEPIECE"
 
 # Variants cover: GQA ratios (MHA, GQA, MQA), head_dim != hidden/heads, rope_theta, the
 # supported rope_scaling types, tied embeddings and Qwen2's qkv bias; the families built by
@@ -51,7 +56,8 @@ class ModelDirs(dict):
         if name in HF_VARIANTS:
             path = build_hf_model(self.root / name, arch, seed, **spec)
         else:
-            path = make_tiny_model(self.root / name, arch=arch, seed=seed, **spec)
+            path = make_tiny_model(self.root / name, arch=arch, seed=seed,
+                                   sentencepiece=os.environ.get(TOKENIZER_ENV), **spec)
         self[name] = str(path)
         return self[name]
 

@@ -131,17 +131,47 @@ def test_room_imports_follow_the_architecture(room: str) -> None:
     assert not violations, "forbidden imports:\n" + "\n".join(violations)
 
 
+HARNESSES = REPO_ROOT / "benchmarks"  # the checkout's harnesses: `benchmarks.<module>`
+
+
+def _is_harness(name: str) -> bool:
+    """A module of the checkout's top-level benchmarks/ (not the pdcluster.benchmarks room)."""
+    parts = name.split(".")
+    return parts[0] == "benchmarks" and (
+        len(parts) == 1 or (HARNESSES / f"{parts[1]}.py").is_file())
+
+
 def bare_room_imports(source: str, filename: str) -> list[str]:
     """'file:line imports name' for each import of a room outside the pdcluster namespace."""
     return [f"{filename}:{line} imports {name}"
             for line, name in _imported_names(ast.parse(source, filename=filename))
-            if name.split(".")[0] in ROOMS]
+            if name.split(".")[0] in ROOMS and not _is_harness(name)]
+
+
+def checkout_imports(source: str, filename: str) -> list[str]:
+    """'file:line imports name' for each import of what only a checkout has: the harnesses of
+    benchmarks/ and the tests (neither is installed)."""
+    return [f"{filename}:{line} imports {name}"
+            for line, name in _imported_names(ast.parse(source, filename=filename))
+            if name.split(".")[0] in {"benchmarks", "tests"}]
+
+
+def test_the_package_imports_no_harness_and_no_test() -> None:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += checkout_imports(path.read_text(encoding="utf-8"),
+                                  str(path.relative_to(REPO_ROOT)))
+    assert not found, "the installed package cannot import these:\n" + "\n".join(found)
+    assert checkout_imports("from benchmarks.chaos_bench import run\nimport tests.x\n"
+                            "import pdcluster.benchmarks.engine_bench\n", "x.py") == [
+        "x.py:1 imports benchmarks.chaos_bench", "x.py:2 imports tests.x"]
 
 
 def test_rooms_are_imported_through_the_namespace() -> None:
     files = [p for room in sorted(ROOMS) for p in _room_files(room)]
     files += sorted((REPO_ROOT / "tests").rglob("*.py"))
     files += sorted((REPO_ROOT / "scripts").rglob("*.py"))
+    files += sorted(HARNESSES.rglob("*.py"))
     found = []
     for path in files:
         rel = str(path.relative_to(REPO_ROOT))
@@ -150,9 +180,11 @@ def test_rooms_are_imported_through_the_namespace() -> None:
 
 
 def test_bare_room_check_catches_an_offender() -> None:
-    source = "import core.types\nfrom engine import LLM\nimport pdcluster.core\nimport corey\n"
+    source = ("import core.types\nfrom engine import LLM\nimport pdcluster.core\nimport corey\n"
+              "from benchmarks import chaos_bench\nimport benchmarks.engine_bench\n")
     assert bare_room_imports(source, "x.py") == ["x.py:1 imports core.types",
-                                                 "x.py:2 imports engine"]
+                                                 "x.py:2 imports engine",
+                                                 "x.py:6 imports benchmarks.engine_bench"]
 
 
 OFFENDING_SOURCE = textwrap.dedent("""

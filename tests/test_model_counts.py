@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.benchmarks.model_counts import model_counts, prefill_flops
+from benchmarks.model_counts import model_counts, prefill_flops
 from pdcluster.engine.models.model_config import ModelConfig
 
 SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,

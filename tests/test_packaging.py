@@ -12,9 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from pdcluster.cluster.cli import BENCHMARKS
 from tests.installed import PACKAGE_ROOMS, REPO_ROOT, Installed
 
 pytestmark = pytest.mark.slow
+# What `pdcluster bench`'s benchmarks import at run time besides their own modules.
+BENCHMARK_HELPERS = {"host_tier_bench", "spec_decode_bench", "gpu_bench", "trace_client",
+                     "trace_workload", "instant_node"}
 
 
 def test_the_wheel_installs_one_namespace_with_generated_stubs(built_wheel: Path) -> None:
@@ -32,6 +36,22 @@ def test_the_wheel_installs_one_namespace_with_generated_stubs(built_wheel: Path
                and not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))}
     assert not sources - set(names), "modules or kernel sources missing from the wheel " \
         f"(pyproject.toml's package discovery and data): {sorted(sources - set(names))}"
+
+
+def test_the_wheel_holds_no_harness(built_wheel: Path) -> None:
+    """The package ships what `pdcluster bench` offers and what those benchmarks import; the
+    harnesses and studies (benchmarks/ of the checkout) and the test fakes stay out."""
+    names = zipfile.ZipFile(built_wheel).namelist()
+    shipped = {Path(name).stem for name in names
+               if name.startswith("pdcluster/benchmarks/") and name.endswith(".py")}
+    offered = {module for module, _ in BENCHMARKS.values()}
+    assert shipped == {"__init__"} | offered | BENCHMARK_HELPERS
+    harnesses = {path.stem for path in (REPO_ROOT / "benchmarks").glob("*.py")}
+    assert {"chaos_bench", "peers_bench", "vllm_bench", "grammar_bench", "mla_decode",
+            "moe_step"} <= harnesses
+    stems = {Path(name).stem for name in names}
+    assert not stems & (harnesses - {"__init__", "__main__"}), stems & harnesses
+    assert "pdcluster/transfer/loopback.py" not in names  # a test fake (tests/transfer)
 
 
 def test_every_module_imports_from_the_installed_wheel(wheel_install: Installed,

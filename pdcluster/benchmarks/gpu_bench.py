@@ -9,7 +9,8 @@ bfloat16, measures in one run:
   copy) and bf16 matmul rate (8192^3);
 - batch-1 decode ms/token (the median step of one request, scheduler and sampling included)
   and its ratio to the HBM floor: the weight bytes a step reads / the copy rate; and the
-  device part alone (one replay of the batch-1 CUDA graph, timed with events);
+  device part alone (one replay of the batch-1 CUDA graph, timed with events), and the
+  largest kernels of an eager step (torch's profiler);
 - TTFT of a 2,048-token prompt (median of 3 fresh prompts) and its MFU: the step's FLOPs
   (2 x tokens x layer weights, the LM head for one row, causal attention) / the matmul rate;
 - output tokens/s of 64 x (1,024 -> 128) and of 32 x (1,024 shared + 64) -> 64 through
@@ -27,6 +28,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SHAPES = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -133,7 +135,7 @@ def run_shape(shape: str, folder: Path, sizes: GpuSizes, limits: dict, with_hf: 
     mc = ModelConfig.from_pretrained(str(model_dir))
     start = time.perf_counter()
     llm = LLM(str(model_dir), **ENGINE_SETTINGS)
-    out = {"load_and_capture_s": round(time.perf_counter() - start, 1),
+    out: dict[str, Any] = {"load_and_capture_s": round(time.perf_counter() - start, 1),
            "cuda_graphs": llm.engine.uses_cuda_graphs}
     rng = random.Random(0)
     step_s = _decode_step(llm, sizes, rng)
@@ -145,6 +147,7 @@ def run_shape(shape: str, folder: Path, sizes: GpuSizes, limits: dict, with_hf: 
         replay_s = graphs.replay_seconds(1)
         out.update(decode_replay_ms=round(replay_s * 1e3, 3),
                    decode_replay_vs_floor=round(replay_s / floor_s, 3))
+    out["decode_kernels"] = _decode_kernels(llm, rng)
     ttft = _ttft(llm, sizes, rng)
     out.update(ttft_2k_ms=round(ttft * 1e3, 2),
                ttft_2k_mfu=round(prefill_flops(mc, sizes.ttft_len) / ttft
@@ -180,6 +183,36 @@ def _decode_step(llm, sizes: GpuSizes, rng: random.Random) -> float:
         engine.step()
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:])
+
+
+def _decode_kernels(llm, rng: random.Random, steps: int = 4) -> list[list]:
+    """Where a batch-1 decode step's device time goes: [kernel, us per step, launches per
+    step] for the 12 largest, from torch's profiler over eager steps (a graph replays the same
+    kernels, without the launch gaps)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from pdcluster.engine import SamplingParams
+
+    engine, graphs = llm.engine, llm.engine.runner.graphs
+    engine.runner.graphs = None
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True)
+        engine.add_request("profiled", _prompts(1, 128, rng)[0], params)
+        engine.step()
+        engine.step()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.runner.graphs = graphs
+    rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
+            if e.self_device_time_total > 0]
+    rows.sort(key=lambda row: -row[1])
+    return [[name[:60], round(us / steps, 1), count // steps] for name, us, count in rows[:12]]
 
 
 def _ttft(llm, sizes: GpuSizes, rng: random.Random) -> float:

@@ -14,7 +14,7 @@ prompt by prompt (the order rotating), so the machine's noise falls on all. Then
 every re-asked prompt with `check_tokens` greedy tokens, which must be identical.
 
 Reported: the median TTFT of the re-asked prompts with the host tier, with the disk tier and
-recomputing, their ratios (`host_over_recompute`, the issue's goal: <= 0.3 on CPU;
+recomputing, their ratios (`host_over_recompute`, the goal: <= 0.3 on CPU;
 `disk_over_recompute`), the blocks the tiered engines loaded, demoted and spilled, the tiers'
 measured load bandwidth and latency (what a node reports to the router; the disk's include
 the page cache, which is where a freshly written file's blocks mostly are), and

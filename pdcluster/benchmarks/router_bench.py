@@ -201,10 +201,11 @@ def _decisions(pop: Population, nodes: list[InstantNode], model: str, samples: i
     chains = [[c[i:i + HASH] for i in range(0, len(c), HASH)] for c in pop.hot]
     specs = tuple(NodeSpec(n, "prefill" if i % 2 == 0 else "decode", nodes[i % 4].address,
                            "tcp://127.0.0.1:9") for i, n in enumerate(pop.node_ids))
-    config = RouterConfig(model_dir=model, nodes=specs, seed=0, shared_curve=secret.curve_keys())
+    config = RouterConfig(model_dir=model, nodes=specs, seed=0)
 
     async def measure() -> list[float]:
-        dispatcher, out = Dispatcher(config, RouterMetrics()), []
+        dispatcher, out = Dispatcher(config, RouterMetrics(),
+                                     shared_keys=secret.curve_keys()), []
         await dispatcher.start()
         try:
             for i in range(samples):

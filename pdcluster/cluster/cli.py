@@ -16,14 +16,14 @@ Subcommands:
   bench curve               run the CURVE-cost benchmark (JSON last)
   bench trace --trace FILE  replay a trace live against a local cluster, per policy (JSON last)
   bench client --url URL    load a served cluster with aiperf (JSON last)
-  bench chaos               faults under load on a local cluster, nothing lost (JSON last)
-  bench peers               run the engine against vLLM (CPU), transformers, llama.cpp (JSON last)
   replay --trace FILE       replay a request trace through the routing policy (JSON last)
   replay --synthetic NAME   the same on a generated trace (router/sim/trace_gen.py)
   trace-gen NAME --out FILE write a synthetic trace
 
 `pdcluster --help` must stay fast and torch-free, so `engine` and `benchmarks` are imported only
-inside the handlers that need them. API: `main(argv) -> int` (exit status).
+inside the handlers that need them. `bench` offers what ships in the package
+(pdcluster/benchmarks); the harnesses and studies of a checkout (chaos, peers, vLLM against
+vLLM offline, …) are `python -m benchmarks NAME` there. API: `main(argv) -> int` (exit status).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from pdcluster.cluster import cli_chaos, cli_models, cli_replay, cli_services
+from pdcluster.cluster import cli_models, cli_replay, cli_services
 from pdcluster.cluster.cli_common import (
     DEVICES,
     UsageError,
@@ -49,7 +49,8 @@ from pdcluster.cluster.cli_models import parse_token_ids  # noqa: F401 (part of 
 
 logger = logging.getLogger(__name__)
 
-# name -> (module in benchmarks/, description). Each takes --json and --quick; some take more.
+# name -> (module in pdcluster/benchmarks/, description). Each takes --json and --quick; some
+# take more.
 BENCHMARKS = {
     "engine": ("engine_bench", "Engine throughput, batch-1 decode step and 2,048-token TTFT "
                "on --model (default: a random `bench` model), against transformers measured "
@@ -75,25 +76,10 @@ BENCHMARKS = {
               "reset between them): TTFT and latency p50/p90, output tokens/s, the prefix hit "
               "ratio and blocks moved read from the nodes' metrics, next to what `pdcluster "
               "replay` predicts for the same slice."),
-    "chaos": ("chaos_bench", "Faults under load on a local served cluster (Ray, the metadata "
-              "service and the router as real processes): prefill and decode nodes killed, "
-              "an abort storm, the metadata service stalled and restarted, etcd restarted, "
-              "a node restarted under its id, a churn soak; per fault requests lost, latency "
-              "before/during/after, recovery, leaked KV blocks and whether the index is "
-              "exact again within a lease TTL."),
-    "vllm": ("vllm_bench", "vLLM as the nodes' engine: N x (256 -> 64) through the router of "
-             "a `serve --engine vllm` cluster against vLLM's offline LLM on the same token ids "
-             "and threads, the own engine's cluster beside it, and TTFT of a 2,048-token "
-             "prompt disaggregated vs colocated (same run)."),
     "client": ("client_bench", "A published load client (aiperf, installed by `make peers` "
                "in its own environment) against a served cluster at --url: TTFT, inter-token "
                "latency, request latency and throughput, against the router's own figures "
                "for the same requests."),
-    "peers": ("peers_bench", "The engine against vLLM's CPU build (installed into its own venv "
-              "under .cache/peers on first use), transformers generate (one at a time and "
-              "batched) and optionally llama.cpp, on the real model and the same token ids, "
-              "all from one settings object, with the machine's matmul, copy and read "
-              "limits and the load, in the same run."),
 }
 
 
@@ -101,10 +87,6 @@ def _engine_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
-    parser.add_argument("--moe", action="store_true",
-                        help="also time a MoE step against an equally sized dense one")
-    parser.add_argument("--mla", action="store_true",
-                        help="also time MLA decode (absorbed vs expanded) and KV bytes/token")
     parser.add_argument("--model", default=None,
                         help="model folder or GGUF file to measure (default: a random model "
                         "of the `bench` preset)")
@@ -193,42 +175,8 @@ def _client_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds the whole aiperf run may take")
 
 
-def _peers_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, default=2,
-                        help="CPU threads of every engine measured (and of the machine limits)")
-    parser.add_argument("--model", default=None,
-                        help="model folder (default: the built-in model under the cache folder, "
-                        "$PDCLUSTER_CACHE_DIR/smollm2-135m-instruct)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="interleaved repeats per workload, medians and spread reported "
-                        "(default 5; --quick 1)")
-    parser.add_argument("--max-load", type=float, default=None,
-                        help="refuse to start above this 1-minute load average (default: "
-                        "cores - threads + 0.5, at least 0.5)")
-    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                        help="wait up to this long for the load average to drop first")
-    parser.add_argument("--allow-busy", action="store_true",
-                        help="run on a busy machine anyway, flagging the result")
-    parser.add_argument("--no-preload", action="store_true",
-                        help="no allocator preload for any engine (default: what each "
-                        "project advises)")
-    parser.add_argument("--llama-cpp", action="store_true",
-                        help="also run llama.cpp if its venv (peers/llamacpp in the cache folder) "
-                        "is installed")
-    parser.add_argument("--install-llama-cpp", action="store_true",
-                        help="build llama-cpp-python into its venv first if missing (a source "
-                        "build: tens of minutes on 2 cores)")
-
-
-def _vllm_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="model folder (default: the built-in model under the cache folder)")
-
-
-_BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "vllm": _vllm_bench_args,
-                     "metadata": _metadata_bench_args,
-                     "client": _client_bench_args, "trace": _trace_bench_args,
-                     "peers": _peers_bench_args, "chaos": cli_chaos.add_chaos_args}
+_BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "metadata": _metadata_bench_args,
+                     "client": _client_bench_args, "trace": _trace_bench_args}
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:

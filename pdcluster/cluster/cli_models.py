@@ -102,6 +102,9 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
                         help="tokens per KV block (default: 16; 32 with --engine vllm)")
     parser.add_argument("--engine", choices=("pdcluster", "vllm"), default="pdcluster",
                         help="the project's own engine, or vLLM (`make setup-vllm`)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split the model over this many ranks (the own engine: processes "
+                        "it starts, one GPU each on CUDA)")
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -116,6 +119,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     require_device(args.device)
     model = resolve_model_arg(args.model)
     if args.engine == "vllm":
+        if args.tensor_parallel_size != 1:
+            raise UsageError("--tensor-parallel-size with --engine vllm is not supported yet")
         return _generate_with_vllm(args, model)
     from pdcluster.engine import LLM, SamplingParams
 
@@ -134,6 +139,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             block_size=args.block_size or 16,
+            tensor_parallel_size=args.tensor_parallel_size,
             **extra,
         )
     loaded = time.perf_counter()

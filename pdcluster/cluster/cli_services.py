@@ -195,6 +195,9 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
         _cmd_router_serve,
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--also-listen", action="append", default=[], metavar="ADDRESS",
+                       help="another address to listen on, same port (repeatable): e.g. "
+                       "127.0.0.1 beside a pod's IP, for `kubectl port-forward`")
     serve.add_argument("--port", type=int, default=8000, help="port")
     serve.add_argument("--admin-port", type=int, default=None,
                        help="serve /metrics and the detailed /health here, without an API key "
@@ -234,7 +237,8 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
     with config_errors_as_usage():
         config = RouterConfig(
             model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
-            metadata_address=args.metadata, api_keys=api_keys_from_env(),
+            also_listen=tuple(args.also_listen), metadata_address=args.metadata,
+            api_keys=api_keys_from_env(),
             metadata_token=token, admin_port=args.admin_port, admin_host=args.admin_host,
             **metadata_tls_fields(args),
             max_migrations=args.max_migrations, index_mirror=args.index_mirror,

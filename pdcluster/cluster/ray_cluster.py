@@ -47,8 +47,9 @@ class RayCluster:
 
     def start(self, timeout_s: float = 300.0) -> RayCluster:
         if self.ray_address is None:
-            # Keeps every Ray listener on 127.0.0.1 on a one-interface machine (measured:
-            # ../shared/ENVIRONMENT.md). Ray reads it once, when imported: set it first.
+            # Keeps every Ray listener on 127.0.0.1 on a one-interface machine (measured: with
+            # it unset, Ray binds the machine's one non-loopback interface even when given
+            # --node-ip-address 127.0.0.1). Ray reads it once, when imported: set it first.
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         import ray
 

@@ -33,7 +33,8 @@ MAX_TRANSFER_BLOCKS = 1 << 17  # destinations of one transfer or pull
 MAX_PULL_TOKENS = 1 << 20
 MAX_ERROR_CHARS = 4096
 # How a node words a receive it gives up because its source died (PrefillLost). A vLLM node
-# tells its connector, in vLLM's worker process, as an `XferDone` that fails with it.
+# tells its connector's scheduler side, in vLLM's engine core, as an `XferDone` that fails
+# with it (vllm_backend/lost.py).
 SOURCE_LOST = "prefill node lost"
 # A KV layout has one segment per layer at most twice over (K and V apart): far below this.
 MAX_SEGMENTS = 4096

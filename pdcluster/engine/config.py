@@ -62,9 +62,10 @@ class EngineConfig:
     # Speculative decoding (engine/spec_decode): a SpeculativeConfig or its text form
     # ("ngram:k=4", "draft:PATH,k=4"), turned into the config here; None: off.
     speculative: SpeculativeConfig | str | None = None
-    # vLLM only (the own engine refuses values other than these): tensor parallelism and the
-    # share of GPU memory vLLM may take (None: vLLM's default).
+    # Tensor parallelism: the model split over this many ranks (processes the engine starts,
+    # engine/runner/tp_workers.py; one GPU each on CUDA); vLLM: its own.
     tensor_parallel_size: int = 1
+    # vLLM only (the own engine refuses other values): the share of GPU memory vLLM may take.
     gpu_memory_utilization: float | None = None
     # Both engines, on CUDA: True runs every step eagerly, False (the default) replays decode
     # steps as CUDA graphs captured at start-up (engine/runner/cuda_graphs.py; vLLM: its own).
@@ -158,10 +159,12 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if self.backend == "pdcluster" and (self.tensor_parallel_size != 1
-                                            or self.gpu_memory_utilization is not None):
-            raise ValueError("tensor_parallel_size and gpu_memory_utilization are vLLM "
-                             "options (backend: vllm); the own engine runs on one device")
+        if self.backend == "pdcluster" and self.gpu_memory_utilization is not None:
+            raise ValueError("gpu_memory_utilization is a vLLM option (backend: vllm); the own "
+                             "engine sizes its KV cache with kv_cache_memory_gib")
+        if self.tensor_parallel_size > 1 and self.has_host_tier:
+            raise ValueError("a host (or disk) KV tier with tensor_parallel_size > 1 is not "
+                             "supported yet")
 
     @classmethod
     def from_options(cls, model: str, options: Mapping[str, Any]) -> EngineConfig:

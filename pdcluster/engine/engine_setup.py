@@ -22,7 +22,12 @@ from pdcluster.engine.core.kv_tiers import KVTiers
 from pdcluster.engine.kv.disk_kv_cache import DiskKVCache
 from pdcluster.engine.kv.host_kv_cache import HostKVCache, available_host_bytes, host_tier_blocks
 from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
+from pdcluster.engine.models.llama import CausalLM
+from pdcluster.engine.models.loader import load_model
 from pdcluster.engine.models.model_config import ModelConfig
+from pdcluster.engine.models.parallel import TensorParallel, local_heads
+from pdcluster.engine.models.registry import model_class
+from pdcluster.engine.runner.tp_workers import RankSpec, StepPeers
 
 _CPU_KV_GIB = 1.0
 _CUDA_MEMORY_FRACTION = 0.9
@@ -62,9 +67,35 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def build_model(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
+                device: torch.device, max_model_len: int) -> tuple[CausalLM, StepPeers | None]:
+    """This process's model, and with tensor parallelism the other ranks (started here, each
+    loading its own slice while this process loads rank 0's)."""
+    size, dummy = config.tensor_parallel_size, config.load_format == "dummy"
+    if size == 1:
+        return load_model(config.model, mc, dtype, device, max_model_len, dummy=dummy), None
+    with torch.device("meta"):  # a split that does not divide fails here, before any process
+        model_class(mc.architecture)(mc, max_model_len, TensorParallel(0, size))
+    spec = RankSpec(config.model, str(dtype).removeprefix("torch."), str(device),
+                    max_model_len, config.load_format,
+                    threads=max(1, torch.get_num_threads() // size))
+    peers, tp = StepPeers.start(spec, size)
+    try:
+        model = load_model(config.model, mc, dtype, device, max_model_len, dummy=dummy, tp=tp)
+        peers.wait_ready()
+    except BaseException:
+        peers.close()
+        raise
+    return model, peers
+
+
 def kv_cache_spec(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
                   device: torch.device, max_model_len: int) -> KVCacheSpec:
+    """One rank's KV cache: with tensor parallelism its KV heads (MLA's latent whole)."""
     planes, heads, dim = mc.kv_layout
+    if planes == 2 and config.tensor_parallel_size > 1:
+        heads = local_heads(heads, TensorParallel(0, config.tensor_parallel_size),
+                            "num_key_value_heads")
     spec = KVCacheSpec(1, mc.num_layers, config.block_size, heads, dim,
                        torch.finfo(dtype).bits // 8, planes)
     num_blocks = config.num_kv_blocks or _blocks_for_memory(config, device, max_model_len,

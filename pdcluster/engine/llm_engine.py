@@ -51,6 +51,7 @@ from pdcluster.engine.core.sampling_params import SamplingParams
 from pdcluster.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdcluster.engine.core.validation import RequestLimits, validate_keys, validate_request
 from pdcluster.engine.engine_setup import (
+    build_model,
     host_tier,
     kv_cache_spec,
     load_tokenizer,
@@ -59,7 +60,6 @@ from pdcluster.engine.engine_setup import (
     resolve_max_len,
 )
 from pdcluster.engine.kv.kv_cache import PagedKVCache
-from pdcluster.engine.models.loader import load_model
 from pdcluster.engine.models.model_config import ModelConfig
 from pdcluster.engine.output_builder import OutputBuilder
 from pdcluster.engine.runner.model_runner import ModelRunner
@@ -83,12 +83,18 @@ class LLMEngine(NodeEngine):
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         self.max_model_len = resolve_max_len(config, self.model_config)
         self.tokenizer = load_tokenizer(config.model)
-        model = load_model(config.model, self.model_config, self.dtype, self.device,
-                           self.max_model_len, dummy=config.load_format == "dummy")
+        if config.tensor_parallel_size > 1 and kv_connector is not None:
+            raise ValueError("KV transfer (a prefill or decode node) with tensor_parallel_size "
+                             "> 1 is not supported yet")
+        model, peers = build_model(config, self.model_config, self.dtype, self.device,
+                                   self.max_model_len)
         self.kv_spec = kv_cache_spec(config, self.model_config, self.dtype, self.device,
                                      self.max_model_len)
+        if peers is not None:
+            peers.allocate_kv(self.kv_spec)
         self.runner = ModelRunner(model, PagedKVCache(self.kv_spec, self.dtype, self.device),
                                   self.device, config.seed)
+        self.runner.peers = peers
         pool = BlockPool(self.kv_spec.num_blocks, config.block_size,
                          enable_caching=config.enable_prefix_caching,
                          enable_events=config.enable_kv_events)
@@ -329,6 +335,8 @@ class LLMEngine(NodeEngine):
         return self.block_pool.reset_prefix_cache()
 
     def close(self) -> None:
+        if self.runner.peers is not None:
+            self.runner.peers.close()
         if self.connector is not None:
             self.connector.worker.close()
         if self.host_cache is not None and self.host_cache.disk is not None:

@@ -30,8 +30,10 @@ class NodeActor:
         if options.get("host") == "auto":  # this pod's address on a cluster, loopback here
             options["host"] = os.environ.get(POD_IP_ENV) or "127.0.0.1"
         engine = EngineConfig.from_options(model, options.pop("engine_options", None) or {})
+        # one pair shared by every member (NodeRuntime's shared_keys): tests and benchmarks
+        shared_keys = options.pop("shared_keys", None)
         self.runtime = NodeRuntime(NodeConfig(node_id=node_id, role=self.role, engine=engine,
-                                              **options)).start()
+                                              **options), shared_keys=shared_keys).start()
 
     def info(self) -> dict[str, str]:
         return self.runtime.info()

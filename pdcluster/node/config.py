@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.roles import NODE_ROLES, role_names
 from pdcluster.core.tls import ClientTLS
 from pdcluster.engine.config import EngineConfig
@@ -41,9 +40,6 @@ class NodeConfig:
     # the node makes its own CURVE key pair, registers the public half and admits only the
     # routers and nodes the metadata service names (core.identity).
     bootstrap_token: str | None = field(default=None, repr=False)
-    # The shared-key mode, for unit tests and benchmarks only: serve and connect with this
-    # one pair and admit its holders for everything. None in a cluster.
-    shared_curve: CurveKeys | None = None
     lease_ttl_s: int = 10
     publish_interval_s: float = 0.05
     kv_protocol: str = "tcp"  # "rdma" on a GPU cluster
@@ -71,17 +67,10 @@ class NodeConfig:
             raise ValueError(f"min_pull_blocks must be >= 1, got {self.min_pull_blocks}")
         if not isinstance(self.engine, EngineConfig):
             raise ValueError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
-        if self.shared_curve is not None and not isinstance(self.shared_curve, CurveKeys):
-            raise ValueError(f"node {self.node_id}: shared_curve must be CurveKeys")
         if self.bootstrap_token is not None and not self.bootstrap_token.startswith(
                 f"node/{self.node_id}:"):
             raise ValueError(f"node {self.node_id}: bootstrap_token is not a credential of "
                              f"principal node/{self.node_id}")
-        if self.shared_curve is None and (self.metadata_address is None
-                                          or self.bootstrap_token is None):
-            raise ValueError(f"node {self.node_id}: a node needs a metadata service and its "
-                             "bootstrap_token (its identity comes from there), or shared_curve "
-                             "(the shared-key test mode): it never serves strangers")
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 
     @property

@@ -10,7 +10,10 @@ Identity (core.identity): the node makes its own CURVE key pair here, serves its
 socket and KV side channel with it, and registers the public half, its addresses and its
 transfer-engine session with the metadata service under its bootstrap credential. Its key
 directory follows the metadata service (registered nodes and routers), and is what its
-sockets admit and authorise per message. `NodeConfig.shared_curve` is the shared-key test mode.
+sockets admit and authorise per message. `NodeRuntime(config, shared_keys=pair)` serves and
+connects with one pair every member holds instead, admitting its holders for everything:
+static nodes without a metadata service, as tests and benchmarks run them; nothing builds it
+from a configuration.
 """
 
 from __future__ import annotations
@@ -54,10 +57,15 @@ def registered_peers(client: MetadataClient) -> list[Peer]:
 
 
 class NodeRuntime:
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, shared_keys: CurveKeys | None = None) -> None:
+        if shared_keys is None and (config.metadata_address is None
+                                    or config.bootstrap_token is None):
+            raise ValueError(f"node {config.node_id}: a node needs a metadata service and its "
+                             "bootstrap_token (its identity comes from there): it never "
+                             "serves strangers")
         self.config = config
-        self.keys = config.shared_curve or CurveKeys.generate()  # never leaves this node
-        self.directory = None if config.shared_curve is not None else self._directory()
+        self.keys = shared_keys or CurveKeys.generate()  # its own pair never leaves this node
+        self.directory = None if shared_keys is not None else self._directory()
         self.engine, self.kv_address, self.kv_session = make_engine(config, self.keys,
                                                                     self.directory)
         self.server = NodeServer(self.engine, config.node_id, config.role, config.host,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
 from pdcluster.core.roles import Role, role_names
 from pdcluster.core.tls import ClientTLS
@@ -40,6 +39,10 @@ class RouterConfig:
     model_name: str = ""  # served name; default: the model folder's name
     host: str = "127.0.0.1"
     port: int = 8000
+    # more addresses the public API listens on, on the same port: in a pod, 127.0.0.1 beside
+    # the pod's IP (`host`), so that `kubectl port-forward` (which dials the pod's loopback)
+    # reaches it without a wildcard listener
+    also_listen: tuple[str, ...] = ()
     nodes: tuple[NodeSpec, ...] = ()
     metadata_address: str | None = None
     # TLS to the metadata service (core.tls.ClientTLS): the CA that signed its certificate;
@@ -53,9 +56,6 @@ class RouterConfig:
     # index, register this router's key; never act as a node). The router makes its own CURVE
     # key pair and registers it, so that nodes admit it. It holds no cluster secret.
     metadata_token: str | None = field(default=None, repr=False)
-    # The shared-key mode, for unit tests and benchmarks only: connect to nodes with this one
-    # pair (static nodes without a metadata service). None in a cluster.
-    shared_curve: CurveKeys | None = None
     # "tenant:key" or "key" entries (router.tenants): a tenant's requests share a KV
     # cache with nobody else's
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -114,16 +114,15 @@ class RouterConfig:
             raise ValueError("node ids must be unique")
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
+        if any(not address or address == self.host for address in self.also_listen) \
+                or len(set(self.also_listen)) != len(self.also_listen):
+            raise ValueError(f"also_listen must name addresses other than host ({self.host}), "
+                             f"each once, got {self.also_listen}")
         if self.admin_port is not None and not 0 <= self.admin_port < 65536:
             raise ValueError(f"admin_port must be in [0, 65536), got {self.admin_port}")
-        if self.shared_curve is not None and not isinstance(self.shared_curve, CurveKeys):
-            raise ValueError("shared_curve must be CurveKeys")
         if self.metadata_address is not None and not self.metadata_token:
             raise ValueError("a router with a metadata service needs its metadata_token (the "
                              "client credential of principal 'service')")
-        if self.shared_curve is None and self.metadata_address is None:
-            raise ValueError("a router needs a metadata service (nodes admit it once it has "
-                             "registered its key there), or shared_curve (the test mode)")
         ApiKeys(self.api_keys)  # ValueError for a malformed entry
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 

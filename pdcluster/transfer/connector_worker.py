@@ -35,7 +35,6 @@ from pdcluster.core.kv_connector import (
     SendJob,
 )
 from pdcluster.core.kv_transfer import (
-    SOURCE_LOST,
     PrefixPullRequest,
     SideChannelMessage,
     TransferId,
@@ -208,8 +207,6 @@ class ConnectorWorker(KVConnectorWorker):
                                           * region.num_segments)
             if msg.ok:
                 self.stats.latencies.append(("recv", self._state.clock() - recv.started))
-            elif (msg.error or "").startswith(SOURCE_LOST):  # told by its node (vLLM's)
-                self.stats.sources_lost += 1
             self._finish_recv(recv, msg.ok, msg.first_token, msg.first_logprob, msg.error)
 
     def _finish_recv(self, recv: Recv, ok: bool, token=None, logprob=None, error=None) -> None:

@@ -2,8 +2,8 @@
 plane that writes bytes into a peer's registered memory.
 
 `Transport` is the interface; `MooncakeTransport` is the real one (ZMQ + msgpack side
-channel, Mooncake Transfer Engine for bytes); `transfer.loopback.LoopbackTransport` is the
-in-process fake for unit tests.
+channel, Mooncake Transfer Engine for bytes); the in-process fake for unit tests,
+`LoopbackTransport`, lives in tests/transfer/loopback.py.
 """
 
 from __future__ import annotations

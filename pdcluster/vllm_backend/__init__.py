@@ -5,8 +5,9 @@
 - `connector.PdclusterConnector`: pdcluster's KV connector as a vLLM `KVConnectorBase_V1`
   (remote prefill over Mooncake with the project's side channel), which vLLM loads by module
   path inside its own processes.
-- `events`, `stats`, `sampling`, `settings`, `handshake`: what crosses between the node and
-  vLLM (KV events, load figures, sampling options, engine arguments, the private folder).
+- `events`, `stats`, `sampling`, `settings`, `handshake`, `lost`: what crosses between the
+  node and vLLM (KV events, load figures, sampling options, engine arguments, the private
+  folder, the router's word that a transfer's prefill node is lost).
 
 Nothing here is imported unless a node runs vLLM; `make setup-vllm` installs it
 (docs/engines.md).

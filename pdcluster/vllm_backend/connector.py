@@ -194,7 +194,7 @@ class PdclusterConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
         if self._scheduler is not None:
-            self._scheduler.pulls.close()
+            self._scheduler.close()
 
 
 def _first_group(block_ids: Any) -> list[int]:

@@ -8,6 +8,10 @@ outside (`get_num_new_matched_tokens`), which blocks were allocated for them
 vLLM's request ids and block ids; its plan travels to the worker side inside vLLM's
 per-step connector metadata, and the worker's results come back in vLLM's worker metadata.
 
+A transfer whose prefill node is lost (the node's notice, vllm_backend/lost.py) fails its
+load: at the next step if the load is registered (the worker fails the receive, vLLM
+recomputes), or as it is registered if not yet.
+
 A request's part in a transfer is named by its `kv_transfer_params` (vllm_backend/engine.py
 sets them from the router's `TransferSpec`):
 - `{"pd": "remote_prefill", "transfer_id", "source_addr"}` on the decode node: the prompt's KV
@@ -35,6 +39,7 @@ from pdcluster.core.kv_transfer import (
 from pdcluster.core.vllm_hashing import VLLM_HASH_ALGORITHM
 from pdcluster.transfer.connector_scheduler import ConnectorScheduler
 from pdcluster.vllm_backend.handshake import endpoint
+from pdcluster.vllm_backend.lost import LostNotices, LostTransfers
 from pdcluster.vllm_backend.pulls import PULL_KEY, VllmPulls
 from pdcluster.vllm_backend.settings import ConnectorSettings
 
@@ -44,11 +49,13 @@ PD_KEY = "pd"
 @dataclass(slots=True)
 class StepPlan:
     """What the scheduler side hands its worker for one step (pickled by vLLM with the
-    scheduler output): the connector plan, and transfers to give up at their source without
-    a receive (a decode node whose own cache held the whole prompt)."""
+    scheduler output): the connector plan, transfers to give up at their source without
+    a receive (a decode node whose own cache held the whole prompt), and receives to fail
+    because their source is lost."""
 
     plan: ConnectorPlan = field(default_factory=ConnectorPlan)
     released: list[tuple[TransferId, str]] = field(default_factory=list)  # (id, source addr)
+    lost: list[tuple[TransferId, str]] = field(default_factory=list)  # (id, reason)
 
 
 def transfer_params(params: dict[str, Any] | None) -> KVTransferParams | None:
@@ -89,6 +96,11 @@ class VllmSchedulerSide:
         self._local_hit: dict[str, int] = {}  # request -> local prefix tokens, until allocated
         self._started: set[str] = set()  # requests whose transfer has been planned
         self._released: list[tuple[TransferId, str]] = []
+        self._receives: dict[TransferId, str] = {}  # planned receives -> request, until it ends
+        self._lost = LostTransfers()  # notices whose load is not registered yet
+        self._failing: list[tuple[TransferId, str]] = []  # receives to fail at the next step
+        self._notices = (LostNotices(endpoint(settings.handshake_dir, "lost"))
+                         if settings.handshake_dir else None)
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         transfer = transfer_params(request.kv_transfer_params)
@@ -119,11 +131,16 @@ class VllmSchedulerSide:
         num_local = self._local_hit.pop(rid, 0)
         if num_external_tokens <= 0:
             # The whole prompt was cached here: the prefill node holds blocks for nothing.
+            self._lost.forget(transfer.transfer_id)
             self._released.append((transfer.transfer_id, transfer.source_addr))
             return
         num_blocks = -(-request.num_prompt_tokens // self.block_size)
         self.sched.on_allocated(rid, transfer, block_ids[:num_blocks],
                                 num_local // self.block_size)
+        self._receives[transfer.transfer_id] = rid
+        reason = self._lost.take(transfer.transfer_id)
+        if reason is not None:  # told before the load was registered: it fails as it starts
+            self._fail_receive(transfer.transfer_id, reason)
 
     def on_finished(self, request: Any, block_ids: list[int], normally: bool) -> bool:
         """True: vLLM must keep the blocks until the worker reports the request."""
@@ -139,6 +156,8 @@ class VllmSchedulerSide:
                                               list(request.output_token_ids), [])
             return self.sched.on_aborted(rid, transfer)
         if isinstance(transfer, RemotePrefill):
+            self._receives.pop(transfer.transfer_id, None)
+            self._lost.forget(transfer.transfer_id)
             if rid in self.sched.receiving:  # aborted while the KV is on its way
                 return self.sched.on_aborted(rid, transfer)
             if not started:  # aborted before its blocks existed: tell the prefill node
@@ -148,9 +167,28 @@ class VllmSchedulerSide:
         return not normally and self.sched.on_aborted(rid, None)
 
     def build(self) -> StepPlan:
-        step = StepPlan(self.sched.build_plan(), self._released)
-        self._released = []
+        self._take_notices()
+        step = StepPlan(self.sched.build_plan(), self._released, self._failing)
+        self._released, self._failing = [], []
         return step
+
+    def _take_notices(self) -> None:
+        """Meet each lost-transfer notice with its load: a receive under way fails at this
+        step (also one planned in this very step: the worker fails before it starts); a
+        load not registered yet is remembered until it is."""
+        if self._notices is None:
+            return
+        for transfer_id, reason in self._notices.take():
+            rid = self._receives.get(transfer_id)
+            if rid is None:
+                self._lost.note(transfer_id, reason)
+            elif rid in self.sched.receiving:
+                self._fail_receive(transfer_id, reason)
+            # else: its KV arrived (or failed) already, nothing is waiting for it
+
+    def _fail_receive(self, transfer_id: TransferId, reason: str) -> None:
+        self._receives.pop(transfer_id, None)
+        self._failing.append((transfer_id, reason))
 
     def update(self, results: ConnectorResults) -> None:
         self.sched.update_from_results(results)
@@ -160,5 +198,10 @@ class VllmSchedulerSide:
     def has_pending_work(self) -> bool:
         """Transfers in flight keep vLLM's engine stepping (its loop idles otherwise, and
         the worker's results would wait for the next request)."""
-        return (self.sched.num_in_flight > 0 or bool(self._released)
+        return (self.sched.num_in_flight > 0 or bool(self._released) or bool(self._failing)
                 or self.pulls.has_pending_work())
+
+    def close(self) -> None:
+        self.pulls.close()
+        if self._notices is not None:
+            self._notices.close()

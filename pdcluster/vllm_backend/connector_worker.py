@@ -5,9 +5,10 @@
   (one per layer, two when a layer keeps K and V apart): block b of a layer is one byte run,
   so n consecutive blocks travel as one descriptor per segment. Both nodes run the same model
   and engine, so their segments line up one to one (the worker checks count and size).
-- Each step's plan (built by the scheduler side) is executed: receives, pulls and cancels
-  when the step's loads start; sends after the step's forward (`wait_for_save`), so a
-  prefill node never sends KV its model has not finished writing.
+- Each step's plan (built by the scheduler side) is executed: when the step's loads start,
+  receives whose source is lost fail, then receives, pulls and cancels start; sends after
+  the step's forward (`wait_for_save`), so a prefill node never sends KV its model has not
+  finished writing.
 - The worker's results become vLLM's: sends released (`finished_sending`), receives done
   (`finished_recving`, failures also in `failed_recving`, with the blocks they should have
   filled reported as load errors so vLLM recomputes them), and the whole `ConnectorResults`
@@ -101,6 +102,10 @@ class VllmWorkerSide:
             self._recv_blocks[recv.request_id] = recv.block_ids[recv.skip_blocks:]
         for pull in plan.pulls:
             self._pull_blocks[pull.request_id] = list(pull.block_ids)
+        # Before the receives: one planned in this same step then fails as it starts (its
+        # source is not even asked).
+        for transfer_id, reason in step.lost:
+            self.worker.fail_receive(transfer_id, reason)
         self.worker.execute(ConnectorPlan(recvs=plan.recvs, cancelled=plan.cancelled,
                                           pulls=plan.pulls))
         self._sends = ConnectorPlan(sends=plan.sends, serves=plan.serves)

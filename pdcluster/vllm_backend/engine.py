@@ -35,18 +35,17 @@ from pdcluster.core.kv_transfer import (
     KVTransferParams,
     PrefixPull,
     TransferId,
-    XferDone,
 )
 from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash, ReqId
 from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.core.outputs import EngineCounters, EngineLoad, RequestOutput
-from pdcluster.transfer.side_channel import SideChannelClient
 from pdcluster.vllm_backend.aborts import AbortTracker
 from pdcluster.vllm_backend.connector_scheduler import kv_transfer_params
 from pdcluster.vllm_backend.events import EventSubscriber
 from pdcluster.vllm_backend.handshake import Handshake, endpoint
+from pdcluster.vllm_backend.lost import LostNotifier
 from pdcluster.vllm_backend.sampling import to_node_output, to_vllm_params
 from pdcluster.vllm_backend.settings import ConnectorSettings, check_supported, engine_args
 from pdcluster.vllm_backend.stats import EngineStats, logger_factory
@@ -117,9 +116,7 @@ class VllmEngine(NodeEngine):
         self._requests: dict[ReqId, _Tracked] = {}
         self._step_times: list[float] = []
         self._has_connector = connector is not None
-        self._curve = curve
-        self._directory = directory
-        self._notices: SideChannelClient | None = None
+        self._lost = LostNotifier(endpoint(self._handshake.dir, "lost"))
 
     async def _start(self, args: dict[str, Any]) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -193,20 +190,12 @@ class VllmEngine(NodeEngine):
                                             error=f"{type(exc).__name__}: {exc}"))
 
     def kv_source_lost(self, transfer_id: TransferId, reason: str) -> bool:
-        """The connector's receive lives in vLLM's worker process: it is told through its own
-        side channel, as the prefill node's failure would be (a receive not started yet
-        fails as it starts)."""
+        """The receive's load lives in vLLM's engine core: the connector's scheduler side is
+        told (vllm_backend/lost.py) and fails it at vLLM's next step, or as it is registered
+        if vLLM has not got that far. True: the notice is on its way."""
         if not self._has_connector:
             return False
-        if self._notices is None:
-            lookup = None if self._directory is None else self._directory.server_key_for
-            self._notices = SideChannelClient(curve=self._curve, server_key_for=lookup)
-        try:
-            self._notices.send(self.kv_address, XferDone(transfer_id, False, error=reason))
-        except Exception as exc:  # the worker is gone: its receive times out
-            logger.warning("could not tell the connector that %s is lost: %s", transfer_id, exc)
-            return False
-        return True
+        return self._lost.send(transfer_id, reason)
 
     def abort_request(self, request_id: ReqId) -> bool:
         if self._requests.pop(request_id, None) is None:
@@ -328,8 +317,7 @@ class VllmEngine(NodeEngine):
             del llm  # its __del__ shuts down again: now, not at interpreter exit
         finally:
             self._wake.close()
-            if self._notices is not None:
-                self._notices.close()
+            self._lost.close()
             self._events.close()
             self._shutdown_loop()
             self._handshake.close()

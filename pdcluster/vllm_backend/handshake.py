@@ -19,6 +19,8 @@ connector through this folder (mode 0700, files 0600, removed when the engine cl
 - `wake` (the node listens) and `lookups` (the connector's scheduler side listens): the
   connector's worker announces a peer's prefix pull, which vLLM's scheduler must look up,
   while vLLM's engine may be asleep (vllm_backend/pulls.py).
+- `lost` (the connector's scheduler side listens): the node passes on the router's word that
+  a transfer's prefill node is lost (vllm_backend/lost.py).
 
 The folder lives under the system temp folder with a short name: a `ipc://` path must fit in
 a Unix socket address (107 bytes).

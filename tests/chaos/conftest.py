@@ -9,14 +9,11 @@ import asyncio
 import json
 from pathlib import Path
 
-import pytest
+from benchmarks.chaos_bench import fault_load, run_abort_storm, run_fault, wait_ready
+from benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
+from benchmarks.chaos_load import LoadSpec
+from benchmarks.chaos_soak import run_soak
 
-from pdcluster.benchmarks.chaos_bench import fault_load, run_abort_storm, run_fault, wait_ready
-from pdcluster.benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
-from pdcluster.benchmarks.chaos_load import LoadSpec
-from pdcluster.benchmarks.chaos_soak import run_soak
-
-pytest.importorskip("ray")
 MODEL = "llama-gqa"
 # small: a few seconds of load around each fault (rate x count), 8 tokens out
 BASE_LOAD = LoadSpec(rate=10.0, count=24, max_tokens=8)
@@ -44,6 +41,18 @@ class Chaos:
             return await run_soak(self.cluster, spec, self.model_name, self.vocab_size)
 
         return asyncio.run(soak())
+
+
+def assert_load_sent_and_completed(result: dict, name: str, lease_ttl_s: int,
+                                   base: LoadSpec = BASE_LOAD) -> None:
+    """Fault `name`'s whole load was sent and every request of it completed, some of them while
+    the fault lasted: a fault run that sent nothing, or finished before the fault, proves
+    nothing."""
+    spec, _ = fault_load(base, name, lease_ttl_s)
+    assert result["sent"] == spec.count > 0, result
+    assert result["completed"] == result["sent"], result["failed_by_cause"]
+    assert result["latency"]["during"]["n"] > 0, result["latency"]
+    assert result["latency"]["after"]["n"] > 0, result["latency"]
 
 
 def start_chaos(model_dirs, model_name: str = MODEL, **settings) -> Chaos:

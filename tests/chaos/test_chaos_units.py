@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.benchmarks.chaos_bench import fault_load, goals
-from pdcluster.benchmarks.chaos_cluster import ChaosSettings
-from pdcluster.benchmarks.chaos_load import LoadSpec, Outcome, make_prompts
-from pdcluster.benchmarks.chaos_netns import IN_NETNS_ENV, LinkFault
-from pdcluster.benchmarks.chaos_procs import descendants, kill_tree
-from pdcluster.benchmarks.chaos_stats import quantile, summarize
-from pdcluster.cluster.cli import main
+from benchmarks.__main__ import main
+from benchmarks.chaos_bench import RESUME_GOAL_S, fault_load, goals, inflight_figures
+from benchmarks.chaos_cluster import ChaosSettings
+from benchmarks.chaos_load import LoadSpec, Outcome, make_prompts
+from benchmarks.chaos_netns import IN_NETNS_ENV, LinkFault
+from benchmarks.chaos_procs import descendants, kill_tree
+from benchmarks.chaos_stats import quantile, summarize
 
 
 def outcome(i: int, sent: float, latency: float, ok: bool = True, **kw) -> Outcome:
@@ -71,6 +71,32 @@ def test_goals_fail_a_kill_whose_node_left_children_running():
                                    "nothing_left_running": False}
 
 
+def test_the_requests_in_flight_at_a_fault_resume_and_finish():
+    outcomes = [
+        outcome(0, 1.0, 0.5, first_token=1.2),  # streamed, done before the fault
+        outcome(2, 1.8, 2.0, first_token=1.9),  # streamed, had its first token already
+        outcome(4, 1.9, 3.0, first_token=2.6),  # streamed, waiting at the fault: resumed
+        outcome(5, 1.95, 1.5),  # not streamed: no first token to tell
+        outcome(6, 2.5, 0.3, first_token=2.7),  # sent after the fault
+    ]
+    assert inflight_figures(outcomes, start=2.0) == {
+        "inflight_at_fault": 3, "inflight_done_after_fault_s_max": 2.9,
+        "inflight_waiting_at_fault": 1, "inflight_resumed_after_fault_s_max": 0.6}
+    assert inflight_figures(outcomes[:1], start=2.0)["inflight_resumed_after_fault_s_max"] is None
+
+
+def test_a_prefill_kill_meets_its_goal_only_if_the_decode_node_resumed_at_once():
+    fault = {"failed": 0, "leaked_blocks": 0, "index_exact_within_ttl": True,
+             "decode_transfers": {"timeouts": 0}, "inflight_done_after_fault_s_max": 1.4,
+             "inflight_resumed_after_fault_s_max": RESUME_GOAL_S - 0.1}
+    slow = {**fault, "inflight_resumed_after_fault_s_max": RESUME_GOAL_S + 0.1}
+    # no timeout counted (a vLLM node's counters may lag), yet a request waited one out
+    waited = {**fault, "inflight_done_after_fault_s_max": 30.137}
+    for f, met in ((fault, True), (slow, False), (waited, False)):
+        assert goals({"faults": {"prefill_kill": f}}, 10, kv_timeout_s=30.0) == {
+            "prefill_kill": met}
+
+
 def test_vllm_nodes_get_vllms_block_size_and_backend():
     own = ChaosSettings(model="m")
     vllm = ChaosSettings(model="m", engine="vllm", kv_blocks=64)
@@ -82,9 +108,9 @@ def test_vllm_nodes_get_vllms_block_size_and_backend():
 
 
 def test_bad_options_are_refused_before_anything_starts(capsys):
-    assert main(["bench", "chaos", "--faults", "prefill_kill,typo"]) == 2
+    assert main(["chaos", "--faults", "prefill_kill,typo"]) == 2
     assert "unknown faults ['typo']" in capsys.readouterr().err
-    assert main(["bench", "chaos", "--faults", "etcd_restart"]) == 2
+    assert main(["chaos", "--faults", "etcd_restart"]) == 2
     assert "needs --backend etcd" in capsys.readouterr().err
 
 

@@ -1,5 +1,5 @@
 """Faults of nodes and clients under load, on a live cluster (tests/chaos/conftest.py): each
-fault of `pdcluster bench chaos` at a small size, asserting its goals (issue 28): no request
+fault of `python -m benchmarks chaos` at a small size, asserting its goals: no request
 lost (a decode node's death may cost only the streams it had open), no KV block leaked on
 any node once the load drained, and the global index exact again within a lease TTL."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.benchmarks.chaos_load import LoadSpec
-from tests.chaos.conftest import start_chaos
+from benchmarks.chaos_load import LoadSpec
+from tests.chaos.conftest import assert_load_sent_and_completed, start_chaos
 
 pytestmark = pytest.mark.timeout(600)
 LEASE_TTL_S = 3
@@ -29,6 +29,7 @@ def assert_nothing_lost_or_leaked(result: dict) -> None:
 
 def test_a_prefill_node_killed_mid_transfer_is_recomputed_without_waiting(chaos):
     result = chaos.fault("prefill_kill")
+    assert_load_sent_and_completed(result, "prefill_kill", LEASE_TTL_S)
     assert result["inflight_at_kill"] > 0  # the kill caught KV in flight to a decode node
     assert_nothing_lost_or_leaked(result)
     # the decode nodes were told (not one waited out its 30 s KV timeout)
@@ -40,6 +41,7 @@ def test_a_prefill_node_killed_mid_transfer_is_recomputed_without_waiting(chaos)
 
 def test_a_decode_node_killed_with_open_streams_moves_them(chaos):
     result = chaos.fault("decode_kill")
+    assert_load_sent_and_completed(result, "decode_kill", LEASE_TTL_S)
     assert result["inflight_at_kill"] > 0
     assert_nothing_lost_or_leaked(result)  # each open stream moved to the other decode node
     assert result["router"]["router_migrations_total"] >= 1
@@ -59,6 +61,7 @@ def test_an_abort_storm_leaves_every_node_idle_within_a_second(chaos):
 
 def test_a_node_restarted_under_its_id_leaves_no_old_block_in_the_index(chaos):
     result = chaos.fault("node_restart")
+    assert_load_sent_and_completed(result, "node_restart", LEASE_TTL_S)
     assert result["blocks_before_kill"] > 0
     assert_nothing_lost_or_leaked(result)
     # gone with the re-registration, or with the lease if the restart took longer

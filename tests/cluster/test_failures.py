@@ -17,7 +17,9 @@ import threading
 import time
 from dataclasses import replace
 
+import openai
 import pytest
+import ray
 
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.ray_cluster import RayCluster
@@ -29,8 +31,6 @@ from pdcluster.router.config import RouterConfig
 from pdcluster.router.routing.policy import PolicyConfig
 from tests.models import random_prompts
 
-ray = pytest.importorskip("ray")
-openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(300)
 MODEL = "llama-gqa"
 BLOCK = 8

@@ -10,13 +10,13 @@ import json
 import urllib.request
 from pathlib import Path
 
+import jsonschema
+import openai
 import pytest
 
 from tests.cluster.test_serve_e2e import free_port
 from tests.serve_process import start_serve, stop_serve, wait_until_answering
 
-openai = pytest.importorskip("openai")
-jsonschema = pytest.importorskip("jsonschema")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 BLOCK = 16
 PROMPT = "The quick brown fox jumps over the lazy dog and"

@@ -8,6 +8,7 @@ import itertools
 import time
 
 import pytest
+import ray
 
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.ray_cluster import RayCluster
@@ -19,7 +20,6 @@ from tests.cluster_secret import TEST_SECRET
 from tests.identity import router_clients
 from tests.models import random_prompts
 
-ray = pytest.importorskip("ray")
 N_OUT = 6
 _ids = itertools.count()
 

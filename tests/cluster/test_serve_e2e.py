@@ -7,11 +7,10 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.serve_process import start_serve, stop_serve, wait_until_answering
-
-openai = pytest.importorskip("openai")
 
 
 def free_port() -> int:

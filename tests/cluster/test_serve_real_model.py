@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.cluster.test_serve_e2e import decisions, free_port
 from tests.real_model import LONG_SYSTEM, MAX_TOKENS, chats
 from tests.serve_process import start_serve, stop_serve, wait_until_answering
 
-openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 THRESHOLD = 64  # tokens; the short chats are ~40, the long ones ~130
 
@@ -64,7 +64,7 @@ def test_answers_the_capital_of_france(served_real):
                                      {"repetition_penalty": 2.0}],
                          ids=["presence", "frequency", "repetition"])
 def test_penalties_change_a_repetitive_completion(served_real, penalty):
-    """Needs the node's sampler to apply the penalties (issue 13, engine side)."""
+    """Needs the node's sampler to apply the penalties (engine side)."""
     client, _, name = served_real
     prompt = "apple, banana, " * 12
     plain = client.completions.create(model=name, prompt=prompt, max_tokens=24, temperature=0)

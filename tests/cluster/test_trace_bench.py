@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from pdcluster.cluster.cli import main
 from tests.cluster.trace_fixture import write_session_trace
-
-pytest.importorskip("ray")
 
 POLICY_FIELDS = {"completed", "failed", "ttft_p50_ms", "ttft_p90_ms", "e2e_p50_ms",
                  "e2e_p90_ms", "output_tokens_per_s", "prefix_hit_ratio", "local_hit_ratio",

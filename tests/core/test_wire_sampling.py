@@ -39,7 +39,6 @@ def test_round_trip(msg):
 
 
 def test_the_engine_takes_every_new_field_from_the_spec():
-    pytest.importorskip("torch")
     from pdcluster.engine.core.sampling_params import SamplingParams
 
     params = SamplingParams.from_spec(node_wire.decode(node_wire.encode(
@@ -75,7 +74,6 @@ def test_malformed_fields_are_refused_by_the_codec(body, match):
     ({"guided": {"kind": "choice", "spec": "yes"}}, "not valid JSON"),
 ])
 def test_well_typed_but_out_of_range_fields_are_refused_by_the_node(body, match):
-    pytest.importorskip("torch")
     from pdcluster.engine.core.sampling_params import SamplingParams
 
     spec = node_wire.decode(frame(body)).sampling

@@ -5,12 +5,11 @@ ordering, stop strings, aborts, validation, seeded sampling, bfloat16 and prefix
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from pdcluster.engine import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from tests.helpers import assert_pool_clean  # noqa: E402
-from tests.models import random_prompts  # noqa: E402
+from pdcluster.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from tests.helpers import assert_pool_clean
+from tests.models import random_prompts
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -6,17 +6,16 @@ the same paths end to end against transformers."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
+from pdcluster.engine.kernels import gemm
+from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
+from pdcluster.engine.models import linear as linear_mod
+from pdcluster.engine.models.attention import GatherWorkspace
+from pdcluster.engine.models.linear import Linear, linear, silu_and_mul
+from tests.helpers import count_calls
+
 F = torch.nn.functional
-
-from pdcluster.engine.kernels import gemm  # noqa: E402
-from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
-from pdcluster.engine.models import linear as linear_mod  # noqa: E402
-from pdcluster.engine.models.attention import GatherWorkspace  # noqa: E402
-from pdcluster.engine.models.linear import Linear, linear, silu_and_mul  # noqa: E402
-from tests.helpers import count_calls  # noqa: E402
-
 CPU = torch.device("cpu")
 onednn = pytest.mark.skipif(not linear_mod._ONEDNN, reason="torch built without oneDNN")
 
@@ -276,7 +275,7 @@ def test_long_chunk_after_a_cached_prefix_matches_transformers(model_dirs, hf_re
 
     calls = count_calls(monkeypatch, attention, "_split_prefill_attention")
     model = model_dirs["llama-gqa"]
-    llm = LLM(model, num_kv_blocks=256, block_size=8)
+    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=256, block_size=8)  # CPU path
     prefix = random_prompts(1, 50, 50, seed=9)[0]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm.generate([prefix], params)  # caches the prefix's 6 full blocks

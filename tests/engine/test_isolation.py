@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
-
-from pdcluster.engine import LLMEngine, SamplingParams  # noqa: E402
-from pdcluster.engine.core.outputs import RequestOutput  # noqa: E402
-from tests.helpers import assert_pool_clean  # noqa: E402
-from tests.models import random_prompts  # noqa: E402
+from pdcluster.engine import LLMEngine, SamplingParams
+from pdcluster.engine.core.outputs import RequestOutput
+from tests.helpers import assert_pool_clean
+from tests.models import random_prompts
 
 N_OUT = 8
 GREEDY = SamplingParams(max_tokens=N_OUT, temperature=0.0, ignore_eos=True)

@@ -8,13 +8,12 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from pdcluster.engine import kernels  # noqa: E402
-from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
-from pdcluster.engine.models import attention  # noqa: E402
-from tests.helpers import count_calls  # noqa: E402
+from pdcluster.engine import kernels
+from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
+from pdcluster.engine.models import attention
+from tests.helpers import count_calls
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from pdcluster.engine import kernels  # noqa: E402
-from pdcluster.engine.kernels import __main__ as kernels_setup  # noqa: E402
-from pdcluster.engine.kernels import gemm  # noqa: E402
-from pdcluster.engine.models import attention  # noqa: E402
-from tests.helpers import count_calls  # noqa: E402
+from pdcluster.engine import kernels
+from pdcluster.engine.kernels import __main__ as kernels_setup
+from pdcluster.engine.kernels import gemm
+from pdcluster.engine.models import attention
+from tests.helpers import count_calls
 
 REPO = Path(__file__).resolve().parents[2]
 

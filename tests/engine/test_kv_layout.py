@@ -6,11 +6,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from pdcluster.engine import LLMEngine, SamplingParams  # noqa: E402
-from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
+from pdcluster.engine import LLMEngine, SamplingParams
+from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
 
 CPU = torch.device("cpu")
 

@@ -6,13 +6,12 @@ request's output (tokens appended elsewhere count too)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from pdcluster.engine.core.request import Request  # noqa: E402
-from pdcluster.engine.core.sampling_params import SamplingParams  # noqa: E402
-from pdcluster.engine.sample.logits_processors import LogitsProcessors  # noqa: E402
-from pdcluster.engine.sample.sampler import Sampler  # noqa: E402
+from pdcluster.engine.core.request import Request
+from pdcluster.engine.core.sampling_params import SamplingParams
+from pdcluster.engine.sample.logits_processors import LogitsProcessors
+from pdcluster.engine.sample.sampler import Sampler
 
 VOCAB = 16
 CPU = torch.device("cpu")

@@ -10,16 +10,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
-torch = pytest.importorskip("torch")
-
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from pdcluster.engine import LLMEngine  # noqa: E402
-from pdcluster.engine.models.loader import load_model  # noqa: E402
-from pdcluster.engine.models.model_config import ModelConfig  # noqa: E402
-from pdcluster.engine.models.rope import RotaryEmbedding  # noqa: E402
-from pdcluster.engine.models.tiny_model import hf_config  # noqa: E402
+from pdcluster.engine import LLMEngine
+from pdcluster.engine.models.loader import load_model
+from pdcluster.engine.models.model_config import ModelConfig
+from pdcluster.engine.models.rope import RotaryEmbedding
+from pdcluster.engine.models.tiny_model import hf_config
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

@@ -4,14 +4,13 @@ MLA), and the MoE layers against straightforward per-token references."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from pdcluster.engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
-from pdcluster.engine.models.model_families import MoEConfig  # noqa: E402
-from pdcluster.engine.models.moe import Experts, Router  # noqa: E402
-from pdcluster.engine.models.registry import model_class  # noqa: E402
-from pdcluster.engine.models.tiny_model import hf_config  # noqa: E402
+from pdcluster.engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pdcluster.engine.models.model_families import MoEConfig
+from pdcluster.engine.models.moe import Experts, Router
+from pdcluster.engine.models.registry import model_class
+from pdcluster.engine.models.tiny_model import hf_config
 
 
 def test_every_supported_architecture_has_an_implementation() -> None:

@@ -10,12 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from pdcluster.engine import LLM, SamplingParams  # noqa: E402
-from pdcluster.engine.models.tiny_model import make_tiny_model  # noqa: E402
-from tests.helpers import assert_pool_clean  # noqa: E402
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.models.tiny_model import make_tiny_model
+from tests.helpers import assert_pool_clean
 
 N_OUT = 12
 PROMPT = [1, 450, 6635, 3290, 373, 278, 1775]  # ends on the token the model then repeats

@@ -162,8 +162,8 @@ def test_an_unclaimed_send_is_released_after_the_pin_timeout(model_dirs, hf_refe
     """Two real engines over the loopback connector: P's pin expires long before the
     connector's own 5 s timeout, and a decode node asking after that recomputes."""
     from pdcluster.engine import SamplingParams
-    from pdcluster.transfer.loopback import LoopbackFabric
     from tests.transfer.disagg import drive, idle, make_engine
+    from tests.transfer.loopback import LoopbackFabric
 
     model = model_dirs["llama-gqa"]
     fabric = LoopbackFabric()

@@ -1,17 +1,13 @@
-"""Requests that share a prefix nobody has cached yet, admitted in the same step (W4 of
-`bench peers`): the prefix is computed once. Blocks are hashed when they are allocated, so the
-second request's prefix hit names blocks the first one fills in the same forward pass, and
-each layer writes every token's keys before any chunk attends."""
+"""Requests that share a prefix nobody has cached yet, admitted in the same step (W4 of the peer
+comparison): the prefix is computed once. Blocks are hashed when they are allocated, so the
+second request's prefix hit names blocks the first one fills in the same forward pass, and each
+layer writes every token's keys before any chunk attends."""
 
 from __future__ import annotations
 
-import pytest
-
-torch = pytest.importorskip("torch")
-
-from pdcluster.engine import LLMEngine, SamplingParams  # noqa: E402
-from tests.helpers import assert_pool_clean  # noqa: E402
-from tests.models import random_prompts  # noqa: E402
+from pdcluster.engine import LLMEngine, SamplingParams
+from tests.helpers import assert_pool_clean
+from tests.models import random_prompts
 
 
 def test_a_shared_uncached_prefix_is_computed_once_per_step(model_dirs, hf_reference) -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from pdcluster.engine.core.request import Request  # noqa: E402
-from pdcluster.engine.core.sampling_params import SamplingParams  # noqa: E402
-from pdcluster.engine.sample.sampler import Sampler  # noqa: E402
+from pdcluster.engine.core.request import Request
+from pdcluster.engine.core.sampling_params import SamplingParams
+from pdcluster.engine.sample.sampler import Sampler
 
 VOCAB = 16
 EOS = 2
@@ -158,3 +157,37 @@ def test_top_logprobs_are_the_k_best_in_order() -> None:
         assert values == sorted(values, reverse=True)
         assert values == pytest.approx(expected[row].sort(descending=True).values[:k].tolist())
     assert out[0].top_logprobs[0][0] == out[0].token_id
+
+
+def test_a_nan_distribution_fails_its_row_and_no_op_asserts_on_it(monkeypatch) -> None:
+    """On CUDA, multinomial over NaN probabilities is a device-side assert that poisons the
+    whole process (seen on an H100): draws take none, the row fails, the others draw."""
+    from pdcluster.engine.core.outputs import RequestFailure
+    from tests.helpers import count_calls
+
+    calls = count_calls(monkeypatch, torch, "multinomial")
+    bad = make_request("bad", temperature=0.5, seed=1)
+    object.__setattr__(bad.params, "temperature", float("nan"))
+    good = make_request("good", temperature=0.7, seed=2)
+    out = Sampler(CPU).sample(random_logits(2, seed=3), [bad, good])
+    assert isinstance(out[0], RequestFailure)
+    assert not isinstance(out[1], RequestFailure)
+    assert not calls
+    alone = Sampler(CPU).sample(random_logits(2, seed=3)[1:],
+                                [make_request("good", temperature=0.7, seed=2)])
+    assert alone[0].token_id == out[1].token_id  # the bad row changed nothing for it
+
+
+def test_a_logit_bias_id_past_the_vocabulary_fails_before_indexing(monkeypatch) -> None:
+    """An out-of-range index in index_put_ is a device-side assert on CUDA."""
+    from pdcluster.engine.core.outputs import RequestFailure
+    from tests.helpers import count_calls
+
+    puts = count_calls(monkeypatch, torch.Tensor, "index_put_")
+    bad = make_request("bad", temperature=0.0)
+    object.__setattr__(bad.params, "logit_bias", {VOCAB + 3: 5.0})
+    good = make_request("good", temperature=0.0, logit_bias={1: 100.0})
+    out = Sampler(CPU).sample(random_logits(2, seed=4), [bad, good])
+    assert isinstance(out[0], RequestFailure) and out[1].token_id == 1
+    for args in puts:
+        assert int(args[1][1].max()) < VOCAB

@@ -9,16 +9,15 @@ from __future__ import annotations
 import json
 import re
 
+import jsonschema
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-jsonschema = pytest.importorskip("jsonschema")
-
-from pdcluster.core.sampling import GuidedDecoding  # noqa: E402
-from pdcluster.engine import LLM, SamplingParams  # noqa: E402
-from pdcluster.engine.models.tiny_model import make_tiny_model  # noqa: E402
-from tests.helpers import assert_pool_clean  # noqa: E402
-from tests.models import random_prompts  # noqa: E402
+from pdcluster.core.sampling import GuidedDecoding
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.models.tiny_model import make_tiny_model
+from tests.helpers import assert_pool_clean
+from tests.models import random_prompts
 
 SCHEMA = {
     "type": "object",

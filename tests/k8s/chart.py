@@ -4,7 +4,7 @@ API: `find_helm()`, `needs_helm` (skip marker), `helm(*args)`, `template(values)
 `render(values)` (the manifests as dicts, cached), `VALUE_SETS`, `pod_templates(doc)` /
 `pod_specs(doc)` / `containers(docs)` (every pod of a workload or RayCluster, every container
 in them), `validate_kubernetes(doc, version)`, `kuberay_validator(kind)` (a strict validator
-for KubeRay's custom resources; None without ../shared), `cluster_config(docs)`.
+for KubeRay's custom resources, from the CRD schemas in tests/data/kuberay), `cluster_config(docs)`.
 
 helm comes from scripts/get_helm.sh (.venv/bin/helm); $HELM overrides it.
 """
@@ -27,9 +27,12 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART = REPO_ROOT / "k8s"
-KUBERAY_SCHEMAS = REPO_ROOT.parent / "shared" / "schemas" / "kuberay"
+# KubeRay 1.7.0's CRD schemas, copied into the repository (tests/data/README.md).
+KUBERAY_SCHEMAS = REPO_ROOT / "tests" / "data" / "kuberay"
 RELEASE = "pd"
 NAMESPACE = "serving"
+# the Secret of the cluster secret, the router token, Ray's token and the API keys (secret.yaml)
+CLUSTER_SECRET = f"{RELEASE}-pdcluster-secrets"
 # The oldest Kubernetes the chart declares (Chart.yaml kubeVersion) and a recent one.
 KUBE_VERSIONS = ("1.25", "1.33")
 
@@ -38,9 +41,13 @@ WORKLOAD_KINDS = {"Deployment", "StatefulSet", "Job", "DaemonSet", "ReplicaSet"}
 # Named value sets rendered by the tests, on top of values.yaml.
 VALUE_SETS: dict[str, dict] = {
     "default": {},
+    # an external etcd trusts no CA of the chart's and has its own users: its client
+    # certificate and the user's password are named
     "external-etcd": {
         "etcd": {"enabled": False,
-                 "externalEndpoints": ["etcd-0.infra:2379", "etcd-1.infra:2379"]},
+                 "externalEndpoints": ["etcd-0.infra:2379", "etcd-1.infra:2379"],
+                 "tls": {"secretName": "etcd-client"},
+                 "auth": {"passwordSecret": {"name": "etcd-pw"}}},
     },
     "no-ingress": {"router": {"ingress": {"enabled": False}, "hpa": {"enabled": False}}},
     "ingress": {
@@ -147,7 +154,7 @@ def write_values(values: dict, folder: Path) -> Path:
     return path
 
 
-# The chart refuses an open router (issue 24): a value set that gives no API keys, no existing
+# The chart refuses an open router: a value set that gives no API keys, no existing
 # Secret and no acknowledgement renders with this test key.
 TEST_API_KEYS = ["sk-chart-test-0123456789"]
 
@@ -161,38 +168,27 @@ def with_api_keys(values: dict) -> dict:
     return values
 
 
-def with_plaintext_etcd_acknowledged(values: dict) -> dict:
-    """The chart refuses etcd without TLS unless acknowledged (issue 24): a value set that does
-    not speak of etcd's TLS renders with the acknowledgement (test_etcd_access.py tests the
-    refusal and the TLS settings)."""
-    values = copy.deepcopy(values)
-    etcd = values.setdefault("etcd", {})
-    if "tls" not in etcd and "acknowledgePlaintext" not in etcd:
-        etcd["acknowledgePlaintext"] = True
-    return values
-
-
 def with_metadata_transport_acknowledged(values: dict) -> dict:
     """The chart refuses plaintext metadata gRPC, and TLS without bound client certificates,
-    unless acknowledged (issue 38): a value set that does not say either way renders with the
-    acknowledgement its metadata.tls needs (test_security.py tests the refusals)."""
+    unless acknowledged: a value set that turns either off without saying so
+    renders with the acknowledgement it needs (test_security.py tests the refusals)."""
     values = copy.deepcopy(values)
     metadata = values.setdefault("metadata", {})
     if "acknowledgePlaintext" in metadata or "acknowledgeUnboundClients" in metadata:
         return values
     tls = metadata.get("tls") or {}
     client_auth = tls.get("clientAuth") or {}
-    if not tls.get("enabled"):
+    if not tls.get("enabled", True):
         metadata["acknowledgePlaintext"] = True
-    elif not (client_auth.get("enabled") and client_auth.get("bindRoles", True)):
+    elif not (client_auth.get("enabled", True) and client_auth.get("bindRoles", True)):
         metadata["acknowledgeUnboundClients"] = True
     return values
 
 
 def template(values: dict, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_values(with_metadata_transport_acknowledged(
-            with_plaintext_etcd_acknowledged(with_api_keys(values))), Path(tmp))
+        path = write_values(with_metadata_transport_acknowledged(with_api_keys(values)),
+                            Path(tmp))
         return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(path),
                     *extra, check=check)
 
@@ -284,12 +280,11 @@ def _strict(schema: object) -> object:
 
 @functools.lru_cache(maxsize=4)
 def kuberay_validator(kind: str):
-    """A jsonschema validator for a KubeRay kind (RayCluster, RayJob), None without ../shared."""
+    """A strict jsonschema validator for a KubeRay kind (RayCluster, RayJob). A missing schema
+    file raises FileNotFoundError: the tests fail, they do not skip."""
     import jsonschema
 
     path = KUBERAY_SCHEMAS / f"{kind.lower()}.v1.schema.json"
-    if not path.is_file():
-        return None
     schema = _strict(json.loads(path.read_text())["openAPIV3Schema"])
     return jsonschema.Draft7Validator(schema)
 

@@ -16,6 +16,7 @@ import yaml
 
 from tests.k8s.chart import (
     CHART,
+    CLUSTER_SECRET,
     RELEASE,
     REPO_ROOT,
     VALUE_SETS,
@@ -33,7 +34,6 @@ from tests.k8s.chart import (
     render,
     with_api_keys,
     with_metadata_transport_acknowledged,
-    with_plaintext_etcd_acknowledged,
     write_values,
 )
 
@@ -140,9 +140,7 @@ def test_pdbs_can_be_disabled() -> None:
 @pytest.mark.parametrize("release", ["pd", "a-rather-long-release-name-for-a-production-cluster"])
 def test_names_fit_kubernetes_limits(release: str) -> None:
     out = helm("template", release, str(CHART), "--set", "launcher.mode=job",
-               "--set", "router.acknowledgeOpenApi=true",
-               "--set", "etcd.acknowledgePlaintext=true",
-               "--set", "metadata.acknowledgePlaintext=true").stdout
+               "--set", "router.acknowledgeOpenApi=true").stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     for doc in docs:
         name = doc["metadata"]["name"]
@@ -160,7 +158,7 @@ def test_secret_holds_given_secrets_and_api_keys() -> None:
     values = {"secrets": {"clusterSecret": "ab" * 32, "rayAuthToken": "r" * 32,
                           "routerToken": "t" * 40},
               "router": {"apiKeys": ["sk-aaaaaaaaaaaaaaaa", "sk-bbbbbbbbbbbbbbbb"]}}
-    secret = one(render(values), "Secret")
+    secret = one(render(values), "Secret", CLUSTER_SECRET)
     data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
     assert data == {"cluster-secret": "ab" * 32, "auth_token": "r" * 32,
                     "router-token": "t" * 40,
@@ -172,24 +170,27 @@ def test_secret_holds_given_secrets_and_api_keys() -> None:
 def test_generated_secrets_and_no_api_keys_by_default() -> None:
     import base64
 
-    secret = one(render({"router": {"acknowledgeOpenApi": True}}), "Secret")
+    secret = one(render({"router": {"acknowledgeOpenApi": True}}), "Secret", CLUSTER_SECRET)
     assert set(secret["data"]) == {"cluster-secret", "router-token", "auth_token"}
     cluster_secret = base64.b64decode(secret["data"]["cluster-secret"]).decode()
     # 32 bytes as hex: what core.credentials.ClusterSecret.from_text reads
     assert re.fullmatch(r"[0-9a-f]{64}", cluster_secret), cluster_secret
     # generated afresh by each render (an install); an upgrade reads the live one back
-    again = one(render({"router": {"port": 8001, "acknowledgeOpenApi": True}}), "Secret")
+    again = one(render({"router": {"port": 8001, "acknowledgeOpenApi": True}}), "Secret",
+                CLUSTER_SECRET)
     assert again["data"]["cluster-secret"] != secret["data"]["cluster-secret"]
 
 
 def test_existing_secret_is_used_everywhere() -> None:
     docs = render(VALUE_SETS["existing-secret-no-ray-auth"])
-    assert not find(docs, "Secret")
+    generated = {d["metadata"]["name"] for d in find(docs, "Secret")}
+    assert CLUSTER_SECRET not in generated  # only the TLS and etcd credentials are made
+    assert all(name.startswith(f"{RELEASE}-pdcluster-") for name in generated)
     refs = {e["valueFrom"]["secretKeyRef"]["name"] for _, c in containers(docs)
             for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
     volumes = {v["secret"]["secretName"] for doc in docs for _, spec in pod_specs(doc)
                for v in spec.get("volumes", []) if "secret" in v}
-    assert refs == {"pd-secrets"} and volumes == {"pd-secrets"}
+    assert refs == {"pd-secrets"} and volumes - generated == {"pd-secrets"}
 
 
 def test_metadata_service_command_follows_etcd_settings() -> None:
@@ -338,10 +339,8 @@ def test_dashboard_queries_the_documented_metrics() -> None:
 
 
 def test_dashboard_router_metrics_exist_in_the_router() -> None:
-    try:
-        from pdcluster.router.metrics import RouterMetrics
-    except ImportError as exc:
-        pytest.skip(f"pdcluster.router.metrics not importable ({exc}): issue 6 builds it")
+    from pdcluster.router.metrics import RouterMetrics
+
     exported = set(re.findall(r"^# TYPE (\S+) (\S+)$", RouterMetrics().render().decode(),
                               re.M))
     names = {name for name, _ in exported}
@@ -364,8 +363,7 @@ def render_notes(values: dict, tmp_path: Path) -> str:
     (chart / "templates" / "test-notes.yaml").write_text(
         "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
         '  notes: {{ include "test.notes" . | quote }}\n')
-    path = write_values(with_metadata_transport_acknowledged(
-        with_plaintext_etcd_acknowledged(with_api_keys(values))), tmp_path)
+    path = write_values(with_metadata_transport_acknowledged(with_api_keys(values)), tmp_path)
     out = helm("template", RELEASE, str(chart), "--namespace", "serving", "-f", str(path),
                "--show-only", "templates/test-notes.yaml").stdout
     return yaml.safe_load(out)["data"]["notes"]
@@ -373,12 +371,17 @@ def render_notes(values: dict, tmp_path: Path) -> str:
 
 def test_notes_tell_how_to_call_the_endpoint(tmp_path) -> None:
     notes = render_notes({"router": {"acknowledgeOpenApi": True}}, tmp_path)
-    # the router binds its pod IP: no port-forward, a client pod calls the Service
+    # the router also listens on its pod's loopback: port-forward reaches it
+    assert f"port-forward svc/{RELEASE}-pdcluster-router 8000:8000" in notes
+    assert "BASE=http://127.0.0.1:8000" in notes
+    assert "/v1/chat/completions" in notes and "Authorization" not in notes
+    assert "2 prefill + 2 decode" in notes and "TCP" in notes
+    # bound to its pod IP only: no port-forward, a client pod calls the Service
+    notes = render_notes({"router": {"acknowledgeOpenApi": True, "listenOnLoopback": False}},
+                         tmp_path / "pod-ip")
     assert "port-forward svc/pd-pdcluster-router" not in notes
     assert "run pd-client --rm -it --restart=Never --image=curlimages/curl -- sh" in notes
     assert f"BASE=http://{RELEASE}-pdcluster-router.serving.svc.cluster.local:8000" in notes
-    assert "/v1/chat/completions" in notes and "Authorization" not in notes
-    assert "2 prefill + 2 decode" in notes and "TCP" in notes
     notes = render_notes(VALUE_SETS["ingress"], tmp_path / "ingress")
     assert "BASE=https://llm.example.org" in notes
     assert 'Authorization: Bearer $KEY' in notes
@@ -390,7 +393,8 @@ def test_notes_tell_how_to_call_the_endpoint(tmp_path) -> None:
     # bound to a wildcard by choice: port-forward works again
     notes = render_notes(VALUE_SETS["network-policy-off"], tmp_path / "wildcard")
     assert f"port-forward svc/{RELEASE}-pdcluster-router 8000:8000" in notes
-    notes = render_notes({"router": {"apiKeys": ["sk-0123456789abcdef"]}}, tmp_path / "keys")
+    notes = render_notes({"router": {"apiKeys": ["sk-0123456789abcdef"],
+                                     "listenOnLoopback": False}}, tmp_path / "keys")
     key_line = notes.index("KEY=$(kubectl")
     assert key_line < notes.index('--env="KEY=$KEY"') < notes.index("curl -s $BASE/health")
 

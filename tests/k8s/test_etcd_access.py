@@ -1,4 +1,5 @@
-"""The chart's etcd access (etcd.tls, etcd.auth) and per-workload-kind certificates from
+"""The chart's etcd access (etcd.tls, etcd.auth: both on by default, with what the chart
+generates: tests/k8s/test_generated_secrets.py) and per-workload-kind certificates from
 cert-manager (certManager): etcd without TLS is refused unless acknowledged; with TLS the bundled
 etcd serves https with client-certificate auth and only the metadata service holds the client
 certificate; with auth the service logs in from a password file and only the setup hook Job
@@ -43,28 +44,32 @@ def secret_volumes(values: dict) -> dict[str, set[str]]:
 @pytest.mark.parametrize("values, match", [
     ({"etcd": {"tls": {"enabled": False}}}, "etcd.tls.enabled is false: the metadata service "
      "would speak plain http://"),
-    ({"etcd": {"tls": {"enabled": True}}}, "etcd.tls.enabled needs etcd.tls.secretName"),
+    ({"etcd": {"enabled": False, "externalEndpoints": ["etcd.infra:2379"],
+               "auth": AUTH}},
+     "etcd.tls.enabled with an external etcd needs etcd.tls.secretName"),
     ({"etcd": {"tls": {"enabled": True, "secretName": "c"}}},
-     "with the bundled etcd needs etcd.tls.serverSecretName"),
-    ({"etcd": {"tls": ETCD_TLS, "auth": {"enabled": True}}},
-     "etcd.auth.enabled needs etcd.auth.passwordSecret.name"),
-    ({"etcd": {"tls": ETCD_TLS, "auth": {**AUTH, "rootPasswordSecret": {"name": ""}}}},
-     "needs etcd.auth.rootPasswordSecret.name"),
-], ids=["plaintext", "tls-without-client-secret", "bundled-without-server-secret",
-        "auth-without-password", "bundled-auth-without-root"])
+     "name both secretName and serverSecretName"),
+    ({"etcd": {"tls": {"enabled": True, "serverSecretName": "s"}}},
+     "name both secretName and serverSecretName"),
+    ({"etcd": {"enabled": False, "externalEndpoints": ["etcd.infra:2379"],
+               "tls": {"secretName": "c"}}},
+     "etcd.auth.enabled with an external etcd needs etcd.auth.passwordSecret.name"),
+], ids=["plaintext", "external-tls-without-client-secret", "bundled-client-secret-only",
+        "bundled-server-secret-only", "external-auth-without-password"])
 def test_inconsistent_or_unfenced_etcd_values_are_refused(values, match) -> None:
     proc = template(values, check=False)
     assert proc.returncode != 0 and match in proc.stderr, proc.stderr[-800:]
 
 
 @pytest.mark.parametrize("values", [
-    {"etcd": {"acknowledgePlaintext": True}},
+    {"etcd": {"tls": {"enabled": False}, "acknowledgePlaintext": True}},
     {"metadata": {"backend": "memory", "replicas": 1}, "etcd": {"enabled": False,
                                                                  "tls": {"enabled": False}}},
     SECURE,
     {"etcd": {"enabled": False, "externalEndpoints": ["etcd.infra:2379"],
-              "tls": {"enabled": True, "secretName": "c"}}},
-], ids=["acknowledged", "memory-backend", "tls-and-auth", "external-tls"])
+              "tls": {"enabled": True, "secretName": "c"}, "auth": AUTH}},
+    {},
+], ids=["acknowledged", "memory-backend", "tls-and-auth", "external-tls", "generated"])
 def test_acknowledged_or_secured_etcd_renders(values) -> None:
     assert template(values).returncode == 0
 
@@ -131,8 +136,11 @@ def test_cert_manager_issues_one_client_certificate_per_workload_kind() -> None:
         assert f"{FULL}-metadata-router" not in mounts[ray], ray
     assert f"{FULL}-metadata-node" not in mounts["router"]
     mounted = set().union(*mounts.values())
-    issued = {s for s in mounted if s.startswith(FULL) and s != f"{FULL}-secrets"}
+    issued = {s for s in mounted if s.startswith(FULL)} - {f"{FULL}-secrets", f"{FULL}-etcd-auth"}
     assert issued <= set(certs), "every certificate a pod mounts is one cert-manager issues"
+    # and the chart generates none: only the etcd passwords the values do not name
+    assert {d["metadata"]["name"] for d in find(docs, "Secret")} == {f"{FULL}-secrets",
+                                                                     f"{FULL}-etcd-auth"}
 
 
 def test_cert_manager_with_an_existing_issuer() -> None:
@@ -153,7 +161,8 @@ def test_notes_say_how_to_set_up_an_external_etcd_and_warn_of_plaintext(tmp_path
     notes = render_notes(external, tmp_path / "external")
     assert "pdcluster metadata etcd-setup --etcd etcd.infra:2379" in notes
     assert "WARNING" not in notes
-    assert "WARNING: etcd.acknowledgePlaintext is set" in render_notes({}, tmp_path / "plain")
+    plain = {"etcd": {"tls": {"enabled": False}, "acknowledgePlaintext": True}}
+    assert "WARNING: etcd.acknowledgePlaintext is set" in render_notes(plain, tmp_path / "plain")
     assert f"job {FULL}-etcd-setup" in render_notes(SECURE, tmp_path / "bundled")
 
 

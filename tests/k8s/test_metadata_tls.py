@@ -1,9 +1,9 @@
-"""The chart's optional TLS and mTLS on the metadata service (metadata.tls, off by default): the
-service mounts its certificate and key and serves TLS; the router and every Ray pod mount only
-the CA (and, under mTLS, the client certificate) and are told where it is, the router by its
-flags, the node actors by cluster.yaml; the rendered objects pass Kubernetes' and KubeRay's
-schemas; the flags and cluster.yaml build valid configurations; inconsistent values are
-refused."""
+"""The chart's TLS and mTLS on the metadata service (metadata.tls, on by default with certificates
+the chart generates: tests/k8s/test_generated_secrets.py): the service mounts its certificate
+and key and serves TLS; the router and every Ray pod mount only the CA (and, under mTLS, the
+client certificate) and are told where it is, the router by its flags, the node actors by
+cluster.yaml; the rendered objects pass Kubernetes' and KubeRay's schemas; the flags and
+cluster.yaml build valid configurations; inconsistent values are refused."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from tests.k8s.test_cli_contract import command_of
 pytestmark = needs_helm
 
 SERVER_SECRET, ROUTER_SECRET, NODE_SECRET = "md-tls", "md-router", "md-node"
-TLS = {"enabled": True, "secretName": SERVER_SECRET}
+TLS = {"enabled": True, "secretName": SERVER_SECRET, "clientAuth": {"enabled": False}}
 MTLS = {**TLS, "clientAuth": {"enabled": True, "routerSecretName": ROUTER_SECRET,
                               "nodeSecretName": NODE_SECRET}}
 SETS = {
@@ -76,13 +76,30 @@ def tls_mounts(container: dict) -> dict[str, str]:
             if m["name"].startswith("metadata-") and m.get("readOnly")}
 
 
-def test_off_by_default() -> None:
-    found = pods({})
+OFF = {"metadata": {"tls": {"enabled": False}}}
+
+
+def test_off_when_disabled() -> None:
+    found = pods(OFF)
     for component, tmpl in found.items():
         assert not tls_volumes(tmpl["spec"]), component
-    args = " ".join(command_of({}, "metadata") + command_of({}, "router"))
+    args = " ".join(command_of(OFF, "metadata") + command_of(OFF, "router"))
     assert "--tls" not in args and "--metadata-tls" not in args
-    assert set(cluster_config(render({}))["metadata"]) == {"address"}
+    assert set(cluster_config(render(OFF))["metadata"]) == {"address"}
+
+
+def test_mtls_by_default_with_the_charts_own_certificates() -> None:
+    full = f"{RELEASE}-pdcluster"
+    found = pods({})
+    assert tls_volumes(found["metadata"]["spec"]) == {
+        "metadata-tls": {"secretName": f"{full}-metadata-tls", "items": ["tls.crt", "tls.key"],
+                         "mode": 0o400},
+        "metadata-client-ca": {"secretName": f"{full}-metadata-router", "items": ["ca.crt"],
+                               "mode": 0o400}}
+    for component in CLIENTS:
+        own = f"{full}-metadata-{'router' if component == 'router' else 'node'}"
+        assert tls_volumes(found[component]["spec"])["metadata-client"]["secretName"] == own
+    assert "--tls-bind-client-roles" in command_of({}, "metadata")
 
 
 @pytest.mark.parametrize("name", sorted(SETS))
@@ -160,11 +177,8 @@ def test_flags_and_cluster_yaml_build_tls_configs(name: str) -> None:
 
 
 @pytest.mark.parametrize("tls, match", [
-    ({"enabled": True}, "needs metadata.tls.secretName"),
-    ({"clientAuth": {"enabled": True, "routerSecretName": "a", "nodeSecretName": "b"}},
-     "needs metadata.tls.enabled"),
     ({**TLS, "clientAuth": {"enabled": True, "routerSecretName": "x"}},
-     "needs metadata.tls.clientAuth.routerSecretName and nodeSecretName"),
+     "name both routerSecretName and nodeSecretName"),
     ({**TLS, "clientAuth": {"enabled": True, "routerSecretName": "x", "nodeSecretName": "x"}},
      "must not share one client certificate"),
     ({**TLS, "clientAuth": {"enabled": True, "secretName": "shared"}},

@@ -1,6 +1,6 @@
-"""The chart's side of the authenticated internal plane (issue 11): the cluster secret reaches
-the pods that need it (the metadata service, the Ray head where the launcher derives each node
-actor's own token; never a Ray worker: issue 38) as a read-only file named by
+"""The chart's side of the authenticated internal plane: the cluster secret reaches the pods
+that need it (the metadata service, and the Ray head where the launcher derives each node
+actor's own token; never a Ray worker) as a read-only file named by
 $PDCLUSTER_CLUSTER_SECRET_FILE,
 the old shared metadata token is gone, every pdcluster listener binds its pod's IP, and the
 NetworkPolicies admit exactly the traffic the components need. The policies are checked by
@@ -16,6 +16,7 @@ import pytest
 
 from tests.k8s.chart import (
     CHART,
+    CLUSTER_SECRET,
     NAMESPACE,
     RELEASE,
     REPO_ROOT,
@@ -38,9 +39,9 @@ SETS = sorted(VALUE_SETS)
 SECRET_DIR = "/var/run/secrets/pdcluster"
 SECRET_FILE = f"{SECRET_DIR}/cluster-secret"
 # Pods that run pdcluster code: the cluster secret in the metadata service and on the Ray head
-# (the launcher's driver); the router holds its client credential only (issue 24), the metadata
-# service both (it accepts the router's); a Ray worker none (issue 38): its node actors get
-# their own tokens from the launcher.
+# (the launcher's driver); the router holds its client credential only, the metadata service
+# both (it accepts the router's); a Ray worker none: its node actors get their own tokens from
+# the launcher.
 CONSUMERS = {"router", "metadata", "ray-head", "ray-prefill", "ray-decode"}
 ROUTER_TOKEN_DIR = "/var/run/secrets/pdcluster-router"
 CREDENTIALS = {"router": ["router-token"], "metadata": ["cluster-secret", "router-token"],
@@ -109,7 +110,7 @@ def test_cluster_secret_is_mounted_into_every_consumer(name: str) -> None:
 
 
 def test_long_cluster_secret_is_accepted() -> None:
-    secret = one(render({"secrets": {"clusterSecret": "AB" * 64}}), "Secret")
+    secret = one(render({"secrets": {"clusterSecret": "AB" * 64}}), "Secret", CLUSTER_SECRET)
     assert base64.b64decode(secret["data"]["cluster-secret"]).decode() == "AB" * 64
 
 
@@ -286,7 +287,7 @@ def test_network_policies(name: str) -> None:
     ray = ("ray-head", *nodes)
     # the router: the public endpoint (unless restricted); it reaches the node actors' request
     # ports (one per node actor of a pod) and nothing else of theirs: not the KV side channel,
-    # not Mooncake's unauthenticated transfer port (issue 38)
+    # not Mooncake's unauthenticated transfer port 
     restricted = bool(values["networkPolicy"]["routerIngressFrom"])
     assert ok(STRANGER, "router", router_port) != restricted
     assert ok(STRANGER, "router", router_port, "elsewhere") != restricted
@@ -375,7 +376,7 @@ def test_network_policies_render_the_given_peers() -> None:
     assert {"ipBlock": {"cidr": "192.168.0.0/24"}} in rule["from"]
 
 
-# --- what the chart refuses without an acknowledgement (issue 24) ---------------------------
+# --- what the chart refuses without an acknowledgement -------------------------------------
 
 
 @pytest.mark.parametrize("values, match", [
@@ -412,7 +413,7 @@ def test_the_acknowledged_or_fenced_setting_renders(values) -> None:
     assert template(values).returncode == 0
 
 
-# --- metadata gRPC: plaintext or unbound client certificates need an acknowledgement (issue 38)
+# --- metadata gRPC: plaintext or unbound client certificates need an acknowledgement 
 
 _SECRETS = {"secretName": "md-tls", "clientAuth": {"routerSecretName": "md-router",
                                                   "nodeSecretName": "md-node"}}

@@ -77,7 +77,7 @@ def test_deregister_needs_the_registration_proof(replicas) -> None:
 
 
 def test_a_replica_that_did_not_register_p0_hands_out_no_proof(replicas) -> None:
-    """The takeover of issue 38: an identical re-registration through replica b (which never
+    """The takeover this prevents: an identical re-registration through replica b (which never
     held p0's proof in memory) used to return a fresh proof, which then moved p0."""
     a, b = replicas
     proof = register_p0(a)

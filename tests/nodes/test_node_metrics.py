@@ -31,7 +31,7 @@ def start_node(model: str, node_id: str, role: str, metadata_address: str | None
     return NodeRuntime(NodeConfig(node_id=node_id, role=role,
                                   engine=EngineConfig(model, **OPTIONS), metrics_port=0,
                                   metadata_address=metadata_address, publish_interval_s=0.02,
-                                  **node_credentials(node_id))).start()
+                                  **node_credentials(node_id)), shared_keys=TEST_CURVE).start()
 
 
 def scrape(node: NodeRuntime) -> dict[tuple[str, tuple], float]:
@@ -144,7 +144,7 @@ def test_blocks_sent_and_received_move_after_a_transfer(model_dirs, metadata):
 def test_no_metrics_endpoint_unless_asked(model_dirs):
     node = NodeRuntime(NodeConfig(node_id="quiet", role="decode",
                                   engine=EngineConfig(model_dirs["llama-gqa"], **OPTIONS),
-                                  **node_credentials("quiet"))).start()
+                                  **node_credentials("quiet")), shared_keys=TEST_CURVE).start()
     try:
         assert node.metrics_address == "" and node.info()["metrics_address"] == ""
         assert b"pdcluster_node_requests_waiting" in node.metrics.render()
@@ -176,7 +176,8 @@ def test_speculative_decoding_acceptance_is_exported(model_dirs):
     model = model_dirs["llama-gqa"]
     engine = EngineConfig(model, speculative=f"draft:{model},k=3", **OPTIONS)
     node = NodeRuntime(NodeConfig(node_id="d-spec", role="decode", engine=engine,
-                                  metrics_port=0, **node_credentials("d-spec"))).start()
+                                  metrics_port=0, **node_credentials("d-spec")),
+                       shared_keys=TEST_CURVE).start()
     client = BlockingNodeClient(node.server.address, curve=TEST_CURVE)
     try:
         prompt = random_prompts(1, 12, 12, seed=5)[0]

@@ -36,7 +36,7 @@ def start_node(model: str, node_id: str, role: str, metadata_address: str | None
     return NodeRuntime(NodeConfig(node_id=node_id, role=role, engine=EngineConfig(model, **OPTIONS),
                                   metadata_address=metadata_address,
                                   lease_ttl_s=2, publish_interval_s=0.02,
-                                  **node_credentials(node_id))).start()
+                                  **node_credentials(node_id)), shared_keys=TEST_CURVE).start()
 
 
 def until(condition, timeout_s: float = 10.0) -> None:
@@ -81,7 +81,8 @@ def test_node_serves_without_a_reachable_metadata_service(model_dirs):
     engine = EngineConfig(model_dirs["llama-gqa"], **OPTIONS)
     node = NodeRuntime(NodeConfig(node_id="lonely", role="decode", engine=engine,
                                   metadata_address="127.0.0.1:1",
-                                  publish_interval_s=0.02, **node_credentials("lonely")))
+                                  publish_interval_s=0.02, **node_credentials("lonely")),
+                       shared_keys=TEST_CURVE)
     node.start(registration_timeout_s=0.5)
     wire = BlockingNodeClient(node.server.address, curve=TEST_CURVE)
     try:
@@ -96,13 +97,14 @@ def test_node_serves_without_a_reachable_metadata_service(model_dirs):
 def test_config_is_validated():
     engine = EngineConfig("m")
     with pytest.raises(ValueError, match="role"):
-        NodeConfig(node_id="x", role="both", engine=engine, shared_curve=TEST_CURVE)
+        NodeConfig(node_id="x", role="both", engine=engine)
     with pytest.raises(ValueError, match="node id"):
-        NodeConfig(node_id="bad id", role="prefill", engine=engine, shared_curve=TEST_CURVE)
+        NodeConfig(node_id="bad id", role="prefill", engine=engine)
     with pytest.raises(ValueError, match="EngineConfig"):
-        NodeConfig(node_id="x", role="prefill", engine={"model": "m"}, shared_curve=TEST_CURVE)
-    assert NodeConfig(node_id="x", role="prefill", engine=engine,
-                      shared_curve=TEST_CURVE).model == "m"
+        NodeConfig(node_id="x", role="prefill", engine={"model": "m"})
+    assert NodeConfig(node_id="x", role="prefill", engine=engine).model == "m"
+    # the shared-key test mode is no configuration: nothing built from a config turns it on
+    assert "shared_curve" not in NodeConfig.__dataclass_fields__
 
 
 def test_engine_options_from_the_launcher_are_checked_by_name():
@@ -118,14 +120,17 @@ def test_engine_options_from_the_launcher_are_checked_by_name():
 
 def test_a_node_without_an_identity_is_refused():
     """A node serves nobody without credentials: its identity comes from the metadata service
-    (and its bootstrap token, for its own id only), or from the shared-key test mode."""
-    engine = EngineConfig("m")
+    (and its bootstrap token, for its own id only), or from the shared-key test mode, which
+    only a caller of NodeRuntime can choose. Refused before the engine loads."""
+    engine = EngineConfig("no-such-model")
     with pytest.raises(ValueError, match="bootstrap_token"):
-        NodeConfig(node_id="x", role="prefill", engine=engine)
+        NodeRuntime(NodeConfig(node_id="x", role="prefill", engine=engine))
     with pytest.raises(ValueError, match="bootstrap_token"):
-        NodeConfig(node_id="x", role="prefill", engine=engine, metadata_address="m:1")
+        NodeRuntime(NodeConfig(node_id="x", role="prefill", engine=engine,
+                               metadata_address="m:1"))
+    with pytest.raises(ValueError, match="metadata service"):
+        NodeRuntime(NodeConfig(node_id="x", role="prefill", engine=engine,
+                               bootstrap_token=node_token("x")))
     with pytest.raises(ValueError, match="not a credential of principal node/x"):
         NodeConfig(node_id="x", role="prefill", engine=engine, metadata_address="m:1",
                    bootstrap_token=node_token("y"))
-    assert NodeConfig(node_id="x", role="prefill", engine=engine, metadata_address="m:1",
-                      bootstrap_token=node_token("x")).shared_curve is None

@@ -11,14 +11,12 @@ import json
 
 import pytest
 
-pytest.importorskip("torch")
-
-from pdcluster.core.node_wire import GenerateRequest, RequestError, SamplingSpec, TokenDelta  # noqa: E402
-from pdcluster.core.sampling import GuidedDecoding  # noqa: E402
-from pdcluster.node.client import tokens_of  # noqa: E402
-from tests.cluster_secret import TEST_CURVE  # noqa: E402
-from tests.helpers import assert_pool_clean  # noqa: E402
-from tests.models import random_prompts  # noqa: E402
+from pdcluster.core.node_wire import GenerateRequest, RequestError, SamplingSpec, TokenDelta
+from pdcluster.core.sampling import GuidedDecoding
+from pdcluster.node.client import tokens_of
+from tests.cluster_secret import TEST_CURVE
+from tests.helpers import assert_pool_clean
+from tests.models import random_prompts
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "n": {"type": "integer", "maximum": 99}},

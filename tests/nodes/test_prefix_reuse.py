@@ -23,7 +23,7 @@ BLOCK = 8
 KV_TIMEOUT_S = 5.0
 GREEDY = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
 OPTIONS = {"engine_options": {"num_kv_blocks": 128, "block_size": BLOCK},
-           "kv_timeout_s": KV_TIMEOUT_S, "shared_curve": TEST_CURVE}
+           "kv_timeout_s": KV_TIMEOUT_S, "shared_keys": TEST_CURVE}
 
 
 @pytest.fixture(scope="module")

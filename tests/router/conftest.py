@@ -13,7 +13,7 @@ import pytest
 
 from pdcluster.router.api.server import RouterApp
 from pdcluster.router.config import NodeSpec, RouterConfig
-from tests.cluster_secret import ROUTER_CREDENTIALS
+from tests.cluster_secret import ROUTER_CREDENTIALS, TEST_CURVE
 from tests.router.fake_node import FakeNode
 
 MAX_MODEL_LEN = 256
@@ -58,7 +58,7 @@ def start_router(model_dir: Path) -> Iterator[Callable[..., RunningRouter]]:
         config = RouterConfig(**{"model_dir": str(model_dir), "model_name": "tiny", "port": 0,
                                  "nodes": specs, "load_interval_s": 0.1, "node_timeout_s": 0.5,
                                  **ROUTER_CREDENTIALS, **overrides})
-        app = RouterApp(config)
+        app = RouterApp(config, shared_keys=TEST_CURVE)
         asyncio.run_coroutine_threadsafe(app.start(), loop).result(10)
         started.append(app)
         return RunningRouter(app, loop)

@@ -29,7 +29,7 @@ from pdcluster.metadata_service.server import ServerThread
 from pdcluster.node.config import NodeConfig
 from pdcluster.node.runtime import NodeRuntime
 from pdcluster.router.routing.policy import PolicyConfig
-from tests.cluster_secret import TEST_SECRET, node_credentials, node_token
+from tests.cluster_secret import TEST_CURVE, TEST_SECRET, node_credentials, node_token
 from tests.metadata_service.helpers import make_config
 from tests.models import random_prompts
 from tests.router.fake_node import FakeNode
@@ -198,7 +198,8 @@ def test_real_nodes_publish_only_claims_the_router_attested(start_router, model_
         return NodeRuntime(NodeConfig(
             node_id=node_id, role="decode", metadata_address=address, lease_ttl_s=5,
             engine=EngineConfig(model_dirs["llama-gqa"], num_kv_blocks=128, block_size=8),
-            publish_interval_s=0.02, **node_credentials(node_id))).start()
+            publish_interval_s=0.02, **node_credentials(node_id)),
+            shared_keys=TEST_CURVE).start()
 
     with ServerThread(make_config(cluster_secret=TEST_SECRET)) as server:
         nodes = {name: start_node(server.address, name) for name in ("n0", "n1")}

@@ -12,7 +12,7 @@ from pdcluster.router.config import NodeSpec, RouterConfig
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.routing.dispatch import Dispatcher
 from pdcluster.router.routing.policy import PolicyConfig
-from tests.cluster_secret import ROUTER_CREDENTIALS
+from tests.cluster_secret import ROUTER_CREDENTIALS, TEST_CURVE
 
 HALF_LIFE_S = 30.0
 
@@ -47,7 +47,7 @@ def test_dispatched_work_is_counted_decayed_and_routed_on(make_node) -> None:
     clock = FakeClock()
 
     async def scenario() -> None:
-        dispatcher = Dispatcher(config, RouterMetrics(), clock=clock)
+        dispatcher = Dispatcher(config, RouterMetrics(), clock=clock, shared_keys=TEST_CURVE)
         await dispatcher.start()
         try:
             first, num_tokens = await send(dispatcher, make_request("r1", 100, 4))
@@ -76,7 +76,7 @@ def test_remote_prefill_charges_the_prompt_to_p_and_the_output_to_d(make_node) -
     clock = FakeClock()
 
     async def scenario() -> None:
-        dispatcher = Dispatcher(config, RouterMetrics(), clock=clock)
+        dispatcher = Dispatcher(config, RouterMetrics(), clock=clock, shared_keys=TEST_CURVE)
         await dispatcher.start()
         try:
             decode_node, num_tokens = await send(dispatcher, make_request("r1", 200, 3))

@@ -100,6 +100,29 @@ def test_models_health_metrics(start_router, make_node) -> None:
     assert "router_ttft_seconds_bucket" in text
 
 
+def test_the_api_also_listens_where_asked(start_router, make_node) -> None:
+    """`also_listen`: the same API on more addresses and the same port (in a pod: the pod's IP
+    and 127.0.0.1, which `kubectl port-forward` dials). 127.0.0.2 is loopback too on Linux."""
+    router = start_router([make_node()], host="127.0.0.1", also_listen=("127.0.0.2",))
+    for address in ("127.0.0.1", "127.0.0.2"):
+        conn = http.client.HTTPConnection(address, router.app.port, timeout=5)
+        conn.request("GET", "/health")
+        assert json.loads(conn.getresponse().read())["status"] == "ok", address
+        conn.close()
+    with pytest.raises(ConnectionRefusedError):  # and nowhere else
+        http.client.HTTPConnection("127.0.0.3", router.app.port, timeout=5).request("GET", "/")
+
+
+@pytest.mark.parametrize("also_listen", [("127.0.0.1",), ("",), ("::1", "::1")])
+def test_also_listen_refuses_the_host_blanks_and_repeats(model_dir, also_listen) -> None:
+    from pdcluster.router.config import RouterConfig
+    from tests.cluster_secret import ROUTER_CREDENTIALS
+
+    with pytest.raises(ValueError, match="also_listen"):
+        RouterConfig(model_dir=str(model_dir), host="127.0.0.1", also_listen=also_listen,
+                     **ROUTER_CREDENTIALS)
+
+
 @pytest.mark.parametrize("body, status, code", [
     (b"{not json", 400, "invalid_json"),
     (b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "invalid_encoding"),

@@ -20,7 +20,13 @@ from pdcluster.router.config import RouterConfig
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.routing.dispatch import Dispatcher
 from pdcluster.router.routing.metadata_link import MetadataLink
-from tests.cluster_secret import ROUTER_CREDENTIALS, SERVICE_TOKEN, TEST_SECRET, node_token
+from tests.cluster_secret import (
+    ROUTER_CREDENTIALS,
+    SERVICE_TOKEN,
+    TEST_CURVE,
+    TEST_SECRET,
+    node_token,
+)
 from tests.metadata_service.helpers import (
     free_port,
     make_chain,
@@ -271,7 +277,7 @@ def test_dispatcher_reaches_an_mtls_service_with_its_configs_files(tmp_path) -> 
                               metadata_tls_ca=pki.ca, metadata_tls_cert=pki.client_cert,
                               metadata_tls_key=pki.client_key,
                               metadata_tls_server_name="localhost")
-        dispatcher = Dispatcher(router, RouterMetrics())
+        dispatcher = Dispatcher(router, RouterMetrics(), shared_keys=TEST_CURVE)
         await dispatcher.start()
         try:
             assert set(dispatcher.nodes) == {"p0"}

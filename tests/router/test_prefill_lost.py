@@ -3,7 +3,7 @@ sees its connection close and tells the decode node at once (`PrefillLost`, nami
 request and its transfer), so the decode node stops waiting for KV that will never come. So
 does a prefill node that refuses the request for a reason of its own (overloaded): the
 decode node computes the prompt and the request succeeds. A prefill node that only hangs
-(connected, silent) is not reported: it may still write."""
+(connected, silent) is not reported: it may still write — until its connection closes."""
 
 from __future__ import annotations
 
@@ -115,3 +115,18 @@ def test_a_hung_prefill_node_is_not_reported(start_router, make_node):
     time.sleep(2.0)  # past the missed polls that end its streams
     assert notices(decode) == []
     assert lost_count(router, "lost") == 0
+
+
+def test_a_hung_prefill_node_that_then_dies_is_reported(start_router, make_node):
+    router, prefill, decode, _ = start_disaggregated(start_router, make_node)
+    prefill.frozen = True
+    link = router.app.dispatcher.nodes["p0"]
+    wait_until(lambda: link.num_inflight == 0, timeout_s=10.0)  # missed polls ended its stream
+    assert notices(decode) == [] and not link.disconnected
+    killed = time.monotonic()
+    prefill.close()  # it was not only hung: it died, and its KV will never come
+    wait_until(lambda: notices(decode), timeout_s=2.0)
+    assert time.monotonic() - killed < 1.0
+    (notice,) = notices(decode)
+    assert notice.transfer_id == decode.requests()[0].transfer.transfer_id
+    assert lost_count(router, "lost") == 1

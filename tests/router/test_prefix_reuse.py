@@ -13,7 +13,7 @@ from pdcluster.router.config import NodeSpec, RouterConfig
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.routing.dispatch import Dispatcher, Placement
 from pdcluster.router.routing.policy import PolicyConfig
-from tests.cluster_secret import ROUTER_CREDENTIALS
+from tests.cluster_secret import ROUTER_CREDENTIALS, TEST_CURVE
 from tests.router.test_dispatch import make_request
 
 POLICY = PolicyConfig(block_size=16, local_prefill_threshold=16, global_reuse_min_tokens=128)
@@ -28,7 +28,7 @@ def run_one(nodes, hits: dict[str, int], busy: str, num_prompt_tokens: int,
         nodes=tuple(NodeSpec(n.node_id, n.role, n.address, n.kv_address) for n in nodes))
 
     async def scenario():
-        dispatcher = Dispatcher(config, metrics or RouterMetrics())
+        dispatcher = Dispatcher(config, metrics or RouterMetrics(), shared_keys=TEST_CURVE)
         await dispatcher.start()
         try:
             dispatcher.nodes[busy].pending_tokens = 20_000  # sent there since its last report

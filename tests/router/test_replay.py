@@ -1,5 +1,6 @@
-"""The replay tool: the shared Mooncake trace and a synthetic multi-turn trace (target on both:
-hit ratio >= 0.97 x ideal with work imbalance <= 1.10 on 8 nodes, 100,000 blocks)."""
+"""The replay tool: the public Mooncake trace (tests/data) and a synthetic multi-turn trace
+(target on both: hit ratio >= 0.97 x ideal with work imbalance <= 1.10 on 8 nodes, 100,000
+blocks)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from pdcluster.router.sim.sim_nodes import SimNode, apply_events, node_pull_bloc
 from tests.router.synth_trace import synthetic_trace
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SHARED_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+# The public Mooncake trace, copied into the repository (tests/data/README.md).
+MOONCAKE_TRACE = REPO_ROOT / "tests" / "data" / "mooncake_synthetic_trace.jsonl"
 
 
 def run_replay(*args: str) -> dict:
@@ -33,10 +35,9 @@ def run_replay(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not SHARED_TRACE.is_file(),
-                    reason=f"shared trace not found at {SHARED_TRACE} (needs ../shared)")
-def test_shared_trace_meets_the_target() -> None:
-    result = run_replay("--trace", str(SHARED_TRACE), "--nodes", "8", "--cache-blocks", "100000",
+def test_mooncake_trace_meets_the_target() -> None:
+    assert MOONCAKE_TRACE.is_file(), f"{MOONCAKE_TRACE} is missing (tests/data/README.md)"
+    result = run_replay("--trace", str(MOONCAKE_TRACE), "--nodes", "8", "--cache-blocks", "100000",
                         "--no-global-reuse")
     assert result["requests"] == 3993
     assert result["hit_ratio"] >= 0.99 * result["ideal_hit_ratio"], result

@@ -26,6 +26,7 @@ from pdcluster.core.node_wire import (
 from pdcluster.core.node_wire import encode as encode_node
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.metadata_service.errors import MetadataAuthError
+from tests.security.conftest import own_engine_only
 from tests.security.served import (
     BLOCK_SIZE,
     Memory,
@@ -36,7 +37,8 @@ from tests.security.served import (
 )
 from tests.security.test_zmq_attacks import PROMPT, _answer, _member_node
 
-pytestmark = pytest.mark.slow
+# 900 s: the first test on each engine's cluster waits for it to start (vLLM's: minutes)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 LONG = SamplingSpec(max_tokens=200, temperature=0.0, ignore_eos=True)
 # the XferDone test leaves D caching blocks nobody wrote (the node asked is trusted for the
 # KV it sends: docs/security.md's residual risks): a prompt of its own
@@ -154,6 +156,7 @@ def test_only_the_submitter_aborts_a_request(served):
         memory.close()
 
 
+@own_engine_only
 def test_a_member_cannot_make_a_prefill_node_write_elsewhere(served):
     """d9 asks P for a prompt's KV but names a third party's memory as the destination (a
     confused deputy): refused, the third party untouched. The same request naming d9's own
@@ -181,6 +184,7 @@ def test_a_member_cannot_make_a_prefill_node_write_elsewhere(served):
             closer.close()
 
 
+@own_engine_only
 def test_xfer_done_is_accepted_only_from_the_node_asked(served):
     """D waits for KV from the node its request names. A forged XferDone from another
     member is refused (the request gets no first token); the node asked completes it."""

@@ -14,7 +14,7 @@ the attack: the machine is shared), and the process's memory stays bounded:
   sender thread, never on its receive loop or the engine thread);
 - 60 transfer requests for made-up transfer ids, each naming 131,072 blocks (~5 MB of Python
   ints decoded): P holds a peer's pending requests within a budget (its share by entries and
-  by weight) and refuses the rest at once (issue 38; before, it held all 60, ~300 MB, for the
+  by weight) and refuses the rest at once (before, it held all 60, ~300 MB, for the
   transfer timeout).
 """
 

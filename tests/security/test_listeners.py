@@ -12,7 +12,6 @@ of the machine or pod.
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import subprocess
 import sys
@@ -20,12 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.security.listeners import Listener, listening_sockets
+from tests.security.listeners import Listener, listening_sockets, process_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
-needs_mooncake = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
-                                    reason="needs mooncake-transfer-engine(-non-cuda)")
 # A process of one of these names belongs to Ray, not to pdcluster (comm is cut at 15 chars).
 RAY_DAEMONS = ("gcs_server", "raylet", "ray::DashboardA", "ray::RuntimeEnv", "ray::IDLE")
 RAY_DAEMON_SCRIPTS = ("ray/autoscaler/", "ray/dashboard/", "ray/_private/log_monitor.py")
@@ -74,7 +71,6 @@ def engine_listeners(host: str, with_side_channel: bool) -> tuple[list[int], lis
     return [int(p) for p in line.split()], listeners
 
 
-@needs_mooncake
 @pytest.mark.timeout(90)
 def test_mooncake_engine_and_side_channel_listen_on_the_host_only() -> None:
     (rpc_port, side_channel_port), listeners = engine_listeners(HOST, with_side_channel=True)
@@ -85,7 +81,6 @@ def test_mooncake_engine_and_side_channel_listen_on_the_host_only() -> None:
         not_on_host(listeners))
 
 
-@needs_mooncake
 @pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6")
 @pytest.mark.timeout(90)
 def test_mooncake_engine_listens_on_an_ipv6_host_only() -> None:
@@ -103,8 +98,10 @@ def is_ray_daemon(listener: Listener) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # on vLLM's cluster the first test waits for it to start
 def test_serve_listens_on_the_host_only(served) -> None:
+    """The serve process and the node actors (with vLLM: the engine-core and worker processes
+    each actor starts, too) listen on 127.0.0.1 only; Ray's own daemons are exempt."""
     serve_pid = served.proc.pid  # the shared cluster of tests/security/conftest.py
     listeners = listening_sockets(serve_pid)
     ray_daemons = [s for s in listeners if is_ray_daemon(s)]
@@ -114,7 +111,11 @@ def test_serve_listens_on_the_host_only(served) -> None:
     actors = {s.pid for s in checked if s.name in NODE_ACTORS}
     assert len(actors) == 2, f"expected a prefill and a decode actor process: {checked}"
     assert any(s.pid == serve_pid for s in checked), "the serve process listens nowhere?"
-    unexpected = {s.pid for s in checked} - actors - {serve_pid}
+    under_actors = {pid for actor in actors for pid in process_tree(actor)}
+    if served.engine == "vllm":  # vLLM's engine core (and its worker) run under each actor
+        for actor in actors:
+            assert len(process_tree(actor)) >= 3, f"no vLLM processes under actor {actor}"
+    unexpected = {s.pid for s in checked} - under_actors - {serve_pid}
     assert not unexpected, f"unclassified listening processes: {checked}"
     assert not not_on_host(checked), (
         "listening beyond the host (Mooncake's ports are 15000-17000; a Ray core-worker gRPC "

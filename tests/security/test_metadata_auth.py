@@ -1,4 +1,4 @@
-"""Attack 5 of issue 11, against real processes: the metadata service a standalone
+"""Calls without a valid token, against real processes: the metadata service a standalone
 `pdcluster metadata serve` runs, and the one the cluster code embeds (`RayCluster`, what
 `pdcluster serve` starts, with real node actors registered in it). The attacker speaks raw
 gRPC, so no client-side check hides anything:
@@ -95,7 +95,6 @@ def standalone(tmp_path_factory) -> Iterator[Target]:
 def embedded(model_dirs) -> Iterator[Target]:
     """The cluster code's own service (`RayCluster`, as `pdcluster serve` runs it), with the
     real node actors p0 and d0 registered in it."""
-    pytest.importorskip("ray")
     from pdcluster.cluster.config import ClusterConfig
     from pdcluster.cluster.ray_cluster import RayCluster
 

@@ -273,7 +273,6 @@ def test_cluster_config_tls_reaches_the_node_actors(mtls_service, model_dirs) ->
     """What `pdcluster serve --metadata ... --metadata-tls-*` and cluster.yaml build: the node
     actors on a real local Ray get the files and register over mTLS; the router's config
     built from the same ClusterConfig reads them back."""
-    pytest.importorskip("ray")
     from pdcluster.cluster.config import ClusterConfig
     from pdcluster.cluster.launch import router_config
     from pdcluster.cluster.ray_cluster import RayCluster

@@ -26,11 +26,11 @@ from pdcluster.core.node_wire import (
 )
 from pdcluster.node.client import BlockingNodeClient, tokens_of
 from pdcluster.node.server import NodeServer
-from pdcluster.transfer.loopback import LoopbackFabric
 from tests.cluster_secret import TEST_CURVE
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import make_engine
+from tests.transfer.loopback import LoopbackFabric
 
 STREAM = SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True)
 

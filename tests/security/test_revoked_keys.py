@@ -2,7 +2,7 @@
 its own key, registered with a real metadata service): member m0 connects with its registered
 key, then its registration ends (it deregisters; the node's directory lets the key go). Each
 message m0 then sends on its open connection names nobody. The node refuses each at once,
-without asking the metadata service again: before (issue 38), every such message cost the
+without asking the metadata service again: before, every such message cost the
 node's engine thread a blocking directory refresh (~0.2 s), so a trickle of them stalled every
 request on the node. A router's load query on the same socket is answered meanwhile."""
 

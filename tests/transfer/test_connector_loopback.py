@@ -9,10 +9,10 @@ import pytest
 
 from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill, XferDone, XferRequest
 from pdcluster.engine import SamplingParams
-from pdcluster.transfer.loopback import LoopbackFabric
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import FakeClock, drive, idle, make_engine, submit
+from tests.transfer.loopback import LoopbackFabric
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -17,7 +17,6 @@ from tests.models import random_prompts
 from tests.transfer.disagg import drive, idle, make_engine
 from tests.transfer.node_process import NodeProcess
 
-pytest.importorskip("mooncake.engine")
 N_OUT = 8
 _ids = itertools.count()
 

@@ -10,10 +10,10 @@ import pytest
 from pdcluster.core.hashing import hash_block_tokens
 from pdcluster.core.kv_transfer import PrefixPull
 from pdcluster.engine import SamplingParams
-from pdcluster.transfer.loopback import LoopbackFabric
 from tests.helpers import assert_pool_clean, assert_tiers_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import drive, idle, make_engine
+from tests.transfer.loopback import LoopbackFabric
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BLOCK = 8
@@ -72,7 +72,6 @@ def test_a_pull_is_served_from_the_holders_host_tier(model, hf_reference):
 
 
 def test_a_pull_from_the_host_tier_over_mooncake(model, hf_reference):
-    pytest.importorskip("mooncake.engine")
     from pdcluster.transfer.transport import MooncakeTransport
     from tests.cluster_secret import TEST_CURVE
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import importlib.util
 import logging
 import multiprocessing
 import os
@@ -35,8 +34,6 @@ from pdcluster.transfer.mooncake_engine import (
 from pdcluster.transfer.rdma import IB_SYSFS
 
 pytestmark = pytest.mark.timeout(60)
-needs_mooncake = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
-                                    reason="needs mooncake-transfer-engine(-non-cuda)")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PEER_NBYTES = 64 << 20
@@ -111,10 +108,15 @@ def test_config_rejects_bad_values(kwargs: dict) -> None:
 
 
 def test_config_accepts_good_values() -> None:
-    MooncakeConfig()
-    MooncakeConfig(hostname="::1")
-    MooncakeConfig(protocol="rdma", device_name="mlx5_0,mlx5_1")
-    MooncakeConfig(hostname="10.0.0.5:17001", metadata_server="etcd://127.0.0.1:2379")
+    default = MooncakeConfig()
+    assert (default.hostname, default.protocol, default.device_name) == ("127.0.0.1", "tcp", "")
+    assert default.metadata_server == "P2PHANDSHAKE" and default.is_p2p
+    assert MooncakeConfig(hostname="::1").hostname == "::1"  # IPv6: colons but no port
+    rdma = MooncakeConfig(protocol="rdma", device_name="mlx5_0,mlx5_1")
+    assert (rdma.protocol, rdma.device_name) == ("rdma", "mlx5_0,mlx5_1")
+    etcd = MooncakeConfig(hostname="10.0.0.5:17001", metadata_server="etcd://127.0.0.1:2379")
+    assert etcd.hostname == "10.0.0.5:17001" and not etcd.is_p2p
+    assert etcd.metadata_server == "etcd://127.0.0.1:2379"
 
 
 def test_active_ib_port_detection(tmp_path: Path) -> None:
@@ -306,13 +308,11 @@ def addr_of(buf: np.ndarray, offset: int = 0) -> int:
     return buf.ctypes.data + offset
 
 
-@needs_mooncake
 def test_session_id_names_this_engine(engine) -> None:
     host, port = engine.session_id.rsplit(":", 1)
     assert host == "127.0.0.1" and int(port) == engine.rpc_port > 0
 
 
-@needs_mooncake
 def test_write_64mib_lands_byte_identical(engine, local, peer) -> None:
     pattern = np.random.default_rng(0).integers(0, 256, PEER_NBYTES, dtype=np.uint8)
     local[:PEER_NBYTES] = ~pattern
@@ -326,7 +326,6 @@ def test_write_64mib_lands_byte_identical(engine, local, peer) -> None:
     print(f"64 MiB write: {PEER_NBYTES / elapsed / 1e9:.2f} GB/s")
 
 
-@needs_mooncake
 def test_scattered_blocks_write_through_coalesce(engine, local, peer) -> None:
     src_blocks = [0, 1, 2, 5, 6, 9]
     dst_blocks = [10, 11, 12, 3, 4, 20]
@@ -340,7 +339,6 @@ def test_scattered_blocks_write_through_coalesce(engine, local, peer) -> None:
         assert peer.ask("bytes", d * BLOCK, BLOCK) == bytes([s + 1]) * BLOCK
 
 
-@needs_mooncake
 def test_read_copies_peer_bytes_into_local_memory(engine, local, peer) -> None:
     data = bytes(range(256)) * 64
     assert peer.ask("fill", 7 * BLOCK, data) == "ok"
@@ -349,7 +347,6 @@ def test_read_copies_peer_bytes_into_local_memory(engine, local, peer) -> None:
     assert local[target:target + len(data)].tobytes() == data
 
 
-@needs_mooncake
 def test_write_async_reports_done_once(engine, local, peer) -> None:
     local[:BLOCK] = 0xAB
     batch_id = engine.write_async(peer.session, [addr_of(local)], [peer.addr + 40 * BLOCK],
@@ -363,7 +360,6 @@ def test_write_async_reports_done_once(engine, local, peer) -> None:
         engine.status(batch_id)
 
 
-@needs_mooncake
 def test_write_async_failure_is_reported_and_logged(engine, local, peer, caplog) -> None:
     with caplog.at_level(logging.ERROR, logger="pdcluster.transfer.mooncake_engine"):
         batch_id = engine.write_async(peer.session, [addr_of(local)],
@@ -375,7 +371,6 @@ def test_write_async_failure_is_reported_and_logged(engine, local, peer, caplog)
     assert any(f"batch {batch_id} failed" in r.getMessage() for r in caplog.records)
 
 
-@needs_mooncake
 def test_write_outside_peer_memory_raises_with_code(engine, local, peer) -> None:
     start = time.monotonic()
     with pytest.raises(TransferError) as info:  # straddles the end of the peer's region
@@ -385,7 +380,6 @@ def test_write_outside_peer_memory_raises_with_code(engine, local, peer) -> None
     engine.write(peer.session, [addr_of(local)], [peer.addr], [BLOCK])  # still usable
 
 
-@needs_mooncake
 def test_unknown_and_dead_peers_raise_promptly(engine, local) -> None:
     with pytest.raises(TransferError):
         engine.write("127.0.0.1:1", [addr_of(local)], [4096], [BLOCK])
@@ -401,7 +395,6 @@ def test_unknown_and_dead_peers_raise_promptly(engine, local) -> None:
         doomed.kill()
 
 
-@needs_mooncake
 @pytest.mark.slow
 def test_hung_peer_raises_transfer_timeout(engine, local) -> None:
     frozen = Peer(BLOCK)
@@ -421,7 +414,6 @@ def test_hung_peer_raises_transfer_timeout(engine, local) -> None:
         frozen.kill()
 
 
-@needs_mooncake
 def test_bad_arguments_raise_value_error(engine, local, peer) -> None:
     src, dst = addr_of(local), peer.addr
     bad_calls = [
@@ -442,7 +434,6 @@ def test_bad_arguments_raise_value_error(engine, local, peer) -> None:
     engine.write(peer.session, [], [], [])  # nothing to move is fine
 
 
-@needs_mooncake
 def test_registration_errors_carry_the_return_code(engine, local) -> None:
     with pytest.raises(ValueError):
         engine.register(addr_of(local), 0)
@@ -453,7 +444,6 @@ def test_registration_errors_carry_the_return_code(engine, local) -> None:
         engine.unregister(addr_of(local, BLOCK))
 
 
-@needs_mooncake
 def test_close_unregisters_and_is_idempotent() -> None:
     eng = MooncakeTransferEngine()
     bufs = [np.zeros(BLOCK, dtype=np.uint8) for _ in range(2)]
@@ -515,14 +505,12 @@ def test_pinned_bind_reports_bind_errors_to_the_caller() -> None:
         assert mooncake_bind._CALLBACK(sock.fileno(), ctypes.addressof(buf), len(raw)) == -1
 
 
-@needs_mooncake
 def test_engine_binary_imports_bind_through_a_patchable_slot() -> None:
     from mooncake import engine as binding
 
     assert mooncake_bind._import_slots(os.path.realpath(binding.__file__), b"bind")
 
 
-@needs_mooncake
 def test_real_engine_listens_on_the_host_only() -> None:
     from tests.security.listeners import listening_sockets
 

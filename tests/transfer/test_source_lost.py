@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pdcluster.core.kv_transfer import XferDone
 from pdcluster.engine import SamplingParams
-from pdcluster.transfer.loopback import LoopbackFabric
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import FakeClock, drive, idle, make_engine, submit
+from tests.transfer.loopback import LoopbackFabric
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

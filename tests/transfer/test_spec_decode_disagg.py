@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.engine import SamplingParams
-from pdcluster.transfer.loopback import LoopbackFabric
 from tests.engine.spec_fakes import OracleProposer
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
 from tests.transfer.disagg import drive, idle, make_engine, submit
+from tests.transfer.loopback import LoopbackFabric
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

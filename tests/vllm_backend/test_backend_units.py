@@ -1,10 +1,13 @@
 """The vLLM backend's parts, each against vLLM's own code where vLLM defines the behaviour:
 block hashes equal to vLLM's (so the router can name a vLLM node's blocks), the connector's
 scheduler side on real vLLM `Request`s, the KV layout of vLLM-shaped cache tensors, and the
-sampling options as vLLM's `SamplingParams`. No engine runs here (tests/vllm_backend/
+sampling options as vLLM's `SamplingParams`, and a lost prefill node's notice meeting its
+transfer's load on the scheduler side. No engine runs here (tests/vllm_backend/
 test_vllm_nodes.py runs them)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -22,11 +25,14 @@ from pdcluster.core.sampling import GuidedDecoding, SamplingSpec  # noqa: E402
 from pdcluster.core.vllm_hashing import VLLM_DEFAULT_SEED, VLLM_HASH_ALGORITHM  # noqa: E402
 from pdcluster.engine.config import EngineConfig  # noqa: E402
 from pdcluster.vllm_backend.connector_scheduler import (  # noqa: E402
+    StepPlan,
     VllmSchedulerSide,
     kv_transfer_params,
     transfer_params,
 )
 from pdcluster.vllm_backend.connector_worker import kv_region  # noqa: E402
+from pdcluster.vllm_backend.handshake import endpoint  # noqa: E402
+from pdcluster.vllm_backend.lost import LostNotifier  # noqa: E402
 from pdcluster.vllm_backend.sampling import to_vllm_params  # noqa: E402
 from pdcluster.vllm_backend.settings import ConnectorSettings, check_supported  # noqa: E402
 
@@ -77,8 +83,8 @@ def test_a_vllm_engine_config_hashes_as_vllm_does() -> None:
                                      speculative="ngram:k=2"))
     with pytest.raises(ValueError, match="block_size 16"):
         check_supported(EngineConfig("m", backend="vllm", block_size=16))
-    with pytest.raises(ValueError, match="vLLM options"):
-        EngineConfig("m", tensor_parallel_size=2)  # the own engine runs on one device
+    with pytest.raises(ValueError, match="gpu_memory_utilization is a vLLM option"):
+        EngineConfig("m", gpu_memory_utilization=0.5)  # the own engine sizes its KV cache
 
 
 # ---- the connector's scheduler side on vLLM's Request ----------------------------------
@@ -149,6 +155,74 @@ def test_aborts_on_either_side_cancel_the_transfer() -> None:
     never_allocated = make_request("d2", 64, RemotePrefill("t3", "tcp://p:1"))
     assert not side.on_finished(never_allocated, [], normally=False)
     assert side.build().released == [("t3", "tcp://p:1")]
+
+
+# ---- a lost prefill node's notice (vllm_backend/lost.py) --------------------------------
+
+LOST = "prefill node lost: p0: disconnected"
+
+
+@pytest.fixture
+def told(tmp_path):
+    """A decode node's scheduler side with its `lost` socket, and the node's end of it."""
+    side = VllmSchedulerSide(ConnectorSettings(handshake_dir=str(tmp_path)), BLOCK)
+    notifier = LostNotifier(endpoint(tmp_path, "lost"))
+    yield side, notifier
+    notifier.close()
+    side.close()
+
+
+def plan_receive(side: VllmSchedulerSide, rid: str, tid: str) -> StepPlan:
+    request = make_request(rid, 100, RemotePrefill(tid, "tcp://p:1"))
+    assert side.num_new_matched_tokens(request, 32) == (68, True)
+    side.on_allocated(request, [1, 2, 3, 4], 68)
+    return side.build()
+
+
+def next_failing(side: VllmSchedulerSide) -> StepPlan:
+    """Steps until one fails a receive (a notice crosses the socket asynchronously)."""
+    deadline = time.monotonic() + 5
+    while not (step := side.build()).lost:
+        assert time.monotonic() < deadline, "no notice reached the scheduler side"
+        time.sleep(0.005)
+    return step
+
+
+def test_a_registered_load_whose_source_is_lost_fails_at_the_next_step(told) -> None:
+    side, notifier = told
+    plan_receive(side, "d1", "t1")
+    assert notifier.send("t1", LOST)
+    assert next_failing(side).lost == [("t1", LOST)]
+    assert side.build().lost == []  # once
+    side.update(ConnectorResults(received=[RecvResult("d1", False, error=LOST)]))
+    assert not side.has_pending_work()
+
+
+def test_a_load_not_registered_yet_fails_as_it_is_registered(told) -> None:
+    side, notifier = told
+    plan_receive(side, "d1", "t1")
+    # the notice for d2 comes before vLLM has scheduled d2; d1's shows it was read
+    assert notifier.send("t2", LOST) and notifier.send("t1", LOST)
+    assert next_failing(side).lost == [("t1", LOST)]
+    step = plan_receive(side, "d2", "t2")
+    assert [r.request_id for r in step.plan.recvs] == ["d2"]
+    assert step.lost == [("t2", LOST)]  # the worker fails it before it asks the source
+
+
+def test_a_notice_after_the_kv_arrived_or_the_request_ended_changes_nothing(told) -> None:
+    side, notifier = told
+    plan_receive(side, "d1", "t1")
+    side.update(ConnectorResults(received=[RecvResult("d1", True)]))
+    queued = make_request("d2", 100, RemotePrefill("t2", "tcp://p:1"))
+    side.num_new_matched_tokens(queued, 32)
+    plan_receive(side, "d3", "t3")  # an unrelated load: its notice shows the others were read
+    assert notifier.send("t1", LOST) and notifier.send("t2", LOST) and notifier.send("t3", LOST)
+    assert next_failing(side).lost == [("t3", LOST)]  # t1's KV is in: nothing to fail
+    side.on_finished(queued, [], normally=False)  # aborted while queued: its notice goes too
+    again = make_request("d4", 100, RemotePrefill("t2", "tcp://p:1"))  # (to show it is gone)
+    side.num_new_matched_tokens(again, 32)
+    side.on_allocated(again, [5, 6, 7, 8], 68)
+    assert side.build().lost == []
 
 
 def test_an_unknown_pd_role_is_refused() -> None:

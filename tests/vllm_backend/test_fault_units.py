@@ -2,6 +2,7 @@
 cluster's faults are tests/vllm_backend/test_vllm_faults.py):
 
 - `AbortTracker`: an abort counts as pending until vLLM's figures include it;
+- `LostTransfers`: lost-transfer notices waiting for their load are bounded and expire;
 - `take_curve`: the node's CURVE keys leave the private folder once the connector took them;
 - `die_with_parent`: a process spawned by multiprocessing (as vLLM spawns its engine core
   and worker) dies with its parent once it asked to — and outlives it otherwise, which is
@@ -22,6 +23,7 @@ from pdcluster.core.credentials import CurveKeys
 from pdcluster.vllm_backend.aborts import AbortTracker
 from pdcluster.vllm_backend.handshake import Handshake, take_curve
 from pdcluster.vllm_backend.lifeline import die_with_parent
+from pdcluster.vllm_backend.lost import LostTransfers
 
 
 class Clock:
@@ -70,6 +72,25 @@ def test_overlapping_aborts_wait_for_the_last():
     assert not tracker.settled()
     reports[0] = 11
     assert tracker.settled()
+
+
+def test_lost_transfers_wait_for_their_load_bounded_and_expiring():
+    clock = Clock()
+    lost = LostTransfers(ttl_s=10.0, max_entries=2, clock=clock)
+    lost.note("t1", "p0 died")
+    lost.note("t2", "p0 died")
+    lost.note("t3", "p1 refused")
+    assert len(lost) == 2 and lost.take("t1") is None  # the oldest made room
+    assert lost.take("t3") == "p1 refused" and lost.take("t3") is None  # used up
+    clock.now += 9.9
+    assert len(lost) == 1
+    clock.now += 0.1
+    assert lost.take("t2") is None and len(lost) == 0  # expired
+    lost.note("t4", "p0 died")
+    lost.forget("t4")
+    assert lost.take("t4") is None
+    with pytest.raises(ValueError):
+        LostTransfers(ttl_s=0)
 
 
 def test_the_connector_takes_the_nodes_keys_once():

@@ -4,12 +4,16 @@ side channel) registered with a real metadata service. Remote prefill from the p
 into the decode node's paged cache gives exactly the tokens the decode node computes alone;
 vLLM's KV events reach the global index under the hashes the router computes; aborts, a
 prefill node that never comes and a dead one end in recompute or release, with every vLLM
-block free afterwards."""
+block free afterwards; a prefill node reported lost ends the wait at once, even when the
+report reaches a vLLM busy elsewhere."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import psutil
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
@@ -72,6 +76,18 @@ class Pair:
         spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self.to_d.send(GenerateRequest(rid, prompt, spec))
         return tokens_of(self.to_d.collect({rid})[rid])
+
+    def vllm_processes(self, node) -> list[psutil.Process]:
+        """`node`'s vLLM engine core and worker (the worker serves the node's KV address)."""
+        port = int(node.kv_address.rsplit(":", 1)[1])
+        for proc in psutil.Process().children(recursive=True):
+            if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                   for c in proc.net_connections("tcp")):
+                return [proc.parent(), proc]
+        raise AssertionError(f"no process of ours serves {node.kv_address}")
+
+    def counter(self, node, name: str) -> int:
+        return node.engine.transfer_counters().get(name, 0)
 
     def assert_idle(self, timeout_s: float = 10.0) -> None:
         """Every block of both engines free again (vLLM's own KV usage back to zero) and no
@@ -160,6 +176,61 @@ def test_an_unreachable_prefill_node_means_recompute(pair) -> None:
     pair.d.server.call(lambda e: e.reset_prefix_cache())
     assert tokens_of(got) == pair.local("dead-local", prompt)
     pair.assert_idle()
+
+
+@contextmanager
+def stopped(processes: list[psutil.Process]) -> Iterator[None]:
+    """The processes stopped (SIGSTOP) for the block: a vLLM that is busy elsewhere, or
+    not scheduled at all on a loaded machine."""
+    for proc in processes:
+        proc.suspend()
+    try:
+        yield
+    finally:
+        for proc in reversed(processes):
+            proc.resume()
+
+
+# Before test_a_lost_prefill_node_means_recompute_at_once: the node's first reports reach a
+# vLLM that is stopped here, as they would a busy one.
+@pytest.mark.parametrize("registered", [False, True])
+def test_a_refused_request_is_recomputed_at_once_by_a_busy_vllm(pair, registered) -> None:
+    """The prefill node refused the request (it never got it; the router reports that as
+    `PrefillLost`), and the report reaches the decode node while its vLLM is stopped: with
+    the request's load not registered yet (the request came while vLLM was stopped), or
+    registered (its receive waits for a prefill node that will never send). Once vLLM runs
+    again it recomputes the prompt at once, not after its KV timeout: the receive is failed
+    as lost (`sources_lost`), never timed out, and the tokens are the decode node's own."""
+    prompt = random_prompts(1, 100, 100, seed=71 + registered)[0]
+    rid, tid = f"refused{registered}", f"refused-t{registered}"
+    spec = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
+    vllm = pair.vllm_processes(pair.d)
+    lost, timeouts = pair.counter(pair.d, "sources_lost"), pair.counter(pair.d, "timeouts")
+    request = GenerateRequest(rid, prompt, spec,
+                              TransferSpec("remote_prefill", tid, pair.p.kv_address))
+    started = time.monotonic()
+    if registered:
+        pair.to_d.send(request)
+        wait_for(lambda: pair.d.server.call(lambda e: e.pool_state())["num_pinned_requests"])
+    with stopped(vllm):
+        if not registered:
+            pair.to_d.send(request)
+        pair.to_d.send(PrefillLost(rid, tid, "p0: overloaded: test"))
+        time.sleep(1.5)
+    got = pair.to_d.collect({rid})[rid]
+    assert time.monotonic() - started < KV_TIMEOUT_S - 1
+    wait_for(lambda: pair.counter(pair.d, "sources_lost") == lost + 1)
+    assert pair.counter(pair.d, "timeouts") == timeouts
+    pair.d.server.call(lambda e: e.reset_prefix_cache())
+    assert tokens_of(got) == pair.local(f"{rid}-local", prompt)
+    pair.assert_idle(timeout_s=KV_TIMEOUT_S + 5)  # P forgot D's request at the latest then
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("before_it_starts", [False, True])

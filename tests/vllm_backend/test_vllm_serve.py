@@ -17,15 +17,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
-openai = pytest.importorskip("openai")
 
-from pdcluster.core.credentials import SERVICE, ClusterSecret  # noqa: E402
-from tests.cluster.test_serve_e2e import decisions, free_port  # noqa: E402
-from tests.real_model import LONG_SYSTEM, MAX_TOKENS, chats  # noqa: E402
-from tests.serve_process import start_serve, stop_serve, wait_until_answering  # noqa: E402
+from pdcluster.core.credentials import SERVICE, ClusterSecret
+from tests.cluster.test_serve_e2e import decisions, free_port
+from tests.real_model import LONG_SYSTEM, MAX_TOKENS, chats
+from tests.serve_process import start_serve, stop_serve, wait_until_answering
 
 pytestmark = pytest.mark.slow
 THRESHOLD = 64  # tokens: the short chats are ~40, the long ones ~130

@@ -25,9 +25,17 @@ from torch import nn
 from pdcluster.engine import kernels
 from pdcluster.engine.kv.kv_cache import PagedKVCache
 from pdcluster.engine.models.attention import AttentionMetadata, paged_attention
-from pdcluster.engine.models.linear import Linear
 from pdcluster.engine.models.model_config import ModelConfig
-from pdcluster.engine.models.moe import MLP, FusedLinear, SparseMoE
+from pdcluster.engine.models.moe import MLP, SparseMoE
+from pdcluster.engine.models.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    even_slice,
+    head_slice,
+)
 from pdcluster.engine.models.rope import RotaryEmbedding
 
 
@@ -60,19 +68,23 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+    """With tensor parallelism this rank's query heads and KV heads (engine/models/parallel.py):
+    q/k/v column-parallel by heads, the output projection row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = FusedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                    bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        q_rows = head_slice(cfg.num_heads, cfg.head_dim, tp, "num_attention_heads")
+        kv_rows = head_slice(cfg.num_kv_heads, cfg.head_dim, tp, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
+        self.num_heads = q_rows.length // cfg.head_dim
+        self.num_kv_heads = kv_rows.length // cfg.head_dim
+        self.q_size, self.kv_size = q_rows.length, kv_rows.length
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_rows, kv_rows, kv_rows],
+                                             bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        cfg.o_bias, tp)
         self.scale = cfg.head_dim**-0.5
         self.rope = rope
         self.q_norm: RMSNorm | None = None
@@ -110,21 +122,22 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+def make_mlp(cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE) -> nn.Module:
     """The layer's feed-forward block: sparse where the config routes it, else dense."""
     if cfg.moe is not None and layer in cfg.moe.moe_layers:
-        return SparseMoE(cfg.moe, cfg.hidden_size)
-    return MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        return SparseMoE(cfg.moe, cfg.hidden_size, tp)
+    return MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, tp=tp)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding,
-                 attention_cls: type[nn.Module] = Attention) -> None:
+                 attention_cls: type[nn.Module] = Attention,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = attention_cls(cfg, layer, rope)
+        self.self_attn = attention_cls(cfg, layer, rope, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = make_mlp(cfg, layer)
+        self.mlp = make_mlp(cfg, layer, tp)
 
     def forward(self, x, residual, positions, kv_cache, meta):
         """`x` is the previous layer's output (the embeddings for the first, with `residual`
@@ -141,7 +154,9 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """Families with another attention subclass this and set `attention_cls` (its
-    constructor takes `(cfg, layer, rope)`) and `rope_dim`."""
+    constructor takes `(cfg, layer, rope, tp)`) and `rope_dim`. With tensor parallelism
+    (`tp`) the embedding and the LM head hold this rank's rows of the vocabulary; the logits
+    are gathered, so every rank sees all of them."""
 
     attention_cls: type[nn.Module] = Attention
 
@@ -149,16 +164,18 @@ class CausalLM(nn.Module):
     def rope_dim(cfg: ModelConfig) -> int:
         return cfg.head_dim
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE
+                 ) -> None:
         super().__init__()
-        self.config = cfg
+        self.config, self.tp = cfg, tp
         self.max_positions = max_positions
         rope = RotaryEmbedding(cfg.rope, self.rope_dim(cfg), max_positions)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, self.attention_cls)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, self.attention_cls, tp)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ColumnParallelLinear(
+            cfg.hidden_size, [even_slice(cfg.vocab_size, tp, "vocab_size")], bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # built at the first batch-1 decode on a cache (None: this model does not fit it)
@@ -200,7 +217,7 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.tp.all_gather_last(self.lm_head(hidden)).float()
 
 
 class DecodeStack:
@@ -225,6 +242,8 @@ class DecodeStack:
         """Each layer and its parts where every one is a dense layer of this module's
         `Attention` without biases or q/k norms, in float32 on the CPU, sharing one float32
         RoPE table; else None (the op does not apply)."""
+        if model.tp.size > 1:  # the op has no collectives
+            return None
         layers: list[tuple[DecoderLayer, Attention, MLP]] = []
         for layer in model.layers:
             if not isinstance(layer, DecoderLayer):

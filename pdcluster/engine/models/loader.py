@@ -4,7 +4,9 @@ as they stream in: q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, and each 
 gate/up/down into the stacked `experts.w13` `[E, 2I, H]` / `experts.w2` `[E, H, I]` (per-expert
 checkpoints, Mixtral's `block_sparse_moe.experts.E.w1/w2/w3` included, or transformers-5's
 already stacked `experts.gate_up_proj` / `experts.down_proj`). Every parameter must be covered
-exactly once (`_check_complete`).
+exactly once (`_check_complete`). With tensor parallelism (engine/models/parallel.py) each rank
+copies its slice of each tensor (its rows of a column-parallel layer's parts, its columns of a
+row-parallel one, its rows of the vocabulary) and skips the other ranks' routed experts.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from pdcluster.engine.models.model_config import ModelConfig
+from pdcluster.engine.models.parallel import SINGLE, TensorParallel
 from pdcluster.engine.models.registry import model_class
 
 if TYPE_CHECKING:
@@ -35,15 +38,16 @@ _SHARD = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int, dummy: bool = False) -> CausalLM:
+               max_positions: int, dummy: bool = False, tp: TensorParallel = SINGLE
+               ) -> CausalLM:
     """The model of `cfg` with the folder's weights, or with random ones (`dummy`: no
-    weight file is read)."""
+    weight file is read); with tensor parallelism, this rank's slices of them."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files and not dummy:
         raise FileNotFoundError(f"no *.safetensors weights in model folder {path}")
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
-        model = cls(cfg, max_positions).to(dtype=dtype)  # each weight allocated once, in dtype
+        model = cls(cfg, max_positions, tp).to(dtype=dtype)  # each weight allocated once
     model.to_empty(device=device)
     # RoPE tables are buffers computed from config, not weights: rebuild them on the device
     # (float32, as the reference computes them; each use casts them to the activations' dtype).
@@ -86,9 +90,13 @@ def _load_tensor(model, cfg: ModelConfig, params, name: str, tensor, loaded) -> 
     if layer and int(layer.group(1)) >= cfg.num_layers:
         logger.debug("skipping %s: beyond the model's layers (e.g. DeepSeek-V3's MTP)", name)
         return
-    our_name, view = _target(model, params, hf_name)
-    if view is None:
+    target = _target(model, params, hf_name)
+    if target is _ELSEWHERE:  # another tensor-parallel rank's expert
+        return
+    if target is None:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
+    our_name, view, part = target
+    tensor = part(tensor)
     if view.shape != tensor.shape:
         raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the config implies "
                          f"{tuple(view.shape)}")
@@ -97,36 +105,72 @@ def _load_tensor(model, cfg: ModelConfig, params, name: str, tensor, loaded) -> 
     loaded[our_name] = loaded.get(our_name, 0) + view.numel()
 
 
-def _target(model, params, name: str) -> tuple[str, torch.Tensor | None]:
-    """(our parameter, the view of it that checkpoint tensor `name` fills)."""
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _rows(dim: int, start: int, length: int):
+    """This rank's slice of a checkpoint tensor along `dim`."""
+    return lambda tensor: tensor.narrow(dim, start, length)
+
+
+_ELSEWHERE = ("", None, _whole)  # a checkpoint tensor that another rank holds
+
+
+def _target(model, params, name: str):
+    """(our parameter, the view of it that checkpoint tensor `name` fills, the part of that
+    tensor this rank takes), `_ELSEWHERE`, or None for a name the model does not know."""
     if name in params:
-        return name, params[name]
+        return name, params[name], _own_part(model, name, params[name])
     if m := _EXPERT.match(name):
-        prefix, expert, part = m.group(1), int(m.group(2)), m.group(3)
-        if part in ("w2", "down_proj"):
-            return f"{prefix}.w2", _get(params, f"{prefix}.w2", expert)
-        w13 = f"{prefix}.w13"
-        half = params[w13].shape[1] // 2 if w13 in params else 0
-        start = 0 if part in ("w1", "gate_proj") else half
-        return w13, _get(params, w13, expert, start, half)
+        return _expert_target(model, params, m.group(1), int(m.group(2)), m.group(3))
     if m := _STACKED.match(name):
         ours = f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"
-        return ours, params.get(ours)
+        if ours not in params:
+            return None
+        experts = model.get_submodule(m.group(1))
+        return ours, params[ours], _rows(0, experts.first_expert, params[ours].shape[0])
     if m := _FUSED.match(name):
         fused, shard = _SHARD[m.group(2)]
         ours = f"{m.group(1)}.{fused}.{m.group(3)}"
         if ours in params:
-            sizes = model.get_submodule(f"{m.group(1)}.{fused}").shard_sizes
-            start = sum(sizes[:shard])
-            return ours, params[ours].narrow(0, start, sizes[shard])
-    return name, None
+            slices = model.get_submodule(f"{m.group(1)}.{fused}").shard_slices
+            local_start = sum(s.length for s in slices[:shard])
+            part = slices[shard]
+            return (ours, params[ours].narrow(0, local_start, part.length),
+                    _rows(0, part.start, part.length))
+    return None
 
 
-def _get(params, name: str, expert: int, start: int = 0, size: int = 0):
-    if name not in params or expert >= params[name].shape[0]:
+def _own_part(model, name: str, param: torch.Tensor):
+    """How a parameter the checkpoint names directly is sliced for this rank: a column-
+    parallel layer's rows (weight and bias), a row-parallel layer's or an embedding's
+    `weight_shard`, else whole."""
+    module_name, _, kind = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    slices = getattr(module, "shard_slices", None)
+    if slices is not None and len(slices) == 1 and kind in ("weight", "bias"):
+        return _rows(0, slices[0].start, slices[0].length)
+    shard = getattr(module, "weight_shard", None)
+    if shard is not None and kind == "weight":
+        dim, start = shard
+        return _rows(dim, start, param.shape[dim])
+    return _whole
+
+
+def _expert_target(model, params, prefix: str, expert: int, part: str):
+    experts = model.get_submodule(prefix)
+    local = expert - experts.first_expert
+    name = f"{prefix}.w2" if part in ("w2", "down_proj") else f"{prefix}.w13"
+    if name not in params or not 0 <= expert < experts.num_experts:
         return None
-    view = params[name][expert]
-    return view.narrow(0, start, size) if size else view
+    if not 0 <= local < params[name].shape[0]:
+        return _ELSEWHERE
+    view = params[name][local]
+    if part not in ("w2", "down_proj"):
+        half = view.shape[0] // 2
+        view = view.narrow(0, 0 if part in ("w1", "gate_proj") else half, half)
+    return name, view, _whole
 
 
 def _check_complete(cfg: ModelConfig, params, loaded: dict[str, int]) -> None:

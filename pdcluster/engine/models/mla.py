@@ -30,6 +30,13 @@ from pdcluster.engine.models.linear import Linear
 from pdcluster.engine.models.llama import RMSNorm
 from pdcluster.engine.models.model_config import ModelConfig
 from pdcluster.engine.models.model_families import MLAConfig
+from pdcluster.engine.models.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    head_slice,
+)
 from pdcluster.engine.models.rope import RotaryEmbedding
 
 _LORA_NORM_EPS = 1e-6  # transformers builds q_a/kv_a_layernorm with the default eps
@@ -60,26 +67,34 @@ def softmax_scale(cfg: ModelConfig) -> float:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> None:
+    """With tensor parallelism each rank holds its heads' query and key/value up-projections
+    (column-parallel) and output projection (row-parallel); the latent (the compressed KV and
+    the shared RoPE key, what the cache holds) is computed and cached whole on every rank:
+    one copy per rank, the same bytes, so a transfer moves one of them."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         m, hidden = mla_config(cfg), cfg.hidden_size
-        self.layer, self.rope, self.num_heads = layer, rope, cfg.num_heads
+        self.layer, self.rope = layer, rope
+        self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
         self.rank, self.nope, self.rope_dim, self.v_dim = (
             m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim)
         self.interleaved = m.rope_interleave
         qk_dim = self.nope + self.rope_dim
+        q_rows = [head_slice(cfg.num_heads, qk_dim, tp, "num_attention_heads")]
         if m.q_lora_rank is None:
-            self.q_proj = Linear(hidden, self.num_heads * qk_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden, q_rows, bias=False)
         else:
             self.q_a_proj = Linear(hidden, m.q_lora_rank, bias=m.attention_bias)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, _LORA_NORM_EPS)
-            self.q_b_proj = Linear(m.q_lora_rank, self.num_heads * qk_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, q_rows, bias=False)
         self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope_dim,
                                             bias=m.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.rank, _LORA_NORM_EPS)
-        self.kv_b_proj = Linear(self.rank, self.num_heads * (self.nope + self.v_dim),
-                                   bias=False)
-        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=m.attention_bias)
+        kv_rows = [head_slice(cfg.num_heads, self.nope + self.v_dim, tp, "num_attention_heads")]
+        self.kv_b_proj = ColumnParallelLinear(self.rank, kv_rows, bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_heads * self.v_dim, hidden, m.attention_bias, tp)
         self.scale = softmax_scale(cfg)
         self.absorb_decode = True
 

@@ -18,27 +18,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.engine.models.linear import Linear, linear, silu_and_mul
+from pdcluster.engine.models.linear import linear, silu_and_mul
 from pdcluster.engine.models.model_families import MoEConfig
-
-
-class FusedLinear(Linear):
-    """A Linear whose output rows are several checkpoint weights side by side; the loader
-    fills shard i at rows `sum(shard_sizes[:i])` onward."""
-
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes), bias=bias)
-        self.shard_sizes = shard_sizes
+from pdcluster.engine.models.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    even_slice,
+)
 
 
 class MLP(nn.Module):
-    """SwiGLU with gate and up fused into one matmul."""
+    """SwiGLU with gate and up fused into one matmul; with tensor parallelism each rank holds
+    `intermediate / tp` of both (column-parallel) and of the down projection's inputs
+    (row-parallel: summed over ranks, unless `reduce_output` is False and the caller sums)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False,
+                 tp: TensorParallel = SINGLE, reduce_output: bool = True) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = FusedLinear(hidden, [intermediate] * 2, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        part = even_slice(intermediate, tp, "intermediate_size")
+        self.intermediate = part.length
+        self.gate_up_proj = ColumnParallelLinear(hidden, [part, part], bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp, reduce_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.gate_up_proj
@@ -88,18 +90,26 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    """This rank's routed experts: `num_experts / tp` of them, from `first_expert` on. A
+    (token, expert) pair routed elsewhere contributes nothing here (the ranks' outputs are
+    summed by the caller)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        local = tp.split(num_experts, "the number of routed experts")
+        self.intermediate, self.num_experts = intermediate, num_experts
+        self.first_expert = tp.rank * local
+        self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        top_k = ids.shape[1]
-        flat = ids.reshape(-1)
+        top_k, num_local = ids.shape[1], self.w13.shape[0]
+        flat = ids.reshape(-1) - self.first_expert
+        flat = flat.masked_fill((flat < 0) | (flat >= num_local), num_local)  # elsewhere
         order = torch.argsort(flat, stable=True)
         token_of = order // top_k
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=num_local + 1).tolist()[:num_local]
         grouped = x.index_select(0, token_of)
         outputs, start = [], 0
         for expert, count in enumerate(counts):
@@ -108,22 +118,30 @@ class Experts(nn.Module):
                 hidden = silu_and_mul(rows, self.w13[expert], None, self.intermediate)
                 outputs.append(linear(hidden, self.w2[expert]))
                 start += count
-        routed = torch.cat(outputs) * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, token_of, routed)
+        if not outputs:
+            return torch.zeros_like(x)
+        mine = order[:start]
+        routed = torch.cat(outputs) * weights.reshape(-1)[mine, None]
+        return torch.zeros_like(x).index_add_(0, token_of[:start], routed)
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: MoEConfig, hidden: int) -> None:
+    """Router (replicated), routed experts split over the ranks, and the shared expert (if
+    any) split as an MLP; one all-reduce sums both."""
+
+    def __init__(self, cfg: MoEConfig, hidden: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.gate = Router(cfg, hidden)
-        self.experts = Experts(cfg.num_experts, hidden, cfg.intermediate_size)
+        self.experts = Experts(cfg.num_experts, hidden, cfg.intermediate_size, tp)
         self.shared_experts = None
         if cfg.shared_intermediate_size:
-            self.shared_experts = MLP(hidden, cfg.shared_intermediate_size)
+            self.shared_experts = MLP(hidden, cfg.shared_intermediate_size, tp=tp,
+                                      reduce_output=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
         out = self.experts(x, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)

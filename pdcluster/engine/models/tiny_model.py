@@ -93,8 +93,10 @@ def random_weights(cfg: dict[str, Any], seed: int, std: float = 0.1) -> dict[str
 
 
 def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
-                    preset: str = "tiny", **overrides: Any) -> Path:
-    """Write a random model folder and return its path. `overrides` patch config.json."""
+                    preset: str = "tiny", sentencepiece: str | Path | None = None,
+                    **overrides: Any) -> Path:
+    """Write a random model folder and return its path. `overrides` patch config.json;
+    `sentencepiece` names the tokenizer's SentencePiece file (default: mistral-common's)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(arch, preset, **overrides)
@@ -102,18 +104,21 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}, indent=2))
     save_file(random_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(out, cfg["max_position_embeddings"])
+    write_tokenizer(out, cfg["max_position_embeddings"], sentencepiece)
     return out
 
 
-def write_tokenizer(out: Path, max_len: int) -> None:
-    """Copy the packaged SentencePiece model and write the HF tokenizer config around it,
-    then let transformers add the fast `tokenizer.json` next to it."""
-    import mistral_common
+def write_tokenizer(out: Path, max_len: int, sentencepiece: str | Path | None = None) -> None:
+    """Copy the SentencePiece model (mistral-common's packaged one unless `sentencepiece`
+    names another) and write the HF tokenizer config around it, then let transformers add the
+    fast `tokenizer.json` next to it."""
     from transformers import AutoTokenizer
 
-    source = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
-    shutil.copyfile(source, out / "tokenizer.model")
+    if sentencepiece is None:
+        import mistral_common
+
+        sentencepiece = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
+    shutil.copyfile(sentencepiece, out / "tokenizer.model")
     config = {
         "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
         "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,

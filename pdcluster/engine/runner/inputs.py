@@ -7,7 +7,8 @@ uncached token is its last), then prefill chunks; see `engine.models.attention`.
 is built with numpy (a Python loop over requests, none over tokens) and crosses to the device in
 a few copies, whatever the batch size.
 
-API: `StepInputs`, `build_inputs(items, kv_cache)`, `decode_table(items, block_size)`.
+API: `StepInputs`, `StepPlan`, `build_inputs(items, kv_cache)`, `decode_table(items, lens,
+block_size)`, `chunk_tables(inputs, total_rows)`, `to_device(array, device)`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ class StepInputs:
     num_decodes: int
     decode_lens: np.ndarray  # [num_decodes] context lengths (position + 1)
     chunks: list[tuple[int, int, list[int]]]  # per prefill chunk: (first row, first pos, blocks)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What every tensor-parallel rank needs to run a step's forward pass: the inputs, the
+    decode rows' block table, the rows whose logits the step samples or verifies (in that
+    order), and whether it replays a CUDA graph."""
+
+    inputs: StepInputs
+    decode_table: np.ndarray | None  # [num_decodes, max_blocks] int64
+    logit_rows: np.ndarray  # int64
+    replay: bool
 
 
 def cdiv(a: int, b: int) -> int:

@@ -11,7 +11,9 @@ step waits for the device once: for the sampled token ids.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from pdcluster.engine.core.outputs import StepResult
@@ -29,6 +31,7 @@ from pdcluster.engine.models.llama import CausalLM
 from pdcluster.engine.runner.cuda_graphs import DecodeGraphs, graph_blocker
 from pdcluster.engine.runner.inputs import (
     StepInputs,
+    StepPlan,
     build_inputs,
     chunk_tables,
     decode_table,
@@ -38,6 +41,19 @@ from pdcluster.engine.sample.rejection import verify_chunks
 from pdcluster.engine.sample.sampler import Sampler
 
 logger = logging.getLogger(__name__)
+
+
+class Peers(Protocol):
+    """The other tensor-parallel ranks, as rank 0 drives them (engine/runner/tp_workers.py's
+    `StepPeers`; named here by what it does, so that the ranks' module may import this one)."""
+
+    def step(self, plan: StepPlan) -> None: ...
+
+    def capture(self, max_batch: int, max_model_len: int) -> None: ...
+
+    def failed(self, exc: Exception) -> Exception: ...
+
+    def close(self) -> None: ...
 
 # Decode attention splits at the blocks all decodes share (engine/models/attention.py) from this
 # many on. Chosen, not tuned: a few shared blocks save little reading and still cost a second
@@ -55,6 +71,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.workspace = GatherWorkspace()  # attention's gather buffers, reused every step
         self.graphs: DecodeGraphs | None = None
+        self.peers: Peers | None = None  # the other tensor-parallel ranks, if any
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> bool:
         """Capture the decode step's CUDA graphs (CUDA only); False, with the reason logged,
@@ -63,6 +80,8 @@ class ModelRunner:
         if reason is not None:
             logger.info("decode steps run eagerly: %s", reason)
             return False
+        if self.peers is not None:  # every rank captures at once: the forward holds collectives
+            self.peers.capture(max_batch, max_model_len)
         self.graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, max_model_len)
         self.graphs.capture()
         return True
@@ -70,19 +89,52 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[StepResult]:
         """One entry per `out.scheduled` item, in that order; None where nothing is sampled,
-        a `RequestFailure` where sampling failed for that request alone (engine.sample.sampler), a
-        list of tokens for a chunk that verified proposed tokens (engine/spec_decode)."""
+        a `RequestFailure` where sampling failed for that request alone (engine.sample.sampler),
+        a list of tokens for a chunk that verified proposed tokens (engine/spec_decode)."""
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_tokens > 1)
         items = [out.scheduled[i] for i in order]
-        inputs = build_inputs(items, self.kv_cache)
-        if self._replays(items):
-            results = self._replay(items, inputs)
-        else:
-            results = self._run_eager(items, inputs)
+        plan = self._plan(items)
+        if self.peers is None:
+            logits = self.forward(plan)
+        else:  # the other tensor-parallel ranks run the same forward
+            self.peers.step(plan)
+            try:
+                logits = self.forward(plan)
+            except RuntimeError as exc:
+                raise self.peers.failed(exc) from exc
+        results = self._sample(items, logits)
         unordered: list[StepResult] = [None] * len(items)
         for k, i in enumerate(order):
             unordered[i] = results[k]
         return unordered
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """The step's forward pass: logits `[len(plan.logit_rows), vocab]` (float32). Every
+        tensor-parallel rank runs it on the same plan (its collectives pair up)."""
+        if plan.replay:
+            assert self.graphs is not None and plan.decode_table is not None, \
+                "a replayed step has graphs and a decode table"
+            return self.graphs.replay(plan.inputs, plan.decode_table)
+        inputs = plan.inputs
+        hidden = self.model(to_device(inputs.token_ids, self.device),
+                            to_device(inputs.positions, self.device), self.kv_cache,
+                            self._metadata(plan))
+        rows = to_device(plan.logit_rows, self.device)
+        return self.model.compute_logits(hidden[rows])
+
+    def _plan(self, items: list[ScheduledRequest]) -> StepPlan:
+        inputs = build_inputs(items, self.kv_cache)
+        n = inputs.num_decodes
+        table = decode_table(items[:n], inputs.decode_lens, self.block_size) if n else None
+        replay = self._replays(items)
+        rows: list[int] = []  # verifying chunks' rows, then the sampled rows
+        for item, last in zip(items, inputs.last_rows, strict=True):
+            if item.spec_token_ids:
+                rows += range(last - len(item.spec_token_ids), last + 1)
+        rows += [last for item, last in zip(items, inputs.last_rows, strict=True)
+                 if item.samples and not item.spec_token_ids]
+        return StepPlan(inputs, table, np.asarray(rows, dtype=np.int64), replay)
 
     def _replays(self, items: list[ScheduledRequest]) -> bool:
         graphs = self.graphs
@@ -90,37 +142,25 @@ class ModelRunner:
                 and all(it.num_tokens == 1 and it.samples and not it.spec_token_ids
                         for it in items))
 
-    def _replay(self, items: list[ScheduledRequest], inputs: StepInputs) -> list[StepResult]:
-        assert self.graphs is not None, "replayed only with graphs"
-        logits = self.graphs.replay(inputs, decode_table(items, inputs.decode_lens,
-                                                         self.block_size))
-        return list(self.sampler.sample(logits, [it.request for it in items]))
-
-    def _run_eager(self, items: list[ScheduledRequest], inputs: StepInputs
-                   ) -> list[StepResult]:
-        meta = self._metadata(items, inputs)
-        hidden = self.model(to_device(inputs.token_ids, self.device),
-                            to_device(inputs.positions, self.device), self.kv_cache, meta)
-        last_rows = inputs.last_rows
-        sampling = [k for k, item in enumerate(items) if item.samples and not item.spec_token_ids]
+    def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor) -> list[StepResult]:
+        """`logits` rows in `_plan`'s order: each verifying chunk's, then the sampled rows."""
         results: list[StepResult] = [None] * len(items)
         verifying = [k for k, item in enumerate(items) if item.spec_token_ids]
+        offset = 0
         if verifying:
-            verified = verify_chunks(self.model, self.sampler, hidden,
-                                     [items[k] for k in verifying],
-                                     [last_rows[k] for k in verifying])
+            verified = verify_chunks(self.sampler, logits, [items[k] for k in verifying])
             for k, tokens in zip(verifying, verified, strict=True):
                 results[k] = tokens
+            offset = sum(len(items[k].spec_token_ids) + 1 for k in verifying)
+        sampling = [k for k, item in enumerate(items) if item.samples and not item.spec_token_ids]
         if sampling:
-            rows = torch.tensor([last_rows[k] for k in sampling], device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
-            sampled = self.sampler.sample(logits, [items[k].request for k in sampling])
+            sampled = self.sampler.sample(logits[offset:], [items[k].request for k in sampling])
             for k, token in zip(sampling, sampled, strict=True):
                 results[k] = token
         return results
 
-    def _metadata(self, items: list[ScheduledRequest], inputs: StepInputs) -> AttentionMetadata:
-        device, n = self.device, inputs.num_decodes
+    def _metadata(self, plan: StepPlan) -> AttentionMetadata:
+        inputs, device, n = plan.inputs, self.device, plan.inputs.num_decodes
         meta = AttentionMetadata(
             slot_rows=to_device(inputs.slot_rows, device),
             num_decodes=n,
@@ -130,7 +170,8 @@ class ModelRunner:
             workspace=self.workspace,
         )
         if n:
-            table = decode_table(items[:n], inputs.decode_lens, self.block_size)
+            table = plan.decode_table
+            assert table is not None, "a step with decodes has their table"
             meta.decode_block_table = to_device(table, device)
             meta.decode_lens = to_device(inputs.decode_lens, device)
             meta.cascade = self._cascade(torch.from_numpy(table),

@@ -60,7 +60,7 @@ class LogitsProcessors:
         values: list[torch.Tensor] = []
         for row, req in enumerate(requests):
             if req.params.logit_bias:
-                token_ids, bias = self._bias_of(req)
+                token_ids, bias = self._bias_of(req, logits.shape[-1])
                 rows.append(torch.full_like(token_ids, row))
                 cols.append(token_ids)
                 values.append(bias)
@@ -68,10 +68,14 @@ class LogitsProcessors:
             logits.index_put_((torch.cat(rows), torch.cat(cols)), torch.cat(values),
                               accumulate=True)
 
-    def _bias_of(self, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
+    def _bias_of(self, req: Request, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         cached = self._bias.get(req.request_id)
         if cached is None:
             bias = req.params.logit_bias
+            # checked here too, on the host: an id past the vocabulary in index_put_ is a
+            # device-side assert on CUDA, which would fail every request of the process
+            if min(bias) < 0 or max(bias) >= vocab:
+                raise IndexError(f"a logit_bias token id is outside the vocabulary of {vocab}")
             cached = (torch.tensor(list(bias), dtype=torch.long, device=self.device),
                       torch.tensor(list(bias.values()), dtype=torch.float32,
                                    device=self.device))

@@ -24,19 +24,16 @@ import torch
 from pdcluster.engine.core.outputs import RequestFailure, SampledToken
 from pdcluster.engine.core.request import Request
 from pdcluster.engine.core.scheduler_output import ScheduledRequest
-from pdcluster.engine.sample.sampler import Sampler, _top_p_filter
+from pdcluster.engine.sample.draw import filter_logits
+from pdcluster.engine.sample.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
 
-def verify_chunks(model, sampler: Sampler, hidden: torch.Tensor,
-                  items: list[ScheduledRequest], last_rows: list[int]
+def verify_chunks(sampler: Sampler, logits: torch.Tensor, items: list[ScheduledRequest]
                   ) -> list[list[SampledToken] | RequestFailure]:
-    """Accepted tokens (+ one drawn token) per verifying chunk; `last_rows[i]` is the row of
-    `hidden` holding chunk i's last proposed token."""
-    rows = torch.cat([torch.arange(last - len(item.spec_token_ids), last + 1)
-                      for item, last in zip(items, last_rows, strict=True)])
-    logits = model.compute_logits(hidden[rows.to(hidden.device)]).float()
+    """Accepted tokens (+ one drawn token) per verifying chunk; `logits` holds each chunk's
+    `len(spec_token_ids) + 1` rows in turn (from its last known token on)."""
     results: list[list[SampledToken] | RequestFailure] = []
     offset = 0
     for item in items:
@@ -112,14 +109,9 @@ def _draw_residual(p: torch.Tensor, draft: int, draft_probs: torch.Tensor | None
 
 def target_probs(logits: torch.Tensor, req: Request) -> torch.Tensor:
     """The distribution the sampler draws from, per row: temperature, top-k, top-p."""
-    p = req.params
-    logits = logits / p.temperature
-    if 0 < p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        logits = torch.stack([_top_p_filter(row, p.top_p) for row in logits])
-    return torch.softmax(logits, dim=-1)
+    p, rows = req.params, logits.shape[0]
+    return torch.softmax(filter_logits(logits, [p.temperature] * rows, [p.top_k] * rows,
+                                       [p.top_p] * rows), dim=-1)
 
 
 def _ban_early_stop(logits: torch.Tensor, req: Request) -> None:

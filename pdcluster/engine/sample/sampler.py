@@ -1,19 +1,21 @@
 """Turns the last-position logits of each scheduled request into one token.
 
 Greedy rows take argmax (first index on ties, as the reference does). Sampled rows apply
-temperature, top-k and top-p, then draw with the request's own `torch.Generator` when it has a
-seed, so a seeded request is reproducible whatever else shares its batch. Before either, in
-one batched pass: `logit_bias` and the penalties (engine.sample.logits_processors), the min_tokens
-bans (rows that have not reached `min_tokens` cannot pick EOS or a stop token), and the
-grammar masks of guided requests (engine.sample.structured_output). Logprobs are of the model's
-distribution (before all of these, temperature and filters included).
+temperature, top-k and top-p, then draw (engine.sample.draw, all rows at once on the device)
+with the request's own `torch.Generator` when it has a seed, so a seeded request is reproducible
+whatever else shares its batch. The step's tokens reach the host in one copy. Before either, in
+one batched pass: `logit_bias` and the penalties (engine.sample.logits_processors), the
+min_tokens bans (rows that have not reached `min_tokens` cannot pick EOS or a stop token), and
+the grammar masks of guided requests (engine.sample.structured_output). Logprobs are of the
+model's distribution (before all of these, temperature and filters included).
 
-Isolation: one request's parameters must not fail the others. The batched stage draws no
-randomness; should it raise, it is redone row by row on the original logits and only the rows
-that raise again fail. A guided row whose grammar fails, or leaves no token allowed, fails
-alone; the per-row stage (drawing, logprobs, feeding the grammar) fails only its own row. A
-failed row is a `RequestFailure`, which finishes that request with an error; every other
-row's token is what it would have been without it.
+Isolation: one request's parameters must not fail the others. The batched stage draws its
+randomness last, after everything that can raise; should it raise, it is redone row by row on
+the original logits and only the rows that raise again fail. A row whose probabilities are not a
+distribution (a NaN temperature slipped past validation) fails alone. A guided row whose grammar
+fails, or leaves no token allowed, fails alone; the per-row stage (logprobs, feeding
+the grammar) fails only its own row. A failed row is a `RequestFailure`, which finishes that
+request with an error; every other row's token is what it would have been without it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from pdcluster.engine.core.outputs import RequestFailure, SampledToken
 from pdcluster.engine.core.request import Request
+from pdcluster.engine.sample.draw import draw
 from pdcluster.engine.sample.logits_processors import LogitsProcessors, uses_processors
 from pdcluster.engine.sample.structured_output import (
     GrammarCompiler,
@@ -41,12 +44,15 @@ _NO_TOKEN = ("structured output: no token is allowed by both the grammar and the
 @dataclass(slots=True)
 class _Batch:
     """The batched stage's results: log-softmax of the raw logits (if any row wants
-    logprobs), every row's argmax, and the guided rows that failed or have no token left."""
+    logprobs), every row's argmax, the random rows' draws (and those whose distribution was
+    not one), and the guided rows that failed or have no token left."""
 
     logprobs: torch.Tensor | None
     greedy: list[int]
     failed: dict[int, str] = field(default_factory=dict)
     dead: set[int] = field(default_factory=set)
+    drawn: dict[int, int] = field(default_factory=dict)
+    invalid: set[int] = field(default_factory=set)
 
 
 class Sampler:
@@ -97,7 +103,20 @@ class Sampler:
         self.processors.apply(logits, requests)
         _block_early_stop(logits, requests)
         failed, dead = self._mask_grammars(logits, requests)
-        return _Batch(logprobs, torch.argmax(logits, dim=-1).tolist(), failed, dead)
+        greedy = torch.argmax(logits, dim=-1)
+        rows = [row for row, req in enumerate(requests) if not req.params.is_greedy]
+        if not rows:
+            return _Batch(logprobs, greedy.tolist(), failed, dead)
+        params = [requests[row].params for row in rows]
+        tokens, valid = draw(logits[rows], [p.temperature for p in params],
+                             [p.top_k for p in params], [p.top_p for p in params],
+                             [self._generator_for(requests[row]) for row in rows])
+        # the step's one device-to-host copy: every row's argmax, the draws and their flags
+        merged = torch.cat((greedy, tokens, valid.long())).tolist()
+        n, m = len(requests), len(rows)
+        return _Batch(logprobs, merged[:n], failed, dead,
+                      dict(zip(rows, merged[n: n + m], strict=True)),
+                      {row for row, ok in zip(rows, merged[n + m:], strict=True) if not ok})
 
     def _mask_grammars(self, logits: torch.Tensor, requests: list[Request]
                        ) -> tuple[dict[int, str], set[int]]:
@@ -130,7 +149,7 @@ class Sampler:
         if row in batch.dead:
             token, ended = self._end_grammar(req), True
         else:
-            token = batch.greedy[row] if p.is_greedy else self._sample_row(logits[row], req)
+            token = batch.greedy[row] if p.is_greedy else _drawn(batch, row, req)
             ended = p.guided is not None and self._grammars().accept(req, token)
         if p.logprobs is None:
             return SampledToken(token, grammar_ended=ended)
@@ -156,17 +175,6 @@ class Sampler:
         assert self.structured is not None, "a guided row got past the batched stage"
         return self.structured
 
-    def _sample_row(self, logits: torch.Tensor, req: Request) -> int:
-        p = req.params
-        logits = logits / p.temperature
-        if 0 < p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            logits = _top_p_filter(logits, p.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self._generator_for(req)))
-
     def _generator_for(self, req: Request) -> torch.Generator:
         if req.params.seed is None:
             return self.generator
@@ -177,13 +185,11 @@ class Sampler:
         return gen
 
 
-def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_logits, order = torch.sort(logits, descending=True)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-    # Drop a token when the mass before it already reaches top_p; the top token always stays.
-    drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+def _drawn(batch: _Batch, row: int, req: Request) -> int:
+    if row in batch.invalid:
+        raise ValueError(f"sampling probabilities of request {req.request_id} are not a "
+                         "distribution (NaN or all zero)")
+    return batch.drawn[row]
 
 
 def _transforms(req: Request) -> bool:

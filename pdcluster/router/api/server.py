@@ -26,6 +26,7 @@ import signal
 
 from aiohttp import web
 
+from pdcluster.core.credentials import CurveKeys
 from pdcluster.router.api.edge import EdgeRunner, error_middleware
 from pdcluster.router.api.extra_routes import ExtraRoutes
 from pdcluster.router.api.handlers import Handlers
@@ -38,12 +39,13 @@ logger = logging.getLogger(__name__)
 
 
 class RouterApp:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, shared_keys: CurveKeys | None = None) -> None:
+        """`shared_keys`: see `Dispatcher` (static nodes in tests and benchmarks)."""
         self.config = config
         self.tokenizer = RouterTokenizer(config.model_dir)
         self.model_name = config.model_name or config.model_dir.rstrip("/").rsplit("/", 1)[-1]
         self.metrics = RouterMetrics()
-        self.dispatcher = Dispatcher(config, self.metrics)
+        self.dispatcher = Dispatcher(config, self.metrics, shared_keys=shared_keys)
         self._runner: web.AppRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self.port = config.port
@@ -56,6 +58,8 @@ class RouterApp:
         await self._runner.setup()
         await web.TCPSite(self._runner, self.config.host, self.config.port).start()
         self.port = self._runner.addresses[0][1]
+        for address in self.config.also_listen:  # the same port (the one picked for port 0)
+            await web.TCPSite(self._runner, address, self.port).start()
         if admin is not None:
             self._admin_runner = EdgeRunner(admin, self.config)
             await self._admin_runner.setup()

@@ -17,8 +17,8 @@ request for a reason of its own (overloaded, draining, an internal error), is re
 once (`PrefillLost`), and D computes the prompt itself instead of waiting out its KV timeout;
 so is a P whose connection closes after it finished its part but before D streamed a token
 (its KV leaves only when D asks for it). A P that only stopped answering (it may be hung, and
-could still write the KV) is left to D's timeout. P refusing the request as invalid fails it
-(D would refuse it too).
+could still write the KV) is left to D's timeout, unless its connection then closes. P
+refusing the request as invalid fails it (D would refuse it too).
 Whatever ends the stream early (client gone, stop string, error), `execute`'s cleanup aborts
 the request on both nodes. `execute` is one attempt; router.routing.migration moves a request whose
 D is lost to another node.
@@ -80,8 +80,18 @@ class Placement:
 
 
 class Dispatcher:
+    """Decides where a request goes and sends it there.
+
+    `shared_keys`: one CURVE pair every member holds, instead of a key pair of the router's
+    own registered with the metadata service: static nodes without one, as tests and
+    benchmarks run them. Nothing builds it from a configuration."""
+
     def __init__(self, config: RouterConfig, metrics: RouterMetrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 shared_keys: CurveKeys | None = None) -> None:
+        if shared_keys is None and config.metadata_address is None:
+            raise ValueError("a router needs a metadata service (nodes admit it once it has "
+                             "registered its key there)")
         self.config = config
         self.metrics = metrics
         self.clock = clock
@@ -95,8 +105,9 @@ class Dispatcher:
         self.metadata: MetadataLink | None = None
         self._context = zmq.asyncio.Context()
         # the router's own key pair, registered with the metadata service (nodes admit the
-        # keys it names); the shared pair in the test mode
-        self._curve = config.shared_curve or CurveKeys.generate()
+        # keys it names), or the pair every member shares
+        self._shared_keys = shared_keys is not None
+        self._curve = shared_keys or CurveKeys.generate()
         self.client_id = secrets.token_hex(8)
         self._key_renewed_at = float("-inf")
         self._loop_task: asyncio.Task[None] | None = None
@@ -120,7 +131,7 @@ class Dispatcher:
 
     async def _renew_key(self) -> None:
         """Register this router's key (again, within a third of its lease)."""
-        if self.metadata is None or self.config.shared_curve is not None:
+        if self.metadata is None or self._shared_keys:
             return
         now = self.clock()
         if now - self._key_renewed_at < KEY_RENEW_S:
@@ -134,7 +145,7 @@ class Dispatcher:
 
     def _sync_nodes(self, specs: list[NodeSpec]) -> None:
         for spec in specs:
-            if not spec.curve_public_key and self.config.shared_curve is None:
+            if not spec.curve_public_key and not self._shared_keys:
                 continue  # a node without a key of its own: this router cannot check it
             known = self.nodes.get(spec.node_id)
             if known is not None and known.spec == spec:
@@ -286,15 +297,17 @@ class Dispatcher:
             if not stream.lost and msg.code == "invalid_request":  # D would refuse it too
                 if not failure.done():
                     failure.set_result(NodeFailure(msg.code, f"prefill node: {msg.message}"))
-            elif not stream.lost or prefill.disconnected:
+                return
+            if not stream.lost or prefill.disconnected:
                 # P died, or cannot take the request now (overloaded, draining): its KV is
                 # not coming, so D computes the prompt itself
                 self.metrics.prefill_lost.labels("refused" if not stream.lost else "lost").inc()
                 await decode.prefill_lost(d_request.request_id, transfer_id,
                                           f"{prefill.node_id}: {msg.code}: {msg.message}")
-            return
-        # P finished its part, but its KV leaves only when D asks for it (D may still be
-        # queued): should P's connection close before D's first token, D is told as above
+                return
+            break  # P stopped answering: it may still write the KV, unless it dies (below)
+        # P finished its part (or hangs), but its KV leaves only when D asks for it (D may
+        # still be queued): should P's connection close before D's first token, D is told
         gone = prefill.gone()
         began: asyncio.Future[object] = asyncio.ensure_future(d_began.wait())
         try:

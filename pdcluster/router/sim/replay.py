@@ -1,11 +1,12 @@
 """Offline replay of a request trace through the router's real policy and the real block index.
 
-Trace format (one JSON object a line, as `../shared/data/mooncake_synthetic_trace.jsonl`, or
-the rows of a `router.sim.trace_gen` generator): `timestamp` (ms), `input_length`,
-`output_length`, `hash_ids` (one id per 512-token block; equal ids at equal positions = equal
-prefix blocks). Ids become block hashes with `core.hashing.hash_block`, chained
-(`h_i = hash_block(h_{i-1}, [id_i])`), so the index sees the same kind of keys as in
-production (and an id after a different prefix is a different block, as in a prefix cache).
+Trace format (one JSON object a line, as the Mooncake trace in
+`tests/data/mooncake_synthetic_trace.jsonl`, or the rows of a `router.sim.trace_gen` generator):
+`timestamp` (ms), `input_length`, `output_length`, `hash_ids` (one id per 512-token block; equal
+ids at equal positions = equal prefix blocks). Ids become block hashes with
+`core.hashing.hash_block`, chained (`h_i = hash_block(h_{i-1}, [id_i])`), so the index sees the
+same kind of keys as in production (and an id after a different prefix is a different block, as
+in a prefix cache).
 
 Simulated nodes (`router.sim.sim_nodes`): N nodes, each a device LRU cache of
 `device_blocks` blocks (C/N by default) over a host tier of `host_blocks` (none by default)

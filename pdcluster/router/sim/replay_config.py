@@ -1,11 +1,11 @@
 """What `pdcluster replay` replays and how: `ReplayConfig` (the simulated cluster: nodes, their
 tiers, service rates, the network) and the trace as `TraceRequest`s with chained block hashes.
 
-Trace format (one JSON object a line, as `../shared/data/mooncake_synthetic_trace.jsonl`, or
-the rows of a `router.sim.trace_gen` generator): `timestamp` (ms), `input_length`,
-`output_length`, `hash_ids` (one id per 512-token block; equal ids at equal positions = equal
-prefix blocks). Ids become block hashes with `core.hashing.hash_block`, chained
-(`h_i = hash_block(h_{i-1}, [id_i])`).
+Trace format (one JSON object a line, as the Mooncake trace in
+`tests/data/mooncake_synthetic_trace.jsonl`, or the rows of a `router.sim.trace_gen` generator):
+`timestamp` (ms), `input_length`, `output_length`, `hash_ids` (one id per 512-token block; equal
+ids at equal positions = equal prefix blocks). Ids become block hashes with
+`core.hashing.hash_block`, chained (`h_i = hash_block(h_{i-1}, [id_i])`).
 
 API: `ReplayConfig`, `TraceRequest`, `parse_trace`, `load_trace`.
 """

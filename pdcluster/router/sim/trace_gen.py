@@ -24,7 +24,7 @@ Each generator stresses one thing a KV-aware policy must get right:
 
 Ids: fresh ids come from one counter per trace, so equal ids mean equal content. Lengths:
 a prompt's last block is partial (`input_length = blocks * 512 - U[0, 511]`), as in the
-shared trace. Rows are sorted by timestamp (ties keep generation order). Every generator is
+Mooncake trace. Rows are sorted by timestamp (ties keep generation order). Every generator is
 deterministic in `seed`; `scale` multiplies the number of sessions at the same arrival rate
 (the same load, a shorter trace), so tests run small copies of the same traffic.
 

@@ -1,4 +1,5 @@
-"""`pdcluster bench engine --mla`: MLA decode on CPU, absorbed vs expanded, and KV bytes.
+"""`python -m benchmarks mla [--quick]`: MLA decode on CPU, absorbed vs expanded, and KV bytes
+(a study behind docs/engine.md's choice of the absorbed form).
 
 One DeepSeek-V2-Lite-shaped attention layer (hidden 2048, 16 heads, kv_lora_rank 512,
 qk_nope 128, qk_rope 64, v 128; random weights) decodes batches of 1 and 8 sequences over a
@@ -14,6 +15,7 @@ head_dim 128 (what an MLA-less V2-Lite would cache), and for DeepSeek-V3 (61 lay
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -108,3 +110,8 @@ def kv_bytes_per_token() -> dict:
 
 def mla_fields(steps: int) -> dict:
     return {**absorbed_vs_expanded(steps), **kv_bytes_per_token()}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Medians over the engine bench's number of steps (7; --quick 5)."""
+    return mla_fields(5 if args.quick else 7)

@@ -16,10 +16,10 @@ import asyncio
 import statistics
 import time
 
-from pdcluster.benchmarks.chaos_checks import rss_bytes
-from pdcluster.benchmarks.chaos_cluster import ChaosCluster
-from pdcluster.benchmarks.chaos_load import LoadSpec, run_load
-from pdcluster.benchmarks.chaos_stats import summarize
+from benchmarks.chaos_checks import rss_bytes
+from benchmarks.chaos_cluster import ChaosCluster
+from benchmarks.chaos_load import LoadSpec, run_load
+from benchmarks.chaos_stats import summarize
 
 FLAT_GROWTH = 0.05
 

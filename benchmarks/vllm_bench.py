@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pdcluster.benchmarks.vllm_cluster import ServedCluster
+from benchmarks.vllm_cluster import ServedCluster
 
 VLLM_BLOCK = 32
 

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdcluster.benchmarks.peers_settings import Launch
+from benchmarks.peers_settings import Launch
 
 TORCH_PIN = "torch==2.13.0"
 

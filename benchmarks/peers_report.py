@@ -11,9 +11,9 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from pdcluster.benchmarks.model_counts import model_counts, prefill_flops
-from pdcluster.benchmarks.peers_settings import PeerSettings
-from pdcluster.benchmarks.peers_workloads import PeerSizes
+from benchmarks.model_counts import model_counts, prefill_flops
+from benchmarks.peers_settings import PeerSettings
+from benchmarks.peers_workloads import PeerSizes
 from pdcluster.engine.models.model_config import ModelConfig
 
 # pdcluster / peer per workload: (figure, ratio name); throughputs: higher is better,

@@ -9,7 +9,8 @@ Every other request streams. With `abort_after_s=(lo, hi)` the client disconnect
 share (`abort_share`) of the requests after a random delay in that range (the abort storm).
 
 Each request ends as an `Outcome`: completed, failed (HTTP status and a short cause),
-truncated (a stream that delivered tokens and then broke off) or aborted on purpose. With
+truncated (a stream that delivered tokens and then broke off) or aborted on purpose; a stream
+also keeps when its first token came (`first_token`). With
 `token_ids=True` it also keeps the token ids it received (asked for as logprobs shown as
 "token_id:N"), for tests that compare a fault's replies with a reference.
 
@@ -66,6 +67,7 @@ class Outcome:
     aborted: bool = False  # the client disconnected on purpose
     tokens: int = 0
     token_ids: list[int] | None = None  # with LoadSpec.token_ids
+    first_token: float | None = None  # a stream's first token, on the load's clock
 
     @property
     def latency_s(self) -> float:
@@ -123,8 +125,8 @@ async def _one(session, base_url: str, model: str, spec: LoadSpec, index: int,
     if spec.token_ids:
         body.update(logprobs=0, return_tokens_as_token_ids=True)
         out.token_ids = []
-    call = _stream(session, base_url, body, out) if stream else _plain(session, base_url,
-                                                                         body, out)
+    call = _stream(session, base_url, body, out, t0) if stream else _plain(session, base_url,
+                                                                             body, out)
     try:
         await asyncio.wait_for(call, abort_after_s if abort_after_s else spec.timeout_s)
     except TimeoutError:
@@ -150,7 +152,7 @@ async def _plain(session, base_url: str, body: dict, out: Outcome) -> None:
     _keep_ids(out, data["choices"][0])
 
 
-async def _stream(session, base_url: str, body: dict, out: Outcome) -> None:
+async def _stream(session, base_url: str, body: dict, out: Outcome, t0: float) -> None:
     async with session.post(f"{base_url}/v1/completions", json=body) as reply:
         out.status = reply.status
         if reply.status != 200:
@@ -171,6 +173,8 @@ async def _stream(session, base_url: str, body: dict, out: Outcome) -> None:
                 return
             for choice in chunk.get("choices") or ():
                 out.tokens += 1 if choice.get("text") is not None else 0
+                if out.tokens and out.first_token is None:
+                    out.first_token = time.monotonic() - t0
                 finished = finished or choice.get("finish_reason") is not None
                 _keep_ids(out, choice)
     out.ok = finished

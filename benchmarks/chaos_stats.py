@@ -17,7 +17,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from pdcluster.benchmarks.chaos_load import Outcome
+from benchmarks.chaos_load import Outcome
 
 
 def quantile(values: Sequence[float], q: float) -> float:

@@ -1,5 +1,5 @@
-"""`pdcluster bench chaos`'s options (the benchmark is benchmarks/chaos_bench.py; the CLI
-never imports benchmarks at parse time)."""
+"""`python -m benchmarks chaos`'s options (the harness is benchmarks/chaos_bench.py; parsing
+them imports none of it)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pdcluster.benchmarks.chaos_cluster import ChaosCluster
+from benchmarks.chaos_cluster import ChaosCluster
 
 
 def _ray_get(refs, timeout_s: float):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdcluster.benchmarks.chaos_procs import descendants, reap
+from benchmarks.chaos_procs import descendants, reap
 from pdcluster.core.credentials import ROUTER_TOKEN_ENV, SECRET_ENV, SERVICE, ClusterSecret
 
 if TYPE_CHECKING:

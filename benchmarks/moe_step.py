@@ -1,4 +1,5 @@
-"""`pdcluster bench engine --moe`: a mixture-of-experts step against an equally sized dense one.
+"""`python -m benchmarks moe [--quick] [--device D]`: a mixture-of-experts step against an
+equally sized dense one (a study behind docs/engine.md's MoE support).
 
 Two random checkpoints of the engine bench's shape (hidden 512, 8 layers, 8 heads / 4 KV
 heads): the dense `bench` preset (SwiGLU intermediate 1408) and a Mixtral with 8 experts of
@@ -11,8 +12,10 @@ and the per-expert matmuls, and of reading 4x the FFN weights.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -98,3 +101,9 @@ def moe_vs_dense(tmp: str, device: str, steps: int) -> dict:
         result[f"dense_{key}"] = round(dense[key], 2)
         result[f"moe_vs_dense_{key.replace('_ms', '')}"] = round(moe[key] / dense[key], 2)
     return result
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The comparison over the engine bench's number of decode steps (32; --quick 8)."""
+    with tempfile.TemporaryDirectory(prefix="pdcluster-moe-") as tmp:
+        return moe_vs_dense(tmp, args.device, 8 if args.quick else 32)

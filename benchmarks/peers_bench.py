@@ -36,17 +36,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdcluster.benchmarks.peers_machine import LoadGate, LoadMonitor, machine_limits
-from pdcluster.benchmarks.peers_process import (
+from benchmarks.peers_machine import LoadGate, LoadMonitor, machine_limits
+from benchmarks.peers_process import (
     LLAMA_CPP,
     VLLM,
     EngineProcess,
     PeerSpec,
     ensure_peer,
 )
-from pdcluster.benchmarks.peers_report import summary
-from pdcluster.benchmarks.peers_settings import PeerSettings
-from pdcluster.benchmarks.peers_workloads import (
+from benchmarks.peers_report import summary
+from benchmarks.peers_settings import PeerSettings
+from benchmarks.peers_workloads import (
     QUICK,
     Generate,
     PeerSizes,

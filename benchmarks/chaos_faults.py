@@ -40,8 +40,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from pdcluster.benchmarks.chaos_cluster import ChaosCluster
-from pdcluster.benchmarks.chaos_procs import descendants, reap
+from benchmarks.chaos_cluster import ChaosCluster
+from benchmarks.chaos_procs import descendants, reap
 
 LINK_FAULT_S = 10.0  # how long a slow link or a partition lasts before it heals
 
@@ -186,7 +186,7 @@ async def node_restart(run: FaultRun, t0: float) -> None:
 
 
 async def _link_fault(run: FaultRun, t0: float, loss: float, delay_ms: int) -> None:
-    from pdcluster.benchmarks.chaos_netns import LinkFault, kv_ports
+    from benchmarks.chaos_netns import LinkFault, kv_ports
 
     cluster = run.cluster
     assert cluster.ray is not None, "the cluster is not up"

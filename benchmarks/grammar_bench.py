@@ -1,5 +1,5 @@
 """Grammar libraries for structured output, measured on one tokenizer:
-`python -m benchmarks.grammar_bench --model FOLDER [--vocab N] [--json]`.
+`python -m benchmarks grammar --model FOLDER [--vocab N] [--tokens N] [--json]`.
 
 For each of `llguidance`, `xgrammar` and `outlines-core` that imports here, in one run:
 - `tokenizer_s`: building the library's view of the vocabulary (once per engine);
@@ -162,9 +162,11 @@ def argmax_us(vocab: int, repeats: int = 2000) -> float:
     return (time.perf_counter() - started) / repeats * 1e6
 
 
-def run(model: str, vocab: int | None, tokens: int) -> dict:
+def run(args: argparse.Namespace) -> dict:
+    """Every library that imports here, on `args.model`'s tokenizer."""
     from transformers import AutoTokenizer
 
+    model, vocab, tokens = args.model, args.vocab, args.tokens
     tokenizer = AutoTokenizer.from_pretrained(model)
     vocab = vocab or len(tokenizer)
     baseline = argmax_us(vocab)
@@ -181,22 +183,3 @@ def run(model: str, vocab: int | None, tokens: int) -> dict:
                        mask_us_p99=round(p99, 1), mask_p50_vs_argmax=round(p50 / baseline, 2))
         result[name] = figures
     return result
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="a folder with a HF tokenizer")
-    parser.add_argument("--vocab", type=int, default=None,
-                        help="the model's (padded) vocabulary size; default the tokenizer's")
-    parser.add_argument("--tokens", type=int, default=300)
-    parser.add_argument("--json", action="store_true", help="print only the JSON line")
-    args = parser.parse_args(argv)
-    result = run(args.model, args.vocab, args.tokens)
-    if not args.json:
-        for key, value in result.items():
-            print(f"{key}: {value}")
-    print(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,273 @@
+"""The other ranks of a tensor-parallel engine (ranks 1..N-1): processes the engine starts and
+owns. Each holds its slice of the model (engine/models/parallel.py) and of the KV cache (its
+KV heads, under the same block ids as rank 0's) and runs the same forward pass as rank 0 on the
+step plan rank 0 sends it. Rank 0 keeps everything else: the scheduler, the block pool, the
+sampler, the connector.
+
+The group: a FileStore in a private temporary folder for the rendezvous (no listening socket),
+gloo bound to 127.0.0.1 on CPU, NCCL on CUDA (rank r on the r-th device after rank 0's). A
+step's plan crosses a pipe as msgpack (arrays as raw bytes, never pickle); the collectives
+inside the forward pair the ranks up. A rank that dies surfaces as `TensorParallelError` at the
+next step, one that stalls when the collectives' timeout (`RANK_TIMEOUT_S`) runs out: never a
+hang.
+
+API: `TensorParallelError`, `RankSpec`, `StepPeers.start(spec, size)`, `peers.allocate_kv(spec)`,
+`peers.step(plan)`, `peers.capture(max_batch, max_model_len)`, `peers.check()`, `peers.close()`,
+`make_group(rank, size, store_path, device)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import traceback
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pdcluster.engine.kv.kv_cache import KVCacheSpec
+from pdcluster.engine.models.parallel import TensorParallel
+from pdcluster.engine.runner.inputs import StepInputs, StepPlan
+
+logger = logging.getLogger(__name__)
+
+RANK_TIMEOUT_S = 120.0  # a collective (or a rank's start) waits at most this long
+_READY, _OK = b"ready", b"ok"
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died, stalled or failed: the engine cannot go on."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What a rank needs to build its slice of the model."""
+
+    model: str
+    dtype: str  # a torch dtype name, e.g. "float32"
+    device: str  # rank 0's device; rank r takes the r-th after it on CUDA
+    max_model_len: int
+    load_format: str = "auto"
+    threads: int = 1  # torch threads of each worker on CPU
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    base = torch.device(device)
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+def make_group(rank: int, size: int, store_path: str, device: torch.device) -> TensorParallel:
+    """This rank's group: NCCL on CUDA, gloo on 127.0.0.1 elsewhere (blocks until all join)."""
+    store = dist.FileStore(store_path, size)
+    timeout = datetime.timedelta(seconds=RANK_TIMEOUT_S)
+    if device.type == "cuda":
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = timeout
+        return TensorParallel(rank, size, dist.ProcessGroupNCCL(store, rank, size, nccl))
+    # gloo's options type is not in torch's stubs (`_Options`); its device is what pins the
+    # group's sockets to the loopback interface
+    gloo = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009
+    gloo._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    gloo._timeout = timeout
+    return TensorParallel(rank, size, dist.ProcessGroupGloo(store, rank, size, gloo))
+
+
+class StepPeers:
+    """Rank 0's handle on ranks 1..N-1."""
+
+    def __init__(self, processes: list, pipes: list[Connection], folder: str) -> None:
+        self.processes, self.pipes, self.folder = processes, pipes, folder
+        self._finalizer = weakref.finalize(self, _stop, processes, pipes, folder)
+
+    @classmethod
+    def start(cls, spec: RankSpec, size: int) -> tuple[StepPeers, TensorParallel]:
+        """Start ranks 1..size-1 and join the group as rank 0 (returned). The ranks load
+        their slices of the model concurrently with rank 0 once the group is up."""
+        folder = tempfile.mkdtemp(prefix="pdcluster-tp-")
+        store_path = str(Path(folder) / "store")
+        context = multiprocessing.get_context("spawn")
+        processes, pipes = [], []
+        payload = msgpack.packb(dataclasses.asdict(spec))
+        for rank in range(1, size):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_worker_main, name=f"pdcluster-tp-rank{rank}",
+                                      args=(payload, rank, size, store_path, theirs),
+                                      daemon=True)
+            process.start()
+            theirs.close()
+            processes.append(process)
+            pipes.append(ours)
+        peers = cls(processes, pipes, folder)
+        try:
+            tp = make_group(0, size, store_path, rank_device(spec.device, 0))
+        except RuntimeError as exc:
+            peers.close()
+            raise TensorParallelError(f"the tensor-parallel group did not form: {exc}") from exc
+        return peers, tp
+
+    def wait_ready(self) -> None:
+        """Wait until every rank has loaded its slice of the model."""
+        for rank, pipe in enumerate(self.pipes, start=1):
+            self._expect(rank, pipe, _READY)
+
+    def allocate_kv(self, spec: KVCacheSpec) -> None:
+        """Every rank allocates its KV cache (this rank's heads, rank 0's block count)."""
+        self._send({"op": "kv", "spec": dataclasses.asdict(spec)})
+        for rank, pipe in enumerate(self.pipes, start=1):
+            self._expect(rank, pipe, _OK)
+
+    def capture(self, max_batch: int, max_model_len: int) -> None:
+        """Every rank starts capturing its CUDA graphs (rank 0 captures alongside: the
+        warm-up and captured forwards hold collectives)."""
+        self._send({"op": "capture", "max_batch": max_batch, "max_model_len": max_model_len})
+
+    def step(self, plan: StepPlan) -> None:
+        self._send({"op": "step", **encode_plan(plan)})
+
+    def check(self) -> None:
+        """Raise `TensorParallelError` naming a rank that is no longer running."""
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                raise TensorParallelError(f"tensor-parallel rank {rank} exited "
+                                          f"(exit code {process.exitcode})")
+
+    def failed(self, exc: Exception) -> TensorParallelError:
+        """The error to raise for a collective that failed: the rank that died (given a
+        moment to finish exiting), else the collective's own error."""
+        for process in self.processes:
+            process.join(timeout=2 / len(self.processes))
+        try:
+            self.check()
+        except TensorParallelError as dead:
+            return dead
+        return TensorParallelError(f"a tensor-parallel collective failed: {exc}")
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _send(self, message: dict) -> None:
+        data = msgpack.packb(message)
+        for rank, pipe in enumerate(self.pipes, start=1):
+            try:
+                pipe.send_bytes(data)
+            except OSError as exc:
+                self.check()
+                raise TensorParallelError(f"tensor-parallel rank {rank}: {exc}") from exc
+
+    def _expect(self, rank: int, pipe: Connection, want: bytes) -> None:
+        if not pipe.poll(RANK_TIMEOUT_S):
+            self.check()
+            raise TensorParallelError(f"tensor-parallel rank {rank} did not answer within "
+                                      f"{RANK_TIMEOUT_S:.0f} s")
+        try:
+            got = pipe.recv_bytes()
+        except (EOFError, OSError) as exc:
+            self.check()
+            raise TensorParallelError(f"tensor-parallel rank {rank}: {exc}") from exc
+        if got != want:
+            raise TensorParallelError(f"tensor-parallel rank {rank} failed:\n"
+                                      f"{got.decode(errors='replace')}")
+
+
+def _stop(processes: list, pipes: list[Connection], folder: str) -> None:
+    for pipe in pipes:
+        with contextlib.suppress(OSError):
+            pipe.send_bytes(msgpack.packb({"op": "stop"}))
+    for process in processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+    for pipe in pipes:
+        pipe.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def encode_plan(plan: StepPlan) -> dict:
+    inputs = plan.inputs
+    return {"ids": _pack(inputs.token_ids), "positions": _pack(inputs.positions),
+            "slots": _pack(inputs.slot_rows), "last": inputs.last_rows,
+            "decodes": inputs.num_decodes, "lens": _pack(inputs.decode_lens),
+            "chunks": [list(chunk) for chunk in inputs.chunks],
+            "table": None if plan.decode_table is None else _pack(plan.decode_table),
+            "rows": _pack(plan.logit_rows), "replay": plan.replay}
+
+
+def decode_plan(message: dict) -> StepPlan:
+    inputs = StepInputs(_unpack(message["ids"]), _unpack(message["positions"]),
+                        _unpack(message["slots"]), list(message["last"]), message["decodes"],
+                        _unpack(message["lens"]),
+                        [(row, pos, list(blocks)) for row, pos, blocks in message["chunks"]])
+    table = None if message["table"] is None else _unpack(message["table"])
+    return StepPlan(inputs, table, _unpack(message["rows"]), message["replay"])
+
+
+def _pack(array: np.ndarray) -> list:
+    return [array.dtype.str, list(array.shape), array.tobytes()]
+
+
+def _unpack(packed: list) -> np.ndarray:
+    dtype, shape, data = packed
+    return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
+
+
+def _worker_main(payload: bytes, rank: int, size: int, store_path: str,
+                 pipe: Connection) -> None:
+    """A rank's process: join the group, load this rank's slice, then run what rank 0 sends
+    until it says stop. A failure is reported on the pipe (rank 0 raises it) and ends the
+    process."""
+    try:
+        spec = RankSpec(**msgpack.unpackb(payload))
+        device = rank_device(spec.device, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(spec.threads)
+        tp = make_group(rank, size, store_path, device)
+        _serve(spec, tp, device, pipe)
+    except Exception:  # reported to rank 0, which raises it as TensorParallelError
+        logger.exception("tensor-parallel rank %d failed", rank)
+        with contextlib.suppress(OSError):
+            pipe.send_bytes(traceback.format_exc().encode())
+        raise SystemExit(1) from None
+
+
+def _serve(spec: RankSpec, tp: TensorParallel, device: torch.device, pipe: Connection) -> None:
+    from pdcluster.engine.kv.kv_cache import PagedKVCache
+    from pdcluster.engine.models.loader import load_model
+    from pdcluster.engine.models.model_config import ModelConfig
+    from pdcluster.engine.runner.model_runner import ModelRunner
+
+    dtype = getattr(torch, spec.dtype)
+    model = load_model(spec.model, ModelConfig.from_pretrained(spec.model), dtype, device,
+                       spec.max_model_len, dummy=spec.load_format == "dummy", tp=tp)
+    pipe.send_bytes(_READY)
+    runner: ModelRunner | None = None
+    while True:
+        message = msgpack.unpackb(pipe.recv_bytes())
+        op = message["op"]
+        if op == "stop":
+            return
+        if op == "kv":
+            kv = PagedKVCache(KVCacheSpec(**message["spec"]), dtype, device)
+            runner = ModelRunner(model, kv, device)
+            pipe.send_bytes(_OK)
+            continue
+        assert runner is not None, "the KV cache is allocated before any step"
+        if op == "capture":
+            runner.capture_graphs(message["max_batch"], message["max_model_len"])
+        elif op == "step":
+            runner.forward(decode_plan(message))
