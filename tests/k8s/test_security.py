@@ -287,7 +287,7 @@ def test_network_policies(name: str) -> None:
     ray = ("ray-head", *nodes)
     # the router: the public endpoint (unless restricted); it reaches the node actors' request
     # ports (one per node actor of a pod) and nothing else of theirs: not the KV side channel,
-    # not Mooncake's unauthenticated transfer port 
+    # not Mooncake's unauthenticated transfer port
     restricted = bool(values["networkPolicy"]["routerIngressFrom"])
     assert ok(STRANGER, "router", router_port) != restricted
     assert ok(STRANGER, "router", router_port, "elsewhere") != restricted
@@ -413,7 +413,7 @@ def test_the_acknowledged_or_fenced_setting_renders(values) -> None:
     assert template(values).returncode == 0
 
 
-# --- metadata gRPC: plaintext or unbound client certificates need an acknowledgement 
+# --- metadata gRPC: plaintext or unbound client certificates need an acknowledgement
 
 _SECRETS = {"secretName": "md-tls", "clientAuth": {"routerSecretName": "md-router",
                                                   "nodeSecretName": "md-node"}}
