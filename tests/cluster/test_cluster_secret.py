@@ -148,11 +148,11 @@ def test_a_node_actor_gets_its_own_bootstrap_credential_only(no_secret_env,
     assert [c.bootstrap_token for c in seen] == [node_token("p0")]
     assert not any(isinstance(v, ClusterSecret) for c in seen
                    for v in (getattr(c, f) for f in c.__dataclass_fields__))
+    monkeypatch.setattr("pdcluster.node.actor.NodeRuntime", NodeRuntime)  # refuses it first
     monkeypatch.setenv(SECRET_ENV, TEST_SECRET.to_text())
     with pytest.raises(ValueError, match="bootstrap_token"):
         Prefill("p1", "m", metadata_address="meta:1")
     monkeypatch.delenv(SECRET_ENV)
-    monkeypatch.setattr("pdcluster.node.actor.NodeRuntime", NodeRuntime)  # refuses it first
     with pytest.raises(ValueError, match="bootstrap_token"):
         Prefill("p2", "m", metadata_address="meta:1")
     with pytest.raises(ValueError, match="not a credential of principal node/p3"):

@@ -422,8 +422,10 @@ _BOUND = {**_TLS, "clientAuth": {"enabled": True, **_SECRETS["clientAuth"]}}
 
 
 @pytest.mark.parametrize("metadata, match", [
-    ({"acknowledgePlaintext": False}, "metadata.tls.enabled is false"),
-    ({"acknowledgeUnboundClients": False, "tls": _TLS}, "without clientAuth.enabled"),
+    ({"acknowledgePlaintext": False, "tls": {"enabled": False}},
+     "metadata.tls.enabled is false"),
+    ({"acknowledgeUnboundClients": False, "tls": {**_TLS, "clientAuth": {"enabled": False}}},
+     "without clientAuth.enabled"),
     ({"acknowledgeUnboundClients": False,
       "tls": {**_BOUND, "clientAuth": {**_BOUND["clientAuth"], "bindRoles": False}}},
      "without clientAuth.enabled and clientAuth.bindRoles"),
@@ -434,8 +436,8 @@ def test_the_chart_refuses_plaintext_or_unbound_metadata_grpc(metadata, match) -
 
 
 @pytest.mark.parametrize("metadata", [
-    {"acknowledgePlaintext": True},
-    {"acknowledgeUnboundClients": True, "tls": _TLS},
+    {"acknowledgePlaintext": True, "tls": {"enabled": False}},
+    {"acknowledgeUnboundClients": True, "tls": {**_TLS, "clientAuth": {"enabled": False}}},
     {"acknowledgePlaintext": False, "acknowledgeUnboundClients": False, "tls": _BOUND},
 ], ids=["plaintext-acknowledged", "unbound-acknowledged", "mtls-bound"])
 def test_acknowledged_or_bound_metadata_grpc_renders(metadata) -> None:
