@@ -143,7 +143,8 @@ def test_generate_wiring(fake_engine, model_dir: Path, capsys: pytest.CaptureFix
     assert rc == 0
     (_, model, kwargs), (_, prompts, params) = fake_engine.calls
     assert model == str(model_dir)
-    assert kwargs == {"dtype": "float32", "device": "cpu", "block_size": 8}
+    assert kwargs == {"dtype": "float32", "device": "cpu", "block_size": 8,
+                      "tensor_parallel_size": 1}
     assert prompts == ["The capital"]
     assert params.kwargs == {"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
                              "seed": 1}
@@ -210,7 +211,8 @@ def test_bench_engine_prints_json_last(fake_bench, capsys, as_json: bool) -> Non
 def test_bench_offers_exactly_what_the_package_ships() -> None:
     """`pdcluster bench` lists the benchmarks of pdcluster/benchmarks and nothing else: the
     harnesses of the checkout (chaos, peers, vllm, the studies) are `python -m benchmarks`."""
-    shipped = {"engine", "transfer", "metadata", "router", "serve", "curve", "trace", "client"}
+    shipped = {"engine", "transfer", "metadata", "router", "serve", "curve", "trace", "client",
+               "planner", "tp"}
     assert set(cli.BENCHMARKS) == shipped
     package = REPO_ROOT / "pdcluster" / "benchmarks"
     for module, _ in cli.BENCHMARKS.values():

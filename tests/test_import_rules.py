@@ -417,7 +417,8 @@ def test_the_room_table_matches_the_tree() -> None:
     assert not missing, f"the table names folders that do not exist: {missing}"
 
 
-@pytest.mark.parametrize("folder", ["router", "router/api", "router/routing", "router/sim"])
+@pytest.mark.parametrize("folder", ["router", "router/api", "router/routing", "router/sim",
+                                    "router/planning"])
 def test_the_router_rows_name_every_module(folder: str) -> None:
     """`ls router/<sub-room>` and its row of the table agree: each module is named there."""
     row = room_table()[folder]
@@ -434,6 +435,9 @@ SUBROOM_FORBIDDEN: dict[str, frozenset[str]] = {
     "router/api": frozenset({"pdcluster.router.sim"}),
     "router/routing": frozenset({"aiohttp", "pdcluster.router.api", "pdcluster.router.sim"}),
     "router/sim": frozenset({"aiohttp", "pdcluster.router.api"}),
+    # pure decisions: neither the HTTP side, nor the links and sockets, nor the simulator
+    "router/planning": frozenset({"aiohttp", "zmq", "grpc", "pdcluster.router.api",
+                                  "pdcluster.router.sim", "pdcluster.router.routing"}),
 }
 
 

@@ -150,6 +150,15 @@ The node ids the launcher starts in a role (ray_cluster.py names them p0, p1, ..
 {{- join "," $ids -}}
 {{- end -}}
 
+{{/* The planner's node actors of a role: its group's min/max pods x GPUs per pod / per node. */}}
+{{- define "pdcluster.plannerBounds" -}}
+{{- $root := index . 0 -}}
+{{- $group := index $root.Values.ray (index . 1) -}}
+{{- $perPod := div (int $group.gpusPerPod) (int $root.Values.cluster.node.gpus) -}}
+min: {{ mul (int (include "pdcluster.groupBound" (list $group "minReplicas"))) $perPod }}
+max: {{ mul (int (include "pdcluster.groupBound" (list $group "maxReplicas"))) $perPod }}
+{{- end -}}
+
 {{/*
 The body of cluster.yaml, the launcher's config (python -m pdcluster.cluster.launch --config). Nodes bind
 and publish $POD_IP (host: auto). The launcher starts no router (router.enabled false: it is
@@ -179,6 +188,15 @@ its own Deployment), so router.host here is never bound.
     "request_ports" (int (include "pdcluster.nodesPerPod" .))
     "role_resource_prefix" .Values.ray.groupResourcePrefix)
 -}}
+{{- if .Values.planner.enabled -}}
+{{- $p := .Values.planner -}}
+{{- $_ := set $config "planner" (dict
+  "enabled" true "slo_ttft_s" $p.sloTtftS "slo_itl_ms" $p.sloItlMs "interval_s" $p.intervalS
+  "startup_s" $p.startupS
+  "prefill" (include "pdcluster.plannerBounds" (list . "prefill") | fromYaml)
+  "decode" (include "pdcluster.plannerBounds" (list . "decode") | fromYaml)
+  "router_url" (printf "http://%s-router:%d" (include "pdcluster.fullname" .) (int .Values.router.adminPort))) -}}
+{{- end -}}
 {{- toYaml $config -}}
 {{- end -}}
 

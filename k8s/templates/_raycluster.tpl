@@ -1,6 +1,7 @@
 {{/*
 The Ray cluster: a CPU head (Ray's control plane and the launcher's driver) and two GPU worker
-groups, prefill and decode, each a fixed size (no autoscaling: every worker hosts node actors).
+groups, prefill and decode, each a fixed size, or, with planner.enabled, between its
+minReplicas and maxReplicas (Ray's in-tree autoscaler fits them to the planner's actors).
 */}}
 {{- define "pdcluster.rayCluster" -}}
 {{- $head := .Values.ray.head -}}
@@ -13,7 +14,14 @@ metadata:
     {{- include "pdcluster.componentLabels" (list . "ray") | nindent 4 }}
 spec:
   rayVersion: {{ .Values.ray.version | quote }}
+  {{- if .Values.planner.enabled }}
+  # the planner starts and retires node actors; Ray's autoscaler fits the worker pods to them
+  enableInTreeAutoscaling: true
+  autoscalerOptions:
+    idleTimeoutSeconds: {{ int .Values.planner.idleTimeoutSeconds }}
+  {{- else }}
   enableInTreeAutoscaling: false
+  {{- end }}
   {{- if ne .Values.ray.upgradeStrategy "None" }}
   # Ray has no rolling upgrade: a changed pod template recreates every Ray pod (and the new
   # launch, named by pdcluster.launchHash, starts the node actors again).

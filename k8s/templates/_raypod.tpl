@@ -105,6 +105,12 @@ affinity:
 A GPU worker group: include "pdcluster.workerGroup" (list $ "prefill"|"decode").
 Each pod advertises the Ray custom resource <groupResourcePrefix><role>, one unit per GPU.
 */}}
+{{- define "pdcluster.groupBound" -}}
+{{- $group := index . 0 -}}
+{{- $value := index $group (index . 1) -}}
+{{- if kindIs "invalid" $value }}{{ int $group.replicas }}{{ else }}{{ int $value }}{{ end -}}
+{{- end -}}
+
 {{- define "pdcluster.workerGroup" -}}
 {{- $root := index . 0 -}}
 {{- $role := index . 1 -}}
@@ -123,8 +129,13 @@ Each pod advertises the Ray custom resource <groupResourcePrefix><role>, one uni
 {{- $defaults := dict "num-gpus" $gpus "metrics-export-port" 8080 "resources" (printf `"{\"%s\": %d}"` $customResource $gpus) -}}
 - groupName: {{ $role }}
   replicas: {{ $group.replicas }}
+  {{- if $root.Values.planner.enabled }}
+  minReplicas: {{ include "pdcluster.groupBound" (list $group "minReplicas") }}
+  maxReplicas: {{ include "pdcluster.groupBound" (list $group "maxReplicas") }}
+  {{- else }}
   minReplicas: {{ $group.replicas }}
   maxReplicas: {{ $group.replicas }}
+  {{- end }}
   rayStartParams:
     {{- include "pdcluster.rayStartParams" (list $group.rayStartParams $defaults) | nindent 4 }}
   template:

@@ -16,6 +16,7 @@ Subcommands:
   bench curve               run the CURVE-cost benchmark (JSON last)
   bench trace --trace FILE  replay a trace live against a local cluster, per policy (JSON last)
   bench client --url URL    load a served cluster with aiperf (JSON last)
+  bench planner             the planner under a load step on a local cluster (JSON last)
   replay --trace FILE       replay a request trace through the routing policy (JSON last)
   replay --synthetic NAME   the same on a generated trace (router/sim/trace_gen.py)
   trace-gen NAME --out FILE write a synthetic trace
@@ -61,6 +62,9 @@ BENCHMARKS = {
     "metadata": ("metadata_bench", "Metadata service: prefix-query latency over gRPC (against "
                  "an empty RPC in the same run), ingest rate, etcd write rate, recovery time "
                  "and index memory."),
+    "tp": ("tp_bench", "Tensor parallelism: decode steps (batch 1 and 16) and 512-token TTFT "
+           "at TP=1 and TP=N on one random model, each TP=N figure over TP=1's (same run), "
+           "tokens compared."),
     "router": ("router_bench", "The router's own cost: decision time over a 1M-block index of "
                "64 nodes, latency overhead against a direct node call (same run), requests/s "
                "at 64 streaming clients."),
@@ -80,6 +84,10 @@ BENCHMARKS = {
                "in its own environment) against a served cluster at --url: TTFT, inter-token "
                "latency, request latency and throughput, against the router's own figures "
                "for the same requests."),
+    "planner": ("planner_bench", "The live planner on a local cluster of the tiny model: a load "
+                "step up and down; time to scale up, requests lost, blocks leaked, the hit "
+                "ratio just after a scale-in over just before it (the drained node's hot "
+                "prefixes handed to the node that stays), and admission's sheds per phase."),
 }
 
 
@@ -175,8 +183,32 @@ def _client_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds the whole aiperf run may take")
 
 
+def _planner_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="model folder (default: a random tiny model built for the run)")
+    parser.add_argument("--clients", type=int, default=8, help="clients during the step up")
+    parser.add_argument("--max-decode", type=int, default=2, help="most decode nodes")
+    parser.add_argument("--slo-factor", type=float, default=2.0,
+                        help="the ITL SLO: this x the one-client ITL p90 measured first")
+    parser.add_argument("--slo-ttft-s", type=float, default=10.0,
+                        help="admission's TTFT SLO (429 above it)")
+    parser.add_argument("--hold-s", type=float, default=10.0,
+                        help="seconds of step-up load once the new node serves")
+    parser.add_argument("--settle-s", type=float, default=5.0,
+                        help="seconds of one-client load after the scale-in")
+    parser.add_argument("--think-s", type=float, default=0.5,
+                        help="seconds the one client waits between requests after the step")
+
+
+def _tp_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where to run")
+    parser.add_argument("--tensor-parallel-size", type=int, default=2,
+                        help="the TP size measured against TP=1")
+
+
 _BENCH_EXTRA_ARGS = {"engine": _engine_bench_args, "metadata": _metadata_bench_args,
-                     "client": _client_bench_args, "trace": _trace_bench_args}
+                     "client": _client_bench_args, "trace": _trace_bench_args,
+                     "planner": _planner_bench_args, "tp": _tp_bench_args}
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:

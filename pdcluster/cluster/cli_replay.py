@@ -58,7 +58,27 @@ def add_replay(subparsers: argparse._SubParsersAction, report: Report) -> None:
                         help="fixed cost of one prefix pull, ms")
     parser.add_argument("--kv-bytes-per-token", type=int, default=131_072,
                         help="KV cache bytes of one token (all layers)")
+    _add_planner_args(parser)
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
+
+
+def _add_planner_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "planner", "--planner replays the trace over a simulated disaggregated cluster whose "
+        "prefill and decode node counts the planner sets (router/sim/planner_replay.py), and "
+        "finds the smallest fixed split meeting the SLOs in the same run (best_fixed); "
+        "--cache-blocks sizes the cluster's prefix pool")
+    group.add_argument("--planner", action="store_true",
+                       help="model the planner instead of the routing policies")
+    group.add_argument("--max-nodes", type=int, default=16,
+                       help="prefill + decode nodes at most (planner and fixed splits)")
+    group.add_argument("--slo-ttft-s", type=float, default=2.0, help="TTFT SLO, seconds")
+    group.add_argument("--slo-itl-ms", type=float, default=50.0,
+                       help="inter-token latency SLO, ms")
+    group.add_argument("--startup-s", type=float, default=30.0,
+                       help="seconds a started node takes before it serves")
+    group.add_argument("--planner-interval-s", type=float, default=10.0,
+                       help="seconds between the planner's decisions")
 
 
 def _cmd_replay(args: argparse.Namespace, report: Report) -> int:
@@ -68,6 +88,10 @@ def _cmd_replay(args: argparse.Namespace, report: Report) -> int:
 
     with config_errors_as_usage():
         replay.replay_config(args)
+        if args.planner:
+            from pdcluster.router.sim import planner_replay
+
+            planner_replay.planner_config(args)
         if args.synthetic and not args.scale > 0:
             raise ValueError(f"--scale must be > 0, got {args.scale}")
     return report(replay.run)(args)

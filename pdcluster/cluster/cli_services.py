@@ -26,6 +26,7 @@ from pdcluster.cluster.cli_metadata_ops import (
     add_metadata_operator_commands,
     etcd_access_fields,
 )
+from pdcluster.cluster.cli_planner import add_planner_args, planner_fields
 from pdcluster.core.tls import MetadataTLSFields
 
 
@@ -78,6 +79,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--node-metrics-port", type=int, default=None,
                         help="serve each node's Prometheus metrics on this port of its host "
                         "(0: a free port each, listed in the metadata service; default: none)")
+    add_planner_args(parser)
 
 
 def add_engine_arg(parser: argparse.ArgumentParser) -> None:
@@ -122,7 +124,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                metadata_address=args.metadata, router_host=args.host,
                                router_port=args.port, node_gpus=args.gpus_per_node,
                                routing=args.routing, node_metrics_port=args.node_metrics_port,
-                               **thresholds, **metadata_tls_fields(args))
+                               **thresholds, **metadata_tls_fields(args),
+                               **planner_fields(args))
     return serve(config, cluster_secret=_serve_secret())
 
 
@@ -301,6 +304,9 @@ def add_metadata(subparsers: argparse._SubParsersAction) -> None:
                        help="only these node ids may register in this role (prefill or "
                        "decode; repeat per role); default: any id. The chart lists the ids "
                        "its launcher starts")
+    serve.add_argument("--max-nodes", action="append", default=None, metavar="ROLE=N",
+                       help="at most N live nodes in this role (repeat per role); default: no "
+                       "limit. The chart's bound when its planner names the nodes")
     serve.add_argument("--max-node-blocks", type=int, default=1_000_000,
                        help="most blocks one node may hold in the index (also capped at 64x "
                        "the capacity it declares)")
@@ -322,6 +328,19 @@ def node_allowlist(specs: list[str] | None) -> dict[str, frozenset[str]] | None:
     return allowed
 
 
+def max_nodes(specs: list[str] | None) -> dict[str, int] | None:
+    """`--max-nodes prefill=4 --max-nodes decode=8` -> {role: count}; None: no limit."""
+    if specs is None:
+        return None
+    limits: dict[str, int] = {}
+    for spec in specs:
+        role, sep, count = spec.partition("=")
+        if not sep or role not in ("prefill", "decode") or not count.isdigit():
+            raise UsageError(f"--max-nodes {spec!r}: expected prefill=N or decode=N")
+        limits[role] = int(count)
+    return limits
+
+
 def _cmd_metadata_serve(args: argparse.Namespace) -> int:
     secret = cluster_secret_from_env("pdcluster metadata serve")
     from pdcluster.metadata_service.config import MetadataConfig
@@ -339,6 +358,7 @@ def _cmd_metadata_serve(args: argparse.Namespace) -> int:
             tls_client_ca_file=args.tls_client_ca,
             tls_bind_client_roles=args.tls_bind_client_roles, replica_id=args.replica_id,
             node_allowlist=node_allowlist(args.allow_nodes),
+            max_nodes=max_nodes(args.max_nodes),
             max_node_blocks=args.max_node_blocks, **etcd_access,
         )
 

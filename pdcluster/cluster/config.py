@@ -17,7 +17,10 @@ cluster.yaml:
                tls_cert: /tls/client.crt, tls_key: /tls/client.key,   # mTLS client cert
                tls_server_name: metadata}      # name in its certificate, if not the address's
     router: {host: 0.0.0.0, port: 8000, enabled: true,   # false: a router runs elsewhere
-             routing: kv}                      # or round_robin / least_loaded (baselines)
+             routing: kv,                      # or round_robin / least_loaded (baselines)
+             admission: {slo_ttft_s: 2, mode: reject,   # or queue (router.planning.admission)
+                         max_queue_s: 10, tenant_priorities: {batch: low}}}
+    planner: {enabled: true, ...}              # scale each role live (cluster/planner_settings.py)
     node: {gpus: 1, max_restarts: 3, lease_ttl_s: 10, local_prefill_threshold_tokens: 32,
            metrics_port: 9400,                 # Prometheus /metrics per node; 0: a free port
            request_port: 9500, request_ports: 4,  # each node binds a free one of 9500-9503
@@ -32,9 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdcluster.cluster.planner_settings import PlannerSettings
 from pdcluster.core.roles import Role
 from pdcluster.core.tls import ClientTLS, MetadataTLSFields
 from pdcluster.engine.config import EngineConfig
+from pdcluster.router.planning.admission import AdmissionConfig
 from pdcluster.router.routing.baselines import ROUTINGS
 
 # Uncached prompt tokens up to which the decode node prefills itself. Low, because on a CPU
@@ -46,7 +51,9 @@ from pdcluster.router.routing.baselines import ROUTINGS
 LOCAL_PREFILL_THRESHOLD_TOKENS = 32
 
 _SECTIONS = {"model", "num_prefill", "num_decode", "engine", "transfer", "metadata", "router",
-             "node", "host"}
+             "node", "host", "planner"}
+_ADMISSION_KEYS = {"slo_ttft_s", "mode", "max_queue_s", "tenant_priorities",
+                   "default_priority", "header"}
 _METADATA_KEYS = {"address", "tls_ca", "tls_cert", "tls_key", "tls_server_name"}
 
 
@@ -81,10 +88,18 @@ class ClusterConfig:
     local_prefill_threshold_tokens: int = LOCAL_PREFILL_THRESHOLD_TOKENS
     global_reuse_min_tokens: int = 512  # 0: prefilling nodes never pull a prefix
     role_resource_prefix: str | None = None
+    planner: PlannerSettings | None = None  # None: the node counts stay as started
+    admission: AdmissionConfig | None = None  # the router's admission by predicted TTFT
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("need at least one decode node (and zero or more prefill nodes)")
+        planner = self.planner
+        if planner is not None and not (
+                planner.min_prefill <= self.num_prefill <= planner.max_prefill
+                and planner.min_decode <= self.num_decode <= planner.max_decode):
+            raise ValueError("with the planner, num_prefill and num_decode (what starts) must "
+                             "lie within its [min, max] per role")
         if self.max_restarts < 0 or self.node_gpus < 0 or self.node_cpus < 0:
             raise ValueError("max_restarts, node_gpus and node_cpus must be >= 0")
         if self.lease_ttl_s < 1:
@@ -174,4 +189,18 @@ class ClusterConfig:
             lease_ttl_s=node.get("lease_ttl_s", 10),
             local_prefill_threshold_tokens=node.get("local_prefill_threshold_tokens",
                                                     LOCAL_PREFILL_THRESHOLD_TOKENS),
-            global_reuse_min_tokens=node.get("global_reuse_min_tokens", 512))
+            global_reuse_min_tokens=node.get("global_reuse_min_tokens", 512),
+            planner=PlannerSettings.from_dict(data.get("planner") or {}),
+            admission=_admission(router.get("admission")))
+
+
+def _admission(data: dict[str, Any] | None) -> AdmissionConfig | None:
+    """The router's `admission:` section (absent: admit everything)."""
+    if not data:
+        return None
+    unknown = set(data) - _ADMISSION_KEYS
+    if unknown:
+        raise ValueError(f"unknown admission config keys: {sorted(unknown)}")
+    fields = dict(data)
+    fields["tenant_priorities"] = tuple((fields.get("tenant_priorities") or {}).items())
+    return AdmissionConfig(**fields)

@@ -54,12 +54,19 @@ async def _run(config: ClusterConfig, cluster: RayCluster,
     from pdcluster.router.api.server import serve_forever, wait_for_signal
 
     if not config.router_enabled:  # e.g. the Helm chart runs the router as a Deployment
+        if config.planner is not None and config.planner.router_url:
+            cluster.attach_router(config.planner.router_url.rstrip("/"))
         print(f"pdcluster: {config.num_prefill} prefill + {config.num_decode} decode nodes up",
               flush=True)
         await wait_for_signal()
         return
 
     def ready(base_url: str) -> None:
+        host = "127.0.0.1" if config.router_host in ("0.0.0.0", "::") else config.router_host
+        keys = api_keys_from_env()
+        # the planner (if any) reads the router's metrics and /health from here on
+        cluster.attach_router(f"http://{host}:{base_url.rsplit(':', 1)[1].split('/')[0]}",
+                              keys[0].partition(":")[2] or keys[0] if keys else None)
         print(f"pdcluster: serving {config.num_prefill} prefill + {config.num_decode} decode "
               f"nodes at {base_url} (metadata service at {cluster.metadata_address})",
               flush=True)
@@ -84,7 +91,8 @@ def router_config(config: ClusterConfig, metadata_address: str | None,
                         metadata_token=cluster_secret.metadata_token(SERVICE),
                         **config.metadata_tls_fields(),
                         api_keys=api_keys_from_env(), policy=policy, routing=config.routing,
-                        hash_config=config.engine_config.hash_config)
+                        hash_config=config.engine_config.hash_config,
+                        admission=config.admission)
 
 
 def api_keys_from_env() -> tuple[str, ...]:

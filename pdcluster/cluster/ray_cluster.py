@@ -19,7 +19,8 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from pdcluster.cluster.config import ClusterConfig
-from pdcluster.core.credentials import ClusterSecret, node_principal
+from pdcluster.cluster.node_actors import start_node_actor
+from pdcluster.core.credentials import ClusterSecret
 
 if TYPE_CHECKING:  # all three load only when the cluster starts
     from ray.actor import ActorHandle
@@ -43,6 +44,7 @@ class RayCluster:
         self.metadata_server: ServerThread | None = None
         self.metadata_address = config.metadata_address
         self.actors: dict[str, ActorHandle] = {}
+        self.planner: ActorHandle | None = None  # owns the nodes once started (config.planner)
         self._started_ray = False
 
     def start(self, timeout_s: float = 300.0) -> RayCluster:
@@ -59,7 +61,28 @@ class RayCluster:
             self._start_metadata()
         self._start_nodes(ray)
         ray.get([actor.ping.remote() for actor in self.actors.values()], timeout=timeout_s)
+        if self.config.planner is not None:
+            self._start_planner(ray)
         return self
+
+    def _start_planner(self, ray) -> None:
+        from pdcluster.cluster.planner_actor import PlannerActor
+
+        names = {node_id: f"pdcluster-{node_id}" for node_id in self.actors}
+        self.planner = ray.remote(PlannerActor).options(
+            name="pdcluster-planner", num_cpus=0, max_concurrency=8).remote(
+            self.config, self.metadata_address, self.cluster_secret, names)
+        ray.get(self.planner.ping.remote(), timeout=60)
+
+    def attach_router(self, base_url: str, api_key: str | None = None,
+                      run_loop: bool = True) -> None:
+        """Tell the planner (if any) where the router is (http://host:port): it reads its
+        metrics and /health from there, and with `run_loop` starts deciding."""
+        import ray
+
+        if self.planner is not None:
+            ray.get(self.planner.attach_router.remote(base_url, api_key, run_loop),
+                    timeout=30)
 
     def _init_ray(self, ray) -> None:
         if self.ray_address is None:
@@ -72,7 +95,9 @@ class RayCluster:
             ray.init(address=self.ray_address, logging_level="WARNING")
 
     def _num_nodes(self) -> int:
-        return self.config.num_prefill + self.config.num_decode
+        started = self.config.num_prefill + self.config.num_decode
+        planner = self.config.planner
+        return started if planner is None else max(started, planner.most_nodes)
 
     def _start_metadata(self) -> None:
         from pdcluster.metadata_service.config import MetadataConfig
@@ -96,25 +121,9 @@ class RayCluster:
             self.actors[node_id] = self._actor(ray, cls, node_id)
 
     def _actor(self, ray, cls, node_id: str):
-        cfg = self.config
-        resources = {}
-        if cfg.role_resource_prefix and cfg.node_gpus:  # land on this role's worker pods
-            resources[f"{cfg.role_resource_prefix}{cls.role}"] = cfg.node_gpus
-        remote = ray.remote(cls).options(
-            name=f"pdcluster-{node_id}", num_cpus=cfg.node_cpus, num_gpus=cfg.node_gpus,
-            resources=resources, max_restarts=cfg.max_restarts, max_task_retries=0,
-            max_concurrency=4)
-        return remote.remote(node_id, cfg.model, host=cfg.host,
-                             engine_options=cfg.engine_options(cls.role),
-                             metadata_address=self.metadata_address,
-                             **cfg.metadata_tls_fields(),
-                             # this node's credential only (node/actor.py says why)
-                             bootstrap_token=self.cluster_secret.metadata_token(
-                                 node_principal(node_id)),
-                             kv_protocol=cfg.kv_protocol, kv_device=cfg.kv_device,
-                             kv_timeout_s=cfg.kv_timeout_s, metrics_port=cfg.node_metrics_port,
-                             port=cfg.node_request_port, port_span=cfg.node_request_ports,
-                             lease_ttl_s=cfg.lease_ttl_s)
+        assert self.metadata_address is not None, "the metadata service starts first"
+        return start_node_actor(ray, cls, node_id, self.config, self.metadata_address,
+                                self.cluster_secret)
 
     def router_clients(self) -> dict:
         """A `BlockingNodeClient` per node id, speaking as a router: a fresh key pair
@@ -143,12 +152,23 @@ class RayCluster:
     def nodes(self, timeout_s: float = 60.0) -> list[dict[str, str]]:
         import ray
 
+        if self.planner is not None:
+            return ray.get(self.planner.nodes.remote(), timeout=timeout_s)
         return ray.get([actor.info.remote() for actor in self.actors.values()],
                        timeout=timeout_s)
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         import ray
 
+        if self.planner is not None:  # it drains every node it holds, the first ones too
+            try:
+                ray.get(self.planner.shutdown.remote(drain_timeout_s),
+                        timeout=drain_timeout_s * 2 + 30)
+                self.actors.clear()
+            except Exception as exc:  # the nodes are drained below instead
+                logger.warning("the planner did not shut down cleanly: %s", exc)
+            ray.kill(self.planner)
+            self.planner = None
         pending = [actor.drain.remote(drain_timeout_s) for actor in self.actors.values()]
         try:
             ray.get(pending, timeout=drain_timeout_s + 10)
@@ -159,3 +179,4 @@ class RayCluster:
             self.metadata_server.stop()
         if self._started_ray:
             ray.shutdown()
+

@@ -24,6 +24,7 @@ from pdcluster.core.types import MAX_ADDRESS_CHARS, MAX_ID_CHARS
 from pdcluster.core.wire import MaxLen, Protocol, WireError
 
 NODE_WIRE_VERSION = 1
+MAX_TRACEPARENT_CHARS = 64  # "00-<32 hex>-<16 hex>-<2 hex>" is 55
 # Both ends' ZMQ sockets drop a larger frame before reading it (MAXMSGSIZE): a 1M-token
 # prompt packs into about 5 MiB of msgpack.
 MAX_FRAME_BYTES = 16 << 20
@@ -74,6 +75,8 @@ class GenerateRequest:
     transfer: TransferSpec | None = None
     cache_salt: Annotated[str, MaxLen(MAX_CACHE_SALT_CHARS)] | None = None
     prefix_source: PrefixSource | None = None
+    # W3C trace context of the router's span (core.tracing): the node's spans join its trace
+    traceparent: Annotated[str, MaxLen(MAX_TRACEPARENT_CHARS)] | None = None
 
 
 @dataclass(frozen=True, slots=True)

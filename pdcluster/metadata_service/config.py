@@ -70,6 +70,9 @@ class MetadataConfig:
     # chart lists the ids its launcher starts, so a stolen way to mint node tokens cannot add
     # nodes (a fake node with no load would attract traffic).
     node_allowlist: Mapping[str, frozenset[str]] | None = None
+    # At most this many live nodes per role name (absent: no limit): with a planner, whose node
+    # ids are new on every start, the bound on how many nodes any token can add.
+    max_nodes: Mapping[str, int] | None = None
     # Blocks one node may hold in the index: its declared capacity_blocks times this factor
     # (its host and disk tiers hold more than its device), never above max_node_blocks (also
     # the cap of a node that declares none). Bounds what one member adds to the index, etcd
@@ -124,10 +127,12 @@ class MetadataConfig:
                              "core/credentials.py): it never answers a caller without "
                              "credentials")
 
-        if self.node_allowlist is not None and not set(self.node_allowlist) <= {
-                "prefill", "decode"}:
-            raise ValueError("node_allowlist maps the roles 'prefill' and 'decode' to node ids, "
-                             f"got roles {sorted(self.node_allowlist)}")
+        for name in ("node_allowlist", "max_nodes"):
+            if not set(getattr(self, name) or ()) <= {"prefill", "decode"}:
+                raise ValueError(f"{name} is keyed by the roles 'prefill' and 'decode', got "
+                                 f"{sorted(getattr(self, name))}")
+        if any(n < 0 for n in (self.max_nodes or {}).values()):
+            raise ValueError(f"max_nodes must be >= 0 per role, got {dict(self.max_nodes or {})}")
 
     @property
     def address(self) -> str:

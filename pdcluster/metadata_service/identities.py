@@ -23,10 +23,11 @@ under a lease renewed by registering again, at most `max_clients` of them. Keys 
 another replica come from etcd (`remote_up` / `remote_down`) and leave when etcd's lease does.
 
 Which ids may register at all: `check_allowed`, against the service's allowlist per role
-(`MetadataConfig.node_allowlist`; the chart lists the ids its launcher starts).
+(`MetadataConfig.node_allowlist`; the chart lists the ids its launcher starts), and how many:
+`check_count` (`MetadataConfig.max_nodes`; the chart's bound when a planner names the nodes).
 
 API: `RegistrationConflict`, `check_curve_key`, `proof_hash`, `check_proof`, `new_proof`,
-`identity_changed`, `check_unique`, `check_allowed`, `ClientKeys`.
+`identity_changed`, `check_unique`, `check_allowed`, `check_count`, `ClientKeys`.
 """
 
 from __future__ import annotations
@@ -102,6 +103,17 @@ def check_allowed(info: pb.NodeInfo, allowlist: Mapping[str, frozenset[str]] | N
     if info.node_id not in allowlist.get(role, frozenset()):
         raise RegistrationConflict(f"node id {info.node_id!r} is not on the {role or 'unknown'} "
                                    "allowlist of this metadata service (--allow-nodes)")
+
+
+def check_count(info: pb.NodeInfo, live: Iterable[pb.NodeInfo],
+                max_nodes: Mapping[str, int] | None) -> None:
+    """Refuse a new node of a role that has its `max_nodes` live ones already."""
+    role = _ROLE_NAMES.get(info.role, "")
+    if max_nodes is None or role not in max_nodes:
+        return
+    if sum(1 for n in live if n.role == info.role) >= max_nodes[role]:
+        raise RegistrationConflict(f"node {info.node_id!r}: the {role} role has its "
+                                   f"{max_nodes[role]} live nodes already (--max-nodes)")
 
 
 def check_unique(info: pb.NodeInfo, live: Iterable[pb.NodeInfo],

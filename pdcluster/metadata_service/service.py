@@ -45,6 +45,7 @@ from pdcluster.metadata_service.events import (
 from pdcluster.metadata_service.identities import (
     ClientKeys,
     check_allowed,
+    check_count,
     check_proof,
     check_unique,
     identity_changed,
@@ -123,6 +124,8 @@ class MetadataService(ReplicaSink):
             assert node is not None, "a changed registration has a live node"
             check_proof(live, node.proof_hash, proof, "changing its epoch, key or address")
         check_unique(info, (n.info for n in self._nodes.values()), self.clients.public_keys())
+        if node is None:
+            check_count(info, (n.info for n in self._nodes.values()), self.config.max_nodes)
         secret = new_proof(live, info)
         if node is None:
             node = self._nodes[info.node_id] = NodeEntry(pb.NodeInfo(), ttl, info.epoch)

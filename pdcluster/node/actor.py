@@ -67,6 +67,16 @@ class NodeActor:
     def ping(self) -> bool:
         return True
 
+    def begin_drain(self) -> None:
+        """Stop admitting (new requests get "draining", load reports say so: routers stop
+        sending and hand this node's hot prefixes to peers, which pull them from here);
+        running requests, transfers and pulls go on. `drain` then finishes the job."""
+        self.runtime.server.begin_drain()
+
+    def load_summary(self) -> dict[str, Any]:
+        """What the planner reads: the load report and the blocks its requests hold."""
+        return {**self.load(), "pool": self.pool_state()}
+
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Stop admitting, finish running requests and transfers, deregister."""
         return self.runtime.stop(drain=True, timeout_s=timeout_s)

@@ -71,6 +71,7 @@ from pdcluster.core.wire import WireError
 from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.core.outputs import RequestOutput
 from pdcluster.engine.core.pins import OverloadedError
+from pdcluster.node.request_spans import RequestSpans
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 2
@@ -112,6 +113,7 @@ class NodeServer:
         self.node_id, self.role = node_id, role
         self.on_step = on_step
         self.stats = ServerStats()
+        self.spans = RequestSpans(node_id, role)  # each request's spans (core.tracing)
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client is not an error
@@ -298,6 +300,7 @@ class NodeServer:
             self._refuse(identity, msg.request_id, "internal", "the node failed to admit it")
             return
         self.stats.num_requests += 1
+        self.spans.begin(msg)
         self._owners[msg.request_id] = identity
         self._submitters[msg.request_id] = principal or ""
         self._prompt_lens[msg.request_id] = len(msg.prompt_token_ids)
@@ -339,6 +342,7 @@ class NodeServer:
         if out.logprobs is not None:
             new_logprobs = out.logprobs[len(out.logprobs) - num_new:]
         top_ids, top_values = _new_top_logprobs(out.top_logprobs, num_new)
+        self.spans.delta(out.request_id, num_new)
         self._send(identity, TokenDelta(
             out.request_id, out.new_token_ids, out.finished, out.finish_reason, new_logprobs,
             self._prompt_lens.get(out.request_id, 0), out.num_cached_tokens, out.error,
@@ -353,6 +357,7 @@ class NodeServer:
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
+        self.spans.end(request_id)
         self._owners.pop(request_id, None)
         self._submitters.pop(request_id, None)
         self._prompt_lens.pop(request_id, None)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
 from pdcluster.core.roles import Role, role_names
 from pdcluster.core.tls import ClientTLS
+from pdcluster.router.planning.admission import AdmissionConfig
 from pdcluster.router.routing.baselines import ROUTINGS
 from pdcluster.router.routing.policy import PolicyConfig
 from pdcluster.router.tenants import ApiKeys
@@ -93,6 +94,9 @@ class RouterConfig:
     # route on a node's block claims only where this router gave the node those tokens
     # (router.routing.attestations); False trusts every member's claims (docs/security.md)
     attest_claims: bool = True
+    # admission by predicted TTFT (router.planning.admission): shed (429) or hold requests
+    # whose prediction is over their priority class's limit; None: admit everything
+    admission: AdmissionConfig | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -16,10 +16,12 @@ _NODE_ERROR_STATUS = {"invalid_request": 400, "overloaded": 503, "draining": 503
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, err_type: str = "invalid_request_error") -> None:
+                 code: str | None = None, err_type: str = "invalid_request_error",
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.code, self.type = code, err_type
+        self.retry_after_s = retry_after_s  # a Retry-After header (429: shed by admission)
 
 
 class NodeFailure(Exception):

@@ -69,5 +69,25 @@ class RouterMetrics:
             "router_migration_failures", "requests whose decode node was lost and that could "
             "not move (no migration left, no healthy node)", ["reason"], registry=r)
 
+        self.output_tokens = Counter("router_output_tokens", "tokens streamed to clients (the "
+                                     "planner's output length per request)", registry=r)
+        self.shed = Counter("router_shed_requests", "requests refused with 429 by admission "
+                            "(predicted TTFT over their class's limit), by priority class",
+                            ["priority"], registry=r)
+        self.admission_probes = Counter(
+            "router_admission_probes", "requests admitted over their predicted TTFT because "
+            "their node had none for probe_after_s (re-calibrating its prediction)",
+            registry=r)
+        self.admission_waiting = Gauge("router_admission_waiting", "requests held by "
+                                       "admission (mode queue) until their predicted TTFT "
+                                       "fits", registry=r)
+        self.ttft_prediction_error = Histogram(
+            "router_ttft_prediction_error_seconds", "|measured - predicted| TTFT of admitted "
+            "requests (the admission predictor's error)", registry=r,
+            buckets=_LATENCY_BUCKETS)
+        self.ttft_prediction_relative_error = Gauge(
+            "router_ttft_prediction_relative_error", "recent mean of |measured - predicted| "
+            "/ measured TTFT", registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

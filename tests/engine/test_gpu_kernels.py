@@ -152,25 +152,28 @@ def test_rope_and_cache_write_match_the_reference(dtype, heads, kv_heads, dim):
     angles = torch.randn(64, dim // 2, generator=gen)
     cos = torch.cat([angles.cos()] * 2, -1).to(DEVICE)
     sin = torch.cat([angles.sin()] * 2, -1).to(DEVICE)
-    region = torch.zeros(num_blocks, layers, 2, block_size, kv_heads, dim, dtype=dtype,
-                         device=DEVICE)
-    cache_rows = region.view(-1, kv_heads * dim)
-    per_block = layers * 2 * block_size
+    region = torch.zeros(num_blocks, kv_heads, layers, 2, block_size, dim, dtype=dtype,
+                         device=DEVICE)  # engine/kv/kv_cache.py's layout
+    cache_rows = region.view(-1, dim)
+    head_stride = layers * 2 * block_size
+    per_block = kv_heads * head_stride
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slot_rows = ((slots // block_size) * per_block + slots % block_size).to(DEVICE)
     layer = 1
     original = qkv.clone()
     ops.rope_and_cache_(qkv, positions, cos, sin, heads, kv_heads, cache_rows, slot_rows,
-                        2 * layer * block_size, block_size)
+                        2 * layer * block_size, block_size, head_stride)
     n_rot = heads + kv_heads
     want = ref.rope(original[:, : n_rot * dim].view(tokens, n_rot, dim), positions, cos, sin)
     rotated = qkv[:, : n_rot * dim].view(tokens, n_rot, dim)
     _close(rotated, want, dtype)
-    key_rows = slot_rows + 2 * layer * block_size
-    assert torch.equal(cache_rows[key_rows].view(tokens, kv_heads, dim), rotated[:, heads:])
-    assert torch.equal(cache_rows[key_rows + block_size], original[:, n_rot * dim:])
+    key_rows = (slot_rows[:, None] + 2 * layer * block_size
+                + torch.arange(kv_heads, device=DEVICE)[None, :] * head_stride)  # [T, Hkv]
+    assert torch.equal(cache_rows[key_rows], rotated[:, heads:])
+    assert torch.equal(cache_rows[key_rows + block_size],
+                       original[:, n_rot * dim:].view(tokens, kv_heads, dim))
     written = torch.zeros(cache_rows.shape[0], dtype=torch.bool, device=DEVICE)
-    written[key_rows] = written[key_rows + block_size] = True
+    written[key_rows.flatten()] = written[(key_rows + block_size).flatten()] = True
     assert not cache_rows[~written].any(), "the kernel wrote outside the tokens' slots"
 
 

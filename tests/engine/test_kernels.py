@@ -187,16 +187,17 @@ def test_rope_and_cache_equal_rotation_and_write(ops) -> None:
     plain.write(layer, slots, want[:, heads:], v)
     got = qkv.clone()
     ops.rope_and_cache_(got, positions, rope.cos, rope.sin, heads, kv_heads, fused.rows, slots,
-                        fused.key_row_offset(layer), spec.block_size)
+                        fused.key_row_offset(layer), spec.block_size, fused.head_stride)
     assert torch.equal(got[:, : (heads + kv_heads) * dim].view(5, -1, dim), want)
     assert torch.equal(got[:, (heads + kv_heads) * dim :], qkv[:, (heads + kv_heads) * dim :])
     assert torch.equal(fused.tensor, plain.tensor)
     with pytest.raises(RuntimeError, match="outside the RoPE table"):
         ops.rope_and_cache_(qkv.clone(), torch.tensor([0, 1, 2, 3, 128]), rope.cos, rope.sin,
-                            heads, kv_heads, fused.rows, slots, 0, spec.block_size)
+                            heads, kv_heads, fused.rows, slots, 0, spec.block_size,
+                            fused.head_stride)
     with pytest.raises(RuntimeError, match="outside the region"):
         ops.rope_and_cache_(qkv.clone(), positions, rope.cos, rope.sin, heads, kv_heads,
-                            fused.rows, slots + 10_000, 0, spec.block_size)
+                            fused.rows, slots + 10_000, 0, spec.block_size, fused.head_stride)
 
 
 def _generate(model_dir: str, prompts, max_tokens: int = 10):

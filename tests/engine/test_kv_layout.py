@@ -1,5 +1,7 @@
 """The KV region's byte layout: one block across all layers (keys and values) is ONE contiguous
-byte range, which is what lets a transfer move a request's blocks as a few large descriptors."""
+byte range, which is what lets a transfer move a request's blocks as a few large descriptors;
+and a range of KV heads of one block is one byte range too (tensor-parallel ranks that split
+the heads differently move their parts of a block as one descriptor each)."""
 
 from __future__ import annotations
 
@@ -54,6 +56,25 @@ def test_each_block_is_one_contiguous_byte_range() -> None:
         assert block.data_ptr() == base + b * nbytes == base + cache.spec.block_range(b)[0]
         assert block.numel() * block.element_size() == nbytes
     assert cache.tensor[1:4].is_contiguous()  # consecutive blocks: one range too
+
+
+def test_a_range_of_heads_of_a_block_is_one_byte_range() -> None:
+    cache = make_cache(num_blocks=3, num_layers=3, block_size=4, num_kv_heads=4, head_dim=8)
+    region, spec = raw(cache), cache.spec
+    for first, count in ((0, 4), (1, 2), (3, 1)):
+        offset, length = spec.head_range(2, first, count)
+        before = region.clone()
+        for layer in range(3):
+            keys, values = cache.layer_kv(layer)
+            keys[2, :, first:first + count] = 1.0
+            values[2, :, first:first + count] = 2.0
+        outside = torch.ones_like(region, dtype=torch.bool)
+        outside[offset:offset + length] = False
+        assert torch.equal(region[outside], before[outside])  # nothing beyond the range
+        heads = cache.tensor[2, first:first + count]  # every layer's keys and values of them
+        assert heads.is_contiguous() and heads.data_ptr() == cache.data_ptr() + offset
+        assert heads.numel() * heads.element_size() == length and heads.all()
+        cache.tensor.zero_()
 
 
 def test_layer_views_write_inside_their_block_only() -> None:

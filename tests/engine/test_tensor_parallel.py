@@ -8,6 +8,7 @@ Kept small: every engine here starts a second process that imports torch and loa
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -89,3 +90,13 @@ def test_generate_cli_takes_the_tensor_parallel_size(model_dirs):
          "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "generated 4 tokens" in done.stderr
+
+
+def test_bench_tp_reports_each_figure_against_tp1():
+    done = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "bench", "tp",
+                           "--quick", "--json"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["tokens_equal"] is True
+    for name in ("decode_b1", "decode_b16", "ttft_512"):
+        assert result[f"tp2_over_tp1_{name}"] > 0

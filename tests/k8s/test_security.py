@@ -455,3 +455,19 @@ def test_the_metadata_service_admits_only_the_launchers_node_ids() -> None:
     args = build_parser().parse_args(container["args"][1:])
     assert node_allowlist(args.allow_nodes) == {"prefill": {"p0", "p1", "p2"},
                                                 "decode": {"d0", "d1"}}
+
+
+def test_with_a_planner_the_metadata_service_bounds_the_number_of_nodes() -> None:
+    """The planner names each node it starts anew (p0, p1, ... never reused): no fixed list,
+    but at most its bound of live nodes per role."""
+    from pdcluster.cluster.cli import build_parser
+    from pdcluster.cluster.cli_services import max_nodes, node_allowlist
+
+    docs = render({"planner": {"enabled": True},
+                   "router": {"replicas": 1, "hpa": {"enabled": False}},
+                   "ray": {"prefill": {"maxReplicas": 4}, "decode": {"gpusPerPod": 2,
+                                                                       "maxReplicas": 3}}})
+    (container,) = [c for _, c in containers(docs) if c["name"] == "metadata"]
+    args = build_parser().parse_args(container["args"][1:])
+    assert node_allowlist(args.allow_nodes) is None
+    assert max_nodes(args.max_nodes) == {"prefill": 4, "decode": 6}

@@ -66,3 +66,24 @@ def test_only_allowed_node_ids_register() -> None:
                 assert planned.register(make_node_info(
                     node_id, role, curve_public_key=CurveKeys.generate().public),
                     30).registration_secret
+
+
+def test_at_most_max_nodes_live_nodes_per_role() -> None:
+    """With a planner the ids are new on every start: the count bounds what any token adds."""
+    config = make_config(cluster_secret=TEST_SECRET, max_nodes={"decode": 2})
+    with ServerThread(config) as server:
+        clients = {}
+        for node_id in ("d1", "d2", "d3"):
+            clients[node_id] = MetadataClient(server.address, token=node_token(node_id))
+        infos = {n: make_node_info(n, "decode", curve_public_key=CurveKeys.generate().public)
+                 for n in clients}
+        proofs = {n: clients[n].register(infos[n], 30).registration_secret for n in ("d1", "d2")}
+        with pytest.raises(MetadataAuthError, match="PERMISSION_DENIED.*2 live nodes"):
+            clients["d3"].register(infos["d3"], 30)
+        assert clients["d1"].register(infos["d1"], 30).lease_ttl_s  # a refresh is no new node
+        clients["d2"].deregister("d2", proofs["d2"])  # control: a place frees, d3 takes it
+        assert clients["d3"].register(infos["d3"], 30).registration_secret
+        with MetadataClient(server.address, token=node_token("p1")) as p1:  # no prefill limit
+            assert p1.register(make_node_info("p1", "prefill"), 30).registration_secret
+        for client in clients.values():
+            client.close()

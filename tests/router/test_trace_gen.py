@@ -91,7 +91,11 @@ def test_unknown_generator_and_bad_scale_are_refused() -> None:
 
 # the policy target on scaled-down copies (a few thousand requests each at most)
 SCALES = {"conversation": 0.2, "chat": 0.3, "system_prompts": 0.3, "agent": 0.3, "rag": 0.5,
-          "bursty": 0.3}
+          "bursty": 0.3, "ramps": 0.1}
+# `ramps` is sized for the planner's disaggregated cluster (router/sim/planner_replay.py): its
+# peak overloads this replay's FIFO nodes (TTFT p90 ~200 s on 8), where a policy that cannot
+# pull gives hits away for queue (measured: 0.92x ideal on 8, 0.94x on 16; 1.0x with pulls)
+OVERLOADED_WITHOUT_PULLS = {"ramps"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -100,8 +104,9 @@ def test_policy_meets_the_target_on_each_generator(name: str) -> None:
     ideal = ideal_hit_ratio(requests)
     for nodes in (8, 16):
         local = replay(requests, "kv", ReplayConfig(num_nodes=nodes, global_reuse=False))
-        assert local["hit_ratio"] >= 0.97 * ideal, (nodes, local)
-        assert local["work_imbalance"] <= 1.10, (nodes, local)
+        if name not in OVERLOADED_WITHOUT_PULLS:
+            assert local["hit_ratio"] >= 0.97 * ideal, (nodes, local)
+            assert local["work_imbalance"] <= 1.10, (nodes, local)
         pulling = replay(requests, "kv", ReplayConfig(num_nodes=nodes))
         assert pulling["reuse_ratio"] >= 0.97 * ideal, (nodes, pulling)
         assert pulling["work_imbalance"] <= 1.10, (nodes, pulling)

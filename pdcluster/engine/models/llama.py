@@ -102,7 +102,8 @@ class Attention(nn.Module):
             # RoPE on q and k in place and k, v into their cache slots: one op.
             ops.rope_and_cache_(qkv, positions, self.rope.cos, self.rope.sin, self.num_heads,
                                 self.num_kv_heads, kv_cache.rows, meta.slot_rows,
-                                kv_cache.key_row_offset(self.layer), kv_cache.spec.block_size)
+                                kv_cache.key_row_offset(self.layer), kv_cache.spec.block_size,
+                                kv_cache.head_stride)
             q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : qk_size].view(-1, self.num_kv_heads, self.head_dim)
             out = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale,
@@ -286,5 +287,5 @@ class DecodeStack:
         return torch.ops.pdcluster.decode_layers_(
             x, positions, self.weights, self.final_norm, self.eps, self.cos, self.sin,
             self.heads, self.kv_heads, self.kv_cache.rows, self.row_offsets,
-            self.kv_cache.spec.block_size, self.k_caches, self.v_caches, meta.slot_rows,
-            meta.decode_block_table, meta.decode_lens, self.scale)
+            self.kv_cache.spec.block_size, self.kv_cache.head_stride, self.k_caches,
+            self.v_caches, meta.slot_rows, meta.decode_block_table, meta.decode_lens, self.scale)

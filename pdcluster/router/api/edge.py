@@ -46,8 +46,11 @@ _HTTP_ERROR_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allo
 
 
 def json_error(exc: ApiError) -> web.Response:
-    """The response of an `ApiError`: OpenAI's error body, Retry-After on a 503."""
+    """The response of an `ApiError`: OpenAI's error body, Retry-After on a 503 and where
+    the error names one (a request shed by admission)."""
     headers = {"Retry-After": RETRY_AFTER_S} if exc.status == 503 else None
+    if exc.retry_after_s is not None:
+        headers = {"Retry-After": str(exc.retry_after_s)}
     return web.json_response(error_body(exc), status=exc.status, headers=headers)
 
 

@@ -33,6 +33,7 @@ from pdcluster.router.api.tokenizer import RouterTokenizer
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.errors import ApiError
 from pdcluster.router.routing.dispatch import Dispatcher
+from pdcluster.router.routing.handoff import DrainWatcher
 from pdcluster.router.tenants import ApiKeys
 
 # vLLM's chat-tokenize fields that change the rendering and that this router does not do:
@@ -56,9 +57,10 @@ def _api_errors(handler):
 
 class ExtraRoutes:
     def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer, model_name: str,
-                 dispatcher: Dispatcher) -> None:
+                 dispatcher: Dispatcher, drain_watcher: DrainWatcher | None = None) -> None:
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
         self.dispatcher = dispatcher
+        self.drain_watcher = drain_watcher
         self._api_keys = ApiKeys(config.api_keys)
 
     async def _body(self, request: web.Request) -> dict:
@@ -135,11 +137,15 @@ class ExtraRoutes:
     async def admin_health(self, request: web.Request) -> web.Response:
         dispatcher = self.dispatcher
         nodes = {n.node_id: {"role": n.spec.role, "healthy": n.healthy,
-                             "connected": not n.disconnected, "inflight": n.num_inflight}
+                             "connected": not n.disconnected, "inflight": n.num_inflight,
+                             "draining": n.report is not None and n.report.draining}
                  for n in dispatcher.nodes.values()}
         problem = serving_problem(dispatcher)
         link = dispatcher.metadata
+        handoffs = {} if self.drain_watcher is None else {
+            node_id: status.as_dict() for node_id, status in self.drain_watcher.status.items()}
         body = {"status": self._status(), "reason": problem, "nodes": nodes,
+                "draining": handoffs,
                 "routing": _routing(self.config.routing, dispatcher.prefix_aware),
                 "metadata": None if link is None else {
                     "address": link.address, "available": link.available,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -61,8 +62,10 @@ class _Streamed:
 
 class Generation:
     def __init__(self, req: CompletionRequest, prompt: ResolvedPrompt, model: str,
-                 tokenizer: RouterTokenizer, metrics: RouterMetrics) -> None:
+                 tokenizer: RouterTokenizer, metrics: RouterMetrics,
+                 on_first_token: Callable[[float], None] | None = None) -> None:
         self.req, self.prompt, self.model = req, prompt, model
+        self.on_first_token = on_first_token  # called with the TTFT (admission's check)
         self.tokenizer, self.metrics = tokenizer, metrics
         prefix = "chatcmpl-" if req.chat else "cmpl-"
         self.response_id = prefix + (req.request_id or uuid.uuid4().hex)
@@ -96,6 +99,9 @@ class Generation:
         if self._first:
             self.metrics.ttft.observe(now - self.started)
             self._first = False
+            if self.on_first_token is not None:
+                self.on_first_token(now - self.started)
+        self.metrics.output_tokens.inc(len(delta.token_ids))
         if not choice.token_ids:
             self.metrics.node_prompt_tokens.inc(delta.num_prompt_tokens)
             self.metrics.node_cached_tokens.inc(delta.num_cached_tokens)

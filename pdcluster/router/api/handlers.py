@@ -18,7 +18,10 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
+from opentelemetry import trace
 
+from pdcluster.core import tracing
+from pdcluster.router.api.admission_gate import AdmissionGate
 from pdcluster.router.api.edge import json_error
 from pdcluster.router.api.fanout import local_placement
 from pdcluster.router.api.generation import EndedWithError, Generation
@@ -29,6 +32,7 @@ from pdcluster.router.config import RouterConfig
 from pdcluster.router.errors import ApiError, NodeFailure, NoHealthyNode, api_error
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.routing.dispatch import Dispatcher, Placement
+from pdcluster.router.routing.handoff import HotPrefixes
 from pdcluster.router.tenants import ApiKeys, tenant_salt
 
 logger = logging.getLogger(__name__)
@@ -36,10 +40,15 @@ logger = logging.getLogger(__name__)
 
 class Handlers:
     def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer, model_name: str,
-                 metrics: RouterMetrics, dispatcher: Dispatcher) -> None:
+                 metrics: RouterMetrics, dispatcher: Dispatcher,
+                 hot_prefixes: HotPrefixes | None = None) -> None:
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
         self._metrics, self.dispatcher = metrics, dispatcher
+        self.hot_prefixes = hot_prefixes  # what a draining node hands off (routing.handoff)
         self._api_keys = ApiKeys(config.api_keys)
+        self.admission = (AdmissionGate(config.admission, dispatcher, metrics,
+                                        config.load_interval_s)
+                          if config.admission is not None else None)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -73,6 +82,19 @@ class Handlers:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         endpoint = "chat" if chat else "completions"
+        # the request's trace (core.tracing): continues a client's traceparent, if sent
+        with tracing.tracer().start_as_current_span(
+                "router.request", context=tracing.parent_context(
+                    request.headers.get("traceparent")),
+                kind=trace.SpanKind.SERVER,
+                attributes={"pdcluster.component": "router", "pdcluster.endpoint": endpoint}
+        ) as span:
+            response = await self._answer(request, chat, endpoint)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+
+    async def _answer(self, request: web.Request, chat: bool,
+                      endpoint: str) -> web.StreamResponse:
         counter = self._metrics.requests
         try:
             response = await self._checked(request, chat)
@@ -97,12 +119,39 @@ class Handlers:
         req.cache_salt = tenant_salt(tenant, req.cache_salt)  # tenants never share a cache
         prompt = resolve_prompt(req, self.tokenizer, self.model_name,
                                 self.config.max_tokens_limit)
-        placement = await self.dispatcher.place(prompt.token_ids, req.cache_salt)
-        if _needs_local_prefill(req):
-            placement = local_placement(placement)
+        async def place() -> Placement:
+            placed = await self.dispatcher.place(prompt.token_ids, req.cache_salt)
+            return local_placement(placed) if _needs_local_prefill(req) else placed
+
+        on_first_token = None
+        if self.admission is not None:
+            gate = self.admission
+            priority = gate.config.priority(request.headers.get(gate.config.header),
+                                            tenant.name if tenant is not None else None)
+            placement, prediction = await gate.admit(place, len(prompt.token_ids), priority)
+            on_first_token = lambda ttft: gate.observe(prediction, ttft)  # noqa: E731
+        else:
+            placement = await place()
         self._count(placement, len(prompt.token_ids))
-        generation = Generation(req, prompt, self.model_name, self.tokenizer, self._metrics)
+        decision = placement.decision
+        trace.get_current_span().set_attributes({
+            "pdcluster.decode_node": decision.decode_node,
+            "pdcluster.prefill_node": decision.prefill_node or decision.decode_node,
+            "pdcluster.prompt_tokens": len(prompt.token_ids),
+            "pdcluster.cached_tokens": decision.cached_tokens})
+        self._remember(placement, prompt.token_ids, req.cache_salt)
+        generation = Generation(req, prompt, self.model_name, self.tokenizer, self._metrics,
+                                on_first_token)
         return await generation.respond(request, self.dispatcher, placement)
+
+    def _remember(self, placement: Placement, token_ids: list[int],
+                  cache_salt: str | None) -> None:
+        """Both nodes of a placement hold the prompt's blocks afterwards."""
+        if self.hot_prefixes is None or not placement.chain:
+            return
+        decision = placement.decision
+        for node_id in {decision.decode_node, decision.prefill_node or decision.decode_node}:
+            self.hot_prefixes.record(node_id, token_ids, cache_salt, placement.chain)
 
     def _count(self, placement: Placement, num_prompt: int) -> None:
         m, d = self._metrics, placement.decision

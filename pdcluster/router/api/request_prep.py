@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from aiohttp import web
 
+from pdcluster.core import tracing
 from pdcluster.core.node_wire import GenerateRequest
 from pdcluster.router.api.edge import find_invalid_unicode, read_body
 from pdcluster.router.api.protocol import CompletionRequest
@@ -124,7 +125,9 @@ def _render_chat(req: CompletionRequest, tokenizer: RouterTokenizer) -> list[int
 def make_generate(req: CompletionRequest, prompt: ResolvedPrompt,
                   eos_token_ids: list[int]) -> GenerateRequest:
     spec = req.sampling_spec(prompt.max_tokens, eos_token_ids)
-    return GenerateRequest(uuid.uuid4().hex, prompt.token_ids, spec, None, req.cache_salt)
+    # the nodes' spans join the trace of the router's span current here (core.tracing)
+    return GenerateRequest(uuid.uuid4().hex, prompt.token_ids, spec, None, req.cache_salt,
+                           traceparent=tracing.traceparent())
 
 
 def make_samples(req: CompletionRequest, prompt: ResolvedPrompt,

@@ -34,6 +34,7 @@ from pdcluster.router.api.tokenizer import RouterTokenizer
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.routing.dispatch import Dispatcher
+from pdcluster.router.routing.handoff import DrainWatcher, HotPrefixes
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class RouterApp:
         self.model_name = config.model_name or config.model_dir.rstrip("/").rsplit("/", 1)[-1]
         self.metrics = RouterMetrics()
         self.dispatcher = Dispatcher(config, self.metrics, shared_keys=shared_keys)
+        # scale-in that keeps the cache: a draining node's hot prompts go to its peers
+        self.hot_prefixes = HotPrefixes()
+        self.drain_watcher = DrainWatcher(self.dispatcher, self.hot_prefixes)
         self._runner: web.AppRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self.port = config.port
@@ -53,6 +57,7 @@ class RouterApp:
 
     async def start(self) -> None:
         await self.dispatcher.start()
+        self.drain_watcher.start(self.config.load_interval_s)
         public, admin = build_apps(self)
         self._runner = EdgeRunner(public, self.config)
         await self._runner.setup()
@@ -68,6 +73,7 @@ class RouterApp:
             self.admin_port = self._admin_runner.addresses[0][1]
 
     async def stop(self) -> None:
+        await self.drain_watcher.close()
         for runner in (self._runner, self._admin_runner):
             if runner is not None:
                 await runner.cleanup()
@@ -78,8 +84,9 @@ def build_apps(router: RouterApp) -> tuple[web.Application, web.Application | No
     """The public app, and the admin app (/metrics, the detailed /health; no API key) when
     `admin_port` is set."""
     handlers = Handlers(router.config, router.tokenizer, router.model_name, router.metrics,
-                        router.dispatcher)
-    extra = ExtraRoutes(router.config, router.tokenizer, router.model_name, router.dispatcher)
+                        router.dispatcher, router.hot_prefixes)
+    extra = ExtraRoutes(router.config, router.tokenizer, router.model_name, router.dispatcher,
+                        router.drain_watcher)
     admin = None
     if router.config.admin_port is not None:
         admin = web.Application(middlewares=[error_middleware])

@@ -176,7 +176,14 @@ def trace_rows(args) -> list[dict]:
 def run(args) -> dict:
     """Entry point of `pdcluster replay` (args: trace | synthetic, seed, scale, nodes,
     cache_blocks, device_blocks, host_blocks, policy, no_global_reuse, pull_gbps,
-    pull_latency_ms, host_gbps, host_latency_ms, kv_bytes_per_token)."""
+    pull_latency_ms, host_gbps, host_latency_ms, kv_bytes_per_token; with `planner`, the
+    planner's replay instead: router.sim.planner_replay)."""
+    if getattr(args, "planner", False):
+        from pdcluster.router.sim import planner_replay
+
+        result = planner_replay.run(args, trace_rows(args))
+        result["trace"] = args.synthetic or str(args.trace)
+        return result
     started = time.perf_counter()
     requests = parse_trace(trace_rows(args))
     result = replay_all(requests, args.policy, replay_config(args))

@@ -21,6 +21,11 @@ Each generator stresses one thing a KV-aware policy must get right:
   `trace_stats` reports how much position-independent reuse was left on the table.
 - `bursty`: chat sessions arriving by an on/off process (calm, then bursts six times as fast),
   so queues build up and the load term has real delay to weigh.
+- `ramps`: a day compressed into an hour, for the planner (router/sim/planner_replay.py): the
+  session rate ramps from a quarter of its peak up to the peak, holds, ramps down to 0.3,
+  with three one-minute bursts at 2.5x on top; and the mix moves with it, from mostly
+  document questions (long prompts, short answers: prefill-heavy) to mostly chat (short
+  prompts, long answers: decode-heavy), so the right prefill : decode split moves too.
 
 Ids: fresh ids come from one counter per trace, so equal ids mean equal content. Lengths:
 a prompt's last block is partial (`input_length = blocks * 512 - U[0, 511]`), as in the
@@ -28,7 +33,8 @@ Mooncake trace. Rows are sorted by timestamp (ties keep generation order). Every
 deterministic in `seed`; `scale` multiplies the number of sessions at the same arrival rate
 (the same load, a shorter trace), so tests run small copies of the same traffic.
 
-API: `GENERATORS`, `generate(name, seed, scale) -> list[dict]`, `write_trace`, `trace_stats`.
+API: `GENERATORS`, `generate(name, seed, scale) -> list[dict]`, `write_trace`, `trace_stats`,
+`RateProfile` (a time-varying rate; `RAMPS_PROFILE` is the `ramps` trace's).
 """
 
 from __future__ import annotations
@@ -101,6 +107,46 @@ def _bursty_arrivals(trace: _Trace, num: int, rate_per_s: float) -> Iterator[flo
             burst = not burst
             switch_at += trace.rng.expovariate(1 / (10.0 if burst else 60.0))
         yield clock
+
+
+@dataclass(frozen=True, slots=True)
+class RateProfile:
+    """A time-varying rate: a multiplier of the peak rate, linear between `points` (fraction
+    of the duration, multiplier), times `burst_gain` during each burst (start as a fraction of
+    the duration, length in seconds)."""
+
+    points: tuple[tuple[float, float], ...]
+    bursts: tuple[tuple[float, float], ...] = ()
+    burst_gain: float = 1.0
+
+    def multiplier(self, fraction: float, at_s: float, duration_s: float) -> float:
+        level = self.points[-1][1]
+        for (f0, m0), (f1, m1) in zip(self.points, self.points[1:], strict=False):
+            if f0 <= fraction <= f1:
+                level = m0 + (m1 - m0) * (fraction - f0) / max(f1 - f0, 1e-12)
+                break
+        in_burst = any(start * duration_s <= at_s < start * duration_s + length_s
+                       for start, length_s in self.bursts)
+        return level * (self.burst_gain if in_burst else 1.0)
+
+    @property
+    def peak(self) -> float:
+        return max(m for _, m in self.points) * max(self.burst_gain, 1.0)
+
+
+def _profile_arrivals(trace: _Trace, duration_s: float, peak_rate_per_s: float,
+                      profile: RateProfile) -> Iterator[float]:
+    """Arrivals of a Poisson process whose rate follows `profile` (thinning: candidates at
+    the highest rate, each kept with the profile's share of it)."""
+    top = peak_rate_per_s * profile.peak
+    clock = 0.0
+    while True:
+        clock += trace.rng.expovariate(top)
+        if clock >= duration_s:
+            return
+        rate = peak_rate_per_s * profile.multiplier(clock / duration_s, clock, duration_s)
+        if trace.rng.random() * top < rate:
+            yield clock
 
 
 def _conversation(trace: _Trace, start_s: float, prompt: list[int], turns: int,
@@ -231,9 +277,37 @@ def bursty(seed: int = 0, scale: float = 1.0) -> list[Row]:
                              (20, 400)))
 
 
+RAMPS_PROFILE = RateProfile(points=((0.0, 0.25), (0.12, 0.25), (0.4, 1.0), (0.6, 1.0),
+                                     (0.85, 0.3), (1.0, 0.3)),
+                             bursts=((0.25, 60.0), (0.5, 60.0), (0.75, 60.0)), burst_gain=2.5)
+
+
+RAMPS_PEAK_SESSIONS_PER_S = 6.0
+
+
+def ramps(seed: int = 0, scale: float = 1.0) -> list[Row]:
+    """An hour (x scale) of sessions at a rate following `RAMPS_PROFILE` (peak
+    `RAMPS_PEAK_SESSIONS_PER_S` new sessions/s), the share of document sessions falling from
+    0.75 to 0.15 over the trace."""
+    trace = _Trace(seed)
+    duration_s = 3600.0 * scale
+    systems = [trace.fresh(n) for n in (2, 3, 4, 2)]
+    for start in _profile_arrivals(trace, duration_s, RAMPS_PEAK_SESSIONS_PER_S, RAMPS_PROFILE):
+        system = systems[trace.zipf(len(systems), 1.0)]
+        if trace.rng.random() < 0.75 - 0.6 * start / duration_s:
+            document = trace.fresh(trace.blocks(10, 0.5, 30)) + trace.fresh(1)
+            _conversation(trace, start, system + document, _depth(trace, 1.5, 6),
+                          gap_s=(30.0, 0.6), message=(1.0, 0.5, 3), output=(40, 200))
+        else:
+            _conversation(trace, start, system + trace.fresh(trace.blocks(1.5, 0.7, 6)),
+                          _depth(trace, 3.0, 20), gap_s=(20.0, 0.7), message=(1.0, 0.6, 4),
+                          output=(200, 1200))
+    return trace.rows()
+
+
 GENERATORS: dict[str, Callable[[int, float], list[Row]]] = {
     "conversation": conversation, "chat": chat, "system_prompts": system_prompts,
-    "agent": agent, "rag": rag, "bursty": bursty,
+    "agent": agent, "rag": rag, "bursty": bursty, "ramps": ramps,
 }
 
 

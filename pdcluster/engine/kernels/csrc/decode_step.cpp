@@ -7,9 +7,9 @@
 // torch.ops.pdcluster.decode_layers_(x [1, H] (the token's embedding; the residual stream,
 //   updated in place), positions [1], weights (6 per layer: input norm [H], qkv [(Hq + 2 Hkv) D,
 //   H], o [H, Hq D], post-attention norm [H], gate_up [2 I, H], down [H, I]), final_norm [H],
-//   eps, cos, sin, heads, kv_heads, cache_rows, row_offsets and value_offset (each layer's
-//   rows in cache_rows, as rope_and_cache_ takes them: PagedKVCache.key_row_offset and the
-//   block size), k_caches, v_caches (one [NB, BS, Hkv, D] view per layer), slot_rows [1],
+//   eps, cos, sin, heads, kv_heads, cache_rows, row_offsets, value_offset and head_stride
+//   (each layer's rows in cache_rows, as rope_and_cache_ takes them: PagedKVCache's
+//   key_row_offset, the block size and head_stride), k_caches, v_caches (one [NB, BS, Hkv, D] view per layer), slot_rows [1],
 //   block_table [1, MB], context_lens [1], scale) -> [1, H]
 //   the final norm's output: what CausalLM.forward returns for the token.
 // Dense layers without biases only (Llama, Mistral, Qwen3 without q/k norms, SmolLM); the
@@ -32,7 +32,7 @@ at::Tensor decode_layers_(const at::Tensor& x, const at::Tensor& positions,
                           const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                           int64_t kv_heads, const at::Tensor& cache_rows,
                           at::IntArrayRef row_offsets, int64_t value_offset,
-                          at::TensorList k_caches, at::TensorList v_caches,
+                          int64_t head_stride, at::TensorList k_caches, at::TensorList v_caches,
                           const at::Tensor& slot_rows, const at::Tensor& block_table,
                           const at::Tensor& context_lens, double scale) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
@@ -60,7 +60,7 @@ at::Tensor decode_layers_(const at::Tensor& x, const at::Tensor& positions,
     }
     at::Tensor qkv = gemv(h, w[1], c10::nullopt);
     rope_and_cache_(qkv, positions, cos, sin, heads, kv_heads, cache_rows, slot_rows,
-                    row_offsets[layer], value_offset);
+                    row_offsets[layer], value_offset, head_stride);
     // a KV head's query heads as the rows of one matrix, as engine/models/attention.py lays them out
     at::Tensor rows = qkv.narrow(1, 0, q_size).reshape({1, kv_heads, heads / kv_heads, dim})
                           .contiguous();
@@ -81,7 +81,8 @@ TORCH_LIBRARY_FRAGMENT(pdcluster, m) {
   m.def(
       "decode_layers_(Tensor(a!) x, Tensor positions, Tensor[] weights, Tensor final_norm, "
       "float eps, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(b!) cache_rows, "
-      "int[] row_offsets, int value_offset, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_rows, Tensor block_table, "
+      "int[] row_offsets, int value_offset, int head_stride, Tensor[] k_caches, "
+      "Tensor[] v_caches, Tensor slot_rows, Tensor block_table, "
       "Tensor context_lens, float scale) -> Tensor");
 }
 

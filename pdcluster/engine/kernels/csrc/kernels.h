@@ -18,7 +18,7 @@ void add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Te
 void rope_and_cache_(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                      const at::Tensor& sin, int64_t heads, int64_t kv_heads,
                      const at::Tensor& cache_rows, const at::Tensor& slot_rows,
-                     int64_t row_offset, int64_t value_offset);
+                     int64_t row_offset, int64_t value_offset, int64_t head_stride);
 std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                    const at::Tensor& v_cache,
                                                    const at::Tensor& block_table,

@@ -7,11 +7,13 @@
 //   residual += x, then x = rms_norm(residual): the residual stream and the next norm in one
 //   pass (vLLM's fused_add_rms_norm)
 // torch.ops.pdcluster.rope_and_cache_(qkv [T, (Hq + 2 Hkv) D], positions [T], cos [P, D],
-//   sin [P, D], Hq, Hkv, cache_rows [R, Hkv D], slot_rows [T], row_offset, value_offset)
+//   sin [P, D], Hq, Hkv, cache_rows [R, D], slot_rows [T], row_offset, value_offset,
+//   head_stride)
 //   rotates every q and k head of each token in place (rotate-half RoPE: x cos +
-//   rotate_half(x) sin, element for element as transformers computes it), then copies the
-//   token's k and v into rows slot_rows[t] + row_offset (+ value_offset for v) of the cache
-//   (engine/kv/kv_cache.py's row view of the region; the offset picks the layer).
+//   rotate_half(x) sin, element for element as transformers computes it), then copies KV head
+//   h of the token's k and v into rows slot_rows[t] + row_offset + h head_stride (+
+//   value_offset for v) of the cache (engine/kv/kv_cache.py's row view of the region: a row is
+//   one head's vector; the offset picks the layer).
 //
 // This file is compiled like the others (-ffp-contract=off keeps a * b + c as two roundings,
 // as torch's separate ops do): RoPE's output is bit-identical to transformers'.
@@ -97,7 +99,7 @@ inline void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
 void rope_and_cache_(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                      const at::Tensor& sin, int64_t heads, int64_t kv_heads,
                      const at::Tensor& cache_rows, const at::Tensor& slot_rows,
-                     int64_t row_offset, int64_t value_offset) {
+                     int64_t row_offset, int64_t value_offset, int64_t head_stride) {
   const int64_t tokens = qkv.size(0), dim = cos.size(1), kv_width = kv_heads * dim;
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1 &&
                   qkv.size(1) == (heads + 2 * kv_heads) * dim && dim % 2 == 0,
@@ -110,15 +112,17 @@ void rope_and_cache_(const at::Tensor& qkv, const at::Tensor& positions, const a
                   slot_rows.is_contiguous() && slot_rows.numel() == tokens,
               "rope_and_cache_: positions and slot_rows must be contiguous int64 [T]");
   TORCH_CHECK(cache_rows.scalar_type() == at::kFloat && cache_rows.dim() == 2 &&
-                  cache_rows.is_contiguous() && cache_rows.size(1) == kv_width,
-              "rope_and_cache_: cache_rows must be the contiguous float32 [R, Hkv D] region");
+                  cache_rows.is_contiguous() && cache_rows.size(1) == dim && head_stride >= 0,
+              "rope_and_cache_: cache_rows must be the contiguous float32 [R, D] region");
+  const int64_t last_head = (kv_heads - 1) * head_stride;
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_rows.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rope_and_cache_: position ", pos[t],
                 " outside the RoPE table");
     const int64_t row = slots[t] + row_offset;
-    TORCH_CHECK(row >= 0 && value_offset >= 0 && row + value_offset < cache_rows.size(0),
+    TORCH_CHECK(row >= 0 && value_offset >= 0 &&
+                    row + last_head + value_offset < cache_rows.size(0),
                 "rope_and_cache_: a cache row is outside the region");
   }
   float* base = qkv.data_ptr<float>();
@@ -134,8 +138,12 @@ void rope_and_cache_(const at::Tensor& qkv, const at::Tensor& positions, const a
       for (int64_t h = 0; h < heads + kv_heads; ++h) rotate(row + h * dim, c, s, dim);
       const float* k = row + heads * dim;
       const int64_t key_row = slots[t] + row_offset;
-      std::copy(k, k + kv_width, cache + key_row * kv_width);
-      std::copy(k + kv_width, k + 2 * kv_width, cache + (key_row + value_offset) * kv_width);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t head_row = key_row + h * head_stride;
+        std::copy(k + h * dim, k + (h + 1) * dim, cache + head_row * dim);
+        std::copy(k + kv_width + h * dim, k + kv_width + (h + 1) * dim,
+                  cache + (head_row + value_offset) * dim);
+      }
     }
   });
 }
@@ -148,7 +156,7 @@ TORCH_LIBRARY_FRAGMENT(pdcluster, m) {
   m.def(
       "rope_and_cache_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int heads, "
       "int kv_heads, Tensor(b!) cache_rows, Tensor slot_rows, int row_offset, "
-      "int value_offset) -> ()");
+      "int value_offset, int head_stride) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdcluster, CPU, m) {

@@ -5,8 +5,8 @@
   `residual += x`, then `x = norm(residual)`): one read and one write of the rows instead of
   torch's five elementwise passes;
 - `rope_and_cache_(qkv, positions, cos, sin, heads, kv_heads, cache_rows, slot_rows,
-  row_offset, block_size)`: RoPE on q and k in place inside the fused qkv projection's output,
-  and k and v stored into their cache slots, in one pass;
+  row_offset, block_size, head_stride)`: RoPE on q and k in place inside the fused qkv
+  projection's output, and each KV head's k and v stored into its cache rows, in one pass;
 - `silu_and_mul(gate_up, intermediate)`: SwiGLU's `silu(gate) * up` from the fused projection.
 
 Roundings follow the reference modules: the residual sum is rounded to the activation dtype
@@ -60,7 +60,7 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 @triton.jit
 def _rope_and_cache_kernel(QKV, POS, COS, SIN, ROWS, SLOTS, stride_t, stride_pos, stride_row,
-                           heads, kv_heads, head_dim, row_offset, value_offset,
+                           heads, kv_heads, head_dim, row_offset, value_offset, head_stride,
                            BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     half = head_dim // 2
@@ -87,32 +87,36 @@ def _rope_and_cache_kernel(QKV, POS, COS, SIN, ROWS, SLOTS, stride_t, stride_pos
     tl.store(base + half, new_hi, mask=mask)
 
     slot = tl.load(SLOTS + tok).to(tl.int64)
-    key_row = ROWS + (slot + row_offset) * stride_row
+    # KV head h of this token lives in row slot + row_offset + h * head_stride (keys), and
+    # value_offset rows further (values)
     is_key = (hs >= heads) & rotated
-    cache_cols = (hs - heads)[:, None] * head_dim + cols[None, :]
+    key_rows = slot + row_offset + (hs - heads).to(tl.int64) * head_stride
+    key_dst = ROWS + key_rows[:, None] * stride_row + cols[None, :]
     key_mask = is_key[:, None] & col_ok[None, :]
-    tl.store(key_row + cache_cols, new_lo.to(ROWS.dtype.element_ty), mask=key_mask)
-    tl.store(key_row + cache_cols + half, new_hi.to(ROWS.dtype.element_ty), mask=key_mask)
+    tl.store(key_dst, new_lo.to(ROWS.dtype.element_ty), mask=key_mask)
+    tl.store(key_dst + half, new_hi.to(ROWS.dtype.element_ty), mask=key_mask)
     # values: the heads after the keys, copied as they are
     value_mask = (hs < kv_heads)[:, None] & col_ok[None, :]
     v_src = QKV + tok * stride_t + (heads + kv_heads + hs)[:, None] * head_dim + cols[None, :]
-    value_row = ROWS + (slot + row_offset + value_offset) * stride_row
-    v_dst = value_row + hs[:, None] * head_dim + cols[None, :]
+    value_rows = slot + row_offset + value_offset + hs.to(tl.int64) * head_stride
+    v_dst = ROWS + value_rows[:, None] * stride_row + cols[None, :]
     tl.store(v_dst, tl.load(v_src, mask=value_mask, other=0.0), mask=value_mask)
     tl.store(v_dst + half, tl.load(v_src + half, mask=value_mask, other=0.0), mask=value_mask)
 
 
 def rope_and_cache_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, heads: int, kv_heads: int, cache_rows: torch.Tensor,
-                    slot_rows: torch.Tensor, row_offset: int, block_size: int) -> None:
+                    slot_rows: torch.Tensor, row_offset: int, block_size: int,
+                    head_stride: int) -> None:
     """`qkv [T, (heads + 2 kv_heads) * D]`: rotate q and k in place (rotate-half RoPE at
-    `positions`, tables `[max_pos, D]`), store k and v of token t into `cache_rows[slot_rows[t]
-    + row_offset]` and `block_size` rows further (engine/kv/kv_cache.py's layout)."""
+    `positions`, tables `[max_pos, D]`), store KV head h's k of token t into `cache_rows
+    [slot_rows[t] + row_offset + h * head_stride]` (`cache_rows [R, D]`) and its v
+    `block_size` rows further (engine/kv/kv_cache.py's layout)."""
     dim = cos.shape[-1]
     assert qkv.stride(-1) == 1 and cache_rows.is_contiguous(), "rows are contiguous"
     _rope_and_cache_kernel[(qkv.shape[0],)](
         qkv, positions, cos, sin, cache_rows, slot_rows, qkv.stride(0), cos.stride(0),
-        cache_rows.stride(0), heads, kv_heads, dim, row_offset, block_size,
+        cache_rows.stride(0), heads, kv_heads, dim, row_offset, block_size, head_stride,
         BLOCK_H=triton.next_power_of_2(heads + kv_heads),
         BLOCK_HALF=max(2, triton.next_power_of_2(dim // 2)), num_warps=4)
 
