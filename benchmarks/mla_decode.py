@@ -47,7 +47,7 @@ def _layer():
 def _decode_meta(batch: int, context: int):
     import torch
 
-    from pdcluster.engine.models.attention import AttentionMetadata, GatherWorkspace
+    from pdcluster.engine.models.attention_meta import AttentionMetadata, GatherWorkspace
 
     blocks = context // BLOCK
     table = torch.arange(batch * blocks).view(batch, blocks)

@@ -7,8 +7,9 @@ with a key is guarded by its proof: the `registration_secret` handed to whoever 
 The service keeps only the proof's hash (`proof_hash`), with the node's record — in etcd with
 the etcd backend — so every replica, and a restarted one, enforces it (`check_proof`):
 
-- registering the id again with another epoch, key or address needs the proof (or an
-  operator's `ReleaseNode`, or the lease to end);
+- registering the id again with anything changed — epoch, key, addresses, session, its KV
+  identity or capacity — needs the proof (or an operator's `ReleaseNode`, or the lease to
+  end);
 - an unchanged refresh needs nothing, and creates no proof (`new_proof` returns None): a
   replica that never saw the secret cannot be talked into minting another;
 - deregistering needs the proof.
@@ -44,7 +45,6 @@ from pdcluster.proto import metadata_pb2 as pb
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _Z85 = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")
-_GUARDED_FIELDS = ("epoch", "curve_public_key", "request_address", "kv_address", "kv_session")
 _UNIQUE_FIELDS = ("curve_public_key", "request_address", "kv_address", "kv_session")
 _FOREVER = float("inf")
 _ROLE_NAMES = {pb.PREFILL: "prefill", pb.DECODE: "decode"}
@@ -69,8 +69,10 @@ def is_guarded(live: pb.NodeInfo | None) -> bool:
 
 
 def identity_changed(live: pb.NodeInfo, info: pb.NodeInfo) -> bool:
-    """Another epoch, key or address: a new incarnation as far as anyone relying on it goes."""
-    return any(getattr(live, name) != getattr(info, name) for name in _GUARDED_FIELDS)
+    """Anything declared differently — epoch, key, addresses, session, KV identity (model,
+    block size, hashing, tokenizer), role, capacity: a new incarnation as far as anyone
+    relying on it goes (the router would hash its blocks, or price it, differently)."""
+    return live != info
 
 
 def check_proof(live: pb.NodeInfo | None, held_hash: bytes, proof: bytes, what: str) -> None:

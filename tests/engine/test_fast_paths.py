@@ -11,7 +11,7 @@ import torch
 from pdcluster.engine.kernels import gemm
 from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
 from pdcluster.engine.models import linear as linear_mod
-from pdcluster.engine.models.attention import GatherWorkspace
+from pdcluster.engine.models.attention_meta import GatherWorkspace
 from pdcluster.engine.models.linear import Linear, linear, silu_and_mul
 from tests.helpers import count_calls
 
@@ -142,7 +142,7 @@ def _decode_meta(cache: PagedKVCache, tables: list[list[int]], lens: list[int],
                  runner_cascade: bool):
     """Attention metadata for one decode token per table, built by the model runner's own
     table code (with or without the cascade split)."""
-    from pdcluster.engine.models.attention import AttentionMetadata
+    from pdcluster.engine.models.attention_meta import AttentionMetadata
     from pdcluster.engine.runner.model_runner import ModelRunner
 
     runner = ModelRunner.__new__(ModelRunner)  # only the table helpers: no model needed
@@ -240,7 +240,7 @@ def test_decodes_sharing_a_prompt_prefix_match_transformers(model_dirs, hf_refer
 def test_split_prefill_equals_one_masked_call(earlier, own) -> None:
     """block_size 4; `earlier` need not end on a block boundary (a mid-block chunk start)."""
     from pdcluster.engine.models import attention
-    from pdcluster.engine.models.attention import PrefillChunk
+    from pdcluster.engine.models.attention_meta import PrefillChunk
 
     bs, kv_heads, dim = 4, 2, 16
     total = earlier + own

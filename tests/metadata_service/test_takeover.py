@@ -149,3 +149,21 @@ def test_router_keys_expire_on_every_replica(replicas) -> None:
         wait_until(lambda: len(reader.list_clients()) == 1, what="b to know r1")
         wait_until(lambda: reader.list_clients() == [], timeout_s=15,
                    what="r1's lease to end on b")
+
+
+@pytest.mark.parametrize("field, value", [("block_size", 32), ("model", "other-model"),
+                                          ("hash_algorithm", "xxh3_128"),
+                                          ("capacity_blocks", 1)])
+def test_a_stolen_token_cannot_change_what_a_live_node_declares(replicas, field, value) -> None:
+    """Same key, addresses and epoch, another KV identity or capacity: the router would hash
+    p0's blocks (or cap them) otherwise and stop routing to it. Needs the proof too."""
+    a, b = replicas
+    proof = register_p0(a)
+    known_everywhere(a, b, "tcp://127.0.0.1:7001")
+    changed = p0_info()
+    setattr(changed, field, value)
+    with MetadataClient(b.address, token=node_token("p0")) as stolen, \
+            pytest.raises(MetadataAuthError, match="PERMISSION_DENIED"):
+        stolen.register(changed, 30)
+    with MetadataClient(b.address, token=node_token("p0")) as p0:
+        assert p0.register(changed, 30, proof).registration_secret  # control: the holder

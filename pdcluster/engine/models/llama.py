@@ -24,7 +24,8 @@ from torch import nn
 
 from pdcluster.engine import kernels
 from pdcluster.engine.kv.kv_cache import PagedKVCache
-from pdcluster.engine.models.attention import AttentionMetadata, paged_attention
+from pdcluster.engine.models.attention import paged_attention
+from pdcluster.engine.models.attention_meta import AttentionMetadata
 from pdcluster.engine.models.model_config import ModelConfig
 from pdcluster.engine.models.moe import MLP, SparseMoE
 from pdcluster.engine.models.parallel import (

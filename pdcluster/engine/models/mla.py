@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdcluster.engine.kv.kv_cache import PagedKVCache
-from pdcluster.engine.models.attention import AttentionMetadata, GatherWorkspace, PrefillChunk
+from pdcluster.engine.models.attention_meta import AttentionMetadata, GatherWorkspace, PrefillChunk
 from pdcluster.engine.models.linear import Linear
 from pdcluster.engine.models.llama import RMSNorm
 from pdcluster.engine.models.model_config import ModelConfig

@@ -32,7 +32,7 @@ import torch
 from pdcluster.engine import kernels
 from pdcluster.engine.kernels import gpu
 from pdcluster.engine.kv.kv_cache import PagedKVCache
-from pdcluster.engine.models.attention import AttentionMetadata, GatherWorkspace
+from pdcluster.engine.models.attention_meta import AttentionMetadata, GatherWorkspace
 from pdcluster.engine.models.llama import Attention, CausalLM
 from pdcluster.engine.models.moe import MLP
 from pdcluster.engine.runner.inputs import StepInputs, cdiv

@@ -20,7 +20,7 @@ from pdcluster.engine.core.outputs import StepResult
 from pdcluster.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from pdcluster.engine.kernels import gpu
 from pdcluster.engine.kv.kv_cache import PagedKVCache
-from pdcluster.engine.models.attention import (
+from pdcluster.engine.models.attention_meta import (
     AttentionMetadata,
     CascadeTables,
     GatherWorkspace,

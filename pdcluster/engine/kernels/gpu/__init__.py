@@ -1,7 +1,7 @@
 """The engine's GPU kernels, written in Triton: paged decode and prefill attention reading the
-KV cache in place (`attention`), and a layer's small steps fused (`layer_ops`: RMSNorm with the
-residual add, RoPE with the KV-cache write, SwiGLU). `reference` holds the torch definition
-each kernel is tested against.
+KV cache in place (`decode_attention`, `prefill_attention`), and a layer's small steps fused
+(`layer_ops`: RMSNorm with the residual add, RoPE with the KV-cache write, SwiGLU).
+`reference` holds the torch definition each kernel is tested against.
 
 `serves(*tensors)` says whether the kernels take these tensors: CUDA tensors, where triton
 imports. `ops()` imports the kernel modules on first use (Triton reads TRITON_INTERPRET when a
@@ -34,12 +34,12 @@ def serves(*tensors: torch.Tensor) -> bool:
 def ops() -> SimpleNamespace:
     """The kernels: `paged_attention`, `prefill_attention`, `rms_norm`, `add_rms_norm_`,
     `rope_and_cache_`, `silu_and_mul` (see each module)."""
-    from pdcluster.engine.kernels.gpu import attention, layer_ops
+    from pdcluster.engine.kernels.gpu import decode_attention, layer_ops, prefill_attention
 
     return SimpleNamespace(
-        paged_attention=attention.paged_attention,
-        prefill_attention=attention.prefill_attention,
-        decode_splits=attention.decode_splits,
+        paged_attention=decode_attention.paged_attention,
+        prefill_attention=prefill_attention.prefill_attention,
+        decode_splits=decode_attention.decode_splits,
         rms_norm=layer_ops.rms_norm,
         add_rms_norm_=layer_ops.add_rms_norm_,
         rope_and_cache_=layer_ops.rope_and_cache_,
