@@ -129,6 +129,27 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- div $gpus $perNode -}}
 {{- end -}}
 
+{{/* Node actors on one pod of the busiest group: how many request ports a pod needs. */}}
+{{- define "pdcluster.nodesPerPod" -}}
+{{- $perNode := int .Values.cluster.node.gpus -}}
+{{- $prefill := div (add (int .Values.ray.prefill.gpusPerPod) (sub $perNode 1)) $perNode -}}
+{{- $decode := div (add (int .Values.ray.decode.gpusPerPod) (sub $perNode 1)) $perNode -}}
+{{- max 1 $prefill $decode -}}
+{{- end -}}
+
+{{/*
+The node ids the launcher starts in a role (ray_cluster.py names them p0, p1, ... and d0, d1,
+...): the metadata service lets only these register. include "pdcluster.nodeIds" (list $ "prefill")
+*/}}
+{{- define "pdcluster.nodeIds" -}}
+{{- $role := index . 1 -}}
+{{- $ids := list -}}
+{{- range $i := until (int (include "pdcluster.numNodes" .)) -}}
+{{- $ids = append $ids (printf "%s%d" (ternary "p" "d" (eq $role "prefill")) $i) -}}
+{{- end -}}
+{{- join "," $ids -}}
+{{- end -}}
+
 {{/* The planner's node actors of a role: its group's min/max pods x GPUs per pod / per node. */}}
 {{- define "pdcluster.plannerBounds" -}}
 {{- $root := index . 0 -}}
@@ -163,6 +184,8 @@ its own Deployment), so router.host here is never bound.
     "local_prefill_threshold_tokens" (int $c.node.localPrefillThresholdTokens)
     "global_reuse_min_tokens" (int $c.node.globalReuseMinTokens)
     "metrics_port" (int $c.node.metricsPort)
+    "request_port" (int $c.node.requestPort)
+    "request_ports" (int (include "pdcluster.nodesPerPod" .))
     "role_resource_prefix" .Values.ray.groupResourcePrefix)
 -}}
 {{- if .Values.planner.enabled -}}
@@ -236,7 +259,7 @@ publish to their peers (cluster.yaml's `host: auto`).
   value: {{ include "pdcluster.clusterSecretPath" . }}
 {{- end -}}
 
-{{/* commonEnv without the cluster secret: the router's (it holds a client credential only). */}}
+{{/* commonEnv without the cluster secret: the router's (a client credential only) and the Ray workers' (their node actors' tokens come from the launcher). */}}
 {{- define "pdcluster.baseEnv" -}}
 - name: HF_HUB_OFFLINE
   value: "1"

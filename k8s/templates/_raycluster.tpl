@@ -80,9 +80,9 @@ spec:
                 exec:
                   command: [/bin/sh, -c, ray stop]
             volumeMounts:
-              {{- include "pdcluster.rayVolumeMounts" . | nindent 14 }}
+              {{- include "pdcluster.rayVolumeMounts" (list . "head") | nindent 14 }}
         volumes:
-          {{- include "pdcluster.rayVolumes" (list . $head.shmSize) | nindent 10 }}
+          {{- include "pdcluster.rayVolumes" (list . $head.shmSize "head") | nindent 10 }}
   workerGroupSpecs:
     {{- include "pdcluster.workerGroup" (list . "prefill") | nindent 4 }}
     {{- include "pdcluster.workerGroup" (list . "decode") | nindent 4 }}

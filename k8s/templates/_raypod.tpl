@@ -42,6 +42,11 @@ readinessProbe:
 {{- end }}
 {{- end -}}
 
+{{/*
+The Ray pods' volumes: include "pdcluster.rayVolumes" (list $ shmSize "head"|"worker"). Only the
+head, where the launcher's driver derives each node actor's own bootstrap token, mounts the
+cluster secret; a worker holds none (its node actors get their tokens from the launcher).
+*/}}
 {{- define "pdcluster.rayVolumes" -}}
 {{- $root := index . 0 -}}
 - name: shm
@@ -53,14 +58,18 @@ readinessProbe:
 - name: config
   configMap:
     name: {{ include "pdcluster.fullname" $root }}-config
+{{- if eq (index . 2) "head" }}
 {{ include "pdcluster.clusterSecretVolume" $root }}
+{{- end }}
 {{ include "pdcluster.modelVolume" $root }}
 {{- with include "pdcluster.metadataTlsClientVolumes" (list $root "node") }}
 {{ . }}
 {{- end }}
 {{- end -}}
 
+{{/* include "pdcluster.rayVolumeMounts" (list $ "head"|"worker") */}}
 {{- define "pdcluster.rayVolumeMounts" -}}
+{{- $root := index . 0 -}}
 - name: shm
   mountPath: /dev/shm
 - name: ray-logs
@@ -68,9 +77,11 @@ readinessProbe:
 - name: config
   mountPath: /etc/pdcluster
   readOnly: true
-{{ include "pdcluster.clusterSecretMount" . }}
-{{ include "pdcluster.modelMount" . }}
-{{- with include "pdcluster.metadataTlsClientMounts" . }}
+{{- if eq (index . 1) "head" }}
+{{ include "pdcluster.clusterSecretMount" $root }}
+{{- end }}
+{{ include "pdcluster.modelMount" $root }}
+{{- with include "pdcluster.metadataTlsClientMounts" $root }}
 {{ . }}
 {{- end }}
 {{- end -}}
@@ -161,8 +172,11 @@ Each pod advertises the Ray custom resource <groupResourcePrefix><role>, one uni
               containerPort: 8080
             - name: node-metrics
               containerPort: {{ int $root.Values.cluster.node.metricsPort }}
+            # the first node actor's request socket (the next ones take the following ports)
+            - name: node-request
+              containerPort: {{ int $root.Values.cluster.node.requestPort }}
           env:
-            {{- include "pdcluster.commonEnv" $root | nindent 12 }}
+            {{- include "pdcluster.baseEnv" $root | nindent 12 }}
             - name: PDCLUSTER_ROLE
               value: {{ $role }}
           resources:
@@ -182,7 +196,7 @@ Each pod advertises the Ray custom resource <groupResourcePrefix><role>, one uni
               exec:
                 command: [/bin/sh, -c, ray stop]
           volumeMounts:
-            {{- include "pdcluster.rayVolumeMounts" $root | nindent 12 }}
+            {{- include "pdcluster.rayVolumeMounts" (list $root "worker") | nindent 12 }}
       volumes:
-        {{- include "pdcluster.rayVolumes" (list $root $group.shmSize) | nindent 8 }}
+        {{- include "pdcluster.rayVolumes" (list $root $group.shmSize "worker") | nindent 8 }}
 {{- end -}}

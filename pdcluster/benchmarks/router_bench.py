@@ -2,7 +2,9 @@
 
 Setup, all on 127.0.0.1: the metadata service (its own process) indexing 1,000,000 blocks over
 64 registered nodes (32 prefill, 32 decode), whose request addresses are "instant" node
-servers in this process (they answer every request at once, so what is timed is the router);
+servers in this process (they answer every request at once, so what is timed is the router;
+4 threads serve the 64, each node id with its own socket and key, as the metadata service
+refuses live nodes that share an address or a key);
 `pdcluster router serve` in its own process, pointed at that metadata service.
 
 - `route_decision_p99_us`: the decision alone — the index's prefix walk over the request's
@@ -86,14 +88,18 @@ def run(args: argparse.Namespace) -> dict:
         nodes = {mode: [InstantNode(mode, secret, address) for _ in range(4)]
                  for mode in ("identity", "shared")}
         nodes["plain"] = [InstantNode("plain", secret)]
+        # the registered node ids, one endpoint (address, key) each, the metadata service
+        # refusing live nodes that share either; 4 threads serve them, as 4 nodes did
+        per_node = -(-sizes.nodes // 4)
+        registered = [InstantNode("identity", secret, address, per_node) for _ in range(4)]
         try:
-            result = _measure(sizes, model, nodes, meta_port, procs, secret)
+            result = _measure(sizes, model, nodes, registered, meta_port, procs, secret)
             return {**asdict(sizes), **result, **_direct(sizes, nodes, address, secret)}
         finally:
             for proc in procs:
                 proc.kill()
                 proc.wait()
-            for node in [n for group in nodes.values() for n in group]:
+            for node in [n for group in [*nodes.values(), registered] for n in group]:
                 node.close()
 
 
@@ -117,11 +123,12 @@ def _direct(sizes: Sizes, nodes: dict[str, list[InstantNode]], address: str,
             "identity_checks_ratio": round(p50["identity"] / p50["shared"], 3)}
 
 
-def _measure(sizes: Sizes, model: str, nodes: dict[str, list[InstantNode]], meta_port: int,
-             procs: list, secret: ClusterSecret) -> dict:
+def _measure(sizes: Sizes, model: str, nodes: dict[str, list[InstantNode]],
+             registered: list[InstantNode], meta_port: int, procs: list,
+             secret: ClusterSecret) -> dict:
     pop = Population(sizes.nodes, sizes.blocks, 128)
     prompts = _prompts(model)
-    _populate(f"127.0.0.1:{meta_port}", pop, nodes["identity"], secret, model)
+    _populate(f"127.0.0.1:{meta_port}", pop, registered, secret, model)
     decision_us = _decisions(pop, nodes["shared"], model, sizes.samples, secret)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in (SECRET_FILE_ENV, SECRET_ENV)}
@@ -168,10 +175,10 @@ def _populate(address: str, pop: Population, nodes: list[InstantNode],
     infos = {}
     for i, node_id in enumerate(pop.node_ids):
         role = "prefill" if i % 2 == 0 else "decode"
-        node = nodes[i % len(nodes)]
-        infos[node_id] = make_node_info(node_id, role, request_address=node.address,
-                                        kv_address="tcp://127.0.0.1:9", identity=identity,
-                                        curve_public_key=node.keys.public)
+        request_address, keys = nodes[i % len(nodes)].endpoints[i // len(nodes)]
+        infos[node_id] = make_node_info(node_id, role, request_address=request_address,
+                                        kv_address=f"tcp://127.0.0.1:{10_000 + i}",
+                                        identity=identity, curve_public_key=keys.public)
         with node_client(address, secret, node_id) as client:
             client.register(infos[node_id], 300)
     ingest(address, pop, infos, secret)

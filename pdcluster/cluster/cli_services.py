@@ -299,9 +299,45 @@ def add_metadata(subparsers: argparse._SubParsersAction) -> None:
                        help="mTLS: refuse a token whose principal the client certificate's "
                        "role (common name pdcluster-router/-node/-operator) may not present")
     serve.add_argument("--replica-id", default="", help="name in etcd (default: random)")
+    serve.add_argument("--allow-nodes", action="append", default=None, metavar="ROLE=ID,...",
+                       help="only these node ids may register in this role (prefill or "
+                       "decode; repeat per role); default: any id. The chart lists the ids "
+                       "its launcher starts")
+    serve.add_argument("--max-nodes", action="append", default=None, metavar="ROLE=N",
+                       help="at most N live nodes in this role (repeat per role); default: no "
+                       "limit. The chart's bound when its planner names the nodes")
+    serve.add_argument("--max-node-blocks", type=int, default=1_000_000,
+                       help="most blocks one node may hold in the index (also capped at 64x "
+                       "the capacity it declares)")
     add_etcd_access_args(serve)
     add_metadata_operator_commands(commands, add_metadata_tls_args)
     add_etcd_setup(commands)
+
+
+def node_allowlist(specs: list[str] | None) -> dict[str, frozenset[str]] | None:
+    """`--allow-nodes prefill=p0,p1 --allow-nodes decode=d0` -> {role: ids}; None: any id."""
+    if specs is None:
+        return None
+    allowed: dict[str, frozenset[str]] = {}
+    for spec in specs:
+        role, sep, ids = spec.partition("=")
+        if not sep or role not in ("prefill", "decode"):
+            raise UsageError(f"--allow-nodes {spec!r}: expected prefill=ID,... or decode=ID,...")
+        allowed[role] = allowed.get(role, frozenset()) | {i for i in ids.split(",") if i}
+    return allowed
+
+
+def max_nodes(specs: list[str] | None) -> dict[str, int] | None:
+    """`--max-nodes prefill=4 --max-nodes decode=8` -> {role: count}; None: no limit."""
+    if specs is None:
+        return None
+    limits: dict[str, int] = {}
+    for spec in specs:
+        role, sep, count = spec.partition("=")
+        if not sep or role not in ("prefill", "decode") or not count.isdigit():
+            raise UsageError(f"--max-nodes {spec!r}: expected prefill=N or decode=N")
+        limits[role] = int(count)
+    return limits
 
 
 def _cmd_metadata_serve(args: argparse.Namespace) -> int:
@@ -320,7 +356,9 @@ def _cmd_metadata_serve(args: argparse.Namespace) -> int:
             tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
             tls_client_ca_file=args.tls_client_ca,
             tls_bind_client_roles=args.tls_bind_client_roles, replica_id=args.replica_id,
-            **etcd_access,
+            node_allowlist=node_allowlist(args.allow_nodes),
+            max_nodes=max_nodes(args.max_nodes),
+            max_node_blocks=args.max_node_blocks, **etcd_access,
         )
 
     def ready(port: int) -> None:

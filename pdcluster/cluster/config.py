@@ -23,6 +23,7 @@ cluster.yaml:
     planner: {enabled: true, ...}              # scale each role live (cluster/planner_settings.py)
     node: {gpus: 1, max_restarts: 3, lease_ttl_s: 10, local_prefill_threshold_tokens: 32,
            metrics_port: 9400,                 # Prometheus /metrics per node; 0: a free port
+           request_port: 9500, request_ports: 4,  # each node binds a free one of 9500-9503
            global_reuse_min_tokens: 512,        # pull a cached prefix this long; 0: never
            role_resource_prefix: pdcluster_}   # actors ask for Ray resource <prefix><role>
     host: auto                                 # nodes bind and publish $POD_IP (or 127.0.0.1)
@@ -77,6 +78,9 @@ class ClusterConfig:
     router_enabled: bool = True
     routing: str = "kv"  # router.routing.baselines.ROUTINGS
     node_metrics_port: int | None = None  # each node's Prometheus port; 0: free; None: none
+    # each node's request port: the first free one of [port, port + ports); 0: any free port
+    node_request_port: int = 0
+    node_request_ports: int = 1
     node_gpus: float = 0.0
     node_cpus: float = 1.0
     max_restarts: int = 3
@@ -108,6 +112,10 @@ class ClusterConfig:
         EngineConfig.from_options(self.model, self.engine)  # every node's, checked at load
         if self.node_metrics_port is not None and not 0 <= self.node_metrics_port < 65536:
             raise ValueError(f"node metrics port {self.node_metrics_port} out of range")
+        if not (0 <= self.node_request_port < 65536 and self.node_request_ports >= 1
+                and self.node_request_port + self.node_request_ports <= 65536):
+            raise ValueError(f"node request ports [{self.node_request_port}, "
+                             f"+{self.node_request_ports}) out of range")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got "
                              f"{self.routing!r}")
@@ -173,6 +181,8 @@ class ClusterConfig:
             router_host=router.get("host", "127.0.0.1"), router_port=router.get("port", 8000),
             router_enabled=router.get("enabled", True), routing=router.get("routing", "kv"),
             node_metrics_port=node.get("metrics_port"),
+            node_request_port=node.get("request_port", 0),
+            node_request_ports=node.get("request_ports", 1),
             role_resource_prefix=node.get("role_resource_prefix"),
             node_gpus=node.get("gpus", 0.0), node_cpus=node.get("cpus", 1.0),
             max_restarts=node.get("max_restarts", 3),

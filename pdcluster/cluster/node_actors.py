@@ -29,4 +29,5 @@ def start_node_actor(ray, cls, node_id: str, cfg: ClusterConfig, metadata_addres
                          bootstrap_token=cluster_secret.metadata_token(node_principal(node_id)),
                          kv_protocol=cfg.kv_protocol, kv_device=cfg.kv_device,
                          kv_timeout_s=cfg.kv_timeout_s, metrics_port=cfg.node_metrics_port,
+                         port=cfg.node_request_port, port_span=cfg.node_request_ports,
                          lease_ttl_s=cfg.lease_ttl_s)

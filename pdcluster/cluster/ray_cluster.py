@@ -66,11 +66,19 @@ class RayCluster:
         return self
 
     def _start_planner(self, ray) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         from pdcluster.cluster.planner_actor import PlannerActor
 
         names = {node_id: f"pdcluster-{node_id}" for node_id in self.actors}
+        # The planner derives the tokens of the nodes it starts from the cluster secret: it
+        # runs on this driver's Ray node (the chart's head, the one pod holding the secret),
+        # never on a worker, which holds none.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                              soft=False)
         self.planner = ray.remote(PlannerActor).options(
-            name="pdcluster-planner", num_cpus=0, max_concurrency=8).remote(
+            name="pdcluster-planner", num_cpus=0, max_concurrency=8,
+            scheduling_strategy=here).remote(
             self.config, self.metadata_address, self.cluster_secret, names)
         ray.get(self.planner.ping.remote(), timeout=60)
 

@@ -155,13 +155,21 @@ def token_from_env(value_env: str, file_env: str,
 
 
 def write_secret_file(secret: ClusterSecret, path: str | os.PathLike[str]) -> Path:
-    """Write the hex form to a new file readable by its owner only (0600; its folder 0700)."""
+    """Write the hex form to a new file readable by its owner only (0600; its folder 0700).
+    The file is created afresh beside `path` (O_EXCL | O_NOFOLLOW: never through a link or
+    into a file someone else opened first) and renamed over it, so a link planted at `path`
+    is replaced, not followed."""
     path = Path(path)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as file:
-        os.fchmod(file.fileno(), 0o600)  # an existing file keeps its mode through O_CREAT
-        file.write(secret.to_text() + "\n")
+    fresh = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(secret.to_text() + "\n")
+        os.replace(fresh, path)
+    except BaseException:
+        fresh.unlink(missing_ok=True)
+        raise
     return path
 
 

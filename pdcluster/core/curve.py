@@ -64,15 +64,17 @@ class Admission:
             if directory in self._directories:
                 self._directories.remove(directory)
 
-    def principal_of(self, public_key: bytes) -> str | None:
-        """The principal a Z85 public key names, or None."""
+    def principal_of(self, public_key: bytes, wait: bool = True) -> str | None:
+        """The principal a Z85 public key names, or None. `wait=False` (the per-message path)
+        never asks the authority: a key its handshake admitted and the directory no longer
+        names was revoked, and is refused at once."""
         with self._lock:
             principal = self._trusted.get(public_key)
             directories = list(self._directories)
         for directory in directories:
             if principal is not None:
                 break
-            principal = directory.principal_of(public_key)
+            principal = directory.principal_of(public_key, wait)
         return principal
 
     def callback(self, domain: str, key: bytes) -> bool:  # called by pyzmq's ZAP thread
@@ -152,11 +154,12 @@ def secure_client(sock: zmq.Socket[Any], keys: CurveKeys, server_key: bytes | No
 
 def sender_principal(context: zmq.Context[Any], frame: zmq.Frame) -> str | None:
     """The principal of the client that sent `frame` (received with `copy=False` on a CURVE
-    server socket of `context`), or None if it names nobody (any more)."""
+    server socket of `context`), or None if it names nobody (any more). Never blocks: it runs
+    for every message, on a node's engine thread or a side channel's receive loop."""
     try:
         user_id = frame.get("User-Id")
     except zmq.ZMQError:  # not a CURVE connection
         return None
     if not user_id:
         return None
-    return authenticator_for(context).principal_of(str(user_id).encode())
+    return authenticator_for(context).principal_of(str(user_id).encode(), wait=False)

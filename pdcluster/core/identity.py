@@ -16,11 +16,14 @@ everyone, trusted for everything; production never grants it).
 
 The ZAP handler (core.curve) admits a client whose key the directory names, and the servers
 read the key back from each message (ZMQ's `User-Id` property) to authorise it per message
-type. A key the directory does not know makes it ask the authority again, with a refresh that
-starts after the miss (so a key registered before its handshake is always found: libzmq does
-not retry a handshake its ZAP handler refused) but at most once per `min_refresh_s` (so a
-stranger's handshakes cannot turn into a flood of lookups; they wait instead); `follow()`
-refreshes in a background thread too, so that revoked keys leave. Thread-safe.
+type. At a handshake, a key the directory does not know makes it ask the authority again,
+with a refresh that starts after the miss (so a key registered before its handshake is always
+found: libzmq does not retry a handshake its ZAP handler refused) but at most once per
+`min_refresh_s` (so a stranger's handshakes cannot turn into a flood of lookups; they wait
+instead), and the same key missing again before the next refresh is refused at once (a
+negative answer). Per message (`principal_of(key, wait=False)`) a miss never waits: the key
+passed its handshake, so it was revoked since, and is refused. `follow()` refreshes in a
+background thread too, so that revoked keys leave. Thread-safe.
 
 API: `Peer`, `Directory`, `MEMBER`, `is_router`, `node_id_of`.
 """
@@ -30,12 +33,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 MEMBER = "member"  # the shared-key test mode's principal: allowed everything
+_MAX_UNKNOWN = 4096  # negative answers kept
 ROUTER_PREFIX = "router/"
 NODE_PREFIX = "node/"
 
@@ -83,6 +88,11 @@ class Directory:
         self._listeners: list[Callable[[list[Peer]], None]] = []
         self.num_refreshes = 0
         self.num_refresh_errors = 0
+        self.num_misses = 0  # lookups refused without asking the authority
+        # keys that missed after a refresh, with the refresh count then: until the next
+        # refresh, a key that named nobody is refused at once (a stranger's retries cost
+        # no wait)
+        self._unknown: OrderedDict[bytes, int] = OrderedDict()
 
     def grant(self, peer: Peer) -> None:
         """Know `peer` whatever the refreshes say (this process's own keys, test modes)."""
@@ -123,11 +133,29 @@ class Directory:
     def peers(self) -> list[Peer]:
         return list(self._by_key.values())
 
-    def principal_of(self, public_key: bytes) -> str | None:
+    def principal_of(self, public_key: bytes, wait: bool = True) -> str | None:
+        """The key's principal. A miss asks the authority again (`refresh_since`) unless
+        `wait` is False (a per-message check: a miss there refuses at once) or the same key
+        already missed since the last refresh (a negative answer, kept until the next one)."""
         peer = self._by_key.get(public_key)
-        if peer is None and self.refresh_since(self._clock()):
+        if peer is not None:
+            return peer.principal
+        if not wait or self._unknown.get(public_key) == self.num_refreshes:
+            self.num_misses += 1
+            return None
+        if self.refresh_since(self._clock()):
             peer = self._by_key.get(public_key)
-        return None if peer is None else peer.principal
+        if peer is None:
+            self._remember_unknown(public_key)
+            return None
+        return peer.principal
+
+    def _remember_unknown(self, public_key: bytes) -> None:
+        with self._lock:
+            self._unknown[public_key] = self.num_refreshes
+            self._unknown.move_to_end(public_key)
+            while len(self._unknown) > _MAX_UNKNOWN:
+                self._unknown.popitem(last=False)
 
     def peer(self, principal: str) -> Peer | None:
         return self._by_principal.get(principal)

@@ -224,8 +224,9 @@ class MetadataClient(_Base):
     def heartbeat(self, node_id: NodeId, epoch: int) -> bool:
         return self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch)).known
 
-    def deregister(self, node_id: NodeId) -> None:
-        self._call("Deregister", pb.DeregisterRequest(node_id=node_id))
+    def deregister(self, node_id: NodeId, proof: bytes = b"") -> None:
+        """Needs the registration's proof (its `registration_secret`) when it has a key."""
+        self._call("Deregister", pb.DeregisterRequest(node_id=node_id, proof=proof))
 
     def list_nodes(self, role: str | int | None = None) -> list[pb.NodeInfo]:
         return list(self._call("ListNodes", pb.ListNodesRequest(role=role_value(role))).nodes)
@@ -320,8 +321,8 @@ class AsyncMetadataClient(_Base):
         reply = await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch))
         return reply.known
 
-    async def deregister(self, node_id: NodeId) -> None:
-        await self._call("Deregister", pb.DeregisterRequest(node_id=node_id))
+    async def deregister(self, node_id: NodeId, proof: bytes = b"") -> None:
+        await self._call("Deregister", pb.DeregisterRequest(node_id=node_id, proof=proof))
 
     async def list_nodes(self, role: str | int | None = None) -> list[pb.NodeInfo]:
         reply = await self._call("ListNodes", pb.ListNodesRequest(role=role_value(role)))

@@ -6,6 +6,7 @@ API: ``MetadataConfig``, ``BACKENDS``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdcluster.core.credentials import ClusterSecret
@@ -52,7 +53,7 @@ class MetadataConfig:
     cluster_secret: ClusterSecret | None = None
     # Also accepted as principal "service" (the router's client credential), so that a
     # router can be given a random token instead of one derived from the secret (the chart)
-    router_token: str | None = None
+    router_token: str | None = field(default=None, repr=False)
     # Unit tests of this room only: no credentials checked. No product entry point sets it.
     allow_unauthenticated: bool = False
     tls_cert_file: str | None = None
@@ -65,6 +66,19 @@ class MetadataConfig:
     # principal its token names, so one kind of pod's token is refused over another's cert
     tls_bind_client_roles: bool = False
     replica_id: str = ""  # empty: a random one per process
+    # Which node ids may register, per role name ("prefill", "decode"); None: any id. The
+    # chart lists the ids its launcher starts, so a stolen way to mint node tokens cannot add
+    # nodes (a fake node with no load would attract traffic).
+    node_allowlist: Mapping[str, frozenset[str]] | None = None
+    # At most this many live nodes per role name (absent: no limit): with a planner, whose node
+    # ids are new on every start, the bound on how many nodes any token can add.
+    max_nodes: Mapping[str, int] | None = None
+    # Blocks one node may hold in the index: its declared capacity_blocks times this factor
+    # (its host and disk tiers hold more than its device), never above max_node_blocks (also
+    # the cap of a node that declares none). Bounds what one member adds to the index, etcd
+    # and every router's mirror.
+    node_capacity_factor: int = 64
+    max_node_blocks: int = 1_000_000
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -84,7 +98,8 @@ class MetadataConfig:
                 f"{self.max_lease_ttl_s}"
             )
         for name in ("max_batch_events", "max_batch_hashes", "max_snapshot_hashes",
-                     "max_query_blocks", "compact_after_deltas", "watch_max_pending_hashes"):
+                     "max_query_blocks", "compact_after_deltas", "watch_max_pending_hashes",
+                     "node_capacity_factor", "max_node_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("flush_interval_s", "etcd_timeout_s", "health_interval_s",
@@ -112,9 +127,22 @@ class MetadataConfig:
                              "core/credentials.py): it never answers a caller without "
                              "credentials")
 
+        for name in ("node_allowlist", "max_nodes"):
+            if not set(getattr(self, name) or ()) <= {"prefill", "decode"}:
+                raise ValueError(f"{name} is keyed by the roles 'prefill' and 'decode', got "
+                                 f"{sorted(getattr(self, name))}")
+        if any(n < 0 for n in (self.max_nodes or {}).values()):
+            raise ValueError(f"max_nodes must be >= 0 per role, got {dict(self.max_nodes or {})}")
+
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def node_block_cap(self, capacity_blocks: int) -> int:
+        """The most blocks a node that declared `capacity_blocks` may hold in the index."""
+        if capacity_blocks <= 0:
+            return self.max_node_blocks
+        return min(self.max_node_blocks, capacity_blocks * self.node_capacity_factor)
 
     def clamp_ttl(self, requested_s: int) -> int:
         if requested_s <= 0:

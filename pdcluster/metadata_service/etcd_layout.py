@@ -3,16 +3,22 @@
 Keys, under the configured prefix P (every key of a node is attached to the node's lease, so
 a lease expiry deletes the node and all of its persisted blocks at once):
 
-    P/nodes/<node_id>                          msgpack {info: NodeInfo bytes, lease, ttl, w}
+    P/nodes/<node_id>                          msgpack {info: NodeInfo bytes, lease, ttl, proof,
+                                               w}; or a tombstone {gone: epoch, w} just
+                                               before a deregistration revokes the lease
     P/blocks/<node_id>/state                   msgpack {g: base generation, n: chunks, e, s, w}
     P/blocks/<node_id>/base/<gen>/<chunk>      packed hashes (<= CHUNK_HASHES per chunk)
     P/blocks/<node_id>/delta/<writer>/<n>      msgpack Delta (coalesced changes of one flush)
+    P/clients/<client_id>                      a router's pb.ClientKey, under its own lease
+
+A node record carries ``proof``, the hash of its registration's proof
+(metadata_service.identities), so every replica enforces it.
 
 A node's block set = the chunks of the generation ``state`` names, then every delta in etcd
 revision order. Compaction writes a new base generation, then in one transaction points
 ``state`` at it and deletes all deltas and older generations.
 
-API: ``Keys``, ``load_states``, ``NodeRecord``, ``OwnedNode``, ``services``.
+API: ``Keys``, ``load_states`` (a ``Loaded``), ``NodeRecord``, ``OwnedNode``, ``services``.
 """
 
 from __future__ import annotations
@@ -39,10 +45,14 @@ class Keys:
         self.root = f"{prefix}/".encode()
         self.nodes = f"{prefix}/nodes/".encode()
         self.blocks = f"{prefix}/blocks/".encode()
+        self.clients = f"{prefix}/clients/".encode()
         self.health = f"{prefix}/health".encode()
 
     def node(self, node_id: NodeId) -> bytes:
         return self.nodes + node_id.encode()
+
+    def client(self, client_id: str) -> bytes:
+        return self.clients + client_id.encode()
 
     def node_blocks(self, node_id: NodeId) -> bytes:
         return self.blocks + node_id.encode() + b"/"
@@ -64,9 +74,12 @@ class Keys:
         return self.delta_prefix(node_id) + f"{writer}/{counter:012d}".encode()
 
     def parse(self, key: bytes) -> tuple[str, NodeId, list[str]]:
-        """(kind, node_id, rest): kind is 'node', 'state', 'base', 'delta' or 'other'."""
+        """(kind, id, rest): kind is 'node', 'client' (id: the client's), 'state', 'base',
+        'delta' or 'other'."""
         if key.startswith(self.nodes):
             return "node", key[len(self.nodes):].decode(), []
+        if key.startswith(self.clients):
+            return "client", key[len(self.clients):].decode(), []
         if key.startswith(self.blocks):
             node_id, _, rest = key[len(self.blocks):].decode().partition("/")
             parts = rest.split("/")
@@ -83,12 +96,14 @@ class NodeRecord:
     lease_id: int
     lease_ttl_s: int
     raw: bytes
+    proof_hash: bytes = b""
 
     @classmethod
     def decode(cls, raw: bytes) -> tuple[NodeRecord, str]:
         fields = decode_record(raw)
         info = pb.NodeInfo.FromString(fields["info"])
-        return cls(info, fields["lease"], fields["ttl"], raw), fields["w"]
+        return (cls(info, fields["lease"], fields["ttl"], raw, fields.get("proof", b"")),
+                fields["w"])
 
 
 @dataclass(slots=True)
@@ -98,6 +113,7 @@ class OwnedNode:
     lease_id: int
     lease_ttl_s: int
     info: pb.NodeInfo | None = None
+    proof_hash: bytes = b""
     record_dirty: bool = False  # the registration is still to write
     pending: Delta = field(default_factory=Delta)
     dirty: bool = False
@@ -132,19 +148,31 @@ async def _range_all(
         start = reply.kvs[-1].key + b"\x00"
 
 
+@dataclass(slots=True)
+class Loaded:
+    """What etcd holds under the prefix at one revision."""
+
+    states: list[NodeState]  # every registered node with its exact persisted block set
+    records: dict[NodeId, NodeRecord]
+    clients: list[pb.ClientKey]  # routers' keys
+    revision: int
+
+
 async def load_states(
     client: etcd3aio.Etcd3Client, keys: Keys, hash_size: int, timeout_s: float
-) -> tuple[list[NodeState], dict[NodeId, NodeRecord], int]:
-    """Every registered node with its exact persisted block set, the records, the revision."""
+) -> Loaded:
     kvs, revision = await _range_all(client, keys.root, timeout_s)
     records: dict[NodeId, NodeRecord] = {}
+    clients: list[pb.ClientKey] = []
     state_of: dict[NodeId, dict] = {}
     chunks: dict[tuple[NodeId, int], dict[int, bytes]] = defaultdict(dict)
     deltas: dict[NodeId, list[tuple[int, bytes]]] = defaultdict(list)
     for kv in kvs:
         kind, node_id, rest = keys.parse(kv.key)
-        if kind == "node":
+        if kind == "node" and "gone" not in decode_record(kv.value):  # not a tombstone
             records[node_id] = NodeRecord.decode(kv.value)[0]
+        elif kind == "client":
+            clients.append(pb.ClientKey.FromString(decode_record(kv.value)["key"]))
         elif kind == "state":
             state_of[node_id] = decode_record(kv.value)
         elif kind == "base" and len(rest) == 2:
@@ -153,7 +181,8 @@ async def load_states(
             deltas[node_id].append((kv.mod_revision, kv.value))
     states = []
     for node_id, record in records.items():
-        state = NodeState(record.info, record.lease_ttl_s, epoch=record.info.epoch)
+        state = NodeState(record.info, record.lease_ttl_s, epoch=record.info.epoch,
+                          proof_hash=record.proof_hash)
         base = state_of.get(node_id)
         if base is not None:
             parts = chunks.get((node_id, base["g"]), {})
@@ -165,4 +194,4 @@ async def load_states(
             delta.apply_to(state.block_hashes)
             state.epoch, state.seq = delta.epoch, delta.seq
         states.append(state)
-    return states, records, revision
+    return Loaded(states, records, clients, revision)

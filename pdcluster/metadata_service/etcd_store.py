@@ -42,6 +42,7 @@ from pdcluster.core.types import BlockHash, NodeId
 from pdcluster.metadata_service.codec import Delta, encode_delta, encode_record, pack_hashes
 from pdcluster.metadata_service.config import MetadataConfig
 from pdcluster.metadata_service.etcd_access import EtcdAccessError, authenticate, make_client
+from pdcluster.metadata_service.etcd_clients import ClientLeases
 from pdcluster.metadata_service.etcd_layout import (
     CHUNK_HASHES,
     Keys,
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 
 
-class EtcdIndexStore(ReplicaWatch, IndexStore):
+class EtcdIndexStore(ReplicaWatch, ClientLeases, IndexStore):
     name = "etcd"
     persistence_policy = ("queue: changes are coalesced per node and written when etcd "
                           "returns (memory bounded by the nodes' block sets)")
@@ -83,7 +84,8 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
         self._sink: StoreSink | None = None
         self._owned: dict[NodeId, OwnedNode] = {}
         self._records: dict[NodeId, NodeRecord] = {}
-        self._revokes: set[int] = set()
+        self._clients = {}
+        self._revokes: dict[int, tuple[NodeId, int]] = {}  # lease -> (node, epoch) that left
         self._healthy = False
         self._status = "connecting"
         self._writes = 0
@@ -138,9 +140,10 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
 
     # -- IndexStore: recording changes (synchronous, never blocks) -------------------------
 
-    def node_up(self, info: pb.NodeInfo, lease_ttl_s: int, restarted: bool) -> None:
+    def node_up(self, info: pb.NodeInfo, lease_ttl_s: int, restarted: bool,
+                proof_hash: bytes = b"") -> None:
         owned = self._own(info.node_id, lease_ttl_s)
-        owned.info, owned.record_dirty = info, True
+        owned.info, owned.proof_hash, owned.record_dirty = info, proof_hash, True
         if restarted:
             owned.pending.clear()
             owned.pending.epoch, owned.pending.seq = info.epoch, 0
@@ -154,11 +157,15 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
             self._spawn(self._keepalive(owned.lease_id))
 
     def node_down(self, node_id: NodeId) -> None:
+        """Deregistered or released here: a tombstone naming the epoch that left tells the
+        other replicas so (a bare delete looks like a lease that expired while they stalled,
+        which the replica serving the node would write back), then the lease goes."""
         owned = self._owned.pop(node_id, None)
         record = self._records.pop(node_id, None)
         lease_id = owned.lease_id if owned else record.lease_id if record else 0
+        info = owned.info if owned and owned.info else record.info if record else None
         if lease_id:
-            self._revokes.add(lease_id)
+            self._revokes[lease_id] = (node_id, info.epoch if info is not None else 0)
 
     def blocks_stored(self, node_id: NodeId, block_hashes: Iterable[BlockHash]) -> None:
         owned = self._own(node_id)
@@ -185,7 +192,8 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
         if owned is None:
             record = self._records.get(node_id)
             if record is not None:
-                owned = OwnedNode(record.lease_id, record.lease_ttl_s, record.info)
+                owned = OwnedNode(record.lease_id, record.lease_ttl_s, record.info,
+                                  record.proof_hash)
             else:
                 owned = OwnedNode(0, lease_ttl_s or self._config.default_lease_ttl_s)
             self._owned[node_id] = owned
@@ -253,22 +261,30 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
         logger.info("etcd reachable again: reconciled %d nodes", len(states))
 
     async def _reload(self) -> list[NodeState]:
-        states, records, revision = await load_states(
+        loaded = await load_states(
             self._client, self._keys, self._config.hash_size, self._config.etcd_timeout_s * 10)
-        self._records = records
-        self._watch_task = asyncio.create_task(self._watch(revision + 1), name="etcd-watch")
+        self._records = loaded.records
+        assert self._sink is not None, "store not started"
+        for key in loaded.clients:
+            self._sink.remote_client_up(key)
+        self._watch_task = asyncio.create_task(self._watch(loaded.revision + 1),
+                                               name="etcd-watch")
         self._healthy, self._status = True, "ok"
-        return states
+        return loaded.states
 
     async def _flush(self, force: bool) -> None:
-        for lease_id in list(self._revokes):
+        timeout = self._config.etcd_timeout_s
+        for lease_id, (node_id, epoch) in list(self._revokes.items()):
             with contextlib.suppress(etcd3aio.EtcdError):  # already expired: nothing to revoke
-                await self._lease.revoke(lease_id, timeout=self._config.etcd_timeout_s)
-            self._revokes.discard(lease_id)
+                await self._kv.put(self._keys.node(node_id), encode_record(
+                    {"gone": epoch, "w": self._writer}), lease=lease_id, timeout=timeout)
+                await self._lease.revoke(lease_id, timeout=timeout)
+            del self._revokes[lease_id]
         now = time.monotonic()
         due = [(node_id, owned) for node_id, owned in self._owned.items()
                if (owned.dirty or owned.needs_full or owned.record_dirty or not owned.lease_id)
                and (force or now - owned.last_flush >= self._config.flush_interval_s)]
+        await self._flush_clients()
         results = await asyncio.gather(*(self._flush_node(n, o) for n, o in due),
                                        return_exceptions=True)
         for result in results:
@@ -286,7 +302,8 @@ class EtcdIndexStore(ReplicaWatch, IndexStore):
             try:
                 await self._put(self._keys.node(node_id), encode_record({
                     "info": owned.info.SerializeToString(), "lease": owned.lease_id,
-                    "ttl": owned.lease_ttl_s, "w": self._writer}), owned)
+                    "ttl": owned.lease_ttl_s, "proof": owned.proof_hash, "w": self._writer}),
+                    owned)
             except BaseException:
                 owned.record_dirty = True
                 raise

@@ -2,7 +2,8 @@
 
 Mixed into ``EtcdIndexStore`` (it uses the store's records, owned nodes, writer id and sink).
 A watch over the whole prefix, from the revision the store loaded at, turns node-record puts
-into ``remote_node_up``, deletes (deregistration or lease expiry) into ``remote_node_down``,
+into ``remote_node_up``, a deregistration's tombstone into ``remote_node_gone``, deletes
+(lease expiry, and the tombstone's own) into ``remote_node_down``,
 and other writers' deltas and bases into ``remote_delta``; a base's chunks precede its
 ``state`` key in revision order, so they are buffered until the ``state`` names them.
 
@@ -44,6 +45,7 @@ class ReplicaWatch:
     _owned: dict[NodeId, OwnedNode]
     _base_chunks: dict[tuple[NodeId, int], dict[int, bytes]]
     _mark_down: Callable[[BaseException], None]
+    _on_client_event: Callable[[str, int, bytes], None]
 
     async def _watch(self, start_revision: int) -> None:
         root = self._keys.root
@@ -60,18 +62,26 @@ class ReplicaWatch:
     def _on_event(self, event) -> None:
         assert self._sink is not None, "store not started"
         kind, node_id, rest = self._keys.parse(event.kv.key)
-        if kind == "node" and event.type == _PUT:
+        if kind == "node" and event.type == _PUT and "gone" in (fields := decode_record(
+                event.kv.value)):
+            self._records.pop(node_id, None)
+            self._owned.pop(node_id, None)
+            if fields["w"] != self._writer:
+                self._sink.remote_node_gone(node_id, fields["gone"])
+        elif kind == "node" and event.type == _PUT:
             record, writer = NodeRecord.decode(event.kv.value)
             self._records[node_id] = record
             owned = self._owned.get(node_id)
             if owned is not None and writer != self._writer:
                 owned.lease_id = record.lease_id  # another replica (re)granted it
             if writer != self._writer:
-                self._sink.remote_node_up(record.info, record.lease_ttl_s)
+                self._sink.remote_node_up(record.info, record.lease_ttl_s, record.proof_hash)
         elif kind == "node" and event.type == _DELETE:
             self._records.pop(node_id, None)
             self._owned.pop(node_id, None)
             self._sink.remote_node_down(node_id)
+        elif kind == "client":
+            self._on_client_event(node_id, event.type, event.kv.value)
         elif kind == "delta" and event.type == _PUT:
             delta, writer = decode_delta(event.kv.value, self._config.hash_size)
             if writer != self._writer:

@@ -89,7 +89,7 @@ class NodePublisher(_PublisherState):
         return False
 
     def deregister(self) -> None:
-        self.client.deregister(self.node_id)
+        self.client.deregister(self.node_id, self.proof)
 
 
 class AsyncNodePublisher(_PublisherState):
@@ -123,4 +123,4 @@ class AsyncNodePublisher(_PublisherState):
         return False
 
     async def deregister(self) -> None:
-        await self.client.deregister(self.node_id)
+        await self.client.deregister(self.node_id, self.proof)

@@ -11,9 +11,10 @@ UNAUTHENTICATED before any work, streams included. Authorization: any principal 
 (ListNodes, WatchNodes, WatchBlocks, Query, Stats, Ping, ListClients); Register, Heartbeat,
 Publish, Snapshot and Deregister for node X are allowed only to principal ``node/X``
 (PERMISSION_DENIED otherwise), checked in the servicer, which alone sees the request's node id;
-a Register that would take over X's live registration without its proof is PERMISSION_DENIED
-too (metadata_service.identities). RegisterClient (a router's key) is ``service``'s alone,
-ReleaseNode ``operator``'s.
+a Register that would change X's live registration, or a Deregister, without its proof is
+PERMISSION_DENIED too, as is one that would share a live node's key, address or session, or
+an id off the allowlist (metadata_service.identities). RegisterClient (a router's key) is
+``service``'s alone, ReleaseNode ``operator``'s.
 
 TLS (config ``tls_cert_file``/``tls_key_file``) and mTLS (``tls_client_ca_file``: a client
 without a certificate signed by that CA fails the handshake) protect the connection; the token
@@ -102,18 +103,14 @@ class _Servicer(pb_grpc.MetadataServiceServicer):
 
     async def Register(self, request, context):  # noqa: N802 (gRPC method names)
         await self._acting_as(context, request.node.node_id)
-        try:
-            ttl, seq, secret = await _checked(context, self.service.register_node,
-                                              request.node, request.lease_ttl_s, request.proof)
-        except RegistrationConflict as exc:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-            raise AssertionError("abort returned") from exc
+        ttl, seq, secret = await _checked(context, self.service.register_node,
+                                          request.node, request.lease_ttl_s, request.proof)
         return pb.RegisterReply(lease_ttl_s=ttl, last_seq=seq, registration_secret=secret)
 
     async def RegisterClient(self, request, context):  # noqa: N802
         await self._require(context, SERVICE, "register a router's key")
-        ttl = self.service.config.clamp_ttl(request.lease_ttl_s)
-        await _checked(context, self.service.clients.register, request.client, ttl)
+        ttl = await _checked(context, self.service.register_client, request.client,
+                             request.lease_ttl_s)
         return pb.RegisterClientReply(lease_ttl_s=ttl)
 
     async def ListClients(self, request, context):  # noqa: N802
@@ -130,7 +127,7 @@ class _Servicer(pb_grpc.MetadataServiceServicer):
 
     async def Deregister(self, request, context):  # noqa: N802
         await self._acting_as(context, request.node_id)
-        self.service.deregister(request.node_id)
+        await _checked(context, self.service.deregister, request.node_id, request.proof)
         return pb.Empty()
 
     async def ListNodes(self, request, context):  # noqa: N802
@@ -191,6 +188,9 @@ async def _checked(context: grpc.aio.ServicerContext, fn: Callable[..., T], *arg
         return fn(*args)
     except InvalidBatch as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.reason}: {exc}")
+        raise AssertionError("abort returned") from exc
+    except RegistrationConflict as exc:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         raise AssertionError("abort returned") from exc
 
 

@@ -29,11 +29,9 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
-from pdcluster.core.types import BlockHash, NodeId
-from pdcluster.metadata_service.codec import Delta
+from pdcluster.core.types import NodeId
 from pdcluster.metadata_service.config import MetadataConfig
 from pdcluster.metadata_service.errors import InvalidBatch
 from pdcluster.metadata_service.events import (
@@ -44,9 +42,19 @@ from pdcluster.metadata_service.events import (
     unpack_query,
     unpack_snapshot,
 )
-from pdcluster.metadata_service.identities import ClientKeys, Registrations
+from pdcluster.metadata_service.identities import (
+    ClientKeys,
+    check_allowed,
+    check_count,
+    check_proof,
+    check_unique,
+    identity_changed,
+    new_proof,
+    proof_hash,
+)
+from pdcluster.metadata_service.replica_sink import NodeEntry, ReplicaSink
 from pdcluster.metadata_service.stall import StallClock
-from pdcluster.metadata_service.store import IndexStore, NodeState
+from pdcluster.metadata_service.store import IndexStore
 from pdcluster.metadata_service.watch import NodeWatch, WatchedIndex
 from pdcluster.proto import metadata_pb2 as pb
 
@@ -56,16 +64,7 @@ PublishStatus = pb.PublishReply.Status
 T = TypeVar("T")
 
 
-@dataclass(slots=True)
-class _Node:
-    info: pb.NodeInfo
-    lease_ttl_s: int
-    epoch: int
-    seq: int = 0
-    deadline: float | None = None  # memory backend: when the lease expires
-
-
-class MetadataService:
+class MetadataService(ReplicaSink):
     def __init__(
         self,
         config: MetadataConfig,
@@ -77,12 +76,11 @@ class MetadataService:
         self.index = WatchedIndex(config.hash_size, config.watch_max_pending_hashes)
         self.node_watch = NodeWatch()
         self._clock = clock
-        self._nodes: dict[NodeId, _Node] = {}
+        self._nodes: dict[NodeId, NodeEntry] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._stall = StallClock(config.sweep_interval_s, clock, self.forgive_stall)
         self.counters: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
-        self.registrations = Registrations()
         self.clients = ClientKeys(clock=clock)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -112,35 +110,63 @@ class MetadataService:
     def register_node(self, info: pb.NodeInfo, lease_ttl_s: int, proof: bytes = b""
                       ) -> tuple[int, int, bytes]:
         """`register`, guarded (metadata_service.identities): a live registration of the id
-        is taken over only with its `proof`. Returns (TTL, last seq, registration secret or
-        b"" for an unchanged refresh); raises `RegistrationConflict`."""
+        changes only with its `proof`, and no two live nodes share a key, address or
+        session. Returns (TTL, last seq, registration secret or b"" for an unchanged
+        refresh); raises `RegistrationConflict`. A changed registration is a new incarnation:
+        the index drops the node's blocks (watchers see it removed), as for a restart."""
         self._checked(info.node_id, check_node_info, info)
+        check_allowed(info, self.config.node_allowlist)
         ttl = self.config.clamp_ttl(lease_ttl_s)
         node = self._nodes.get(info.node_id)
-        secret = self.registrations.admit(None if node is None else node.info, info, proof)
-        restarted = node is not None and node.epoch != info.epoch
+        live = None if node is None else node.info
+        changed = live is not None and identity_changed(live, info)
+        if changed:
+            assert node is not None, "a changed registration has a live node"
+            check_proof(live, node.proof_hash, proof, "changing its epoch, key or address")
+        check_unique(info, (n.info for n in self._nodes.values()), self.clients.public_keys())
         if node is None:
-            node = self._nodes[info.node_id] = _Node(pb.NodeInfo(), ttl, info.epoch)
+            check_count(info, (n.info for n in self._nodes.values()), self.config.max_nodes)
+        secret = new_proof(live, info)
+        if node is None:
+            node = self._nodes[info.node_id] = NodeEntry(pb.NodeInfo(), ttl, info.epoch)
             self.index.add_node(info.node_id)
-        elif restarted:
-            logger.info("node %s restarted (new epoch): dropping its blocks", info.node_id)
-            self.index.clear_node(info.node_id)
-            node.epoch, node.seq = info.epoch, 0
+        elif changed:
+            logger.info("node %s registered anew (epoch, key or address changed): dropping "
+                        "its blocks", info.node_id)
+            self._new_incarnation(node, info.epoch)
+        if secret is not None:
+            node.proof_hash = proof_hash(secret)
         node.info.CopyFrom(info)
         node.lease_ttl_s = ttl
         self._touch(node)
-        self.store.node_up(node.info, ttl, restarted)
+        self.store.node_up(node.info, ttl, changed, node.proof_hash)
         self.node_watch.notify(pb.NodeChange.UP, node.info)
-        return ttl, node.seq, secret
+        return ttl, node.seq, secret or b""
+
+    def _new_incarnation(self, node: NodeEntry, epoch: int) -> None:
+        """Forget everything the index and its watchers hold for the node's previous
+        incarnation: a router drops its attestations and its link on the removal."""
+        node_id = node.info.node_id
+        self.node_watch.notify(pb.NodeChange.DOWN, node.info)
+        self.index.remove_node(node_id)
+        self.index.add_node(node_id)
+        node.epoch, node.seq = epoch, 0
 
     def release_node(self, node_id: NodeId) -> bool:
         """An operator's action: forget the id's registration (and its blocks), so that a
         new key may register it at once. False if it was not registered."""
-        self.registrations.forget(node_id)
         released = self._drop(node_id)
         if released:
             self.store.node_down(node_id)
         return released
+
+    def register_client(self, key: pb.ClientKey, lease_ttl_s: int) -> int:
+        """A router's key, under a lease (shared with every replica through the store);
+        returns the TTL granted. A live node's key is refused (RegistrationConflict)."""
+        ttl = self.config.clamp_ttl(lease_ttl_s)
+        self.clients.register(key, ttl, (n.info.curve_public_key for n in self._nodes.values()))
+        self.store.client_up(key, ttl)
+        return ttl
 
     def heartbeat(self, node_id: NodeId, epoch: int) -> bool:
         node = self._nodes.get(node_id)
@@ -150,7 +176,12 @@ class MetadataService:
         self.store.node_alive(node_id)
         return True
 
-    def deregister(self, node_id: NodeId) -> None:
+    def deregister(self, node_id: NodeId, proof: bytes = b"") -> None:
+        """Drop the node's registration: only the holder of its proof may (RegistrationConflict
+        otherwise; an operator's `release_node` needs none)."""
+        node = self._nodes.get(node_id)
+        if node is not None:
+            check_proof(node.info, node.proof_hash, proof, "deregistering it")
         if self._drop(node_id):
             self.store.node_down(node_id)
 
@@ -173,6 +204,7 @@ class MetadataService:
             return PublishStatus.RESYNC_NEEDED, node.seq
         if seq <= node.seq:
             return PublishStatus.DUPLICATE, node.seq
+        self._checked(node_id, self._check_capacity, node, ops)
         self._apply(node_id, ops)
         node.seq = seq
         self.store.position(node_id, epoch, seq)
@@ -190,6 +222,13 @@ class MetadataService:
             self._reject(node_id, InvalidBatch(
                 "unknown_node", f"snapshot from {node_id} epoch {epoch}: not registered with "
                 "that epoch; register first"))
+        cap = self.config.node_block_cap(node.info.capacity_blocks)
+        if len(block_hashes) > cap:
+            self._reject(node_id, InvalidBatch(
+                "over_capacity", f"snapshot of {len(block_hashes)} blocks from {node_id}: "
+                f"more than the {cap} it may hold (its declared capacity_blocks "
+                f"{node.info.capacity_blocks} x {self.config.node_capacity_factor}, at most "
+                f"max_node_blocks {self.config.max_node_blocks})"))
         self.index.replace_node_blocks(node_id, block_hashes, lower)
         node.seq = seq
         self.store.blocks_cleared(node_id)
@@ -197,6 +236,25 @@ class MetadataService:
         self.store.position(node_id, epoch, seq)
         self.counters["snapshots_applied"] += 1
         return seq
+
+    def _check_capacity(self, node: NodeEntry, changes: list[Change]) -> None:
+        """Refuse a batch that would leave the node holding more blocks than it may (its
+        removals in the batch are not counted: a node at its cap frees before it stores)."""
+        node_id = node.info.node_id
+        cap = self.config.node_block_cap(node.info.capacity_blocks)
+        cleared = max((i for i, c in enumerate(changes) if c.op is Op.CLEARED), default=-1)
+        held = 0 if cleared >= 0 else self.index.num_node_blocks(node_id)
+        stores = [c for c in changes[cleared + 1:] if c.op is Op.STORED or c.op is Op.MOVED]
+        if held + sum(len(c.block_hashes) for c in stores) <= cap:
+            return
+        holds = self.index.holds if cleared < 0 else (lambda _n, _h: False)
+        new = {h for c in stores for h in c.block_hashes if not holds(node_id, h)}
+        if held + len(new) > cap:
+            raise InvalidBatch("over_capacity", f"node {node_id} would hold {held + len(new)} "
+                               f"blocks, more than the {cap} it may (declared capacity_blocks "
+                               f"{node.info.capacity_blocks} x "
+                               f"{self.config.node_capacity_factor}, at most max_node_blocks "
+                               f"{self.config.max_node_blocks})")
 
     def _apply(self, node_id: NodeId, changes: list[Change]) -> None:
         """Apply to the index; the store keeps membership only (which blocks a node holds on
@@ -288,81 +346,11 @@ class MetadataService:
             block_watchers_cut=self.index.num_cut,
         )
 
-    # -- StoreSink: changes made elsewhere -------------------------------------------------
-
-    def remote_node_up(self, info: pb.NodeInfo, lease_ttl_s: int) -> None:
-        node = self._nodes.get(info.node_id)
-        if node is not None and node.epoch == info.epoch:
-            node.info.CopyFrom(info)
-            return
-        if node is None:
-            self.index.add_node(info.node_id)
-            node = self._nodes[info.node_id] = _Node(pb.NodeInfo(), lease_ttl_s, info.epoch)
-        else:
-            self.index.clear_node(info.node_id)
-            node.epoch, node.seq = info.epoch, 0
-        node.info.CopyFrom(info)
-        self.node_watch.notify(pb.NodeChange.UP, node.info)
-
-    def remote_node_down(self, node_id: NodeId) -> None:
-        self._stall.tick()  # an etcd delete may come before the sweeper's overdue tick
-        node = self._nodes.get(node_id)
-        if node is not None and self._is_served_here(node_id, margin_s=node.lease_ttl_s / 4):
-            # etcd let the lease of a node this replica keeps alive expire: this process
-            # stood still past the TTL (the node's own lease was renewed well within it)
-            logger.warning("node %s: its etcd lease expired while the service stalled; "
-                           "writing it back", node_id)
-            self.store.node_up(node.info, node.lease_ttl_s, False)
-            return
-        self._drop(node_id)
-
-    def remote_delta(self, node_id: NodeId, delta: Delta) -> None:
-        node = self._nodes.get(node_id)
-        if node is None or (delta.epoch == node.epoch and delta.seq < node.seq):
-            return
-        if delta.cleared:
-            self.index.clear_node(node_id)
-        self.index.remove_blocks(node_id, delta.removed)
-        self.index.add_blocks(node_id, delta.added)
-        node.epoch, node.seq = delta.epoch, delta.seq
-
-    def remote_reload(self, states: list[NodeState]) -> None:
-        """etcd's view after an outage: take it for every node, except those this replica
-        serves right now (their lease is kept alive here), whose in-memory state is newer."""
-        loaded = {state.info.node_id for state in states}
-        for node_id in [n for n in self._nodes if n not in loaded]:
-            if not self._is_served_here(node_id):
-                self._drop(node_id)
-        for state in states:
-            if not self._is_served_here(state.info.node_id):
-                self._install(state)
-
-    def node_snapshot(self, node_id: NodeId) -> tuple[int, int, set[BlockHash]] | None:
-        node = self._nodes.get(node_id)
-        if node is None:
-            return None
-        return node.epoch, node.seq, set(self.index.node_blocks(node_id))
-
-    # -- internals -------------------------------------------------------------------------
-
-    def _is_served_here(self, node_id: NodeId, margin_s: float = 0.0) -> bool:
-        node = self._nodes.get(node_id)
-        return (node is not None and node.deadline is not None
-                and node.deadline > self._clock() + margin_s)
-
-    def _install(self, state: NodeState) -> None:
-        node_id = state.info.node_id
-        self.remote_node_up(state.info, state.lease_ttl_s)
-        node = self._nodes[node_id]
-        self.index.replace_node_blocks(node_id, state.block_hashes)
-        node.epoch, node.seq = state.epoch, state.seq
-
-    def _touch(self, node: _Node) -> None:
+    def _touch(self, node: NodeEntry) -> None:
         node.deadline = self._clock() + node.lease_ttl_s
 
     def _drop(self, node_id: NodeId) -> bool:
-        node = self._nodes.pop(node_id, None)
-        self.registrations.forget(node_id)  # the id is free: the next key takes it
+        node = self._nodes.pop(node_id, None)  # the id is free: the next key takes it
         if node is None:
             return False
         self.index.remove_node(node_id)

@@ -30,12 +30,26 @@ class NodeState:
     epoch: int = 0
     seq: int = 0
     block_hashes: set[BlockHash] = field(default_factory=set)
+    proof_hash: bytes = b""  # of its registration's proof (metadata_service.identities)
 
 
 class StoreSink(Protocol):
     """What a store may tell the service (all calls on the service's event loop)."""
 
-    def remote_node_up(self, info: pb.NodeInfo, lease_ttl_s: int) -> None: ...
+    def remote_node_up(self, info: pb.NodeInfo, lease_ttl_s: int, proof_hash: bytes = b""
+                       ) -> None: ...
+
+    def remote_node_gone(self, node_id: NodeId, epoch: int) -> None:
+        """The node's incarnation `epoch` deregistered (or was released) on another replica."""
+        ...
+
+    def remote_client_up(self, key: pb.ClientKey) -> None:
+        """A router's key registered (or renewed) on another replica."""
+        ...
+
+    def remote_client_down(self, client_id: str) -> None:
+        """A router's key left (its lease in etcd ended)."""
+        ...
 
     def remote_node_down(self, node_id: NodeId) -> None: ...
 
@@ -79,8 +93,13 @@ class IndexStore:
     def num_writes(self) -> int:
         return 0
 
-    def node_up(self, info: pb.NodeInfo, lease_ttl_s: int, restarted: bool) -> None:
-        """A node registered here (``restarted``: with a new epoch, its blocks were dropped)."""
+    def node_up(self, info: pb.NodeInfo, lease_ttl_s: int, restarted: bool,
+                proof_hash: bytes = b"") -> None:
+        """A node registered here (``restarted``: a new incarnation, its blocks were dropped),
+        with the hash of its registration's proof, which every replica must enforce."""
+
+    def client_up(self, key: pb.ClientKey, lease_ttl_s: int) -> None:
+        """A router registered (or renewed) its key here, for ``lease_ttl_s``."""
 
     def node_alive(self, node_id: NodeId) -> None:
         """A node's heartbeat arrived here: keep its lease alive."""

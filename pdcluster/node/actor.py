@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
-from pdcluster.core.credentials import ClusterSecret, node_principal
 from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.config import EngineConfig
 from pdcluster.node.config import NodeConfig
@@ -26,11 +25,8 @@ class NodeActor:
         # The launcher hands each node its own bootstrap credential (the token of principal
         # node/<node_id>, good for registering that id only) as a constructor option: Ray
         # keeps constructor arguments out of logs and the dashboard, unlike a runtime_env.
-        # Without one, it is derived from the worker's own $PDCLUSTER_CLUSTER_SECRET[_FILE].
-        if options.get("bootstrap_token") is None:
-            secret = ClusterSecret.from_env()
-            if secret is not None:
-                options["bootstrap_token"] = secret.metadata_token(node_principal(node_id))
+        # Only the launcher issues them: a worker holds no secret to derive one from (the
+        # chart mounts the cluster secret on the Ray head alone), so none is looked for.
         if options.get("host") == "auto":  # this pod's address on a cluster, loopback here
             options["host"] = os.environ.get(POD_IP_ENV) or "127.0.0.1"
         engine = EngineConfig.from_options(model, options.pop("engine_options", None) or {})

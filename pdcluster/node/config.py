@@ -4,7 +4,7 @@ validated here."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdcluster.core.roles import NODE_ROLES, role_names
 from pdcluster.core.tls import ClientTLS
@@ -22,6 +22,9 @@ class NodeConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0  # request endpoint; 0 picks a free port
+    # with a port: bind the first free one of [port, port + port_span) (a fixed range that a
+    # NetworkPolicy can admit the router to, several nodes of one pod taking one each)
+    port_span: int = 1
     # Prometheus metrics at http://host:metrics_port/metrics (node/metrics.py); 0 picks a
     # free port, None serves none
     metrics_port: int | None = None
@@ -36,7 +39,7 @@ class NodeConfig:
     # (ClusterSecret.metadata_token), good for registering this id and nothing else. With it,
     # the node makes its own CURVE key pair, registers the public half and admits only the
     # routers and nodes the metadata service names (core.identity).
-    bootstrap_token: str | None = None
+    bootstrap_token: str | None = field(default=None, repr=False)
     lease_ttl_s: int = 10
     publish_interval_s: float = 0.05
     kv_protocol: str = "tcp"  # "rdma" on a GPU cluster
@@ -52,8 +55,8 @@ class NodeConfig:
             raise ValueError(f"role must be one of {role_names(NODE_ROLES)}, got {self.role!r}")
         if not _NODE_ID.match(self.node_id):
             raise ValueError(f"node id {self.node_id!r} must match {_NODE_ID.pattern}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port {self.port} out of range")
+        if not 0 <= self.port < 65536 or not 1 <= self.port_span <= 65536 - max(1, self.port):
+            raise ValueError(f"ports [{self.port}, {self.port} + {self.port_span}) out of range")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics port {self.metrics_port} out of range")
         if self.lease_ttl_s < 1:

@@ -71,7 +71,7 @@ class NodeRuntime:
                                                                     self.directory)
         self.server = NodeServer(self.engine, config.node_id, config.role, config.host,
                                  config.port, on_step=self._on_step, curve=self.keys,
-                                 directory=self.directory)
+                                 directory=self.directory, port_span=config.port_span)
         if self.directory is not None:  # itself, before the metadata service says so
             self.directory.grant(Peer(node_principal(config.node_id), self.keys.public,
                                       self.server.address, self.kv_address, self.kv_session))

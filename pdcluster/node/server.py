@@ -89,10 +89,26 @@ class ServerStats:
     num_forbidden: int = 0  # messages refused for their sender's principal
 
 
+def _bind(sock: zmq.Socket[bytes], host: str, port: int, span: int) -> int:
+    """Bind the first free port of [port, port + span) (a fixed range a NetworkPolicy can
+    admit the router to: several nodes of one pod take one each); port 0: any free port."""
+    if not port:
+        return sock.bind_to_random_port(f"tcp://{host}")
+    for candidate in range(port, port + span):
+        try:
+            sock.bind(f"tcp://{host}:{candidate}")
+            return candidate
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or candidate == port + span - 1:
+                raise
+    raise AssertionError("a span of at least one port was tried")
+
+
 class NodeServer:
     def __init__(self, engine: NodeEngine, node_id: str, role: str, host: str = "127.0.0.1",
                  port: int = 0, on_step: Callable[[NodeEngine], None] | None = None, *,
-                 curve: CurveKeys | None, directory: Directory | None = None) -> None:
+                 curve: CurveKeys | None, directory: Directory | None = None,
+                 port_span: int = 1) -> None:
         self.engine = engine
         self.node_id, self.role = node_id, role
         self.on_step = on_step
@@ -105,10 +121,7 @@ class NodeServer:
         self._curve = curve
         if curve is not None:
             secure_server(self._socket, curve, directory)
-        if port:
-            self._socket.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._socket.bind_to_random_port(f"tcp://{host}")
+        port = _bind(self._socket, host, port, port_span)
         self.address = f"tcp://{host}:{port}"
         self._owners: dict[str, bytes] = {}  # request id -> client identity
         self._submitters: dict[str, str] = {}  # request id -> the principal that submitted it

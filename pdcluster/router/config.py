@@ -59,10 +59,10 @@ class RouterConfig:
     # The router's client credential: its metadata-service token (principal SERVICE: read the
     # index, register this router's key; never act as a node). The router makes its own CURVE
     # key pair and registers it, so that nodes admit it. It holds no cluster secret.
-    metadata_token: str | None = None
+    metadata_token: str | None = field(default=None, repr=False)
     # "tenant:key" or "key" entries (router.tenants): a tenant's requests share a KV
     # cache with nobody else's
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     # /metrics and the detailed /health without a key, on their own listener (keep it off
     # the Ingress); None: the public port serves them behind the API key
     admin_port: int | None = None

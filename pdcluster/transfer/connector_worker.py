@@ -47,7 +47,14 @@ from pdcluster.transfer.errors import error_text
 from pdcluster.transfer.peer_rules import PeerRules
 from pdcluster.transfer.pull_worker import Outbox, PullWorker
 from pdcluster.transfer.transport import Transport
-from pdcluster.transfer.worker_state import Recv, Send, WorkerState, WorkerStats
+from pdcluster.transfer.worker_state import (
+    OVER_BUDGET,
+    Recv,
+    Send,
+    SendTable,
+    WorkerState,
+    WorkerStats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +70,7 @@ class ConnectorWorker(KVConnectorWorker):
         self.transport, self.timeout_s = transport, timeout_s
         self.stats: WorkerStats = self._state.stats
         self._lock = self._state.lock
-        self._sends: dict[TransferId, Send] = {}
+        self._sends = SendTable(self._state.budget)
         self._pool = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
         self._pulls = PullWorker(self._state, self._pool, self._write, self._flush)
         # Called (side-channel thread) when a peer's pull waits for the engine to look it up:
@@ -220,7 +227,7 @@ class ConnectorWorker(KVConnectorWorker):
         if tid in self._state.finished:  # cancelled before prefill finished
             self._state.results.released.append(job.request_id)
             return
-        entry = self._sends.setdefault(tid, Send())
+        entry = self._sends.for_job(tid)
         entry.job, entry.deadline = job, self._state.deadline()
         self._maybe_start(tid, entry)
 
@@ -228,10 +235,11 @@ class ConnectorWorker(KVConnectorWorker):
         outbox: list[tuple[str, SideChannelMessage]] = []
         with self._lock:
             reason = self._state.finished.get(msg.transfer_id)
-            if reason is not None:
-                outbox.append((msg.reply_addr, XferDone(msg.transfer_id, False, error=reason)))
+            entry = None if reason is not None else self._sends.for_request(msg)
+            if entry is None:
+                outbox.append((msg.reply_addr, XferDone(msg.transfer_id, False,
+                                                        error=reason or OVER_BUDGET)))
             else:
-                entry = self._sends.setdefault(msg.transfer_id, Send())
                 if entry.request is None:  # a duplicate request is harmless
                     entry.request = msg
                     entry.deadline = entry.deadline or self._state.deadline()
@@ -253,7 +261,7 @@ class ConnectorWorker(KVConnectorWorker):
             logger.warning("KV send %s for %s failed: %s", tid, job.request_id, exc)
             done = XferDone(tid, False, error=error_text(exc))
         with self._lock:
-            self._sends.pop(tid, None)
+            self._sends.pop(tid)
             self._state.remember(tid, "transfer already finished")
             self._state.results.released.append(job.request_id)
             if done.ok:
@@ -336,7 +344,7 @@ class ConnectorWorker(KVConnectorWorker):
         entry = self._sends.get(tid)
         if entry is not None and entry.started:
             return  # the write is under way: it releases the blocks when done
-        self._sends.pop(tid, None)
+        self._sends.pop(tid)
         self._state.remember(tid, "transfer aborted")
         if entry is not None:
             self._release_unsent(tid, entry, "transfer aborted", outbox)
@@ -348,9 +356,7 @@ class ConnectorWorker(KVConnectorWorker):
             self.stats.timeouts += 1
             self._finish_recv(recv, False, error=f"no KV within {self.timeout_s:g} s")
             outbox.append((recv.source_addr, XferAbort(tid)))
-        for tid, entry in [(t, e) for t, e in self._sends.items()
-                           if not e.started and e.deadline <= now]:
-            del self._sends[tid]
+        for tid, entry in self._sends.expired(now):
             self.stats.timeouts += 1
             self._state.remember(tid, "transfer expired on the prefill node")
             self._release_unsent(tid, entry, "transfer expired on the prefill node", outbox)

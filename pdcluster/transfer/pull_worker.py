@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pdcluster.core.kv_connector import PrefixTokens, PullJob, PullLookup, PullResult, ServeJob
 from pdcluster.core.kv_transfer import PrefixPullRequest, SideChannelMessage, TransferId, XferDone
 from pdcluster.transfer.errors import error_text
-from pdcluster.transfer.worker_state import Recv, ServeTable, WorkerState
+from pdcluster.transfer.worker_state import OVER_BUDGET, Recv, ServeTable, WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class PullWorker:
         self._pool = pool
         self._write = write
         self._flush = flush
-        self._serves = ServeTable()
+        self._serves = ServeTable(state.budget)
 
     def requester(self, transfer_id: TransferId) -> str | None:
         """The reply address of the peer pulling `transfer_id` from here (lock held)."""
@@ -97,9 +97,11 @@ class PullWorker:
         outbox: Outbox = []
         with state.lock:
             reason = state.finished.get(msg.transfer_id)
-            if reason is not None:
-                outbox.append((msg.reply_addr, XferDone(msg.transfer_id, False, error=reason)))
-            elif self._serves.add(msg, state.deadline()):
+            added = None if reason is not None else self._serves.add(msg, state.deadline())
+            if reason is not None or added is None:
+                outbox.append((msg.reply_addr, XferDone(msg.transfer_id, False,
+                                                        error=reason or OVER_BUDGET)))
+            elif added:
                 prefix = PrefixTokens(msg.token_ids, msg.block_size, msg.first_block,
                                       msg.cache_salt, msg.lora_id)
                 state.results.lookups.append(PullLookup(msg.transfer_id, prefix))

@@ -1,6 +1,14 @@
 """The connector worker's bookkeeping (plain data, no behaviour beyond lookups): its
 statistics, the state of each transfer it takes part in, keyed by transfer id, and
-`WorkerState`, what the worker's two parts (`ConnectorWorker` and its `PullWorker`) share."""
+`WorkerState`, what the worker's two parts (`ConnectorWorker` and its `PullWorker`) share.
+
+Bounds (`PeerBudget`): what a peer's message makes this node hold — a transfer request that
+came before its prefill finished, a pull waiting for the engine's lookup or its write — is
+held at most `timeout_s`, and counted per peer (its reply address, which the side channel's
+rules check is the sender's registered KV address) and in all, by entries and by weight (the
+addresses and token ids it carries). A request past a cap is answered at once as failed (the
+requester computes instead), so no peer can make a node hold more than its share, and all
+peers together no more than the total."""
 
 from __future__ import annotations
 
@@ -10,7 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdcluster.core.kv_connector import ConnectorResults, KVRegion, SendJob
-from pdcluster.core.kv_transfer import PrefixPullRequest, TransferId, XferRequest
+from pdcluster.core.kv_transfer import (
+    MAX_PULL_TOKENS,
+    MAX_TRANSFER_BLOCKS,
+    PrefixPullRequest,
+    TransferId,
+    XferRequest,
+)
 from pdcluster.core.types import ReqId
 from pdcluster.transfer.transport import Transport
 
@@ -54,6 +68,57 @@ class WorkerStats:
     recent_write_s: deque = field(default_factory=lambda: deque(maxlen=1024))
 
 
+# One largest message's worth per peer (a pull of MAX_PULL_TOKENS tokens into the most blocks
+# a transfer names: ~36 MB of Python ints at most), four in all; entries by count likewise.
+MAX_PEER_WEIGHT = MAX_PULL_TOKENS + MAX_TRANSFER_BLOCKS
+MAX_TOTAL_WEIGHT = 4 * MAX_PEER_WEIGHT
+MAX_PEER_ENTRIES = 256
+MAX_TOTAL_ENTRIES = 1024
+OVER_BUDGET = "the node holds too many pending requests from this peer (or in all): retry later"
+
+
+def weight_of(msg: XferRequest | PrefixPullRequest) -> int:
+    """What holding `msg` costs, in list items (addresses, segment offsets, token ids)."""
+    tokens = len(msg.token_ids) if isinstance(msg, PrefixPullRequest) else 0
+    return 1 + len(msg.dest_block_addrs) + len(msg.dest_segment_offsets) + tokens
+
+
+class PeerBudget:
+    """Entries and weight held for each peer and in all, within caps. Not thread-safe: the
+    worker holds its lock."""
+
+    def __init__(self, max_peer_entries: int = MAX_PEER_ENTRIES,
+                 max_entries: int = MAX_TOTAL_ENTRIES, max_peer_weight: int = MAX_PEER_WEIGHT,
+                 max_weight: int = MAX_TOTAL_WEIGHT) -> None:
+        self._caps = (max_peer_entries, max_entries, max_peer_weight, max_weight)
+        self._held: dict[str, list[int]] = {}  # peer -> [entries, weight]
+        self.num_entries = self.weight = 0
+        self.num_refused = 0
+
+    def admit(self, peer: str, weight: int) -> bool:
+        per_entries, entries, per_weight, total = self._caps
+        held = self._held.get(peer, [0, 0])
+        if (held[0] + 1 > per_entries or self.num_entries + 1 > entries
+                or held[1] + weight > per_weight or self.weight + weight > total):
+            self.num_refused += 1
+            return False
+        held[0] += 1
+        held[1] += weight
+        self._held[peer] = held
+        self.num_entries += 1
+        self.weight += weight
+        return True
+
+    def release(self, peer: str, weight: int) -> None:
+        held = self._held[peer]
+        held[0] -= 1
+        held[1] -= weight
+        if not held[0]:
+            del self._held[peer]
+        self.num_entries -= 1
+        self.weight -= weight
+
+
 @dataclass(slots=True)
 class Recv:
     """A receive in flight: prefill -> decode KV, or a prefix pull (`is_pull`)."""
@@ -73,6 +138,49 @@ class Send:
     request: XferRequest | None = None
     deadline: float = 0.0
     started: bool = False
+    weight: int = 0  # of `request`, while the peer's budget holds it
+
+
+class SendTable:
+    """The prefill side's sends by transfer id; a request that comes before its job is held
+    within the requester's budget. Not thread-safe: the worker holds its lock."""
+
+    def __init__(self, budget: PeerBudget) -> None:
+        self._budget = budget
+        self._sends: dict[TransferId, Send] = {}
+
+    def __len__(self) -> int:
+        return len(self._sends)
+
+    def get(self, tid: TransferId) -> Send | None:
+        return self._sends.get(tid)
+
+    def for_job(self, tid: TransferId) -> Send:
+        return self._sends.setdefault(tid, Send())
+
+    def for_request(self, msg: XferRequest) -> Send | None:
+        """The entry `msg` belongs to (created for it, within the requester's budget, when its
+        job has not come yet); None: refused, over budget."""
+        entry = self._sends.get(msg.transfer_id)
+        if entry is not None:
+            return entry
+        weight = weight_of(msg)
+        if not self._budget.admit(msg.reply_addr, weight):
+            return None
+        entry = self._sends[msg.transfer_id] = Send(weight=weight)
+        return entry
+
+    def pop(self, tid: TransferId) -> Send | None:
+        entry = self._sends.pop(tid, None)
+        if entry is not None and entry.weight:
+            assert entry.request is not None, "a weighed entry holds its request"
+            self._budget.release(entry.request.reply_addr, entry.weight)
+        return entry
+
+    def expired(self, now: float) -> list[tuple[TransferId, Send]]:
+        """The sends whose deadline passed before they started, removed."""
+        due = [t for t, e in self._sends.items() if not e.started and e.deadline <= now]
+        return [(t, e) for t in due if (e := self.pop(t)) is not None]
 
 
 @dataclass(slots=True)
@@ -87,7 +195,8 @@ class Serve:
 class ServeTable:
     """The holder's pulls by transfer id. Not thread-safe: the worker holds its lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: PeerBudget) -> None:
+        self._budget = budget
         self._serves: dict[TransferId, Serve] = {}
 
     def __contains__(self, transfer_id: TransferId) -> bool:
@@ -98,12 +207,21 @@ class ServeTable:
         """Pulls the engine has not resolved yet."""
         return sum(1 for s in self._serves.values() if not s.started)
 
-    def add(self, msg: PrefixPullRequest, deadline: float) -> bool:
-        """False for a duplicate request (harmless, ignored)."""
+    def add(self, msg: PrefixPullRequest, deadline: float) -> bool | None:
+        """False for a duplicate request (harmless, ignored); None: refused, over the
+        requester's budget (answer it as failed)."""
         if msg.transfer_id in self._serves:
             return False
+        if not self._budget.admit(msg.reply_addr, weight_of(msg)):
+            return None
         self._serves[msg.transfer_id] = Serve(msg, deadline)
         return True
+
+    def _pop(self, transfer_id: TransferId) -> Serve | None:
+        serve = self._serves.pop(transfer_id, None)
+        if serve is not None:
+            self._budget.release(serve.request.reply_addr, weight_of(serve.request))
+        return serve
 
     def start(self, transfer_id: TransferId) -> PrefixPullRequest | None:
         """The engine's blocks are here: the pull's request, or None if it expired or was
@@ -115,7 +233,7 @@ class ServeTable:
         return serve.request
 
     def finish(self, transfer_id: TransferId) -> None:
-        self._serves.pop(transfer_id, None)
+        self._pop(transfer_id)
 
     def requester(self, transfer_id: TransferId) -> str | None:
         """The reply address of the peer whose pull this is, or None."""
@@ -128,12 +246,12 @@ class ServeTable:
         serve = self._serves.get(transfer_id)
         if serve is None or serve.started:
             return None
-        del self._serves[transfer_id]
+        self._pop(transfer_id)
         return serve.request
 
     def expire(self, now: float) -> list[PrefixPullRequest]:
         expired = [t for t, s in self._serves.items() if not s.started and s.deadline <= now]
-        return [self._serves.pop(t).request for t in expired]
+        return [serve.request for t in expired if (serve := self._pop(t)) is not None]
 
 
 class WorkerState:
@@ -156,6 +274,7 @@ class WorkerState:
         # receives given up before they started (their source reported lost), with why
         self.given_up: OrderedDict[TransferId, str] = OrderedDict()
         self.region: KVRegion | None = None
+        self.budget = PeerBudget()  # what peers' pending requests may make this node hold
 
     def deadline(self) -> float:
         return self.clock() + self.timeout_s

@@ -135,7 +135,8 @@ def test_configs_refuse_to_run_without_credentials() -> None:
 def test_a_node_actor_gets_its_own_bootstrap_credential_only(no_secret_env,
                                                              monkeypatch) -> None:
     """The launcher hands each node actor the token of its own principal, never the secret;
-    without one, the actor derives its own from the worker's secret (if any)."""
+    without one, the actor refuses to start, even with the secret in its worker's environment
+    (only the launcher issues node tokens)."""
     seen = []
     monkeypatch.setattr("pdcluster.node.actor.NodeRuntime",
                         lambda config, shared_keys=None: seen.append(config) or _Started())
@@ -144,13 +145,14 @@ def test_a_node_actor_gets_its_own_bootstrap_credential_only(no_secret_env,
         role = "prefill"
 
     Prefill("p0", "m", metadata_address="meta:1", bootstrap_token=node_token("p0"))
-    monkeypatch.setenv(SECRET_ENV, TEST_SECRET.to_text())
-    Prefill("p1", "m", metadata_address="meta:1")
-    assert [c.bootstrap_token for c in seen] == [node_token("p0"), node_token("p1")]
+    assert [c.bootstrap_token for c in seen] == [node_token("p0")]
     assert not any(isinstance(v, ClusterSecret) for c in seen
                    for v in (getattr(c, f) for f in c.__dataclass_fields__))
-    monkeypatch.delenv(SECRET_ENV)
     monkeypatch.setattr("pdcluster.node.actor.NodeRuntime", NodeRuntime)  # refuses it first
+    monkeypatch.setenv(SECRET_ENV, TEST_SECRET.to_text())
+    with pytest.raises(ValueError, match="bootstrap_token"):
+        Prefill("p1", "m", metadata_address="meta:1")
+    monkeypatch.delenv(SECRET_ENV)
     with pytest.raises(ValueError, match="bootstrap_token"):
         Prefill("p2", "m", metadata_address="meta:1")
     with pytest.raises(ValueError, match="not a credential of principal node/p3"):
@@ -168,3 +170,36 @@ def test_the_launcher_gives_the_router_a_client_credential_only() -> None:
 class _Started:
     def start(self):
         return self
+
+
+def test_a_link_planted_where_the_secret_goes_is_replaced_not_followed(tmp_path) -> None:
+    """Another local user plants a link at the secret's path (or opens the file first): the
+    secret must not land in the link's target (theirs to read), nor in an open file."""
+    target = tmp_path / "attacker-readable"
+    target.write_text("")
+    target.chmod(0o644)
+    path = tmp_path / "cache" / "cluster-secret"
+    path.parent.mkdir()
+    path.symlink_to(target)
+    write_secret_file(TEST_SECRET, path)
+    assert target.read_text() == ""
+    assert not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ClusterSecret.from_text(path.read_text().strip()) == TEST_SECRET
+    assert sorted(p.name for p in path.parent.iterdir()) == ["cluster-secret"]  # no leftovers
+
+
+def test_configs_keep_credentials_out_of_their_reprs() -> None:
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.metadata_service.config import MetadataConfig
+    from pdcluster.node.config import NodeConfig
+
+    router = RouterConfig(model_dir="m", metadata_address="meta:1",
+                          metadata_token="service:router-token-value",
+                          api_keys=("tenant:sk-tenant-key",))
+    node = NodeConfig(node_id="p0", role="prefill", engine=EngineConfig("m"),
+                      metadata_address="meta:1", bootstrap_token=node_token("p0"))
+    metadata = MetadataConfig(cluster_secret=TEST_SECRET, router_token="router-token-value")
+    text = repr(router) + repr(node) + repr(metadata)
+    for secret in ("router-token-value", "sk-tenant-key", node_token("p0"),
+                   TEST_SECRET.to_text()):
+        assert secret not in text

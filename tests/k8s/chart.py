@@ -168,9 +168,27 @@ def with_api_keys(values: dict) -> dict:
     return values
 
 
+def with_metadata_transport_acknowledged(values: dict) -> dict:
+    """The chart refuses plaintext metadata gRPC, and TLS without bound client certificates,
+    unless acknowledged: a value set that turns either off without saying so
+    renders with the acknowledgement it needs (test_security.py tests the refusals)."""
+    values = copy.deepcopy(values)
+    metadata = values.setdefault("metadata", {})
+    if "acknowledgePlaintext" in metadata or "acknowledgeUnboundClients" in metadata:
+        return values
+    tls = metadata.get("tls") or {}
+    client_auth = tls.get("clientAuth") or {}
+    if not tls.get("enabled", True):
+        metadata["acknowledgePlaintext"] = True
+    elif not (client_auth.get("enabled", True) and client_auth.get("bindRoles", True)):
+        metadata["acknowledgeUnboundClients"] = True
+    return values
+
+
 def template(values: dict, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_values(with_api_keys(values), Path(tmp))
+        path = write_values(with_metadata_transport_acknowledged(with_api_keys(values)),
+                            Path(tmp))
         return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(path),
                     *extra, check=check)
 

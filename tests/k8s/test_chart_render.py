@@ -164,8 +164,13 @@ def test_cluster_yaml(name: str) -> None:
     assert set(config["transfer"]) == {"protocol", "device_name", "timeout_s"}
     assert set(config["node"]) == {"gpus", "max_restarts", "local_prefill_threshold_tokens",
                                    "global_reuse_min_tokens", "role_resource_prefix",
-                                   "metrics_port"}
+                                   "metrics_port", "request_port", "request_ports"}
     assert config["node"]["metrics_port"] == values["cluster"]["node"]["metricsPort"]
+    # one request port per node actor of a pod, from cluster.node.requestPort on
+    assert config["node"]["request_port"] == values["cluster"]["node"]["requestPort"]
+    per_pod = max(-(-values["ray"][role]["gpusPerPod"] // values["cluster"]["node"]["gpus"])
+                  for role in ("prefill", "decode"))
+    assert config["node"]["request_ports"] == per_pod
     assert config["node"]["role_resource_prefix"] == values["ray"]["groupResourcePrefix"]
     assert config["host"] == "auto"  # nodes bind and publish their pod's IP
     assert config["model"] == f"/models/{values['model']['name']}"
@@ -354,8 +359,9 @@ def test_ray_pods_mount_config_model_and_shm(name: str) -> None:
     values = values_of(name)
     for where, c in containers([cluster]):
         mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
-        assert {"/dev/shm", "/etc/pdcluster", "/models", "/tmp/ray",
-                "/var/run/secrets/pdcluster"} <= set(mounts), where
+        assert {"/dev/shm", "/etc/pdcluster", "/models", "/tmp/ray"} <= set(mounts), where
+        # the cluster secret on the head only (the launcher's driver): no worker holds it
+        assert ("/var/run/secrets/pdcluster" in mounts) == where.endswith("/head/ray-head")
         assert mounts["/models"]["readOnly"] == (values["model"]["source"] == "pvc")
 
 

@@ -33,6 +33,7 @@ from tests.k8s.chart import (
     pod_templates,
     render,
     with_api_keys,
+    with_metadata_transport_acknowledged,
     write_values,
 )
 
@@ -364,7 +365,7 @@ def render_notes(values: dict, tmp_path: Path) -> str:
     (chart / "templates" / "test-notes.yaml").write_text(
         "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
         '  notes: {{ include "test.notes" . | quote }}\n')
-    path = write_values(with_api_keys(values), tmp_path)
+    path = write_values(with_metadata_transport_acknowledged(with_api_keys(values)), tmp_path)
     out = helm("template", RELEASE, str(chart), "--namespace", "serving", "-f", str(path),
                "--show-only", "templates/test-notes.yaml").stdout
     return yaml.safe_load(out)["data"]["notes"]

@@ -127,7 +127,8 @@ def stop_group(head: subprocess.Popen) -> None:
 
 def local_cluster_yaml(model_dir: str, router_port: int, path: Path) -> tuple[str, str]:
     """The chart's cluster.yaml and entrypoint, re-pointed at this machine: a tiny model on
-    CPU, no GPUs per node, the launcher's embedded metadata service, the router on loopback."""
+    CPU, no GPUs per node, any free request ports, the launcher's embedded metadata service,
+    the router on loopback."""
     docs = render({"model": {"name": Path(model_dir).name}})
     text = cluster_config_text(docs)
     stamp = text.splitlines()[0]
@@ -137,6 +138,8 @@ def local_cluster_yaml(model_dir: str, router_port: int, path: Path) -> tuple[st
     config["engine"].update(dtype="float32", kv_cache_memory_gib=0.05)
     config["transfer"]["protocol"] = "tcp"
     config["node"]["gpus"] = 0
+    # both nodes share this one address, where a pod has its own: any free request port
+    config["node"]["request_port"] = 0
     del config["metadata"]  # no metadata service here: the launcher embeds one
     path.write_text(stamp + "\n" + yaml.safe_dump(config))
     entrypoint = one(docs, "RayJob")["spec"]["entrypoint"]

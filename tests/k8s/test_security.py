@@ -1,5 +1,7 @@
-"""The chart's side of the authenticated internal plane: the cluster secret reaches
-every pod that runs pdcluster code as a read-only file named by $PDCLUSTER_CLUSTER_SECRET_FILE,
+"""The chart's side of the authenticated internal plane: the cluster secret reaches the pods
+that need it (the metadata service, and the Ray head where the launcher derives each node
+actor's own token; never a Ray worker) as a read-only file named by
+$PDCLUSTER_CLUSTER_SECRET_FILE,
 the old shared metadata token is gone, every pdcluster listener binds its pod's IP, and the
 NetworkPolicies admit exactly the traffic the components need. The policies are checked by
 evaluating them (Kubernetes' semantics for pod, namespace and port matching) on the pods the
@@ -36,12 +38,14 @@ pytestmark = needs_helm
 SETS = sorted(VALUE_SETS)
 SECRET_DIR = "/var/run/secrets/pdcluster"
 SECRET_FILE = f"{SECRET_DIR}/cluster-secret"
-# Pods that run pdcluster code, hence present credentials: the cluster secret everywhere but
-# in the router, which holds its client credential only; the metadata service
-# holds both (it accepts the router's).
+# Pods that run pdcluster code: the cluster secret in the metadata service and on the Ray head
+# (the launcher's driver); the router holds its client credential only, the metadata service
+# both (it accepts the router's); a Ray worker none: its node actors get their own tokens from
+# the launcher.
 CONSUMERS = {"router", "metadata", "ray-head", "ray-prefill", "ray-decode"}
 ROUTER_TOKEN_DIR = "/var/run/secrets/pdcluster-router"
-CREDENTIALS = {"router": ["router-token"], "metadata": ["cluster-secret", "router-token"]}
+CREDENTIALS = {"router": ["router-token"], "metadata": ["cluster-secret", "router-token"],
+               "ray-prefill": [], "ray-decode": []}
 
 
 def values_of(name: str) -> dict:
@@ -214,8 +218,8 @@ def allowed(docs: list[dict], dst: dict, port: int, namespace: str, src: dict) -
             ports = rule.get("ports")
             if ports is not None:
                 assert all(isinstance(p["port"], int) for p in ports), ports
-                if not any(p["port"] == port and p.get("protocol", "TCP") == "TCP"
-                           for p in ports):
+                if not any(p["port"] <= port <= p.get("endPort", p["port"])
+                           and p.get("protocol", "TCP") == "TCP" for p in ports):
                     continue
             peers = rule.get("from")
             if peers is None or any(peer_admits(p, namespace, src) for p in peers):
@@ -281,15 +285,24 @@ def test_network_policies(name: str) -> None:
 
     nodes = ("ray-prefill", "ray-decode")
     ray = ("ray-head", *nodes)
-    # the router: the public endpoint (unless restricted), and it reaches every node port
+    # the router: the public endpoint (unless restricted); it reaches the node actors' request
+    # ports (one per node actor of a pod) and nothing else of theirs: not the KV side channel,
+    # not Mooncake's unauthenticated transfer port
     restricted = bool(values["networkPolicy"]["routerIngressFrom"])
     assert ok(STRANGER, "router", router_port) != restricted
     assert ok(STRANGER, "router", router_port, "elsewhere") != restricted
     if restricted:
         assert ok({}, "router", router_port, "ingress-nginx")
+    first = values["cluster"]["node"]["requestPort"]
+    per_pod = max(-(-values["ray"][role]["gpusPerPod"] // values["cluster"]["node"]["gpus"])
+                  for role in ("prefill", "decode"))
+    request_ports = range(first, first + per_pod)
     for node in nodes:
-        for port in (5555, 17000, 34567):  # node request, side channel, Mooncake: dynamic
-            assert ok("router", node, port)
+        for port in request_ports:
+            assert ok("router", node, port), (node, port)
+        for port in (first - 1, first + per_pod, 17000, 34567, 5555):
+            assert not ok("router", node, port), (node, port)
+        for port in (*request_ports, 17000, 34567):  # request, side channel, Mooncake
             assert not ok(STRANGER, node, port)
             assert not ok("metadata", node, port)
             assert not ok(STRANGER, node, port, "elsewhere")
@@ -398,3 +411,63 @@ def test_the_chart_refuses_an_unfenced_setting_unless_acknowledged(values, match
         "host-network-acknowledged", "namespace-by-expression"])
 def test_the_acknowledged_or_fenced_setting_renders(values) -> None:
     assert template(values).returncode == 0
+
+
+# --- metadata gRPC: plaintext or unbound client certificates need an acknowledgement
+
+_SECRETS = {"secretName": "md-tls", "clientAuth": {"routerSecretName": "md-router",
+                                                  "nodeSecretName": "md-node"}}
+_TLS = {"enabled": True, "secretName": "md-tls"}
+_BOUND = {**_TLS, "clientAuth": {"enabled": True, **_SECRETS["clientAuth"]}}
+
+
+@pytest.mark.parametrize("metadata, match", [
+    ({"acknowledgePlaintext": False, "tls": {"enabled": False}},
+     "metadata.tls.enabled is false"),
+    ({"acknowledgeUnboundClients": False, "tls": {**_TLS, "clientAuth": {"enabled": False}}},
+     "without clientAuth.enabled"),
+    ({"acknowledgeUnboundClients": False,
+      "tls": {**_BOUND, "clientAuth": {**_BOUND["clientAuth"], "bindRoles": False}}},
+     "without clientAuth.enabled and clientAuth.bindRoles"),
+], ids=["plaintext", "tls-without-client-certificates", "mtls-unbound"])
+def test_the_chart_refuses_plaintext_or_unbound_metadata_grpc(metadata, match) -> None:
+    refused = template({"metadata": metadata}, check=False)
+    assert refused.returncode != 0 and match in refused.stderr, refused.stderr[-500:]
+
+
+@pytest.mark.parametrize("metadata", [
+    {"acknowledgePlaintext": True, "tls": {"enabled": False}},
+    {"acknowledgeUnboundClients": True, "tls": {**_TLS, "clientAuth": {"enabled": False}}},
+    {"acknowledgePlaintext": False, "acknowledgeUnboundClients": False, "tls": _BOUND},
+], ids=["plaintext-acknowledged", "unbound-acknowledged", "mtls-bound"])
+def test_acknowledged_or_bound_metadata_grpc_renders(metadata) -> None:
+    assert template({"metadata": metadata}).returncode == 0
+
+
+def test_the_metadata_service_admits_only_the_launchers_node_ids() -> None:
+    """The launcher starts p0.. and d0..; the service refuses any other id (a token minted
+    for p9 by whoever holds the head's secret registers nothing)."""
+    from pdcluster.cluster.cli import build_parser
+    from pdcluster.cluster.cli_services import node_allowlist
+
+    docs = render({"ray": {"prefill": {"replicas": 3}, "decode": {"replicas": 2}}})
+    (container,) = [c for _, c in containers(docs) if c["name"] == "metadata"]
+    args = build_parser().parse_args(container["args"][1:])
+    assert node_allowlist(args.allow_nodes) == {"prefill": {"p0", "p1", "p2"},
+                                                "decode": {"d0", "d1"}}
+
+
+def test_with_a_planner_the_metadata_service_bounds_the_number_of_nodes() -> None:
+    """The planner names each node it starts anew (p0, p1, ... never reused): no fixed list,
+    but at most its bound of live nodes per role."""
+    from pdcluster.cluster.cli import build_parser
+    from pdcluster.cluster.cli_services import max_nodes, node_allowlist
+
+    docs = render({"planner": {"enabled": True},
+                   "router": {"replicas": 1, "hpa": {"enabled": False}},
+                   "ray": {"prefill": {"maxReplicas": 4}, "decode": {"gpusPerPod": 2,
+                                                                       "maxReplicas": 3}}})
+    (container,) = [c for _, c in containers(docs) if c["name"] == "metadata"]
+    args = build_parser().parse_args(container["args"][1:])
+    assert node_allowlist(args.allow_nodes) is None
+    assert max_nodes(args.max_nodes) == {"prefill": 4, "decode": 6}

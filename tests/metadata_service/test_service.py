@@ -25,7 +25,7 @@ class RecordingStore(IndexStore):
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def node_up(self, info, lease_ttl_s, restarted):
+    def node_up(self, info, lease_ttl_s, restarted, proof_hash=b""):
         self.calls.append(("up", info.node_id, restarted))
 
     def node_down(self, node_id):

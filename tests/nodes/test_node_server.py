@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import time
 
+import pytest
+import zmq
+
 from pdcluster.core.node_wire import (
     AbortRequest,
     GenerateRequest,
@@ -98,6 +101,25 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(model_dirs):
     assert server.stop(drain=True, timeout_s=10)
     assert_pool_clean(engine.block_pool)
     client.close()
+
+
+def test_nodes_of_one_pod_take_the_ports_of_its_fixed_range(model_dirs):
+    """A range the chart's NetworkPolicy admits the router to: each node binds the first free
+    port of [port, port + span); one more node than the span fails to start."""
+    from tests.metadata_service.helpers import free_port
+
+    engine = LLMEngine.from_model(model_dirs["llama-gqa"], num_kv_blocks=16, block_size=8)
+    first = free_port()
+    servers = [NodeServer(engine, f"n{i}", "both", port=first, port_span=2,
+                          curve=TEST_CURVE).start() for i in range(2)]
+    try:
+        assert [s.address for s in servers] == [f"tcp://127.0.0.1:{first + i}"
+                                                for i in range(2)]
+        with pytest.raises(zmq.ZMQError):
+            NodeServer(engine, "n2", "both", port=first, port_span=2, curve=TEST_CURVE)
+    finally:
+        for server in servers:
+            server.stop(drain=False, timeout_s=1)
 
 
 def test_prefill_and_decode_nodes_over_mooncake(model_dirs, hf_reference):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from pdcluster.core.events import BlockStored
 from pdcluster.core.hashing import DEFAULT_HASH_CONFIG
 from pdcluster.core.kv_identity import KVIdentity
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
@@ -307,3 +308,46 @@ def test_dispatcher_reaches_an_mtls_service_with_its_configs_files(tmp_path) -> 
         publisher.register()
         publisher.resync()
         asyncio.run(scenario(server.address, node))
+
+
+def test_a_new_incarnation_of_a_node_id_loses_what_the_old_one_was_attested() -> None:
+    """p0's attested claims are routed on; p0's id then registers with another key and
+    addresses, same epoch, through its proof (a holder of the proof moving it, or an impostor
+    who got one). Nothing the old incarnation was sent vouches for the new one: the router
+    routes no prefix to it (before: the index kept the blocks and the router its attestations,
+    so the new incarnation got every follow-up)."""
+    from pdcluster.core.credentials import CurveKeys
+    from pdcluster.router.routing.attestations import Attestations
+
+    config = make_config(cluster_secret=TEST_SECRET)
+    with ServerThread(config) as server, MetadataClient(server.address,
+                                                        token=node_token("p0")) as p0:
+        old = make_node_info("p0", "prefill", request_address="tcp://127.0.0.1:7001",
+                             curve_public_key=CurveKeys.generate().public, epoch=5)
+        publisher = NodePublisher(p0, old, lambda: set(CHAINS[0]), 30)
+        publisher.register()
+        publisher.publish([BlockStored(tuple(CHAINS[0]), None, 16)])
+
+        async def run() -> None:
+            attestations = Attestations()
+            link = MetadataLink(server.address, token=SERVICE_TOKEN, attestations=attestations)
+            try:
+                await link.list_nodes()
+                attestations.attest("p0", CHAINS[0])
+                await until(lambda: _hits(link, 24), what="p0's attested prefix")
+                moved = make_node_info("p0", "prefill", request_address="tcp://127.0.0.1:7101",
+                                       curve_public_key=CurveKeys.generate().public, epoch=5)
+                reply = p0.register(moved, 30, publisher.proof)
+                p0.publish("p0", 5, reply.last_seq + 1, [BlockStored(tuple(CHAINS[0]), None, 16)])
+                await link.list_nodes()  # the dispatcher's refresh, before it routes again
+                await until(lambda: _hits(link, 0), what="the new incarnation to hold nothing "
+                            "attested")
+            finally:
+                await link.close()
+
+        asyncio.run(run())
+
+
+async def _hits(link: MetadataLink, expected: int) -> bool:
+    hits = await link.prefix_hits(CHAINS[0])
+    return hits is not None and hits.get("p0", 0) == expected

@@ -113,6 +113,8 @@ def test_the_admin_port_serves_what_the_public_port_does_not(start_router, make_
     public, admin = router.app.port, router.app.admin_port
     assert admin not in (None, public)
     assert _get(public, "/metrics", "sk-b")[0] == 404  # not even with a key: admin only
+    status, body = _get(public, "/health", "sk-b")  # a tenant's key reads the status alone
+    assert status in (200, 503) and set(body) == {"status"}, body
     status, body = _get(admin, "/metrics")
     assert status == 200 and "router_requests_total" in body
     status, body = _get(admin, "/health")

@@ -14,7 +14,7 @@ import zmq
 
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.curve import secure_client
-from pdcluster.core.kv_transfer import WIRE_VERSION, XferAbort, XferRequest
+from pdcluster.core.kv_transfer import MAX_TRANSFER_BLOCKS, WIRE_VERSION, XferAbort, XferRequest
 from pdcluster.core.kv_transfer import encode as encode_kv
 
 DEAD = "tcp://127.0.0.1:9"  # the member registers this as its KV address: nobody listens
@@ -57,9 +57,21 @@ def dead_reply_address(target: SimpleNamespace) -> None:
     sock.close()
 
 
+def held_requests(target: SimpleNamespace) -> None:
+    """Transfer requests for made-up transfer ids, each naming the most blocks one may: P
+    would hold each (~5 MB of Python ints) until its prefill comes, i.e. the timeout."""
+    blocks = MAX_TRANSFER_BLOCKS
+    sock = target.dealer(target.kv_address)
+    for i in range(60):  # its own registered address and session: allowed by the rules
+        sock.send(encode_kv(XferRequest(f"held-{i}", "r", DEAD, "127.0.0.1:1", 4096, blocks,
+                                        0, [4096] * blocks)))
+    sock.close()
+
+
 ATTACKS: dict[str, Callable[[SimpleNamespace], None]] = {
     "16 MiB transfer id": huge_transfer_id, "msgpack bomb": bomb,
-    "10,000 reply addresses": reply_addresses, "dead reply address": dead_reply_address}
+    "10,000 reply addresses": reply_addresses, "dead reply address": dead_reply_address,
+    "60 held requests": held_requests}
 
 
 def dealer(address: str, keys: CurveKeys, server_key: bytes):

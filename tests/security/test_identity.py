@@ -70,8 +70,9 @@ def test_a_decode_nodes_credential_cannot_register_another_node(served):
         d9.register(info, 30)
     own = make_node_info("d9", "decode", request_address=attacker, kv_address=attacker,
                          curve_public_key=CurveKeys.generate().public)
-    assert d9.register(own, 30).registration_secret  # member control: its own id
-    d9.deregister("d9")
+    proof = d9.register(own, 30).registration_secret
+    assert proof  # member control: its own id
+    d9.deregister("d9", proof)
     d9.close()
     with _client(served, served.secret.metadata_token(SERVICE)) as reader:
         assert reader.list_nodes("prefill")[0].request_address != attacker

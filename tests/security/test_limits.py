@@ -11,7 +11,11 @@ the attack: the machine is shared), and the process's memory stays bounded:
 - 10,000 distinct reply addresses (refused: a reply address must be the sender's registered
   one; in the shared-key mode, tests/transfer/test_side_channel.py bounds the sockets);
 - a dead reply address (the member's own registered one, dead: P's answers wait on the
-  sender thread, never on its receive loop or the engine thread).
+  sender thread, never on its receive loop or the engine thread);
+- 60 transfer requests for made-up transfer ids, each naming 131,072 blocks (~5 MB of Python
+  ints decoded): P holds a peer's pending requests within a budget (its share by entries and
+  by weight) and refuses the rest at once (before, it held all 60, ~300 MB, for the
+  transfer timeout).
 """
 
 from __future__ import annotations
@@ -135,6 +139,8 @@ def test_an_attack_leaves_a_normal_request_within_2x_of_idle(pair, hf_reference,
     assert loaded <= SLOWDOWN.get(attack, 2.0) * statistics.median(idle), (attack, idle, loaded)
     # what decoding the attack kept: bounded by the schema, not by the frames' sizes
     assert _max_rss_mib() - rss_before < 256, (attack, rss_before, _max_rss_mib())
+    if attack == "60 held requests":  # P held its share and refused the rest at once
+        assert p.engine.connector.worker._state.budget.num_refused >= 40
 
 
 def test_zmq_drops_an_oversize_frame_before_reading_it(pair):

@@ -128,9 +128,11 @@ class ExtraRoutes:
         return web.json_response({"version": package_version()})
 
     async def health(self, request: web.Request) -> web.Response:
-        """The public probe: the status alone, unless the caller holds an API key (or the
-        router has none); the internals (node ids, the metadata address) are for operators."""
-        if self._api_keys.enabled and self._api_keys.tenant_of(request) is None:
+        """The public probe: the status alone; the internals (node ids, the metadata address,
+        every tenant's traffic) are for operators: on the admin port when there is one (any
+        tenant's key reads nothing more here), else to a key holder (or with no keys)."""
+        if self.config.admin_port is not None or (
+                self._api_keys.enabled and self._api_keys.tenant_of(request) is None):
             return self._health_response({"status": self._status()})
         return await self.admin_health(request)
 

@@ -115,6 +115,7 @@ class MetadataLink:
         self.bad_updates = 0
         self.stale_answers = 0
         self.attestations = attestations
+        self._identities: dict[NodeId, tuple] = {}  # as the last list_nodes saw each node
         self._synced_at = 0.0
         self._mirror: BlockIndex | None = None
         self._stale: BlockIndex | None = None  # the last mirror, kept while resyncing
@@ -195,9 +196,22 @@ class MetadataLink:
             self._fail(exc)
             return None
         self._recover()
+        self._forget_changed(nodes)
         return [NodeSpec(n.node_id, _ROLE_NAMES.get(n.role, Role.BOTH), n.request_address,
                          n.kv_address, n.curve_public_key.encode(), node_identity(n))
                 for n in nodes if n.request_address]
+
+    def _forget_changed(self, nodes: Sequence[pb.NodeInfo]) -> None:
+        """A node id that now names another incarnation (epoch, key or address) or left the
+        list proves nothing its earlier one did: drop its attestations before the caller
+        routes to it again (the mirror drops them too, when the service's removal arrives;
+        this covers a change the watch did not show, e.g. while it resyncs)."""
+        seen = {n.node_id: (n.epoch, n.curve_public_key, n.request_address, n.kv_address,
+                            n.kv_session) for n in nodes}
+        for node_id, identity in self._identities.items():
+            if seen.get(node_id) != identity and self.attestations is not None:
+                self.attestations.drop_node(node_id)
+        self._identities = seen
 
     async def register_client(self, client_id: str, public_key: bytes, ttl_s: int) -> bool:
         """Register (or renew) this router's CURVE key; False if the service is unreachable
