@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdcluster.core.kv_transfer import (
     KVTransferParams,
@@ -28,6 +29,9 @@ from pdcluster.core.kv_transfer import (
     TransferId,
 )
 from pdcluster.core.types import ReqId
+
+if TYPE_CHECKING:  # core.kv_ranks builds on this module's KVRegion
+    from pdcluster.core.kv_ranks import KVRanks, RankAgentSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +49,13 @@ class KVRegion:
     A host KV tier (one segment only) adds `num_host_blocks` blocks of the same layout at
     `host_addr`, registered too, so a peer's pull can be served from host memory: block ids
     `num_blocks + s` name host slot s (only a holder's own writes use them; blocks received
-    always land on the device)."""
+    always land on the device).
+
+    `num_kv_heads`: the model's KV heads (MLA: 1, its latent), which a one-segment block
+    holds as equal byte runs, KV head outermost (this rank's share of them with tensor
+    parallelism, core.kv_ranks.rank_heads): what lets a transfer between groups that split
+    the heads differently address a range of heads. 0: not head-addressable (vLLM's layout),
+    only same-layout moves."""
 
     base_addr: int
     nbytes: int
@@ -55,6 +65,7 @@ class KVRegion:
     segment_offsets: tuple[int, ...] = (0,)
     host_addr: int = 0
     num_host_blocks: int = 0
+    num_kv_heads: int = 0
 
     def __post_init__(self) -> None:
         if self.block_nbytes <= 0 or self.num_blocks < 0:
@@ -66,6 +77,8 @@ class KVRegion:
             raise ValueError("segment_offsets must start with 0 (segment 0 is the base)")
         if self.num_host_blocks < 0 or (self.num_host_blocks and self.num_segments != 1):
             raise ValueError("a host tier needs num_host_blocks >= 0 and one segment")
+        if self.num_kv_heads < 0 or (self.num_kv_heads and self.num_segments != 1):
+            raise ValueError("num_kv_heads needs a one-segment region (and is >= 0)")
 
     @property
     def stride(self) -> int:
@@ -267,7 +280,15 @@ class KVConnectorScheduler(ABC):
 
 class KVConnectorWorker(ABC):
     @abstractmethod
-    def register_kv_region(self, region: KVRegion) -> None: ...
+    def register_kv_region(self, region: KVRegion, ranks: KVRanks | None = None) -> None:
+        """Register the engine's KV region (rank 0's, with tensor parallelism; `ranks` are
+        the others, their agents' regions registered by the engine: core.kv_ranks)."""
+
+    def rank_agent(self) -> RankAgentSpec | None:
+        """What each tensor-parallel rank's process runs of this connector
+        (core.kv_ranks); None: this connector cannot span ranks (the engine refuses
+        tensor parallelism with it)."""
+        return None
 
     @abstractmethod
     def execute(self, plan: ConnectorPlan) -> None:
