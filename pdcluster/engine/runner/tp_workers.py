@@ -153,6 +153,16 @@ class StepPeers:
             endpoints.append(RankEndpoint(session, base_addr))
         return RankLinks(self.agent_pipes, endpoints)
 
+    def block_bytes(self, block_id: int) -> list[bytes]:
+        """A copy of block `block_id` of ranks 1..N-1, in rank order (tests and debugging:
+        call it between steps)."""
+        self._send({"op": "block_bytes", "block": block_id})
+        copies = []
+        for rank, pipe in enumerate(self.pipes, start=1):
+            self._expect(rank, pipe, _OK)
+            copies.append(pipe.recv_bytes())
+        return copies
+
     def capture(self, max_batch: int, max_model_len: int) -> None:
         """Every rank starts capturing its CUDA graphs (rank 0 captures alongside: the
         warm-up and captured forwards hold collectives)."""
@@ -301,6 +311,9 @@ def _serve(spec: RankSpec, tp: TensorParallel, device: torch.device, pipe: Conne
                 agent_pipe)
             pipe.send_bytes(_OK)
             pipe.send_bytes(msgpack.packb([endpoint.session, endpoint.base_addr]))
+        elif op == "block_bytes":
+            pipe.send_bytes(_OK)
+            pipe.send_bytes(runner.kv_cache.block_bytes(message["block"]))
         elif op == "capture":
             runner.capture_graphs(message["max_batch"], message["max_model_len"])
         elif op == "step":
