@@ -12,6 +12,9 @@ Kept small (2 cores): every engine of TP=N starts N-1 processes that import torc
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -136,3 +139,16 @@ def test_a_rank_killed_mid_transfer_the_decode_side_recomputes(model_dirs, hf_re
     finally:
         decode.close()
         prefill.kill()
+
+
+def test_bench_tp_transfer_prices_each_heterogeneous_move_against_a_same_tp_move():
+    done = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "bench",
+                           "tp-transfer", "--quick", "--json"], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["all_transferred"] is True
+    assert result["p2_to_d1_over_p2_to_d2"] > 0 and result["p1_to_d2_over_p1_to_d1"] > 0
+    blocks = result["tokens_per_request"] // 16
+    # a descriptor per (source rank, destination rank, block) overlap, at most
+    assert result["p2_to_d1_descriptors"] == result["p1_to_d2_descriptors"] == 2 * blocks

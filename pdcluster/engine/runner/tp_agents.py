@@ -69,7 +69,12 @@ class AgentHost:
                 message = msgpack.unpackb(self.pipe.recv_bytes())
             except (EOFError, OSError):  # rank 0 is gone or closed the group
                 return
-            self._pool.submit(self._write, message)
+            if message.get("op") == "stop":  # the group closes (tp_workers' stop)
+                return
+            try:
+                self._pool.submit(self._write, message)
+            except RuntimeError:  # closed meanwhile: the rank is stopping
+                return
 
     def _write(self, message: dict) -> None:
         error = None
