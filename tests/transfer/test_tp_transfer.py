@@ -152,3 +152,11 @@ def test_bench_tp_transfer_prices_each_heterogeneous_move_against_a_same_tp_move
     blocks = result["tokens_per_request"] // 16
     # a descriptor per (source rank, destination rank, block) overlap, at most
     assert result["p2_to_d1_descriptors"] == result["p1_to_d2_descriptors"] == 2 * blocks
+
+
+def test_a_connector_that_cannot_span_ranks_is_refused_before_any_rank_starts(model_dirs):
+    from tests.transfer.loopback import LoopbackFabric, LoopbackTransport
+
+    transport = LoopbackTransport(LoopbackFabric(), "loop://a", "session-a")
+    with pytest.raises(ValueError, match="cannot span tensor-parallel ranks"):
+        make_engine(model_dirs["llama-gqa"], transport, tensor_parallel_size=2)
