@@ -7,7 +7,8 @@
   restart keeps the address every node and the router know);
 - prefill and decode node actors on a local Ray (`cluster.ray_cluster.RayCluster`, Ray
   restarting a killed actor under the same node id), running the own engine or vLLM
-  (`engine="vllm"`: every node, with vLLM's block size and hashes in the router too);
+  (`engine="vllm"`: every node, with vLLM's block size and hashes, which the router takes
+  from their registrations);
 - the router, `pdcluster router serve`, as its own process.
 
 Processes are found by pid for signals and RSS (`pids()`); `stop()` ends what it started. The
@@ -163,8 +164,7 @@ class ChaosCluster:
     def start_router(self) -> None:
         s = self.settings
         args = ["router", "serve", "--port", str(self.router_port), "--model", s.model,
-                "--metadata", self.metadata_address, "--block-size", str(s.block_size),
-                "--engine", s.engine,
+                "--metadata", self.metadata_address,
                 "--local-prefill-threshold", str(s.local_prefill_threshold),
                 "--global-reuse-min-tokens", str(s.global_reuse_min_tokens),
                 "--max-migrations", "1"]

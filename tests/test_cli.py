@@ -143,7 +143,8 @@ def test_generate_wiring(fake_engine, model_dir: Path, capsys: pytest.CaptureFix
     assert rc == 0
     (_, model, kwargs), (_, prompts, params) = fake_engine.calls
     assert model == str(model_dir)
-    assert kwargs == {"dtype": "float32", "device": "cpu", "block_size": 8}
+    assert kwargs == {"dtype": "float32", "device": "cpu", "block_size": 8,
+                      "tensor_parallel_size": 1}
     assert prompts == ["The capital"]
     assert params.kwargs == {"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
                              "seed": 1}

@@ -121,7 +121,7 @@ def _measure(sizes: Sizes, model: str, nodes: dict[str, list[InstantNode]], meta
              procs: list, secret: ClusterSecret) -> dict:
     pop = Population(sizes.nodes, sizes.blocks, 128)
     prompts = _prompts(model)
-    _populate(f"127.0.0.1:{meta_port}", pop, nodes["identity"], secret)
+    _populate(f"127.0.0.1:{meta_port}", pop, nodes["identity"], secret, model)
     decision_us = _decisions(pop, nodes["shared"], model, sizes.samples, secret)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in (SECRET_FILE_ENV, SECRET_ENV)}
@@ -159,21 +159,31 @@ def _prompts(model: str) -> list[str]:
 
 
 def _populate(address: str, pop: Population, nodes: list[InstantNode],
-              secret: ClusterSecret) -> None:
-    """Register the nodes (each with its own credential) and ingest the 1M-block
-    population."""
+              secret: ClusterSecret, model: str) -> None:
+    """Register the nodes (each with its own credential and the KV identity of a node
+    serving `model`, which the router takes) and ingest the 1M-block population."""
     from pdcluster.metadata_service.client import make_node_info
 
+    identity = _identity(model)
     infos = {}
     for i, node_id in enumerate(pop.node_ids):
         role = "prefill" if i % 2 == 0 else "decode"
         node = nodes[i % len(nodes)]
         infos[node_id] = make_node_info(node_id, role, request_address=node.address,
-                                        kv_address="tcp://127.0.0.1:9",
+                                        kv_address="tcp://127.0.0.1:9", identity=identity,
                                         curve_public_key=node.keys.public)
         with node_client(address, secret, node_id) as client:
             client.register(infos[node_id], 300)
     ingest(address, pop, infos, secret)
+
+
+def _identity(model: str):
+    """The KV identity of the nodes the bench stands in for (blocks of 16 tokens, the own
+    engine's hashes, `model`'s tokenizer): the cluster's, for the router."""
+    from pdcluster.core.hashing import DEFAULT_HASH_CONFIG
+    from pdcluster.core.kv_identity import KVIdentity
+
+    return KVIdentity.of(16, DEFAULT_HASH_CONFIG, model)
 
 
 def _decisions(pop: Population, nodes: list[InstantNode], model: str, samples: int,
@@ -194,7 +204,8 @@ def _decisions(pop: Population, nodes: list[InstantNode], model: str, samples: i
     chains = [[c[i:i + HASH] for i in range(0, len(c), HASH)] for c in pop.hot]
     specs = tuple(NodeSpec(n, "prefill" if i % 2 == 0 else "decode", nodes[i % 4].address,
                            "tcp://127.0.0.1:9") for i, n in enumerate(pop.node_ids))
-    config = RouterConfig(model_dir=model, nodes=specs, seed=0)
+    config = RouterConfig(model_dir=model, nodes=specs, seed=0,
+                          cluster_identity=_identity(model))
 
     async def measure() -> list[float]:
         dispatcher, out = Dispatcher(config, RouterMetrics(),

@@ -215,13 +215,13 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
                        "the key")
     serve.add_argument("--admin-host", default="127.0.0.1", help="address of --admin-port")
     serve.add_argument("--model", required=True,
-                       help="model folder (tokenizer and chat template come from it)")
+                       help="model folder (tokenizer and chat template come from it; nodes "
+                       "whose tokenizer differs get no requests)")
     serve.add_argument("--model-name", default="", help="served model name (default: folder)")
     serve.add_argument("--metadata", required=True, help="metadata service address host:port")
     add_metadata_tls_args(serve)
-    serve.add_argument("--block-size", type=int, default=None,
-                       help="the nodes' KV block size (default: 16; 32 with --engine vllm)")
-    add_engine_arg(serve)
+    for gone in ("--block-size", "--engine"):
+        serve.add_argument(gone, action=_FromTheNodes, help=argparse.SUPPRESS)
     serve.add_argument("--local-prefill-threshold", type=int, default=256,
                        help="uncached prompt tokens below which the decode node prefills")
     serve.add_argument("--max-migrations", type=int, default=1,
@@ -234,6 +234,16 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
                        help="cached prefix tokens worth pulling from the node holding them "
                        "instead of recomputing (0: never)")
     add_routing_arg(serve)
+
+
+class _FromTheNodes(argparse.Action):
+    """A flag `router serve` no longer takes, refused by name rather than ignored: the router
+    hashes prompts with the KV identity the nodes register (router.routing.identity)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} is not the router's to set: it takes the block size and "
+                     f"the hash algorithm and seed from the KV identity the nodes register with "
+                     f"the metadata service (docs/router.md, \"One KV identity\")")
 
 
 def _cmd_router_serve(args: argparse.Namespace) -> int:
@@ -252,22 +262,11 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
             metadata_token=token, admin_port=args.admin_port, admin_host=args.admin_host,
             **metadata_tls_fields(args),
             max_migrations=args.max_migrations, index_mirror=args.index_mirror,
-            routing=args.routing, hash_config=_hash_config(args.engine),
-            policy=PolicyConfig(block_size=default_block_size(args),
-                                local_prefill_threshold=args.local_prefill_threshold,
+            routing=args.routing,
+            policy=PolicyConfig(local_prefill_threshold=args.local_prefill_threshold,
                                 global_reuse_min_tokens=args.global_reuse_min_tokens))
     asyncio.run(serve_forever(config))
     return 0
-
-
-def _hash_config(engine: str):
-    """The nodes' block-hash scheme by their engine (the router pod imports no engine)."""
-    from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
-    from pdcluster.core.vllm_hashing import VLLM_DEFAULT_SEED, VLLM_HASH_ALGORITHM
-
-    if engine == "vllm":
-        return HashConfig(VLLM_HASH_ALGORITHM, VLLM_DEFAULT_SEED)
-    return DEFAULT_HASH_CONFIG
 
 
 def add_metadata(subparsers: argparse._SubParsersAction) -> None:

@@ -79,20 +79,22 @@ async def _run(config: ClusterConfig, cluster: RayCluster,
 
 def router_config(config: ClusterConfig, metadata_address: str | None,
                   cluster_secret: ClusterSecret) -> RouterConfig:
+    from pdcluster.core.kv_identity import KVIdentity
     from pdcluster.router.config import RouterConfig
     from pdcluster.router.routing.policy import PolicyConfig
 
-    policy = PolicyConfig(block_size=config.engine_config.block_size,
-                          local_prefill_threshold=config.local_prefill_threshold_tokens,
+    policy = PolicyConfig(local_prefill_threshold=config.local_prefill_threshold_tokens,
                           global_reuse_min_tokens=config.global_reuse_min_tokens)
+    engine = config.engine_config
+    # cluster.yaml names the cluster's KV identity: the one every node it launches registers
+    identity = KVIdentity.of(engine.block_size, engine.hash_config, config.model)
     # the router gets its client credential, never the secret (core.credentials)
     return RouterConfig(model_dir=config.model, host=config.router_host,
                         port=config.router_port, metadata_address=metadata_address,
                         metadata_token=cluster_secret.metadata_token(SERVICE),
                         **config.metadata_tls_fields(),
                         api_keys=api_keys_from_env(), policy=policy, routing=config.routing,
-                        hash_config=config.engine_config.hash_config,
-                        admission=config.admission)
+                        cluster_identity=identity, admission=config.admission)
 
 
 def api_keys_from_env() -> tuple[str, ...]:

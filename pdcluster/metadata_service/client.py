@@ -14,8 +14,9 @@ options (the router's link sets keepalive). The asyncio client also follows the 
 Nodes use ``NodePublisher`` (in ``metadata_service.publisher``) on top of a client: it numbers
 batches and answers resync requests with snapshots.
 
-API: ``MetadataClient``, ``AsyncMetadataClient``, ``make_node_info``, ``role_value``,
-``medium_from_pb`` (a `BlockUpdate`'s medium as ``core.events`` names it, for watchers).
+API: ``MetadataClient``, ``AsyncMetadataClient``, ``make_node_info``, ``node_identity`` (a
+registration's ``core.kv_identity.KVIdentity``), ``role_value``, ``medium_from_pb`` (a
+`BlockUpdate`'s medium as ``core.events`` names it, for watchers).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import grpc
 
 from pdcluster.core.credentials import SERVICE, ClusterSecret
 from pdcluster.core.events import KVEvent
+from pdcluster.core.kv_identity import KVIdentity
 from pdcluster.core.roles import NODE_ROLES, Role, role_names
 from pdcluster.core.tls import ClientTLS
 from pdcluster.core.types import BlockHash, NodeId
@@ -44,7 +46,7 @@ from pdcluster.proto import metadata_pb2 as pb
 from pdcluster.proto import metadata_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncMetadataClient", "MetadataClient", "SnapshotBlocks", "TierMatch",
-           "make_node_info", "medium_from_pb", "role_value"]
+           "make_node_info", "medium_from_pb", "node_identity", "role_value"]
 
 ROLES: dict[str, pb.Role] = {Role.PREFILL: pb.PREFILL, Role.DECODE: pb.DECODE}
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -73,22 +75,32 @@ def make_node_info(
     *,
     request_address: str = "",
     kv_address: str = "",
-    model: str = "",
-    block_size: int = 16,
+    identity: KVIdentity | None = None,
     capacity_blocks: int = 0,
     epoch: int | None = None,
     metrics_address: str = "",
     curve_public_key: bytes = b"",
     kv_session: str = "",
 ) -> pb.NodeInfo:
-    """A node's registration; ``epoch`` defaults to a fresh random one (a new process)."""
-    return pb.NodeInfo(
+    """A node's registration; ``epoch`` defaults to a fresh random one (a new process).
+    Without an ``identity`` the node declares no KV identity: routers send it nothing."""
+    info = pb.NodeInfo(
         node_id=node_id, role=role_value(role), request_address=request_address,
-        kv_address=kv_address, model=model, block_size=block_size,
-        capacity_blocks=capacity_blocks, metrics_address=metrics_address,
-        epoch=secrets.randbits(63) if epoch is None else epoch,
+        kv_address=kv_address, capacity_blocks=capacity_blocks,
+        metrics_address=metrics_address, epoch=secrets.randbits(63) if epoch is None else epoch,
         curve_public_key=curve_public_key.decode(), kv_session=kv_session,
     )
+    if identity is not None:
+        info.block_size, info.model = identity.block_size, identity.model
+        info.hash_algorithm, info.hash_seed = identity.hash_algorithm, identity.hash_seed
+        info.tokenizer_digest = identity.tokenizer_digest
+    return info
+
+
+def node_identity(info: pb.NodeInfo) -> KVIdentity:
+    """The KV identity a registration declares (empty fields where it declares none)."""
+    return KVIdentity(info.block_size, info.hash_algorithm, info.hash_seed, info.model,
+                      info.tokenizer_digest)
 
 
 def translate_error(exc: grpc.RpcError) -> MetadataError:

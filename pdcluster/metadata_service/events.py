@@ -38,6 +38,7 @@ from pdcluster.proto import metadata_pb2 as pb
 
 _NODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _MAX_MODEL_CHARS = 4096
+_MAX_IDENTITY_CHARS = 256  # each of a node's hash_algorithm, hash_seed, tokenizer_digest
 
 
 _TO_PB: dict[str | None, pb.Medium] = {None: pb.MEDIUM_UNSPECIFIED, DEVICE: pb.MEDIUM_DEVICE,
@@ -155,6 +156,10 @@ def check_node_info(info: pb.NodeInfo) -> None:
     if len(info.model) > _MAX_MODEL_CHARS:
         raise InvalidBatch("bad_model", f"node {info.node_id}: model is longer than "
                            f"{_MAX_MODEL_CHARS} characters")
+    for name in ("hash_algorithm", "hash_seed", "tokenizer_digest"):
+        if len(getattr(info, name)) > _MAX_IDENTITY_CHARS:
+            raise InvalidBatch("bad_identity", f"node {info.node_id}: {name} is longer than "
+                               f"{_MAX_IDENTITY_CHARS} characters")
     check_curve_key(info.curve_public_key, f"node {info.node_id}")
 
 

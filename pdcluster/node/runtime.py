@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pdcluster.core.credentials import CurveKeys, node_principal
 from pdcluster.core.curve import forget_directory
 from pdcluster.core.identity import ROUTER_PREFIX, Directory, Peer
+from pdcluster.core.kv_identity import KVIdentity
 from pdcluster.engine.api import NodeEngine
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.node.config import NodeConfig
@@ -95,10 +96,13 @@ class NodeRuntime:
 
     def _publisher(self) -> EventPublisherThread:
         cfg, engine = self.config, self.engine
+        # how this node names its blocks, as its engine does (a vLLM node: vLLM's algorithm
+        # and seed), and its model's tokenizer: the router routes to it only if they are
+        # the cluster's (core.kv_identity)
+        identity = KVIdentity.of(engine.block_size, engine.hash_config, cfg.model)
         info = make_node_info(cfg.node_id, cfg.role, request_address=self.server.address,
-                              kv_address=self.kv_address, model=cfg.model,
+                              kv_address=self.kv_address, identity=identity,
                               metrics_address=self.metrics_address,
-                              block_size=engine.block_size,
                               capacity_blocks=engine.num_kv_blocks,
                               curve_public_key=b"" if self.directory is None
                               else self.keys.public, kv_session=self.kv_session)

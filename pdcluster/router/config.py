@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, HashConfig
+from pdcluster.core.kv_identity import KVIdentity
 from pdcluster.core.roles import Role, role_names
 from pdcluster.core.tls import ClientTLS
 from pdcluster.router.planning.admission import AdmissionConfig
@@ -26,6 +26,9 @@ class NodeSpec:
     request_address: str
     kv_address: str = ""
     curve_public_key: bytes = b""  # the node's own key (Z85); b"": the shared-key test mode
+    # the KV identity it registered (router.routing.identity checks it against the cluster's);
+    # None: a static node, which the operator vouches for
+    identity: KVIdentity | None = None
 
     def __post_init__(self) -> None:
         if self.role not in tuple(Role):
@@ -64,10 +67,13 @@ class RouterConfig:
     # the Ingress); None: the public port serves them behind the API key
     admin_port: int | None = None
     admin_host: str = "127.0.0.1"
+    # the routing policy; its block_size stays unset: the router routes with the cluster's
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    # How the nodes name their blocks, so the router can name a prompt's: the own engine's
-    # scheme, or vLLM's (core.vllm_hashing) when the nodes run vLLM.
-    hash_config: HashConfig = DEFAULT_HASH_CONFIG
+    # The cluster's KV identity (core.kv_identity: block size, hash algorithm and seed, model,
+    # tokenizer digest), when the launcher knows it (cluster.yaml); None: taken from the
+    # nodes' registrations (router.routing.identity). The router has no block size or hash
+    # scheme of its own: it hashes prompts the way the cluster's nodes name their blocks.
+    cluster_identity: KVIdentity | None = None
     # "kv": the policy (prefix hits and load); "round_robin" / "least_loaded": the cache-blind
     # baselines of router.routing.baselines, for benchmarks against the KV policy
     routing: str = "kv"
@@ -127,6 +133,13 @@ class RouterConfig:
         if self.metadata_address is not None and not self.metadata_token:
             raise ValueError("a router with a metadata service needs its metadata_token (the "
                              "client credential of principal 'service')")
+        if self.policy.block_size:
+            raise ValueError("policy.block_size is not the router's to set: it routes with the "
+                             "block size of the cluster's KV identity (the nodes' "
+                             "registrations, or cluster_identity)")
+        if self.cluster_identity is not None and self.cluster_identity.problems():
+            raise ValueError("cluster_identity: "
+                             + "; ".join(self.cluster_identity.problems().values()))
         ApiKeys(self.api_keys)  # ValueError for a malformed entry
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 

@@ -3,7 +3,11 @@ test process). API: `RouterMetrics`."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdcluster.router.routing.identity import Quarantine
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                     60)
@@ -65,10 +69,16 @@ class RouterMetrics:
                                     "prefill node died (lost) or refused them (refused) "
                                     "before their KV arrived: the decode node was told to "
                                     "compute the prompt itself", ["why"], registry=r)
+        self.quarantined_nodes = Gauge(
+            "router_quarantined_nodes", "registered nodes whose KV identity (block size, hash "
+            "algorithm and seed, model, tokenizer) differs from the cluster's: sent nothing",
+            registry=r)
+        self.node_quarantined = Gauge(
+            "router_node_quarantined", "1 for each quarantined node, with the identity fields "
+            "that differ (comma-separated)", ["node", "mismatch"], registry=r)
         self.migration_failures = Counter(
             "router_migration_failures", "requests whose decode node was lost and that could "
             "not move (no migration left, no healthy node)", ["reason"], registry=r)
-
         self.output_tokens = Counter("router_output_tokens", "tokens streamed to clients (the "
                                      "planner's output length per request)", registry=r)
         self.shed = Counter("router_shed_requests", "requests refused with 429 by admission "
@@ -88,6 +98,13 @@ class RouterMetrics:
         self.ttft_prediction_relative_error = Gauge(
             "router_ttft_prediction_relative_error", "recent mean of |measured - predicted| "
             "/ measured TTFT", registry=r)
+
+    def show_quarantine(self, quarantined: Mapping[str, Quarantine]) -> None:
+        """The quarantined nodes now (router.routing.identity), replacing the last ones."""
+        self.quarantined_nodes.set(len(quarantined))
+        self.node_quarantined.clear()
+        for node_id, verdict in quarantined.items():
+            self.node_quarantined.labels(node_id, ",".join(verdict.fields)).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

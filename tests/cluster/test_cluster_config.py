@@ -27,9 +27,13 @@ def test_yaml_sections_map_to_fields(tmp_path):
     assert config.metadata_address == "meta:50061" and not config.router_enabled
     assert (config.node_gpus, config.max_restarts, config.role_resource_prefix) == \
         (1, 5, "pdcluster_")
-    policy = router_config(config, "meta:50061", TEST_SECRET).policy
-    assert (policy.block_size, policy.local_prefill_threshold, policy.global_reuse_min_tokens) \
-        == (32, 64, 0)
+    router = router_config(config, "meta:50061", TEST_SECRET)
+    policy = router.policy
+    assert (policy.local_prefill_threshold, policy.global_reuse_min_tokens) == (64, 0)
+    # the router hashes with the KV identity cluster.yaml gives every node it launches
+    identity = router.cluster_identity
+    assert identity is not None and policy.block_size == 0  # unset: the cluster's is bound
+    assert (identity.block_size, identity.hash_algorithm, identity.model) == (32, "sha256", "m")
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -58,7 +58,7 @@ class Router:
         config = RouterConfig(model_dir=model_dir, port=0,
                               metadata_address=cluster.metadata_address,
                               metadata_token=cluster.cluster_secret.metadata_token(SERVICE),
-                              policy=PolicyConfig(block_size=BLOCK, local_prefill_threshold=16),
+                              policy=PolicyConfig(local_prefill_threshold=16),
                               load_interval_s=0.2, node_timeout_s=1.0,
                               max_migrations=max_migrations)
         self.app = RouterApp(config)

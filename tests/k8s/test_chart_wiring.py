@@ -237,9 +237,11 @@ def test_router_command_env_and_service() -> None:
     assert "--model=/models/Qwen2.5-7B-Instruct" in router["args"]
     assert ("--metadata=" + f"{RELEASE}-pdcluster-metadata.serving.svc.cluster.local:50061"
             in router["args"])
-    # the router hashes prompts exactly as the nodes store blocks, and routes by the same policy
-    assert {"--block-size=16", "--local-prefill-threshold=256",
+    # the router routes by the nodes' policy; it hashes prompts with the KV identity the
+    # nodes register, so nothing passes it a block size or an engine to get wrong
+    assert {"--local-prefill-threshold=256",
             "--global-reuse-min-tokens=512"} <= set(router["args"])
+    assert not [a for a in router["args"] if a.startswith(("--block-size", "--engine"))]
     env = env_of(router)
     assert env["PDCLUSTER_API_KEYS"]["valueFrom"]["secretKeyRef"]["key"] == "api-keys"
     # the router holds its client credential, never the cluster secret

@@ -20,7 +20,8 @@ import openai
 import pytest
 
 from pdcluster.core.events import BlockStored
-from pdcluster.core.hashing import BlockExtra, hash_block_tokens
+from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, BlockExtra, hash_block_tokens
+from pdcluster.core.kv_identity import KVIdentity
 from pdcluster.core.node_wire import GenerateRequest
 from pdcluster.engine.config import EngineConfig
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
@@ -36,20 +37,23 @@ from tests.router.fake_node import FakeNode
 
 BLOCK = 16
 # every request is disaggregated (threshold 0), and a prefix of 2 blocks is worth a pull
-POLICY = PolicyConfig(block_size=BLOCK, local_prefill_threshold=0, global_reuse_min_tokens=32)
+POLICY = PolicyConfig(local_prefill_threshold=0, global_reuse_min_tokens=32)
 VICTIM = "victim-tenant"
 
 
 class Member:
-    """A node: its protocol endpoint and its publisher, holding its own credential."""
+    """A node: its protocol endpoint and its publisher, holding its own credential, registered
+    with the KV identity (blocks of BLOCK tokens, the router's tokenizer) the router takes."""
 
-    def __init__(self, server: ServerThread, node_id: str, role: str) -> None:
+    def __init__(self, server: ServerThread, node_id: str, role: str,
+                 identity: KVIdentity) -> None:
         self.node = FakeNode(node_id, [7, 8], role=role)
         self.client = MetadataClient(server.address, token=node_token(node_id))
         self.held: set[bytes] = set()
+        self.identity = identity
         self.publisher = NodePublisher(self.client, make_node_info(
             node_id, role, request_address=self.node.address,
-            kv_address=self.node.kv_address), lambda: self.held, 30)
+            kv_address=self.node.kv_address, identity=identity), lambda: self.held, 30)
         self.publisher.register()
 
     def claim(self, chain: list[bytes]) -> None:
@@ -85,9 +89,11 @@ def last_request(member: Member) -> GenerateRequest | None:
 
 
 @pytest.fixture
-def cluster(start_router):
+def cluster(start_router, model_dir):
+    identity = KVIdentity.of(BLOCK, DEFAULT_HASH_CONFIG, model_dir)
     with ServerThread(make_config(cluster_secret=TEST_SECRET)) as server:
-        members = {"p1": Member(server, "p1", "prefill"), "d1": Member(server, "d1", "decode")}
+        members = {"p1": Member(server, "p1", "prefill", identity),
+                   "d1": Member(server, "d1", "decode", identity)}
         router = start_router(metadata_address=server.address, policy=POLICY, seed=0)
         link = router.app.dispatcher.metadata
         wait_for(lambda: {"p1", "d1"} <= set(router.app.dispatcher.nodes)
@@ -117,7 +123,7 @@ def test_a_members_claim_on_a_prefix_it_was_never_sent_routes_nothing(cluster) -
 
     second = first + list(range(2000, 2064))  # the follow-up: 10 blocks
     victim_chain = salted_chain(second, sent.cache_salt)
-    members["liar"] = liar = Member(server, "liar", "decode")
+    members["liar"] = liar = Member(server, "liar", "decode", members["d1"].identity)
     liar.claim(victim_chain)  # all 10 blocks, never sent: the poison
     wait_for(lambda: "liar" in dispatcher.nodes and dispatcher.nodes["liar"].healthy
              and dispatcher.metadata.mirror_node_blocks().get("liar") == 10,
@@ -205,7 +211,7 @@ def test_real_nodes_publish_only_claims_the_router_attested(start_router, model_
         nodes = {name: start_node(server.address, name) for name in ("n0", "n1")}
         try:
             # no balance term: the follow-up goes where its prefix is, nothing else
-            policy = PolicyConfig(block_size=8, balance_slack=10.0, balance_tilt=0.0)
+            policy = PolicyConfig(balance_slack=10.0, balance_tilt=0.0)
             router = start_router(metadata_address=server.address, policy=policy, seed=0,
                                   model_dir=model_dirs["llama-gqa"])
             dispatcher = router.app.dispatcher

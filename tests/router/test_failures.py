@@ -83,7 +83,8 @@ def test_a_dead_node_is_seen_at_once_and_its_stream_ends_with_an_error(start_rou
     status, body = get(router, "/health")
     assert status == 503
     assert json.loads(body)["nodes"]["d0"] == {"role": "both", "healthy": False,
-                                               "connected": False, "inflight": 0}
+                                               "connected": False, "inflight": 0,
+                                               "draining": False}
     assert metric(router, 'router_migration_failures_total{reason="max_migrations"}') == 1
     assert metric(router, "router_requests_total") == 1  # counted once, with its error
 

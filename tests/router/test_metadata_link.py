@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from pdcluster.core.hashing import DEFAULT_HASH_CONFIG
+from pdcluster.core.kv_identity import KVIdentity
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.metadata_service.publisher import NodePublisher
 from pdcluster.metadata_service.server import ServerThread
@@ -295,8 +297,12 @@ def test_dispatcher_reaches_an_mtls_service_with_its_configs_files(tmp_path) -> 
 
     with ServerThread(config) as server, \
             MetadataClient(server.address, token=node_token("p0"), **tls) as node:
+        # the KV identity of a node the router takes for the cluster's (its model folder,
+        # "unused", holds no tokenizer: neither does the router's)
+        identity = KVIdentity.of(16, DEFAULT_HASH_CONFIG, "unused")
         publisher = NodePublisher(node, make_node_info("p0", "prefill",
-                                                       request_address="tcp://127.0.0.1:9"),
+                                                       request_address="tcp://127.0.0.1:9",
+                                                       identity=identity),
                                   lambda: set(CHAINS[0]), 30)
         publisher.register()
         publisher.resync()

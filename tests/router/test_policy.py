@@ -45,7 +45,7 @@ def test_formula_matches_the_documented_weights() -> None:
     # a node holding the whole prompt but loaded by exactly the prompt's cost ties an idle,
     # empty one: both cost 320
     nodes = [NodeView("hot", cached_blocks=20, queued_prefill_tokens=160), NodeView("cold")]
-    config = PolicyConfig(queue_weight=2.0, running_weight=0.0)
+    config = PolicyConfig(block_size=16, queue_weight=2.0, running_weight=0.0)
     picks = Counter(choose_prefill(nodes, 320, config, random.Random(s)).node_id
                     for s in range(200))
     assert set(picks) == {"hot", "cold"}
@@ -264,15 +264,17 @@ def sticky_routing(config: PolicyConfig, seed: int) -> tuple[float, float]:
 
 def test_sticky_conversations_even_out_at_low_load() -> None:
     for seed in range(3):
-        before, _ = sticky_routing(PolicyConfig(balance_slack=0.0, balance_tilt=0.0,
-                                                global_reuse_min_tokens=0), seed)
-        after, stayed = sticky_routing(PolicyConfig(global_reuse_min_tokens=0), seed)
+        before, _ = sticky_routing(PolicyConfig(block_size=16, balance_slack=0.0,
+                                                balance_tilt=0.0, global_reuse_min_tokens=0),
+                                   seed)
+        after, stayed = sticky_routing(PolicyConfig(block_size=16, global_reuse_min_tokens=0),
+                                       seed)
         assert before > 1.25 and after < 1.15, (before, after)
         assert after - 1 < (before - 1) / 2, (before, after)
         assert stayed > 0.95, "prefix affinity should still keep almost every follow-up"
 
 
-@pytest.mark.parametrize("field, value", [("block_size", 0), ("queue_weight", -1.0),
+@pytest.mark.parametrize("field, value", [("block_size", -1), ("queue_weight", -1.0),
                                           ("work_weight", -0.1), ("work_half_life_s", 0.0),
                                           ("balance_slack", -0.1), ("balance_ramp", 0.0),
                                           ("local_prefill_threshold", -1),
@@ -280,6 +282,15 @@ def test_sticky_conversations_even_out_at_low_load() -> None:
 def test_config_is_validated(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         PolicyConfig(**{field: value})
+
+
+def test_hits_without_a_block_size_are_refused_not_priced() -> None:
+    """block_size 0 is unset (the live router binds its cluster's): a node holding blocks
+    cannot be priced, and load alone (no holder) needs no block size."""
+    nodes = [NodeView("hot", cached_blocks=4), NodeView("cold")]
+    with pytest.raises(ValueError, match="block_size is unset"):
+        route(nodes, 100, PolicyConfig(), random.Random(0))
+    assert route([NodeView("a"), NodeView("b")], 100, PolicyConfig(), random.Random(0))
 
 
 # --- global prefix reuse ---------------------------------------------------------------------

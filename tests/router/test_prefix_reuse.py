@@ -8,6 +8,8 @@ import asyncio
 
 import pytest
 
+from pdcluster.core.hashing import DEFAULT_HASH_CONFIG
+from pdcluster.core.kv_identity import KVIdentity
 from pdcluster.core.node_wire import PrefixSource
 from pdcluster.router.config import NodeSpec, RouterConfig
 from pdcluster.router.metrics import RouterMetrics
@@ -16,7 +18,9 @@ from pdcluster.router.routing.policy import PolicyConfig
 from tests.cluster_secret import ROUTER_CREDENTIALS, TEST_CURVE
 from tests.router.test_dispatch import make_request
 
-POLICY = PolicyConfig(block_size=16, local_prefill_threshold=16, global_reuse_min_tokens=128)
+POLICY = PolicyConfig(local_prefill_threshold=16, global_reuse_min_tokens=128)
+# blocks of 16 tokens; no tokenizer: the router's model folder is "unused"
+IDENTITY = KVIdentity.of(16, DEFAULT_HASH_CONFIG, "unused")
 
 
 def run_one(nodes, hits: dict[str, int], busy: str, num_prompt_tokens: int,
@@ -24,6 +28,7 @@ def run_one(nodes, hits: dict[str, int], busy: str, num_prompt_tokens: int,
     """Decide with `hits`, the node `busy` loaded with a backlog, then run the request."""
     config = RouterConfig(
         model_dir="unused", load_interval_s=60.0, node_timeout_s=1.0, seed=0, policy=POLICY,
+        cluster_identity=IDENTITY,
         **ROUTER_CREDENTIALS,
         nodes=tuple(NodeSpec(n.node_id, n.role, n.address, n.kv_address) for n in nodes))
 

@@ -64,8 +64,7 @@ class AdmissionGate:
                     rate = link.report.kv_costs.prefill_tokens_per_s
         held = decision.cached_tokens
         if decision.prefix_source is not None:
-            held = max(held, decision.prefix_source_blocks * self.dispatcher.config.policy
-                       .block_size)
+            held = max(held, decision.prefix_source_blocks * self.dispatcher.block_size)
         uncached = float(max(0, num_prompt - held))
         predicted = self.predictor.predict(node_id, queued, uncached, rate)
         return Prediction(node_id, queued, uncached, predicted)

@@ -8,9 +8,11 @@
 - `GET /version`: `{"version": ...}` from the installed package's metadata;
 - `GET /health`: 200 when the router can serve, else 503. Without an API key (probes carry
   none) only `{"status"}`; with one, or on the admin port, also the `reason` (no node known,
-  no healthy decode node), the nodes' and the metadata link's state. A metadata service that
-  is down does not stop serving (routing falls back to load only), so on its own it is not a
-  reason.
+  no healthy decode node), the nodes' and the metadata link's state, the cluster's KV identity
+  (`kv_identity`, with the router's own tokenizer digest) and the nodes quarantined for
+  registering another one (`quarantined`: node -> the fields that differ and why). A metadata
+  service that is down does not stop serving (routing falls back to load only), so on its own
+  it is not a reason.
 
 The first three take the API key like /v1/*.
 
@@ -145,6 +147,7 @@ class ExtraRoutes:
         body = {"status": self._status(), "reason": problem, "nodes": nodes,
                 "draining": handoffs,
                 "routing": _routing(self.config.routing, dispatcher.prefix_aware),
+                **_identity(dispatcher),
                 "metadata": None if link is None else {
                     "address": link.address, "available": link.available,
                     "last_error": link.last_error, "mirror_in_sync": link.mirror_in_sync,
@@ -167,6 +170,14 @@ class ExtraRoutes:
         return web.json_response(body, status=503, headers={"Retry-After": RETRY_AFTER_S})
 
 
+def _identity(dispatcher: Dispatcher) -> dict[str, Any]:
+    identity = dispatcher.identity
+    return {"kv_identity": identity.as_dict(),
+            "router_tokenizer_digest": identity.tokenizer_digest,
+            "quarantined": {node_id: {"mismatch": list(verdict.fields), "reason": verdict.reason}
+                            for node_id, verdict in identity.quarantined.items()}}
+
+
 def _attested(dispatcher: Dispatcher) -> dict[str, int] | None:
     table = dispatcher.attestations
     return None if table is None else {n: table.num_held(n) for n in table.held.node_ids}
@@ -187,6 +198,9 @@ def serving_problem(dispatcher: Dispatcher) -> str | None:
     if not nodes:
         if link is not None and not link.available:
             return f"no node known: the metadata service is unavailable ({link.last_error})"
+        if dispatcher.identity.quarantined:
+            return (f"no node known: {len(dispatcher.identity.quarantined)} registered nodes "
+                    f"quarantined, their KV identity differs from the cluster's")
         return "no node known"
     if any(n.healthy and n.spec.role != Role.PREFILL for n in nodes):
         return None

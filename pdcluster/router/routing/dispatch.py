@@ -2,6 +2,10 @@
 the load loop; `place` asks the policy where a request goes (pure decision), `execute` sends
 it there and yields the decode node's token deltas.
 
+Nodes: the static ones of the config, and those the metadata service lists whose KV identity
+is the cluster's (`router.routing.identity.ClusterIdentity`, which also names the block size
+and hash scheme prompts are hashed with); the others are quarantined and sent nothing.
+
 Work accounting: the dispatcher keeps `work` (`router.routing.load_decay.DecayedWork`, advanced by
 the injected `clock`) and charges each node what it computes for it: the prompt tokens the
 prefilling node neither holds nor pulls, once the request is sent, and `output_token_weight` per
@@ -41,6 +45,7 @@ import zmq.asyncio
 
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.hashing import BlockExtra, hash_block_tokens
+from pdcluster.core.kv_identity import tokenizer_digest
 from pdcluster.core.node_wire import (
     GenerateRequest,
     PrefixSource,
@@ -55,6 +60,7 @@ from pdcluster.router.errors import NodeFailure, NoHealthyNode
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.routing.attestations import Attestations, output_blocks
 from pdcluster.router.routing.baselines import RoundRobin, least_loaded_config
+from pdcluster.router.routing.identity import ClusterIdentity
 from pdcluster.router.routing.load_decay import DecayedWork
 from pdcluster.router.routing.metadata_link import MetadataLink
 from pdcluster.router.routing.node_link import NodeLink, NodeStream
@@ -101,6 +107,10 @@ class Dispatcher:
         self._round_robin = RoundRobin() if config.routing == "round_robin" else None
         self._policy = (least_loaded_config(config.policy) if config.routing == "least_loaded"
                         else config.policy)
+        # the cluster's KV identity: the block size and hash scheme prompts are hashed with
+        self.identity = ClusterIdentity(tokenizer_digest(config.model_dir),
+                                        config.cluster_identity, clock)
+        self._bind_block_size()
         self.views = NodeViews(self.work, self._policy, clock)  # the policy's view of each node
         self.metadata: MetadataLink | None = None
         self._context = zmq.asyncio.Context()
@@ -156,13 +166,31 @@ class Dispatcher:
             self.nodes[spec.node_id] = NodeLink(spec, self._context, curve=self._curve)
             self.views.add(self.nodes[spec.node_id])
 
+    def _discovered(self, specs: list[NodeSpec]) -> None:
+        """The registry's nodes: those sharing the cluster's KV identity are routed to; the
+        others are quarantined (router.routing.identity), and dropped if they were admitted
+        before (an id that registered again with another identity)."""
+        admitted = self.identity.admit(specs)
+        for node_id in self.identity.quarantined.keys() & self.nodes.keys():
+            self.views.remove(node_id)
+            self._spawn(self.nodes.pop(node_id).close())
+        self._bind_block_size()
+        self._sync_nodes(admitted)
+        self.metrics.show_quarantine(self.identity.quarantined)
+
+    def _bind_block_size(self) -> None:
+        identity = self.identity.current
+        block_size = 0 if identity is None else identity.block_size
+        if self._policy.block_size != block_size:
+            self._policy = replace(self._policy, block_size=block_size)
+
     async def refresh(self) -> None:
         """Discover nodes (metadata service) and poll every node's load once."""
         await self._renew_key()
         if self.metadata is not None:
             discovered = await self.metadata.list_nodes()
             if discovered is not None:
-                self._sync_nodes(discovered)
+                self._discovered(discovered)
         await asyncio.gather(*(n.poll_load(self.config.node_timeout_s)
                                for n in self.nodes.values()))
         self.metrics.healthy_nodes.set(sum(n.healthy for n in self.nodes.values()))
@@ -180,6 +208,11 @@ class Dispatcher:
                 await self.refresh()
             except Exception:  # the loop must survive a bad round
                 logger.exception("router load refresh failed")
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block of the cluster's identity (0 before there is one)."""
+        return self._policy.block_size
 
     @property
     def prefix_aware(self) -> bool:
@@ -204,10 +237,11 @@ class Dispatcher:
 
     async def _prefix_hits(self, prompt_ids: list[int], salt: str | None
                            ) -> tuple[dict | None, list[BlockHash]]:
-        if self.metadata is None:
-            return None, []
-        chain = hash_block_tokens(prompt_ids, self.config.policy.block_size,
-                                  BlockExtra(cache_salt=salt), self.config.hash_config)
+        identity, hash_config = self.identity.current, self.identity.hash_config
+        if self.metadata is None or identity is None or hash_config is None:
+            return None, []  # no cluster identity yet: no node to route to either
+        chain = hash_block_tokens(prompt_ids, identity.block_size,
+                                  BlockExtra(cache_salt=salt), hash_config)
         started = time.perf_counter()
         hits = await self.metadata.prefix_hits(chain)
         self.metrics.metadata_latency.observe(time.perf_counter() - started)
@@ -224,11 +258,13 @@ class Dispatcher:
     def _attest_output(self, node: NodeLink, chain: Sequence[BlockHash],
                        request: GenerateRequest, generated: list[int]) -> None:
         """The decode node also caches the blocks of the tokens it generated."""
+        identity, hash_config = self.identity.current, self.identity.hash_config
         if (self.attestations is not None and self.metadata is not None and generated
-                and self.config.routing == "kv"):  # `chain` is the prompt's (maybe empty)
+                and self.config.routing == "kv" and identity is not None
+                and hash_config is not None):  # `chain` is the prompt's (maybe empty)
             self.attestations.attest(node.node_id, output_blocks(
-                chain, request.prompt_token_ids, generated, self.config.policy.block_size,
-                BlockExtra(cache_salt=request.cache_salt), self.config.hash_config))
+                chain, request.prompt_token_ids, generated, identity.block_size,
+                BlockExtra(cache_salt=request.cache_salt), hash_config))
 
     async def execute(self, placement: Placement, request: GenerateRequest
                       ) -> AsyncGenerator[TokenDelta, None]:
@@ -324,7 +360,7 @@ class Dispatcher:
         """Prompt tokens the prefilling node computes: not those it holds, nor those it pulls."""
         held = decision.cached_tokens
         if source is not None:
-            held = max(held, source.num_blocks * self.config.policy.block_size)
+            held = max(held, source.num_blocks * self.block_size)
         return len(request.prompt_token_ids) - held
 
     def _prefix_source(self, decision: RouteDecision) -> PrefixSource | None:

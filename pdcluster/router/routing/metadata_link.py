@@ -32,12 +32,13 @@ with what it sends where) makes every answer count only the claims this router c
 each node's leading run stops at its first unattested block (whatever path answered: the
 mirror, the service, the stale mirror), and the mirror tells the table what nodes claim and
 release (a `ClaimsMirror`); the mirror's answers walk the table's index of attested claims.
-`list_nodes()` is node discovery. `tls=` (a `core.tls.ClientTLS`) opens a TLS channel (and
-presents a client certificate when the service requires mTLS); without it, plaintext. A
-channel that cannot complete its handshake (plaintext against a TLS service, a wrong CA, no
-client certificate under mTLS) fails calls with UNAVAILABLE: the link goes degraded, as when
-the service is down. Construct the link inside the running event loop (the gRPC channel
-needs one): the constructor starts the watch; `close()` cancels it.
+`list_nodes()` is node discovery (each node with the KV identity it registered). `tls=` (a
+`core.tls.ClientTLS`) opens a TLS channel (and presents a client certificate when the service
+requires mTLS); without it, plaintext. A channel that cannot complete its handshake
+(plaintext against a TLS service, a wrong CA, no client certificate under mTLS) fails calls
+with UNAVAILABLE: the link goes degraded, as when the service is down. Construct the link
+inside the running event loop (the gRPC channel needs one): the constructor starts the watch;
+`close()` cancels it.
 
 API: `MetadataLink`, `PrefixHits`.
 """
@@ -55,7 +56,7 @@ from pdcluster.core.events import DEVICE
 from pdcluster.core.roles import Role
 from pdcluster.core.tls import ClientTLS
 from pdcluster.core.types import BlockHash, NodeId
-from pdcluster.metadata_service.client import AsyncMetadataClient, medium_from_pb
+from pdcluster.metadata_service.client import AsyncMetadataClient, medium_from_pb, node_identity
 from pdcluster.metadata_service.errors import MetadataError
 from pdcluster.proto import metadata_pb2 as pb
 from pdcluster.router.config import NodeSpec
@@ -195,7 +196,7 @@ class MetadataLink:
             return None
         self._recover()
         return [NodeSpec(n.node_id, _ROLE_NAMES.get(n.role, Role.BOTH), n.request_address,
-                         n.kv_address, n.curve_public_key.encode())
+                         n.kv_address, n.curve_public_key.encode(), node_identity(n))
                 for n in nodes if n.request_address]
 
     async def register_client(self, client_id: str, public_key: bytes, ttl_s: int) -> bool:

@@ -61,6 +61,12 @@ class NodeViews:
         self._entries[node.node_id] = _Entry(node, view)
         self._healthy_stale = True
 
+    def remove(self, node_id: str) -> None:
+        """Stop tracking `node_id` (it is no longer routed to)."""
+        if self._entries.pop(node_id, None) is not None:
+            self._healthy_stale = True
+            self._hit = [view for view in self._hit if view.node_id != node_id]
+
     def charged(self, node_id: str) -> None:
         """Work was just charged to `node_id`: its recent work, exactly, now."""
         entry = self._entries.get(node_id)

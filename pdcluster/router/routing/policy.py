@@ -99,7 +99,9 @@ from pdcluster.router.routing.tier_costs import TierCosts, pull_cost, tier_cost
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    block_size: int = 16
+    # tokens per KV block; 0: unset, and prefix hits cannot be priced. The live router binds
+    # its cluster's (router.routing.identity), a simulation sets its own
+    block_size: int = 0
     prefill_weight: float = 1.0
     transfer_weight: float = 0.25
     queue_weight: float = 0.35
@@ -130,8 +132,8 @@ class PolicyConfig:
                        balance_slack=0.0, balance_tilt=0.0)
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.block_size < 0:
+            raise ValueError(f"block_size must be >= 0 (0: unset), got {self.block_size}")
         for name in ("prefill_weight", "transfer_weight", "queue_weight", "running_weight",
                      "kv_weight", "work_weight", "output_token_weight", "tie_epsilon",
                      "balance_slack", "balance_tilt", "balance_floor_prompts", "host_weight",
@@ -289,6 +291,10 @@ def _pull_blocks(live: Sequence[NodeView], num_prompt_tokens: int, config: Polic
     if config.global_reuse_min_tokens <= 0:
         return 0
     most = max((_servable(n) for n in live), default=0)
+    if most <= 0:
+        return 0
+    if config.block_size < 1:
+        raise ValueError("prefix hits without a block size: PolicyConfig.block_size is unset")
     return min(most, (num_prompt_tokens - 1) // config.block_size)
 
 

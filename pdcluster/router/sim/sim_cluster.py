@@ -147,7 +147,8 @@ class _Replicas(Attestations):
 
 def policy_config_for(policy: str, policy_config: PolicyConfig | None,
                    config: ReplayConfig) -> PolicyConfig:
-    pconf = policy_config or PolicyConfig(block_size=TRACE_BLOCK_TOKENS)
+    # the trace's block hashes are of blocks of TRACE_BLOCK_TOKENS: its KV identity
+    pconf = replace(policy_config or PolicyConfig(), block_size=TRACE_BLOCK_TOKENS)
     if not config.global_reuse:
         pconf = replace(pconf, global_reuse_min_tokens=0)
     if policy == "least-loaded":
