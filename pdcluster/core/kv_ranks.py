@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.core.kv_connector import KVRegion
+from pdcluster.core.kv_region import KVRegion
 
 
 def rank_heads(num_kv_heads: int, tp_size: int, rank: int) -> range:

@@ -22,10 +22,9 @@ node waits for its prompt's KV instead of computing it; `kv_transfer=RemoteDecod
 prefill node keeps the blocks pinned after prefill until the connector has sent them.
 `prefix_pull=PrefixPull(holder's side channel, blocks it holds)` (global prefix reuse) pulls
 the prompt's cached prefix from another node when that saves enough blocks, computing
-whatever does not arrive;
-the engine also serves other nodes' pulls from its own prefix cache. Each step first applies
-the connector's results, then schedules and runs the model, then hands the connector the
-step's plan.
+whatever does not arrive; the engine also serves other nodes' pulls from its own prefix
+cache. Each step first applies the connector's results, then schedules and runs the model,
+then hands the connector the step's plan.
 
 Building the parts from the config is engine/engine_setup.py; turning a request into its
 `RequestOutput` (stop strings included) is engine/output_builder.py.

@@ -114,7 +114,8 @@ class NodeProcess:
         self.conn, child = _CTX.Pipe()
         self.process = _CTX.Process(target=_serve, args=(model_dir, child, timeout_s,
                                                          rank_agent, options),
-                                    daemon=False)
+                                    # a daemon cannot start the ranks of a TP engine
+                                    daemon=options.get("tensor_parallel_size", 1) == 1)
         self.process.start()
         if not self.conn.poll(120):
             raise TimeoutError("node process did not start")

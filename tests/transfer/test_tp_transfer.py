@@ -2,9 +2,10 @@
 127.0.0.1) and the CURVE side channel: a prefill engine (or a prefix holder) in a child
 process, the other engine here, each rank of each group in a process of its own with its own
 transfer engine. The tiny Llama has 2 KV heads: at TP=2 one per rank, at TP=4 each held by two
-ranks (replicated). Checked: greedy tokens equal transformers', every copy of every KV head
-of every block moved is byte-identical to the sender's, each destination rank got its share
-from the sender's ranks, and no block is left held. A sender rank killed mid-transfer fails
+ranks (replicated); DeepSeek-V2's MLA latent is one "head" every rank holds. Checked: greedy
+tokens equal transformers', every copy of every KV head of every block moved is byte-identical
+to the sender's, each destination rank got its share from the sender's ranks, and no block is
+left held. A sender rank killed mid-transfer fails
 the transfer: the decode side recomputes, and the sender's engine is lost.
 
 Kept small (2 cores): every engine of TP=N starts N-1 processes that import torch."""
@@ -65,9 +66,12 @@ def _assert_same_heads(sender: list[dict | None], receiver, prompt: list[int],
     assert any(any(c[0]) for c in sender[0].values()), "KV should not be all zeros"
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2)])
-def test_prefill_and_decode_of_different_tp(p_tp, d_tp, model_dirs, hf_reference):
-    model = model_dirs["llama-gqa"]
+@pytest.mark.parametrize(("variant", "p_tp", "d_tp"), [
+    ("llama-gqa", 2, 1), ("llama-gqa", 1, 2), ("llama-gqa", 4, 2),
+    ("deepseek-v2-qlora-grouped", 1, 2),  # MLA: one copy of the latent per destination rank
+])
+def test_prefill_and_decode_of_different_tp(variant, p_tp, d_tp, model_dirs, hf_reference):
+    model = model_dirs[variant]
     prefill = NodeProcess(model, timeout_s=20.0, device="cpu", dtype="float32",
                           tensor_parallel_size=p_tp)
     decode = _local(model, d_tp, timeout_s=20.0)

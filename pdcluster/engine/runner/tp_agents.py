@@ -32,6 +32,7 @@ from pdcluster.core.kv_ranks import (
     RankEndpoint,
     load_rank_agent,
 )
+from pdcluster.engine.core.failures import TensorParallelError
 from pdcluster.engine.kv.kv_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,4 @@ class RankLinks(KVRanks):
 
 
 def _rank_error(rank: int, why: str) -> Exception:
-    from pdcluster.engine.runner.tp_workers import TensorParallelError
-
     return TensorParallelError(f"tensor-parallel rank {rank} {why}")

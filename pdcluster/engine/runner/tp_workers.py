@@ -40,20 +40,17 @@ import torch
 import torch.distributed as dist
 
 from pdcluster.core.kv_ranks import RankAgentSpec, RankEndpoint
-from pdcluster.engine.api import EngineFailure
+from pdcluster.engine.core.failures import TensorParallelError
 from pdcluster.engine.kv.kv_cache import KVCacheSpec
 from pdcluster.engine.models.parallel import TensorParallel
 from pdcluster.engine.runner.inputs import StepInputs, StepPlan
 from pdcluster.engine.runner.tp_agents import AgentHost, RankLinks
 
 logger = logging.getLogger(__name__)
+__all__ = ["RANK_TIMEOUT_S", "RankSpec", "StepPeers", "TensorParallelError", "make_group"]
 
 RANK_TIMEOUT_S = 120.0  # a collective (or a rank's start) waits at most this long
 _READY, _OK = b"ready", b"ok"
-
-
-class TensorParallelError(EngineFailure):
-    """A tensor-parallel rank died, stalled or failed: the engine cannot go on."""
 
 
 @dataclass(frozen=True, slots=True)
