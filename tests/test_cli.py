@@ -212,7 +212,7 @@ def test_bench_offers_exactly_what_the_package_ships() -> None:
     """`pdcluster bench` lists the benchmarks of pdcluster/benchmarks and nothing else: the
     harnesses of the checkout (chaos, peers, vllm, the studies) are `python -m benchmarks`."""
     shipped = {"engine", "transfer", "metadata", "router", "serve", "curve", "trace", "client",
-               "planner", "tp"}
+               "planner", "tp", "tp-transfer"}
     assert set(cli.BENCHMARKS) == shipped
     package = REPO_ROOT / "pdcluster" / "benchmarks"
     for module, _ in cli.BENCHMARKS.values():

@@ -117,23 +117,32 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- printf "/models/%s" .Values.model.name -}}
 {{- end -}}
 
-{{/* Node actors in a worker group: pods * GPUs per pod / GPUs per actor (must divide). */}}
+{{/* GPUs of one node actor of a role: cluster.node.gpus per tensor-parallel rank. */}}
+{{- define "pdcluster.gpusPerNode" -}}
+{{- $root := index . 0 -}}
+{{- mul (int $root.Values.cluster.node.gpus) (int (index $root.Values.cluster.node.tensorParallelSize (index . 1))) -}}
+{{- end -}}
+
+{{/* Node actors in a worker group: pods * GPUs per pod / GPUs per actor (must divide; a
+tensor-parallel group never spans pods: GPUs per pod must be a multiple of an actor's). */}}
 {{- define "pdcluster.numNodes" -}}
 {{- $root := index . 0 -}}
 {{- $group := index $root.Values.ray (index . 1) -}}
 {{- $gpus := mul (int $group.replicas) (int $group.gpusPerPod) -}}
-{{- $perNode := int $root.Values.cluster.node.gpus -}}
+{{- $perNode := int (include "pdcluster.gpusPerNode" .) -}}
 {{- if ne (mod $gpus $perNode) 0 -}}
-{{- fail (printf "ray.%s: replicas * gpusPerPod (%d) must be a multiple of cluster.node.gpus (%d)" (index . 1) $gpus $perNode) -}}
+{{- fail (printf "ray.%s: replicas * gpusPerPod (%d) must be a multiple of cluster.node.gpus (%d) x cluster.node.tensorParallelSize.%s" (index . 1) $gpus (int $root.Values.cluster.node.gpus) (index . 1)) -}}
+{{- end -}}
+{{- if ne (mod (int $group.gpusPerPod) $perNode) 0 -}}
+{{- fail (printf "ray.%s.gpusPerPod (%d) must be a multiple of a node's GPUs (%d = cluster.node.gpus x tensorParallelSize.%s): a tensor-parallel group never spans pods" (index . 1) (int $group.gpusPerPod) $perNode (index . 1)) -}}
 {{- end -}}
 {{- div $gpus $perNode -}}
 {{- end -}}
 
 {{/* Node actors on one pod of the busiest group: how many request ports a pod needs. */}}
 {{- define "pdcluster.nodesPerPod" -}}
-{{- $perNode := int .Values.cluster.node.gpus -}}
-{{- $prefill := div (add (int .Values.ray.prefill.gpusPerPod) (sub $perNode 1)) $perNode -}}
-{{- $decode := div (add (int .Values.ray.decode.gpusPerPod) (sub $perNode 1)) $perNode -}}
+{{- $prefill := div (int .Values.ray.prefill.gpusPerPod) (int (include "pdcluster.gpusPerNode" (list . "prefill"))) -}}
+{{- $decode := div (int .Values.ray.decode.gpusPerPod) (int (include "pdcluster.gpusPerNode" (list . "decode"))) -}}
 {{- max 1 $prefill $decode -}}
 {{- end -}}
 
@@ -154,7 +163,7 @@ The node ids the launcher starts in a role (ray_cluster.py names them p0, p1, ..
 {{- define "pdcluster.plannerBounds" -}}
 {{- $root := index . 0 -}}
 {{- $group := index $root.Values.ray (index . 1) -}}
-{{- $perPod := div (int $group.gpusPerPod) (int $root.Values.cluster.node.gpus) -}}
+{{- $perPod := div (int $group.gpusPerPod) (int (include "pdcluster.gpusPerNode" .)) -}}
 min: {{ mul (int (include "pdcluster.groupBound" (list $group "minReplicas"))) $perPod }}
 max: {{ mul (int (include "pdcluster.groupBound" (list $group "maxReplicas"))) $perPod }}
 {{- end -}}
@@ -180,6 +189,7 @@ its own Deployment), so router.host here is never bound.
   "router" (dict "host" "127.0.0.1" "port" (int .Values.router.port) "enabled" false)
   "node" (dict
     "gpus" (int $c.node.gpus)
+    "tensor_parallel_size" (dict "prefill" (int $c.node.tensorParallelSize.prefill) "decode" (int $c.node.tensorParallelSize.decode))
     "max_restarts" (int $c.node.maxRestarts)
     "local_prefill_threshold_tokens" (int $c.node.localPrefillThresholdTokens)
     "global_reuse_min_tokens" (int $c.node.globalReuseMinTokens)

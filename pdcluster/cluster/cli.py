@@ -65,6 +65,9 @@ BENCHMARKS = {
     "tp": ("tp_bench", "Tensor parallelism: decode steps (batch 1 and 16) and 512-token TTFT "
            "at TP=1 and TP=N on one random model, each TP=N figure over TP=1's (same run), "
            "tokens compared."),
+    "tp-transfer": ("tp_transfer_bench", "KV transfer between tensor-parallel groups: the "
+                    "prefill node's write from TP=2 to TP=1 and TP=1 to TP=2, each over the "
+                    "same-TP move of the same sender (same run), over Mooncake TCP."),
     "router": ("router_bench", "The router's own cost: decision time over a 1M-block index of "
                "64 nodes, latency overhead against a direct node call (same run), requests/s "
                "at 64 streaming clients."),

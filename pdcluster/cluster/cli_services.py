@@ -66,7 +66,12 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="local disk per node for the KV disk tier below the host tier "
                         "(the own engine; needs --host-cache-gib; default: none)")
     parser.add_argument("--gpus-per-node", type=float, default=0.0,
-                        help="Ray GPUs per node actor (1 on a GPU machine)")
+                        help="Ray GPUs per node actor and tensor-parallel rank (1 on a GPU "
+                        "machine: a node of TP=N takes N)")
+    for role in ("prefill", "decode"):
+        parser.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
+                            metavar="N", help=f"tensor-parallel ranks of each {role} node "
+                            "(the own engine; prefill and decode may differ; default: 1)")
     parser.add_argument("--speculative", default=None, metavar="SPEC",
                         help="speculative decoding on decode nodes: ngram:k=4 (prompt "
                         "lookup) or draft:PATH,k=4 (a smaller model, same tokenizer); "
@@ -123,6 +128,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                num_decode=args.num_decode, engine=engine,
                                metadata_address=args.metadata, router_host=args.host,
                                router_port=args.port, node_gpus=args.gpus_per_node,
+                               prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+                               decode_tensor_parallel_size=args.decode_tensor_parallel_size,
                                routing=args.routing, node_metrics_port=args.node_metrics_port,
                                **thresholds, **metadata_tls_fields(args),
                                **planner_fields(args))

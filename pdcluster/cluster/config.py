@@ -21,7 +21,11 @@ cluster.yaml:
              admission: {slo_ttft_s: 2, mode: reject,   # or queue (router.planning.admission)
                          max_queue_s: 10, tenant_priorities: {batch: low}}}
     planner: {enabled: true, ...}              # scale each role live (cluster/planner_settings.py)
-    node: {gpus: 1, max_restarts: 3, lease_ttl_s: 10, local_prefill_threshold_tokens: 32,
+    node: {gpus: 1,                            # GPUs per tensor-parallel rank
+           tensor_parallel_size: {prefill: 2, decode: 1},   # per role (or one int for both;
+                                               # absent: engine.tensor_parallel_size, else 1);
+                                               # a node actor takes gpus x its role's size
+           max_restarts: 3, lease_ttl_s: 10, local_prefill_threshold_tokens: 32,
            metrics_port: 9400,                 # Prometheus /metrics per node; 0: a free port
            request_port: 9500, request_ports: 4,  # each node binds a free one of 9500-9503
            global_reuse_min_tokens: 512,        # pull a cached prefix this long; 0: never
@@ -81,8 +85,12 @@ class ClusterConfig:
     # each node's request port: the first free one of [port, port + ports); 0: any free port
     node_request_port: int = 0
     node_request_ports: int = 1
-    node_gpus: float = 0.0
+    node_gpus: float = 0.0  # per tensor-parallel rank: an actor takes this x its TP size
     node_cpus: float = 1.0
+    # Tensor parallelism per role (None: the engine section's tensor_parallel_size, else 1):
+    # prefill and decode may differ, the KV connector maps heads between them (docs/transfer.md)
+    prefill_tensor_parallel_size: int | None = None
+    decode_tensor_parallel_size: int | None = None
     max_restarts: int = 3
     lease_ttl_s: int = 10  # each node's lease with the metadata service
     local_prefill_threshold_tokens: int = LOCAL_PREFILL_THRESHOLD_TOKENS
@@ -109,7 +117,8 @@ class ClusterConfig:
                              "must be >= 0")
         if not 0 < self.router_port < 65536:
             raise ValueError(f"router port {self.router_port} out of range")
-        EngineConfig.from_options(self.model, self.engine)  # every node's, checked at load
+        for role in (Role.PREFILL, Role.DECODE):  # every node's, checked at load
+            EngineConfig.from_options(self.model, self.engine_options(role))
         if self.node_metrics_port is not None and not 0 <= self.node_metrics_port < 65536:
             raise ValueError(f"node metrics port {self.node_metrics_port} out of range")
         if not (0 <= self.node_request_port < 65536 and self.node_request_ports >= 1
@@ -139,7 +148,20 @@ class ClusterConfig:
         options = dict(self.engine)
         if role != Role.DECODE:
             options.pop("speculative", None)
+        size = self.decode_tensor_parallel_size if role == Role.DECODE \
+            else self.prefill_tensor_parallel_size
+        if size is not None:
+            options["tensor_parallel_size"] = size
         return options
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """Ranks of a node of `role` (what its actor's GPUs are multiplied by)."""
+        return int(self.engine_options(role).get("tensor_parallel_size", 1))
+
+    def node_gpus_of(self, role: str) -> float:
+        """GPUs a node actor of `role` asks Ray for: one set per tensor-parallel rank, all
+        on one Ray node (a node's ranks are processes of its actor)."""
+        return self.node_gpus * self.tensor_parallel_size(role)
 
     def metadata_tls_fields(self) -> MetadataTLSFields:
         """The `metadata_tls_*` fields, as RouterConfig and NodeConfig take them."""
@@ -185,6 +207,7 @@ class ClusterConfig:
             node_request_ports=node.get("request_ports", 1),
             role_resource_prefix=node.get("role_resource_prefix"),
             node_gpus=node.get("gpus", 0.0), node_cpus=node.get("cpus", 1.0),
+            **_tensor_parallel(node.get("tensor_parallel_size")),
             max_restarts=node.get("max_restarts", 3),
             lease_ttl_s=node.get("lease_ttl_s", 10),
             local_prefill_threshold_tokens=node.get("local_prefill_threshold_tokens",
@@ -192,6 +215,18 @@ class ClusterConfig:
             global_reuse_min_tokens=node.get("global_reuse_min_tokens", 512),
             planner=PlannerSettings.from_dict(data.get("planner") or {}),
             admission=_admission(router.get("admission")))
+
+
+def _tensor_parallel(value: int | dict[str, int] | None) -> dict[str, int | None]:
+    """`node.tensor_parallel_size`: one size for both roles, or {prefill: N, decode: M}."""
+    if value is None:
+        return {}
+    if isinstance(value, int):
+        return {"prefill_tensor_parallel_size": value, "decode_tensor_parallel_size": value}
+    if not isinstance(value, dict) or not set(value) <= {Role.PREFILL, Role.DECODE}:
+        raise ValueError("node.tensor_parallel_size is a size or {prefill: N, decode: M}, "
+                         f"got {value!r}")
+    return {f"{role}_tensor_parallel_size": value[role] for role in value}
 
 
 def _admission(data: dict[str, Any] | None) -> AdmissionConfig | None:

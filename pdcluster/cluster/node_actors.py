@@ -13,12 +13,15 @@ from pdcluster.core.credentials import ClusterSecret, node_principal
 def start_node_actor(ray, cls, node_id: str, cfg: ClusterConfig, metadata_address: str,
                      cluster_secret: ClusterSecret):
     """A node actor of class `cls` (its role) named `pdcluster-<node_id>`, registering with
-    the metadata service at `metadata_address` under its own credential."""
+    the metadata service at `metadata_address` under its own credential. With tensor
+    parallelism it asks for a GPU set per rank: Ray gives them on one node and makes them the
+    actor's visible devices, which its ranks (processes it starts) take in order."""
     resources = {}
-    if cfg.role_resource_prefix and cfg.node_gpus:  # land on this role's worker pods
-        resources[f"{cfg.role_resource_prefix}{cls.role}"] = cfg.node_gpus
+    gpus = cfg.node_gpus_of(cls.role)  # a GPU per tensor-parallel rank, on one Ray node
+    if cfg.role_resource_prefix and gpus:  # land on this role's worker pods
+        resources[f"{cfg.role_resource_prefix}{cls.role}"] = gpus
     remote = ray.remote(cls).options(
-        name=f"pdcluster-{node_id}", num_cpus=cfg.node_cpus, num_gpus=cfg.node_gpus,
+        name=f"pdcluster-{node_id}", num_cpus=cfg.node_cpus, num_gpus=gpus,
         resources=resources, max_restarts=cfg.max_restarts, max_task_retries=0,
         max_concurrency=4)
     return remote.remote(node_id, cfg.model, host=cfg.host,

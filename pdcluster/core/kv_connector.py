@@ -12,7 +12,8 @@ Split as in vLLM's KVConnectorBase_V1 (our own version):
   and on a holder node the pull requests of peers (`lookups`), which only the engine can
   resolve against its prefix cache, and the served pulls whose blocks may be unreferenced.
 Only plain data crosses this boundary (ids, block ids, addresses), so the engine needs no
-transfer code and the connector no engine code.
+transfer code and the connector no engine code. The KV region a worker registers is
+core/kv_region.py's `KVRegion` (re-exported here); tensor-parallel ranks are core/kv_ranks.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from pdcluster.core.kv_ranks import KVRanks, RankAgentSpec
+from pdcluster.core.kv_region import KVRegion
 from pdcluster.core.kv_transfer import (
     KVTransferParams,
     PrefixPull,
@@ -29,80 +32,9 @@ from pdcluster.core.kv_transfer import (
 )
 from pdcluster.core.types import ReqId
 
-
-@dataclass(frozen=True, slots=True)
-class KVRegion:
-    """An engine's KV cache as the transfer engine sees it: `num_blocks` blocks, each made of
-    one run of `block_nbytes` bytes in every segment. Block b of segment s starts at
-    `base_addr + segment_offsets[s] + b * block_stride`.
-
-    The own engine's cache is one segment whose blocks are packed back to back (a block is
-    one contiguous range across all layers: `block_stride == block_nbytes`). vLLM's is one
-    segment per layer (each layer a tensor of its own), so a run of consecutive blocks is one
-    descriptor per layer. `nbytes` is what the single-segment form registers; multi-segment
-    layouts register `memory_ranges()`.
-
-    A host KV tier (one segment only) adds `num_host_blocks` blocks of the same layout at
-    `host_addr`, registered too, so a peer's pull can be served from host memory: block ids
-    `num_blocks + s` name host slot s (only a holder's own writes use them; blocks received
-    always land on the device)."""
-
-    base_addr: int
-    nbytes: int
-    block_nbytes: int
-    num_blocks: int
-    block_stride: int = 0  # 0: block_nbytes (blocks back to back)
-    segment_offsets: tuple[int, ...] = (0,)
-    host_addr: int = 0
-    num_host_blocks: int = 0
-
-    def __post_init__(self) -> None:
-        if self.block_nbytes <= 0 or self.num_blocks < 0:
-            raise ValueError("a KVRegion needs block_nbytes > 0 and num_blocks >= 0")
-        if self.block_stride and self.block_stride < self.block_nbytes:
-            raise ValueError(f"block_stride {self.block_stride} < block_nbytes "
-                             f"{self.block_nbytes}: blocks would overlap")
-        if not self.segment_offsets or self.segment_offsets[0] != 0:
-            raise ValueError("segment_offsets must start with 0 (segment 0 is the base)")
-        if self.num_host_blocks < 0 or (self.num_host_blocks and self.num_segments != 1):
-            raise ValueError("a host tier needs num_host_blocks >= 0 and one segment")
-
-    @property
-    def stride(self) -> int:
-        return self.block_stride or self.block_nbytes
-
-    @property
-    def num_segments(self) -> int:
-        return len(self.segment_offsets)
-
-    def block_addr(self, block_id: int) -> int:
-        """Where block `block_id` starts in segment 0 (add a segment's offset for the others);
-        ids past the device's blocks are host slots."""
-        if 0 <= block_id < self.num_blocks:
-            return self.base_addr + block_id * self.stride
-        slot = block_id - self.num_blocks
-        if 0 <= slot < self.num_host_blocks:
-            return self.host_addr + slot * self.stride
-        raise ValueError(f"block id {block_id} outside [0, "
-                         f"{self.num_blocks + self.num_host_blocks})")
-
-    def memory_ranges(self) -> list[tuple[int, int]]:
-        """(address, bytes) ranges to register with the transfer engine: the whole region
-        for one packed segment, else each segment's span, merged where they touch."""
-        host = [(self.host_addr, self.num_host_blocks * self.stride)] \
-            if self.num_host_blocks else []
-        if self.num_segments == 1 and self.stride == self.block_nbytes:
-            return [(self.base_addr, self.nbytes), *host]
-        span = (self.num_blocks - 1) * self.stride + self.block_nbytes if self.num_blocks else 0
-        ranges = sorted((self.base_addr + off, span) for off in self.segment_offsets)
-        merged: list[tuple[int, int]] = []
-        for addr, nbytes in ranges:
-            if merged and addr <= merged[-1][0] + merged[-1][1]:
-                start, length = merged[-1]
-                merged[-1] = (start, max(length, addr + nbytes - start))
-            else:
-                merged.append((addr, nbytes))
-        return merged + host
+__all__ = ["ConnectorPlan", "ConnectorResults", "KVConnector", "KVConnectorScheduler",
+           "KVConnectorWorker", "KVRegion", "PrefixTokens", "PullJob", "PullLookup",
+           "PullResult", "RecvJob", "RecvResult", "SendJob", "ServeJob"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +199,15 @@ class KVConnectorScheduler(ABC):
 
 class KVConnectorWorker(ABC):
     @abstractmethod
-    def register_kv_region(self, region: KVRegion) -> None: ...
+    def register_kv_region(self, region: KVRegion, ranks: KVRanks | None = None) -> None:
+        """Register the engine's KV region (rank 0's, with tensor parallelism; `ranks` are
+        the others, their agents' regions registered by the engine: core.kv_ranks)."""
+
+    def rank_agent(self) -> RankAgentSpec | None:
+        """What each tensor-parallel rank's process runs of this connector
+        (core.kv_ranks); None: this connector cannot span ranks (the engine refuses
+        tensor parallelism with it)."""
+        return None
 
     @abstractmethod
     def execute(self, plan: ConnectorPlan) -> None:

@@ -25,7 +25,9 @@ from pdcluster.core.types import MAX_ADDRESS_CHARS, MAX_ID_CHARS
 from pdcluster.core.wire import MaxLen, Protocol, WireError
 
 TransferId = str
-WIRE_VERSION = 2  # 2: PrefixPullRequest names blocks by tokens + salt
+# 2: PrefixPullRequest names blocks by tokens + salt; 3: requests carry the requester's
+# tensor-parallel group (`dest_group`)
+WIRE_VERSION = 3
 # The largest message the caps allow (a pull of 1M tokens: ~5 MiB of ids, 1.2 MiB of
 # addresses) fits; a side channel's ZMQ socket drops a larger frame before decrypting it.
 MAX_MESSAGE_BYTES = 8 << 20
@@ -38,6 +40,7 @@ MAX_ERROR_CHARS = 4096
 SOURCE_LOST = "prefill node lost"
 # A KV layout has one segment per layer at most twice over (K and V apart): far below this.
 MAX_SEGMENTS = 4096
+MAX_TP_RANKS = 256  # ranks of one tensor-parallel group
 Id = Annotated[str, MaxLen(MAX_ID_CHARS)]
 Address = Annotated[str, MaxLen(MAX_ADDRESS_CHARS)]
 Addresses = Annotated[list[int], MaxLen(MAX_TRANSFER_BLOCKS)]
@@ -83,6 +86,23 @@ class PrefixPull:
 
 
 @dataclass(frozen=True, slots=True)
+class KVGroup:
+    """The requester's tensor-parallel group, so that a writer whose ranks split the KV heads
+    differently can map them (transfer/head_map.py): the model's `num_kv_heads` (MLA: 1),
+    and for each rank, rank 0 first, its transfer-engine session and its KV region's base
+    address. The request's `dest_block_addrs` are rank 0's; rank r's copy of a block lies at
+    the same offset from `bases[r]`, holding rank r's heads (core.kv_ranks.rank_heads)."""
+
+    num_kv_heads: int
+    sessions: Annotated[list[Address], MaxLen(MAX_TP_RANKS)]
+    bases: Annotated[list[int], MaxLen(MAX_TP_RANKS)]
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.sessions)
+
+
+@dataclass(frozen=True, slots=True)
 class XferRequest:
     transfer_id: Id
     request_id: Id  # D's request id, echoed back for logging
@@ -96,6 +116,9 @@ class XferRequest:
     # one segment ([0]) for the own engine, one per layer for vLLM. Both sides must agree on
     # the count and on block_nbytes (bytes of one block in one segment).
     dest_segment_offsets: Segments = field(default_factory=_one_segment)
+    # D's tensor-parallel group (one rank: itself); None: a layout without addressable heads
+    # (vLLM's), which only a writer of the very same layout serves
+    dest_group: KVGroup | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +141,7 @@ class PrefixPullRequest:
     cache_salt: Annotated[str, MaxLen(4096)] | None = None
     lora_id: int | None = None
     dest_segment_offsets: Segments = field(default_factory=_one_segment)
+    dest_group: KVGroup | None = None  # as XferRequest's
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,8 +184,20 @@ def _check_segments(offsets: list[int], where: str) -> None:
                         "the first 0")
 
 
+def _check_group(group: KVGroup | None, where: str) -> None:
+    if group is None:
+        return
+    heads, size = group.num_kv_heads, group.tp_size
+    if not size or len(group.bases) != size or not all(b > 0 for b in group.bases):
+        raise WireError(f"{where}.dest_group needs a positive base address per session")
+    if heads < 1 or (heads % size if heads >= size else size % heads):
+        raise WireError(f"{where}.dest_group: {heads} KV heads cannot be split over {size} "
+                        "ranks")
+
+
 def _check_request(msg: XferRequest) -> None:
     _check_segments(msg.dest_segment_offsets, "XferRequest")
+    _check_group(msg.dest_group, "XferRequest")
     if not all(a > 0 for a in msg.dest_block_addrs):
         raise WireError("XferRequest.dest_block_addrs must be positive integers")
     if not 0 <= msg.skip_blocks <= msg.num_blocks:
@@ -174,6 +210,7 @@ def _check_request(msg: XferRequest) -> None:
 
 def _check_pull(msg: PrefixPullRequest) -> None:
     _check_segments(msg.dest_segment_offsets, "PrefixPullRequest")
+    _check_group(msg.dest_group, "PrefixPullRequest")
     if msg.block_size <= 0 or msg.first_block < 0 or not msg.dest_block_addrs:
         raise WireError("PrefixPullRequest needs block_size > 0, first_block >= 0 and at "
                         "least one destination")

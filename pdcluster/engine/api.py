@@ -15,6 +15,11 @@ thread, except `cached_block_hashes`, which the metadata publisher calls from it
   measured about KV it loads instead of computing: its KV tiers) rides on load reports.
 - `take_kv_events` and `cached_block_hashes` feed the global block index, with hashes computed
   as `hash_config` says (the router hashes prompts the same way).
+
+`step` raising `EngineFailure` (engine/core/failures.py) means the engine itself is lost (a
+tensor-parallel rank died or stalled): no later step can succeed, and the node fails its
+requests and exits so that it is restarted. Any other exception from `step` fails that step's
+requests only.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, TransferId
 from pdcluster.core.node_wire import KVCosts
 from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash, ReqId
+from pdcluster.engine.core.failures import EngineFailure
 from pdcluster.engine.core.outputs import EngineCounters, EngineLoad, RequestOutput
+
+__all__ = ["EngineFailure", "NodeEngine"]
 
 
 class NodeEngine(ABC):

@@ -11,16 +11,20 @@ It owns the tokenizer, the scheduler and KV cache manager (bookkeeping, torch-fr
 model runner (torch). Bad requests raise ValueError at `add_request`, before any state changes
 (engine/core/validation.py); a `RemoteDecode` request past the node's pin budget raises
 `OverloadedError` (engine/core/pins.py). A fault while serving one request fails it alone (`step`).
+With tensor parallelism (`tensor_parallel_size` ranks, engine/runner/tp_workers.py) a rank that
+died or stalls makes `step` raise `TensorParallelError`, an `engine.api.EngineFailure`: the
+engine is lost and its node restarts.
 
 With a `KVConnector` (see core/kv_connector.py) the engine takes part in disaggregated
-serving: `add_request(..., kv_transfer=RemotePrefill(...))` on a decode node waits for its
-prompt's KV instead of computing it; `kv_transfer=RemoteDecode(...)` on a prefill node keeps
-the blocks pinned after prefill until the connector has sent them. `prefix_pull=PrefixPull(
-holder's side channel, blocks it holds)` (global prefix reuse) pulls the prompt's cached
-prefix from another node when that saves enough blocks, computing whatever does not arrive;
-the engine also serves other nodes' pulls from its own prefix cache. Each step first applies
-the connector's results, then schedules and runs the model, then hands the connector the
-step's plan.
+serving (with tensor parallelism too: every rank runs the connector's agent and moves its own
+KV heads, core/kv_ranks.py): `add_request(..., kv_transfer=RemotePrefill(...))` on a decode
+node waits for its prompt's KV instead of computing it; `kv_transfer=RemoteDecode(...)` on a
+prefill node keeps the blocks pinned after prefill until the connector has sent them.
+`prefix_pull=PrefixPull(holder's side channel, blocks it holds)` (global prefix reuse) pulls
+the prompt's cached prefix from another node when that saves enough blocks, computing
+whatever does not arrive; the engine also serves other nodes' pulls from its own prefix
+cache. Each step first applies the connector's results, then schedules and runs the model,
+then hands the connector the step's plan.
 
 Building the parts from the config is engine/engine_setup.py; turning a request into its
 `RequestOutput` (stop strings included) is engine/output_builder.py.
@@ -63,6 +67,7 @@ from pdcluster.engine.kv.kv_cache import PagedKVCache
 from pdcluster.engine.models.model_config import ModelConfig
 from pdcluster.engine.output_builder import OutputBuilder
 from pdcluster.engine.runner.model_runner import ModelRunner
+from pdcluster.engine.runner.tp_workers import StepPeers
 from pdcluster.engine.sample.structured_output import GrammarCompiler
 from pdcluster.engine.spec_decode.decoder import SpecDecoder, build_proposer
 from pdcluster.engine.spec_decode.stats import SpecDecodeStats
@@ -83,9 +88,10 @@ class LLMEngine(NodeEngine):
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         self.max_model_len = resolve_max_len(config, self.model_config)
         self.tokenizer = load_tokenizer(config.model)
-        if config.tensor_parallel_size > 1 and kv_connector is not None:
-            raise ValueError("KV transfer (a prefill or decode node) with tensor_parallel_size "
-                             "> 1 is not supported yet")
+        if config.tensor_parallel_size > 1 and kv_connector is not None \
+                and kv_connector.worker.rank_agent() is None:
+            raise ValueError("this KV connector cannot span tensor-parallel ranks "
+                             "(tensor_parallel_size > 1)")
         model, peers = build_model(config, self.model_config, self.dtype, self.device,
                                    self.max_model_len)
         self.kv_spec = kv_cache_spec(config, self.model_config, self.dtype, self.device,
@@ -94,7 +100,7 @@ class LLMEngine(NodeEngine):
             peers.allocate_kv(self.kv_spec)
         self.runner = ModelRunner(model, PagedKVCache(self.kv_spec, self.dtype, self.device),
                                   self.device, config.seed)
-        self.runner.peers = peers
+        self.runner.peers = self.peers = peers
         pool = BlockPool(self.kv_spec.num_blocks, config.block_size,
                          enable_caching=config.enable_prefix_caching,
                          enable_events=config.enable_kv_events)
@@ -108,7 +114,7 @@ class LLMEngine(NodeEngine):
             self.kv_manager, kv_connector.scheduler if kv_connector else None,
             config.hash_config)
         if kv_connector is not None:
-            kv_connector.worker.register_kv_region(self.kv_region)
+            self._register_kv(kv_connector, peers)
         self._outputs = OutputBuilder(self.tokenizer, self.scheduler.finish_request)
         self.grammars = self._grammar_compiler()
         self._num_steps, self._step_seconds = 0, 0.0
@@ -140,6 +146,16 @@ class LLMEngine(NodeEngine):
             return None
         return SpecDecoder(spec, build_proposer(spec, self), self.max_model_len)
 
+    def _register_kv(self, connector: KVConnector, peers: StepPeers | None) -> None:
+        """Hand the connector this rank's KV region and, with tensor parallelism, the other
+        ranks, each running the connector's agent with its own region (core.kv_ranks)."""
+        if peers is None:
+            connector.worker.register_kv_region(self.kv_region)
+            return
+        spec = connector.worker.rank_agent()
+        assert spec is not None, "checked before the ranks started"
+        connector.worker.register_kv_region(self.kv_region, peers.start_agents(spec))
+
     @classmethod
     def from_model(cls, model: str | Path, kv_connector: KVConnector | None = None,
                    **options) -> LLMEngine:
@@ -158,7 +174,8 @@ class LLMEngine(NodeEngine):
         spec, host = self.kv_spec, self.host_cache
         return KVRegion(self.kv_cache.data_ptr(), spec.total_nbytes, spec.block_nbytes,
                         spec.num_blocks, host_addr=host.tensor.data_ptr() if host else 0,
-                        num_host_blocks=host.num_blocks if host else 0)
+                        num_host_blocks=host.num_blocks if host else 0,
+                        num_kv_heads=self.model_config.kv_layout[1])
 
     # ---- NodeEngine: what a node asks (engine/api.py) ----------------------------------
 
@@ -354,6 +371,8 @@ class LLMEngine(NodeEngine):
         forward, the scheduler, the connector) still raises here, and the caller fails every
         request of the step (the node server answers each with an "internal" error)."""
         started = time.perf_counter()
+        if self.peers is not None:  # a rank gone (even between forwards): fail at once
+            self.peers.check()
         updated: list[Request] = []
         if self.connector is not None:
             results = self.connector.worker.get_results()

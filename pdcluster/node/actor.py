@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from typing import Any, ClassVar
 
 from pdcluster.engine.api import NodeEngine
@@ -11,7 +14,13 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.node.config import NodeConfig
 from pdcluster.node.runtime import NodeRuntime
 
+logger = logging.getLogger(__name__)
 POD_IP_ENV = "POD_IP"
+# A node actor whose engine is lost exits with this code: Ray restarts an actor whose process
+# died, not one that returned
+ENGINE_LOST_EXIT = 75
+_FLUSH_S = 0.5  # ZMQ sends the frames queued before the exit on its own threads
+_STOP_S = 15.0
 
 
 def _transfer_stats(engine: NodeEngine) -> dict[str, Any]:
@@ -33,7 +42,23 @@ class NodeActor:
         # one pair shared by every member (NodeRuntime's shared_keys): tests and benchmarks
         shared_keys = options.pop("shared_keys", None)
         self.runtime = NodeRuntime(NodeConfig(node_id=node_id, role=self.role, engine=engine,
-                                              **options), shared_keys=shared_keys).start()
+                                              **options), shared_keys=shared_keys,
+                                   on_fatal=self._engine_lost).start()
+
+    def _engine_lost(self, error: Exception) -> None:
+        """The engine is lost for good (a tensor-parallel rank died or stalls; the server has
+        failed every request): exit, so that Ray restarts this actor (up to its
+        max_restarts) with a fresh engine. Off the server thread, which is still returning."""
+        threading.Thread(target=self._exit_for_restart, name="node-restart", daemon=True).start()
+
+    def _exit_for_restart(self) -> None:
+        time.sleep(_FLUSH_S)  # the errors just queued reach the router and peers first
+        try:  # deregister (the index drops this node's blocks) and stop the engine's ranks
+            self.runtime.stop(drain=False, timeout_s=_STOP_S)
+        except Exception:  # exiting anyway: a restart is the remedy
+            logger.exception("node %s: stopping before its restart failed",
+                             self.runtime.config.node_id)
+        os._exit(ENGINE_LOST_EXIT)
 
     def info(self) -> dict[str, str]:
         return self.runtime.info()

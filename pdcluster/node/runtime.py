@@ -13,12 +13,14 @@ directory follows the metadata service (registered nodes and routers), and is wh
 sockets admit and authorise per message. `NodeRuntime(config, shared_keys=pair)` serves and
 connects with one pair every member holds instead, admitting its holders for everything:
 static nodes without a metadata service, as tests and benchmarks run them; nothing builds it
-from a configuration.
+from a configuration. `on_fatal(error)` is called (on the server thread) once the engine is
+lost for good (node/server.py); a node actor exits there so that Ray restarts it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pdcluster.core.credentials import CurveKeys, node_principal
 from pdcluster.core.curve import forget_directory
@@ -58,7 +60,8 @@ def registered_peers(client: MetadataClient) -> list[Peer]:
 
 
 class NodeRuntime:
-    def __init__(self, config: NodeConfig, shared_keys: CurveKeys | None = None) -> None:
+    def __init__(self, config: NodeConfig, shared_keys: CurveKeys | None = None,
+                 on_fatal: Callable[[Exception], None] | None = None) -> None:
         if shared_keys is None and (config.metadata_address is None
                                     or config.bootstrap_token is None):
             raise ValueError(f"node {config.node_id}: a node needs a metadata service and its "
@@ -71,7 +74,8 @@ class NodeRuntime:
                                                                     self.directory)
         self.server = NodeServer(self.engine, config.node_id, config.role, config.host,
                                  config.port, on_step=self._on_step, curve=self.keys,
-                                 directory=self.directory, port_span=config.port_span)
+                                 directory=self.directory, port_span=config.port_span,
+                                 on_fatal=on_fatal)
         if self.directory is not None:  # itself, before the metadata service says so
             self.directory.grant(Peer(node_principal(config.node_id), self.keys.public,
                                       self.server.address, self.kv_address, self.kv_session))

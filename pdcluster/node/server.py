@@ -22,6 +22,10 @@ only from the principal that submitted the request. Without a directory, `curve`
 shared pair of the test mode (its holders may do everything); `curve=None` is plaintext, for
 unit tests only.
 
+An engine that is lost for good (`engine.api.EngineFailure`: a tensor-parallel rank died or
+stalls) fails every request with "internal", refuses new ones, stops the loop and calls
+`on_fatal(error)` on the server thread; a node actor exits there so that Ray restarts it.
+
 `on_step` (optional) runs after every step on the server thread; nodes use it to hand the
 engine's KV events (`NodeEngine.take_kv_events`) to their metadata publisher. `call(fn)` runs
 `fn(engine)` on the server thread from any other thread (the engine is not thread-safe), then
@@ -68,7 +72,7 @@ from pdcluster.core.node_wire import (
 )
 from pdcluster.core.throttle import Throttle
 from pdcluster.core.wire import WireError
-from pdcluster.engine.api import NodeEngine
+from pdcluster.engine.api import EngineFailure, NodeEngine
 from pdcluster.engine.core.outputs import RequestOutput
 from pdcluster.engine.core.pins import OverloadedError
 from pdcluster.node.request_spans import RequestSpans
@@ -108,10 +112,13 @@ class NodeServer:
     def __init__(self, engine: NodeEngine, node_id: str, role: str, host: str = "127.0.0.1",
                  port: int = 0, on_step: Callable[[NodeEngine], None] | None = None, *,
                  curve: CurveKeys | None, directory: Directory | None = None,
-                 port_span: int = 1) -> None:
+                 port_span: int = 1,
+                 on_fatal: Callable[[Exception], None] | None = None) -> None:
         self.engine = engine
         self.node_id, self.role = node_id, role
         self.on_step = on_step
+        self.on_fatal = on_fatal
+        self.failure: Exception | None = None  # what lost the engine, if it is lost
         self.stats = ServerStats()
         self.spans = RequestSpans(node_id, role)  # each request's spans (core.tracing)
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
@@ -210,6 +217,9 @@ class NodeServer:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineFailure as exc:
+            self._lose_engine(exc)
+            return
         except Exception:
             logger.exception("engine step failed on node %s", self.node_id)
             self._fail_all("internal", "the engine failed; see the node's log")
@@ -349,6 +359,18 @@ class NodeServer:
             top_ids, top_values))
         if out.finished:
             self._forget(out.request_id)
+
+    def _lose_engine(self, exc: EngineFailure) -> None:
+        """The engine is lost for good (a tensor-parallel rank died or stalls): fail every
+        request (the router migrates or recomputes them), refuse new ones, stop serving,
+        and hand the error to `on_fatal` (a node actor exits there, so Ray restarts it)."""
+        logger.error("node %s lost its engine: %s", self.node_id, exc)
+        self.failure = exc
+        self.begin_drain()
+        self._fail_all("internal", f"the node's engine is lost ({exc}); the node restarts")
+        self._stop.set()
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     def _fail_all(self, code: str, message: str) -> None:
         for request_id, identity in list(self._owners.items()):

@@ -34,6 +34,7 @@ from pdcluster.core.kv_connector import (
     RecvResult,
     SendJob,
 )
+from pdcluster.core.kv_ranks import KVRanks, RankAgentSpec
 from pdcluster.core.kv_transfer import (
     PrefixPullRequest,
     SideChannelMessage,
@@ -42,8 +43,8 @@ from pdcluster.core.kv_transfer import (
     XferDone,
     XferRequest,
 )
-from pdcluster.transfer.descriptors import coalesce
 from pdcluster.transfer.errors import error_text
+from pdcluster.transfer.group_writer import Destination, GroupWriter, destination
 from pdcluster.transfer.peer_rules import PeerRules
 from pdcluster.transfer.pull_worker import Outbox, PullWorker
 from pdcluster.transfer.transport import Transport
@@ -72,6 +73,7 @@ class ConnectorWorker(KVConnectorWorker):
         self._lock = self._state.lock
         self._sends = SendTable(self._state.budget)
         self._pool = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
+        self._writer: GroupWriter | None = None
         self._pulls = PullWorker(self._state, self._pool, self._write, self._flush)
         # Called (side-channel thread) when a peer's pull waits for the engine to look it up:
         # an engine in other processes (vLLM) may be idle and must be woken to do it.
@@ -82,10 +84,16 @@ class ConnectorWorker(KVConnectorWorker):
 
     # ---- engine-facing ----------------------------------------------------------------
 
-    def register_kv_region(self, region: KVRegion) -> None:
+    def register_kv_region(self, region: KVRegion, ranks: KVRanks | None = None) -> None:
+        """`ranks`: the node's other tensor-parallel ranks (core.kv_ranks), whose agents
+        registered their own regions; this worker plans and drives their writes."""
         for addr, nbytes in region.memory_ranges():
             self.transport.register(addr, nbytes)
-        self._state.region = region
+        self._writer = GroupWriter(self.transport, region, ranks, self.timeout_s)
+        self._state.region, self._state.group = region, self._writer.group
+
+    def rank_agent(self) -> RankAgentSpec | None:
+        return self.transport.rank_agent()
 
     def execute(self, plan: ConnectorPlan) -> None:
         outbox: list[tuple[str, SideChannelMessage]] = []
@@ -186,7 +194,7 @@ class ConnectorWorker(KVConnectorWorker):
             block_nbytes=region.block_nbytes, num_blocks=len(job.block_ids),
             skip_blocks=job.skip_blocks,
             dest_block_addrs=[region.block_addr(b) for b in job.block_ids[job.skip_blocks:]],
-            dest_segment_offsets=list(region.segment_offsets))
+            dest_segment_offsets=list(region.segment_offsets), dest_group=self._state.group)
         outbox.append((job.transfer.source_addr, request))
 
     def _on_done(self, msg: XferDone) -> None:
@@ -202,9 +210,8 @@ class ConnectorWorker(KVConnectorWorker):
                 return
             self.stats.blocks_received += msg.num_blocks_sent
             self.stats.descriptors_received += msg.num_descriptors
-            region = self._state.require_region()
-            self.stats.bytes_received += (msg.num_blocks_sent * region.block_nbytes
-                                          * region.num_segments)
+            self.stats.bytes_received += (msg.num_blocks_sent
+                                          * self._state.region_nbytes_per_block)
             if msg.ok:
                 self.stats.latencies.append(("recv", self._state.clock() - recv.started))
             self._finish_recv(recv, msg.ok, msg.first_token, msg.first_logprob, msg.error)
@@ -276,8 +283,7 @@ class ConnectorWorker(KVConnectorWorker):
         block_ids = job.block_ids[request.skip_blocks:request.num_blocks]
         started = time.perf_counter()
         num_descriptors, nbytes = self._write(block_ids, request.dest_block_addrs,
-                                              request.dest_session, request.block_nbytes,
-                                              request.dest_segment_offsets)
+                                              destination(request))
         with self._lock:
             self.stats.recent_write_s.append(time.perf_counter() - started)
             self.stats.latencies.append(("send", time.perf_counter() - started))
@@ -286,29 +292,13 @@ class ConnectorWorker(KVConnectorWorker):
             self.stats.bytes_sent += nbytes
         return num_descriptors
 
-    def _write(self, block_ids: list[int], dest_addrs: list[int], dest_session: str,
-               block_nbytes: int, dest_offsets: list[int]) -> tuple[int, int]:
-        """Write local blocks to a peer's addresses, every segment of the layout:
-        (descriptors, bytes) written. Consecutive blocks coalesce within a segment."""
-        region = self._state.require_region()
-        if block_nbytes != region.block_nbytes or len(dest_offsets) != region.num_segments:
-            raise ValueError(
-                f"KV layout mismatch: {len(dest_offsets)} segments of {block_nbytes} bytes "
-                f"asked, {region.num_segments} of {region.block_nbytes} held (same model, "
-                "dtype, block size and engine on both nodes?)")
-        local = [region.block_addr(b) for b in block_ids]
-        src: list[int] = []
-        dst: list[int] = []
-        lengths: list[int] = []
-        for src_offset, dst_offset in zip(region.segment_offsets, dest_offsets, strict=True):
-            s, d, n = coalesce([a + src_offset for a in local],
-                               [a + dst_offset for a in dest_addrs], region.block_nbytes)
-            src += s
-            dst += d
-            lengths += n
-        if src:
-            self.transport.write(dest_session, src, dst, lengths)
-        return len(src), sum(lengths)
+    def _write(self, block_ids: list[int], dest_addrs: list[int],
+               dest: Destination) -> tuple[int, int]:
+        """Write local blocks to a peer's addresses, every rank of this node's group its
+        share (transfer/group_writer.py): (descriptors, bytes) written."""
+        if self._writer is None:
+            raise RuntimeError("register_kv_region() must be called before transfers")
+        return self._writer.write(block_ids, dest_addrs, dest)
 
     # ---- both sides -------------------------------------------------------------------
 

@@ -28,13 +28,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pdcluster.core.kv_connector import PrefixTokens, PullJob, PullLookup, PullResult, ServeJob
 from pdcluster.core.kv_transfer import PrefixPullRequest, SideChannelMessage, TransferId, XferDone
 from pdcluster.transfer.errors import error_text
+from pdcluster.transfer.group_writer import Destination, destination
 from pdcluster.transfer.worker_state import OVER_BUDGET, Recv, ServeTable, WorkerState
 
 logger = logging.getLogger(__name__)
 
 Outbox = list[tuple[str, SideChannelMessage]]
-# (local block ids, peer addresses, peer session, block bytes) -> (descriptors, bytes)
-WriteFn = Callable[[list[int], list[int], str, int, list[int]], tuple[int, int]]
+# (local block ids, peer addresses, where) -> (descriptors, bytes)
+WriteFn = Callable[[list[int], list[int], Destination], tuple[int, int]]
 
 
 class PullWorker:
@@ -71,7 +72,7 @@ class PullWorker:
             first_block=job.prefix.first_block, token_ids=list(job.prefix.token_ids),
             dest_block_addrs=[region.block_addr(b) for b in job.block_ids],
             cache_salt=job.prefix.cache_salt, lora_id=job.prefix.lora_id,
-            dest_segment_offsets=list(region.segment_offsets))
+            dest_segment_offsets=list(region.segment_offsets), dest_group=state.group)
         return job.source_addr, request
 
     def finish(self, recv: Recv, ok: bool, num_blocks: int, error: str | None) -> None:
@@ -80,8 +81,7 @@ class PullWorker:
         if ok:
             stats.pulls_ok += 1
             stats.blocks_pulled += num_blocks
-            region = self._state.require_region()
-            stats.bytes_pulled += num_blocks * region.block_nbytes * region.num_segments
+            stats.bytes_pulled += num_blocks * self._state.region_nbytes_per_block
             stats.latencies.append(("pull", self._state.clock() - recv.started))
         else:
             stats.pulls_failed += 1
@@ -117,12 +117,11 @@ class PullWorker:
 
     def _serve(self, job: ServeJob, msg: PrefixPullRequest) -> None:
         tid, state = job.transfer_id, self._state
-        num_blocks = min(len(job.block_ids), len(msg.dest_block_addrs))
+        num_blocks, nbytes = min(len(job.block_ids), len(msg.dest_block_addrs)), 0
         try:
-            num_descriptors, _ = self._write(job.block_ids[:num_blocks],
-                                             msg.dest_block_addrs[:num_blocks],
-                                             msg.dest_session, msg.block_nbytes,
-                                             msg.dest_segment_offsets)
+            num_descriptors, nbytes = self._write(job.block_ids[:num_blocks],
+                                                  msg.dest_block_addrs[:num_blocks],
+                                                  destination(msg))
             done = XferDone(tid, True, num_blocks_sent=num_blocks,
                             num_descriptors=num_descriptors)
         except Exception as exc:  # report every failure rather than let the requester wait
@@ -135,8 +134,7 @@ class PullWorker:
             if done.ok:
                 state.stats.pull_requests_served += 1
                 state.stats.blocks_served += num_blocks
-                state.stats.bytes_served += (num_blocks * msg.block_nbytes
-                                             * len(msg.dest_segment_offsets))
+                state.stats.bytes_served += nbytes
             else:
                 state.stats.pull_serves_failed += 1
         self._flush([(msg.reply_addr, done)])

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.identity import Directory
+from pdcluster.core.kv_ranks import RankAgentSpec
 from pdcluster.core.kv_transfer import SideChannelMessage
 from pdcluster.transfer.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
 from pdcluster.transfer.side_channel import (
@@ -21,6 +22,10 @@ from pdcluster.transfer.side_channel import (
     SideChannelClient,
     SideChannelServer,
 )
+
+# What the other tensor-parallel ranks of a node run (an installed name: it is resolved in
+# their processes)
+RANK_AGENT = "pdcluster.transfer.rank_agent:MooncakeRankAgent"
 
 
 class Transport(ABC):
@@ -37,6 +42,11 @@ class Transport(ABC):
     @property
     def public_key(self) -> bytes | None:
         """This end's CURVE public key (None: it has none)."""
+        return None
+
+    def rank_agent(self) -> RankAgentSpec | None:
+        """The agent each other tensor-parallel rank of this node runs (core.kv_ranks): its
+        own transfer engine like this one's; None: this transport cannot span ranks."""
         return None
 
     @abstractmethod
@@ -92,6 +102,13 @@ class MooncakeTransport(Transport):
     @property
     def public_key(self) -> bytes | None:
         return None if self._curve is None else self._curve.public
+
+    def rank_agent(self) -> RankAgentSpec | None:
+        config = self._engine.config
+        return RankAgentSpec(RANK_AGENT, {"hostname": config.hostname,
+                                          "protocol": config.protocol,
+                                          "device_name": config.device_name,
+                                          "metadata_server": config.metadata_server})
 
     def start(self, on_message: MessageHandler, authorize: Authorizer | None = None) -> None:
         self._server = SideChannelServer(on_message, self._host, self._port, curve=self._curve,

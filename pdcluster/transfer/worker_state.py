@@ -21,6 +21,7 @@ from pdcluster.core.kv_connector import ConnectorResults, KVRegion, SendJob
 from pdcluster.core.kv_transfer import (
     MAX_PULL_TOKENS,
     MAX_TRANSFER_BLOCKS,
+    KVGroup,
     PrefixPullRequest,
     TransferId,
     XferRequest,
@@ -259,7 +260,7 @@ class WorkerState:
     rest is guarded by `lock`: the statistics, the results for the engine's next step, the
     receives in flight (transfers and pulls), the recently finished transfer ids (to answer
     late messages), the receives given up before they started, and the registered KV
-    region."""
+    region and group."""
 
     def __init__(self, transport: Transport, timeout_s: float,
                  clock: Callable[[], float]) -> None:
@@ -275,6 +276,7 @@ class WorkerState:
         self.given_up: OrderedDict[TransferId, str] = OrderedDict()
         self.region: KVRegion | None = None
         self.budget = PeerBudget()  # what peers' pending requests may make this node hold
+        self.group: KVGroup | None = None  # this node's group, named in its requests
 
     def deadline(self) -> float:
         return self.clock() + self.timeout_s
@@ -292,6 +294,13 @@ class WorkerState:
         self.given_up[tid] = reason
         while len(self.given_up) > _FORGET_AFTER:
             self.given_up.popitem(last=False)
+
+    @property
+    def region_nbytes_per_block(self) -> int:
+        """Bytes one block takes on this node: every segment, every tensor-parallel rank."""
+        region = self.require_region()
+        ranks = self.group.tp_size if self.group is not None else 1
+        return region.block_nbytes * region.num_segments * ranks
 
     def require_region(self) -> KVRegion:
         if self.region is None:

@@ -112,3 +112,20 @@ def test_host_tier_reaches_every_node_and_bad_sizes_fail_at_start():
         ClusterConfig(model="/models/m", engine={"host_cache_gib": -1})
     with pytest.raises(ValueError, match="vLLM's own connectors"):
         ClusterConfig(model="/models/m", engine={"host_cache_gib": 4, "backend": "vllm"})
+
+
+def test_tensor_parallel_size_per_role_sets_each_engine_and_its_gpus():
+    config = ClusterConfig.from_dict({"model": "m", "engine": {"tensor_parallel_size": 4},
+                                      "node": {"gpus": 1, "tensor_parallel_size":
+                                               {"prefill": 2}}})
+    assert config.engine_options("prefill")["tensor_parallel_size"] == 2
+    assert config.engine_options("decode")["tensor_parallel_size"] == 4  # the engine's own
+    assert (config.node_gpus_of("prefill"), config.node_gpus_of("decode")) == (2, 4)
+    both = ClusterConfig.from_dict({"model": "m", "node": {"tensor_parallel_size": 2}})
+    assert both.tensor_parallel_size("prefill") == both.tensor_parallel_size("decode") == 2
+    assert both.node_gpus_of("decode") == 0  # CPU: ranks are processes, no GPU asked
+    plain = ClusterConfig(model="m", node_gpus=1)
+    assert plain.tensor_parallel_size("decode") == 1 and plain.node_gpus_of("prefill") == 1
+    for bad in ({"prefill": 2, "both": 1}, "2", {"decode": 0}):
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            ClusterConfig.from_dict({"model": "m", "node": {"tensor_parallel_size": bad}})

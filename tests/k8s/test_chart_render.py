@@ -164,20 +164,26 @@ def test_cluster_yaml(name: str) -> None:
     assert set(config["transfer"]) == {"protocol", "device_name", "timeout_s"}
     assert set(config["node"]) == {"gpus", "max_restarts", "local_prefill_threshold_tokens",
                                    "global_reuse_min_tokens", "role_resource_prefix",
-                                   "metrics_port", "request_port", "request_ports"}
+                                   "metrics_port", "request_port", "request_ports",
+                                   "tensor_parallel_size"}
+    assert config["node"]["tensor_parallel_size"] == \
+        values["cluster"]["node"]["tensorParallelSize"]
     assert config["node"]["metrics_port"] == values["cluster"]["node"]["metricsPort"]
     # one request port per node actor of a pod, from cluster.node.requestPort on
     assert config["node"]["request_port"] == values["cluster"]["node"]["requestPort"]
-    per_pod = max(-(-values["ray"][role]["gpusPerPod"] // values["cluster"]["node"]["gpus"])
-                  for role in ("prefill", "decode"))
+    node = values["cluster"]["node"]
+    per_pod = max(1, *(values["ray"][role]["gpusPerPod"]
+                       // (node["gpus"] * node["tensorParallelSize"][role])
+                       for role in ("prefill", "decode")))
     assert config["node"]["request_ports"] == per_pod
     assert config["node"]["role_resource_prefix"] == values["ray"]["groupResourcePrefix"]
     assert config["host"] == "auto"  # nodes bind and publish their pod's IP
     assert config["model"] == f"/models/{values['model']['name']}"
     for role in ("prefill", "decode"):
         group = values["ray"][role]
-        expected = group["replicas"] * group["gpusPerPod"] // values["cluster"]["node"]["gpus"]
-        assert config[f"num_{role}"] == expected
+        per_node = values["cluster"]["node"]["gpus"] \
+            * values["cluster"]["node"]["tensorParallelSize"][role]
+        assert config[f"num_{role}"] == group["replicas"] * group["gpusPerPod"] // per_node
     rdma = values["rdma"]
     assert config["transfer"] == {"protocol": "rdma" if rdma["enabled"] else "tcp",
                                   "device_name": rdma["deviceName"] if rdma["enabled"] else "",
@@ -195,6 +201,21 @@ def test_cluster_yaml(name: str) -> None:
     assert "token" not in config["metadata"]  # credentials stay in the Secret
     # no secret's value (file paths under /var/run/secrets name where TLS files are mounted)
     assert "secret" not in cluster_config_text(docs).replace("/var/run/secrets/", "/")
+
+
+def test_tensor_parallel_size_per_role_sets_node_counts_and_each_actors_gpus() -> None:
+    """Prefill at TP=4 and decode at TP=2 on 8-GPU pods: two prefill and four decode actors a
+    pod, each asking the launcher for a GPU per rank (all on its pod)."""
+    from pdcluster.cluster.config import ClusterConfig
+
+    docs = render({"cluster": {"node": {"tensorParallelSize": {"prefill": 4, "decode": 2}}},
+                   "ray": {"prefill": {"replicas": 1, "gpusPerPod": 8},
+                           "decode": {"replicas": 2, "gpusPerPod": 8}}})
+    config = cluster_config(docs)
+    assert (config["num_prefill"], config["num_decode"]) == (2, 8)
+    parsed = ClusterConfig.from_dict(config)
+    assert (parsed.node_gpus_of("prefill"), parsed.node_gpus_of("decode")) == (4, 2)
+    assert parsed.engine_options("prefill")["tensor_parallel_size"] == 4
 
 
 def test_cluster_yaml_max_model_len_and_engine_values() -> None:

@@ -64,9 +64,15 @@ BAD_VALUES = {
     "pdb percentage": ({"pdb": {"maxUnavailable": "150%"}}, "/pdb/maxUnavailable"),
     "an engine backend not built": ({"cluster": {"engine": {"backend": "sglang"}}},
                                     "/cluster/engine/backend"),
-    # KV transfer between tensor-parallel groups is not built yet
-    "tensor parallelism": ({"cluster": {"engine": {"tensorParallelSize": 2}}},
-                           "/cluster/engine/tensorParallelSize"),
+    # vLLM's own tensor parallelism (the vLLM backend at TP > 1) is not built yet
+    "vLLM tensor parallelism": ({"cluster": {"engine": {"tensorParallelSize": 2}}},
+                                "/cluster/engine/tensorParallelSize"),
+    "a tensor-parallel size of a role not served": (
+        {"cluster": {"node": {"tensorParallelSize": {"prefill": 1, "decode": 1, "both": 2}}}},
+        "/cluster/node/tensorParallelSize"),
+    "a tensor-parallel size of 0": (
+        {"cluster": {"node": {"tensorParallelSize": {"prefill": 0, "decode": 1}}}},
+        "/cluster/node/tensorParallelSize/prefill"),
     "hpa target": ({"router": {"hpa": {"targetCPUUtilizationPercentage": 0}}},
                    "targetCPUUtilizationPercentage"),
     "toleration effect": ({"ray": {"prefill": {"tolerations": [{"key": "a",
@@ -89,6 +95,14 @@ BAD_COMBINATIONS = {
     "GPUs not a multiple of a node's": ({"cluster": {"node": {"gpus": 2}},
                                          "ray": {"prefill": {"replicas": 3}}},
                                         "must be a multiple of cluster.node.gpus"),
+    "a tensor-parallel group across pods": (
+        {"cluster": {"node": {"tensorParallelSize": {"prefill": 2, "decode": 1}}}},
+        "a tensor-parallel group never spans pods"),
+    "tensor parallelism on vLLM nodes": (
+        {"cluster": {"engine": {"backend": "vllm"},
+                     "node": {"tensorParallelSize": {"prefill": 2, "decode": 1}}},
+         "ray": {"prefill": {"gpusPerPod": 2}}},
+        "the vLLM backend at TP > 1 is not built yet"),
     "api keys beside an existing secret": ({"secrets": {"existingSecret": "mine"},
                                             "router": {"apiKeys": ["sk-0123456789abcdef"]}},
                                            "router.apiKeys is ignored"),

@@ -28,6 +28,15 @@ def _block_bytes(engine, prompt: list[int]) -> list[bytes | None]:
     return [engine.kv_cache.block_bytes(b.block_id) if b else None for b in blocks]
 
 
+def _head_copies(engine, prompt: list[int]) -> list[dict | None]:
+    from pdcluster.core.hashing import hash_block_tokens
+    from tests.transfer.tp_helpers import head_copies
+
+    hashes = hash_block_tokens(prompt, engine.config.block_size)
+    blocks = [engine.block_pool.get_cached_block(h) for h in hashes]
+    return [head_copies(engine, b.block_id) if b else None for b in blocks]
+
+
 def _leaks(engine) -> str | None:
     """The child's own leak check: None when every block is free and consistent."""
     from tests.helpers import assert_pool_clean
@@ -54,6 +63,10 @@ def _handle(engine, conn, finished: dict, cmd: str, args: list) -> bool:
         conn.send(idle(engine))
     elif cmd == "block_bytes":
         conn.send(_block_bytes(engine, args[0]))
+    elif cmd == "head_copies":
+        conn.send(_head_copies(engine, args[0]))
+    elif cmd == "stats":
+        conn.send(engine.connector.worker.counters())
     elif cmd == "leaks":
         conn.send(_leaks(engine))
     elif cmd == "stop":
@@ -63,12 +76,17 @@ def _handle(engine, conn, finished: dict, cmd: str, args: list) -> bool:
     return True
 
 
-def _serve(model_dir: str, conn, timeout_s: float) -> None:
+def _serve(model_dir: str, conn, timeout_s: float, rank_agent: str | None,
+           options: dict) -> None:
+    from pdcluster.engine.api import EngineFailure
     from pdcluster.transfer.transport import MooncakeTransport
     from tests.cluster_secret import TEST_CURVE
     from tests.transfer.disagg import make_engine
+    from tests.transfer.tp_helpers import AgentTransport
 
-    engine = make_engine(model_dir, MooncakeTransport(curve=TEST_CURVE), timeout_s=timeout_s)
+    transport = MooncakeTransport(curve=TEST_CURVE) if rank_agent is None else \
+        AgentTransport(rank_agent, curve=TEST_CURVE)
+    engine = make_engine(model_dir, transport, timeout_s=timeout_s, **options)
     conn.send(engine.connector.worker.transport.reply_address)
     finished: dict[str, list[int]] = {}
     while True:
@@ -76,17 +94,28 @@ def _serve(model_dir: str, conn, timeout_s: float) -> None:
             cmd, *args = conn.recv()
             if not _handle(engine, conn, finished, cmd, args):
                 return
-        for out in engine.step():
+        try:
+            outputs = engine.step()
+        except EngineFailure:
+            time.sleep(1.0)  # as a node does: in-flight transfers report their failure first
+            raise
+        for out in outputs:
             if out.finished:
                 finished[out.request_id] = out.token_ids
         time.sleep(0.001)
 
 
 class NodeProcess:
-    def __init__(self, model_dir: str, timeout_s: float = 5.0) -> None:
+    """`options`: the engine's (e.g. tensor_parallel_size); `rank_agent`: the factory its
+    other tensor-parallel ranks run instead of the real agent (tests/transfer/tp_helpers.py)."""
+
+    def __init__(self, model_dir: str, timeout_s: float = 5.0, rank_agent: str | None = None,
+                 **options) -> None:
         self.conn, child = _CTX.Pipe()
-        self.process = _CTX.Process(target=_serve, args=(model_dir, child, timeout_s),
-                                    daemon=True)
+        self.process = _CTX.Process(target=_serve, args=(model_dir, child, timeout_s,
+                                                         rank_agent, options),
+                                    # a daemon cannot start the ranks of a TP engine
+                                    daemon=options.get("tensor_parallel_size", 1) == 1)
         self.process.start()
         if not self.conn.poll(120):
             raise TimeoutError("node process did not start")

@@ -2,7 +2,10 @@
 owns. Each holds its slice of the model (engine/models/parallel.py) and of the KV cache (its
 KV heads, under the same block ids as rank 0's) and runs the same forward pass as rank 0 on the
 step plan rank 0 sends it. Rank 0 keeps everything else: the scheduler, the block pool, the
-sampler, the connector.
+sampler, the connector. With a KV connector each rank also runs the connector's agent
+(`peers.start_agents(spec)`, engine/runner/tp_agents.py: its own transfer engine and its KV
+region registered, writing its share of each transfer on a pipe of its own), so a rank's KV
+heads move straight from its memory to a peer's.
 
 The group: a FileStore in a private temporary folder for the rendezvous (no listening socket),
 gloo bound to 127.0.0.1 on CPU, NCCL on CUDA (rank r on the r-th device after rank 0's). A
@@ -12,8 +15,8 @@ next step, one that stalls when the collectives' timeout (`RANK_TIMEOUT_S`) runs
 hang.
 
 API: `TensorParallelError`, `RankSpec`, `StepPeers.start(spec, size)`, `peers.allocate_kv(spec)`,
-`peers.step(plan)`, `peers.capture(max_batch, max_model_len)`, `peers.check()`, `peers.close()`,
-`make_group(rank, size, store_path, device)`.
+`peers.start_agents(spec)`, `peers.step(plan)`, `peers.capture(max_batch, max_model_len)`,
+`peers.check()`, `peers.close()`, `make_group(rank, size, store_path, device)`.
 """
 
 from __future__ import annotations
@@ -36,18 +39,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pdcluster.core.kv_ranks import RankAgentSpec, RankEndpoint
+from pdcluster.engine.core.failures import TensorParallelError
 from pdcluster.engine.kv.kv_cache import KVCacheSpec
 from pdcluster.engine.models.parallel import TensorParallel
 from pdcluster.engine.runner.inputs import StepInputs, StepPlan
+from pdcluster.engine.runner.tp_agents import AgentHost, RankLinks
 
 logger = logging.getLogger(__name__)
+__all__ = ["RANK_TIMEOUT_S", "RankSpec", "StepPeers", "TensorParallelError", "make_group"]
 
 RANK_TIMEOUT_S = 120.0  # a collective (or a rank's start) waits at most this long
 _READY, _OK = b"ready", b"ok"
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank died, stalled or failed: the engine cannot go on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,11 +89,14 @@ def make_group(rank: int, size: int, store_path: str, device: torch.device) -> T
 
 
 class StepPeers:
-    """Rank 0's handle on ranks 1..N-1."""
+    """Rank 0's handle on ranks 1..N-1: a step pipe each, and a pipe each for the KV
+    connector's agent there (engine/runner/tp_agents.py)."""
 
-    def __init__(self, processes: list, pipes: list[Connection], folder: str) -> None:
+    def __init__(self, processes: list, pipes: list[Connection], folder: str,
+                 agent_pipes: list[Connection]) -> None:
         self.processes, self.pipes, self.folder = processes, pipes, folder
-        self._finalizer = weakref.finalize(self, _stop, processes, pipes, folder)
+        self.agent_pipes = agent_pipes
+        self._finalizer = weakref.finalize(self, _stop, processes, pipes + agent_pipes, folder)
 
     @classmethod
     def start(cls, spec: RankSpec, size: int) -> tuple[StepPeers, TensorParallel]:
@@ -99,18 +105,22 @@ class StepPeers:
         folder = tempfile.mkdtemp(prefix="pdcluster-tp-")
         store_path = str(Path(folder) / "store")
         context = multiprocessing.get_context("spawn")
-        processes, pipes = [], []
+        processes, pipes, agent_pipes = [], [], []
         payload = msgpack.packb(dataclasses.asdict(spec))
         for rank in range(1, size):
             ours, theirs = context.Pipe()
+            agent_ours, agent_theirs = context.Pipe()
             process = context.Process(target=_worker_main, name=f"pdcluster-tp-rank{rank}",
-                                      args=(payload, rank, size, store_path, theirs),
+                                      args=(payload, rank, size, store_path, theirs,
+                                            agent_theirs),
                                       daemon=True)
             process.start()
             theirs.close()
+            agent_theirs.close()
             processes.append(process)
             pipes.append(ours)
-        peers = cls(processes, pipes, folder)
+            agent_pipes.append(agent_ours)
+        peers = cls(processes, pipes, folder, agent_pipes)
         try:
             tp = make_group(0, size, store_path, rank_device(spec.device, 0))
         except RuntimeError as exc:
@@ -128,6 +138,27 @@ class StepPeers:
         self._send({"op": "kv", "spec": dataclasses.asdict(spec)})
         for rank, pipe in enumerate(self.pipes, start=1):
             self._expect(rank, pipe, _OK)
+
+    def start_agents(self, spec: RankAgentSpec) -> RankLinks:
+        """Every rank builds the KV connector's agent `spec` names and registers its KV
+        region with it (core.kv_ranks); rank 0's links to them."""
+        self._send({"op": "agent", "factory": spec.factory, "options": spec.options})
+        endpoints = []
+        for rank, pipe in enumerate(self.pipes, start=1):
+            self._expect(rank, pipe, _OK)
+            session, base_addr = msgpack.unpackb(pipe.recv_bytes())
+            endpoints.append(RankEndpoint(session, base_addr))
+        return RankLinks(self.agent_pipes, endpoints)
+
+    def block_bytes(self, block_id: int) -> list[bytes]:
+        """A copy of block `block_id` of ranks 1..N-1, in rank order (tests and debugging:
+        call it between steps)."""
+        self._send({"op": "block_bytes", "block": block_id})
+        copies = []
+        for rank, pipe in enumerate(self.pipes, start=1):
+            self._expect(rank, pipe, _OK)
+            copies.append(pipe.recv_bytes())
+        return copies
 
     def capture(self, max_batch: int, max_model_len: int) -> None:
         """Every rank starts capturing its CUDA graphs (rank 0 captures alongside: the
@@ -225,7 +256,7 @@ def _unpack(packed: list) -> np.ndarray:
 
 
 def _worker_main(payload: bytes, rank: int, size: int, store_path: str,
-                 pipe: Connection) -> None:
+                 pipe: Connection, agent_pipe: Connection) -> None:
     """A rank's process: join the group, load this rank's slice, then run what rank 0 sends
     until it says stop. A failure is reported on the pipe (rank 0 raises it) and ends the
     process."""
@@ -237,7 +268,7 @@ def _worker_main(payload: bytes, rank: int, size: int, store_path: str,
         else:
             torch.set_num_threads(spec.threads)
         tp = make_group(rank, size, store_path, device)
-        _serve(spec, tp, device, pipe)
+        _serve(spec, tp, device, pipe, agent_pipe)
     except Exception:  # reported to rank 0, which raises it as TensorParallelError
         logger.exception("tensor-parallel rank %d failed", rank)
         with contextlib.suppress(OSError):
@@ -245,7 +276,8 @@ def _worker_main(payload: bytes, rank: int, size: int, store_path: str,
         raise SystemExit(1) from None
 
 
-def _serve(spec: RankSpec, tp: TensorParallel, device: torch.device, pipe: Connection) -> None:
+def _serve(spec: RankSpec, tp: TensorParallel, device: torch.device, pipe: Connection,
+           agent_pipe: Connection) -> None:
     from pdcluster.engine.kv.kv_cache import PagedKVCache
     from pdcluster.engine.models.loader import load_model
     from pdcluster.engine.models.model_config import ModelConfig
@@ -256,10 +288,13 @@ def _serve(spec: RankSpec, tp: TensorParallel, device: torch.device, pipe: Conne
                        spec.max_model_len, dummy=spec.load_format == "dummy", tp=tp)
     pipe.send_bytes(_READY)
     runner: ModelRunner | None = None
+    agent: AgentHost | None = None
     while True:
         message = msgpack.unpackb(pipe.recv_bytes())
         op = message["op"]
         if op == "stop":
+            if agent is not None:
+                agent.close()
             return
         if op == "kv":
             kv = PagedKVCache(KVCacheSpec(**message["spec"]), dtype, device)
@@ -267,7 +302,16 @@ def _serve(spec: RankSpec, tp: TensorParallel, device: torch.device, pipe: Conne
             pipe.send_bytes(_OK)
             continue
         assert runner is not None, "the KV cache is allocated before any step"
-        if op == "capture":
+        if op == "agent":
+            agent, endpoint = AgentHost.start(
+                RankAgentSpec(message["factory"], message["options"]), runner.kv_cache,
+                agent_pipe)
+            pipe.send_bytes(_OK)
+            pipe.send_bytes(msgpack.packb([endpoint.session, endpoint.base_addr]))
+        elif op == "block_bytes":
+            pipe.send_bytes(_OK)
+            pipe.send_bytes(runner.kv_cache.block_bytes(message["block"]))
+        elif op == "capture":
             runner.capture_graphs(message["max_batch"], message["max_model_len"])
         elif op == "step":
             runner.forward(decode_plan(message))

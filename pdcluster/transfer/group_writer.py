@@ -1,0 +1,157 @@
+"""Writing this node's blocks into a peer's: `GroupWriter`, the data-plane half of the
+connector worker, for P's sends and a holder's served pulls alike.
+
+A node is a tensor-parallel group of one rank or more (core.kv_ranks): rank 0 here, with the
+transport, and ranks 1..N-1 in their own processes, each with its own transfer engine and
+region. A peer's request names its own group (`dest_group`: the model's KV heads, each rank's
+session and region base). Rank 0 plans every rank's share (transfer/head_map.py: each
+destination byte written once, from one source rank), writes its own, has the other ranks
+write theirs (`KVRanks.write`, concurrently), and the transfer is done when every rank is;
+one rank's failure (or death) fails it, and the requester recomputes.
+
+Layouts without addressable heads (vLLM's per-layer segments, `KVRegion.num_kv_heads == 0`)
+keep the one-rank, same-layout path: both sides must have as many segments of the same block
+size, and consecutive blocks coalesce within each segment.
+
+`destination(msg)` is what a write needs of an `XferRequest` or `PrefixPullRequest`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+from pdcluster.core.kv_connector import KVRegion
+from pdcluster.core.kv_ranks import KVRanks
+from pdcluster.core.kv_transfer import KVGroup, PrefixPullRequest, XferRequest
+from pdcluster.transfer.descriptors import coalesce
+from pdcluster.transfer.errors import TransferError
+from pdcluster.transfer.head_map import GroupLayout, RankWrite, plan_writes
+from pdcluster.transfer.transport import Transport
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """Where a write goes: the requester's rank-0 session, block size and segment offsets,
+    and its group (None: a layout without addressable heads)."""
+
+    session: str
+    block_nbytes: int
+    segment_offsets: list[int]
+    group: KVGroup | None
+
+
+def destination(msg: XferRequest | PrefixPullRequest) -> Destination:
+    return Destination(msg.dest_session, msg.block_nbytes, msg.dest_segment_offsets,
+                       msg.dest_group)
+
+
+class GroupWriter:
+    def __init__(self, transport: Transport, region: KVRegion, ranks: KVRanks | None,
+                 timeout_s: float) -> None:
+        if ranks is not None and not region.num_kv_heads:
+            raise ValueError("tensor-parallel ranks need a head-addressable KV region "
+                             "(num_kv_heads)")
+        self.transport, self.region, self.ranks = transport, region, ranks
+        self.timeout_s = timeout_s
+        endpoints = ranks.endpoints if ranks is not None else []
+        self._layout = GroupLayout(
+            region.num_kv_heads, region.block_nbytes,
+            (transport.session_id, *(e.session for e in endpoints)),
+            (region.base_addr, *(e.base_addr for e in endpoints))) \
+            if region.num_kv_heads else None
+
+    @property
+    def group(self) -> KVGroup | None:
+        """This node's group, for the requests it sends (None: no addressable heads)."""
+        layout = self._layout
+        if layout is None:
+            return None
+        return KVGroup(layout.num_kv_heads, list(layout.sessions), list(layout.bases))
+
+    def write(self, block_ids: list[int], dest_addrs: list[int],
+              dest: Destination) -> tuple[int, int]:
+        """Write local blocks to the requester's blocks at `dest_addrs` (its rank 0's
+        addresses): (descriptors, bytes) written by every rank together."""
+        if self._layout is None or (dest.group is None and self.ranks is None):
+            return self._write_segments(block_ids, dest_addrs, dest)
+        writes = plan_writes(self._layout, self._dest_layout(dest), self._offsets(block_ids),
+                             self._dest_offsets(dest_addrs, dest.group))
+        self._run(writes)
+        return sum(len(w.src) for w in writes), sum(sum(w.lengths) for w in writes)
+
+    def _dest_layout(self, dest: Destination) -> GroupLayout:
+        group = dest.group
+        if group is None:  # a one-rank peer of a plain layout: its addresses are absolute
+            if len(dest.segment_offsets) != 1:
+                raise ValueError("KV layout mismatch: a tensor-parallel group cannot write "
+                                 f"into a layout of {len(dest.segment_offsets)} segments")
+            assert self._layout is not None, "checked by write()"
+            return GroupLayout(self._layout.num_kv_heads, dest.block_nbytes, (dest.session,),
+                               (0,))
+        return GroupLayout(group.num_kv_heads, dest.block_nbytes, tuple(group.sessions),
+                           tuple(group.bases))
+
+    def _offsets(self, block_ids: list[int]) -> list[int]:
+        base = self.region.base_addr
+        if any(b >= self.region.num_blocks for b in block_ids) and self.ranks is not None:
+            raise ValueError("host-tier blocks have no copy on the other tensor-parallel ranks")
+        return [self.region.block_addr(b) - base for b in block_ids]
+
+    @staticmethod
+    def _dest_offsets(dest_addrs: list[int], group: KVGroup | None) -> list[int]:
+        base = group.bases[0] if group is not None else 0
+        return [a - base for a in dest_addrs]
+
+    def _run(self, writes: list[RankWrite]) -> None:
+        """Every rank's writes, the other ranks' concurrently with rank 0's; raises
+        TransferError naming the ranks that failed once all have finished."""
+        futures: list[tuple[int, Future[None]]] = []
+        for w in writes:
+            if w.rank:
+                assert self.ranks is not None, "a plan names other ranks only when there are"
+                futures.append((w.rank, self.ranks.write(w.rank, w.session, w.src, w.dst,
+                                                         w.lengths)))
+        errors: list[str] = []
+        for w in writes:
+            if not w.rank:
+                try:
+                    self.transport.write(w.session, w.src, w.dst, w.lengths)
+                except Exception as exc:  # the others still finish before this one reports
+                    errors.append(f"rank 0: {exc}")
+        for rank, future in futures:
+            try:
+                future.result(timeout=self.timeout_s)
+            except FutureTimeout:
+                errors.append(f"rank {rank}: no answer within {self.timeout_s:g} s")
+            except Exception as exc:
+                errors.append(f"rank {rank}: {exc}")
+        if errors:
+            raise TransferError("; ".join(errors))
+
+    def _write_segments(self, block_ids: list[int], dest_addrs: list[int],
+                        dest: Destination) -> tuple[int, int]:
+        """The same-layout path (one rank each side), every segment of the layout."""
+        region = self.region
+        if dest.block_nbytes != region.block_nbytes \
+                or len(dest.segment_offsets) != region.num_segments:
+            raise ValueError(
+                f"KV layout mismatch: {len(dest.segment_offsets)} segments of "
+                f"{dest.block_nbytes} bytes asked, {region.num_segments} of "
+                f"{region.block_nbytes} held (same model, dtype, block size and engine on "
+                "both nodes?)")
+        local = [region.block_addr(b) for b in block_ids]
+        src: list[int] = []
+        dst: list[int] = []
+        lengths: list[int] = []
+        for src_offset, dst_offset in zip(region.segment_offsets, dest.segment_offsets,
+                                          strict=True):
+            s, d, n = coalesce([a + src_offset for a in local],
+                               [a + dst_offset for a in dest_addrs], region.block_nbytes)
+            src += s
+            dst += d
+            lengths += n
+        if src:
+            self.transport.write(dest.session, src, dst, lengths)
+        return len(src), sum(lengths)

@@ -1,0 +1,61 @@
+"""`pdcluster serve` with prefill and decode nodes of different tensor-parallel sizes, end to
+end: local Ray, a prefill and a decode node actor (each rank of each a process of its own,
+gloo on CPU, its own Mooncake engine over TCP on 127.0.0.1), the metadata service and the
+router, called with the real `openai` client. The prompt is long enough to go through the
+prefill node, so its KV crosses between groups that split the KV heads differently; the greedy
+text must equal what `transformers` generates. The router and the index see each group as one
+node."""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from pdcluster.core.credentials import SECRET_ENV
+from pdcluster.metadata_service.client import MetadataClient
+from tests.cluster.test_serve_e2e import decisions, free_port, hf_text
+from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET
+from tests.serve_process import start_serve, stop_serve, wait_until_answering
+
+
+def _received(metadata_address: str) -> dict[str, float]:
+    """The decode node's KV receives by outcome, from its own metrics."""
+    with MetadataClient(metadata_address, token=SERVICE_TOKEN) as client:
+        (node,) = client.list_nodes("decode")
+    text = urllib.request.urlopen(node.metrics_address, timeout=10).read()
+    counts = {"ok": 0.0, "failed": 0.0}
+    for line in text.decode().splitlines():
+        if line.startswith("pdcluster_node_kv_transfers_total") and "received" in line:
+            outcome = "ok" if 'outcome="ok"' in line else "failed"
+            counts[outcome] += float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_disaggregated_between_tensor_parallel_sizes(prefill_tp, decode_tp, model_dirs):
+    model_dir = model_dirs["llama-gqa"]
+    port = free_port()
+    proc, line = start_serve(["--model", model_dir, "--num-prefill", "1", "--num-decode", "1",
+                           "--port", str(port), "--block-size", "16", "--kv-cache-gib", "0.05",
+                           "--local-prefill-threshold", "64",
+                           "--node-metrics-port", "0",
+                           "--prefill-tensor-parallel-size", str(prefill_tp),
+                           "--decode-tensor-parallel-size", str(decode_tp)],
+                          env={**os.environ, SECRET_ENV: TEST_SECRET.to_text()}, timeout_s=300)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0, timeout=120)
+        wait_until_answering(client, Path(model_dir).name, timeout_s=120)
+        prompt = " ".join(f"word{i % 41} then" for i in range(120))
+        out = client.completions.create(model=Path(model_dir).name, prompt=prompt,
+                                        max_tokens=10, temperature=0)
+        assert out.choices[0].text == hf_text(model_dir, prompt, 10)
+        assert decisions(port, "remote_prefill") >= 1, "the prompt did not cross P -> D"
+        metadata_address = line.rsplit("metadata service at ", 1)[1].rstrip(")\n")
+        assert _received(metadata_address) == {"ok": 1.0, "failed": 0.0}  # moved, not redone
+    finally:
+        assert stop_serve(proc), "pdcluster serve did not exit within 60 s of SIGINT"
