@@ -126,7 +126,9 @@ class NodeRuntime:
         if self.events is not None:
             self.events.put(engine.take_kv_events())
         stats = self.server.stats
-        self.metrics.observe(engine, stats.num_requests, stats.num_refused)
+        transfers = engine.take_transfer_latencies()
+        self.metrics.observe(engine, stats.num_requests, stats.num_refused, transfers)
+        self.server.spans.transfers(transfers)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the node's prefix cache (the global index follows); False while busy."""
