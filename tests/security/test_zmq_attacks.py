@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 
 import openai
 import pytest
@@ -27,6 +28,7 @@ from tests.security.served import (
     dealer,
     key_directory,
     node_member,
+    node_member_leave,
     router_member,
     server_key,
 )
@@ -39,11 +41,14 @@ QUIET_S = 2.0  # how long a refused stranger waits for an answer that never come
 
 def _member_node(served, memory, inbox_keys=None):
     """A registered decode node (its own key, its inbox's address, `memory`'s session): a
-    cluster member's side channel. Returns (keys, inbox)."""
+    cluster member's side channel. Returns (keys, inbox); closing the inbox deregisters the
+    node (a later member may get the same transfer-engine port, and live registrations may
+    not share a session)."""
     keys = inbox_keys or CurveKeys.generate()
     inbox = _Inbox(keys, key_directory(served))
-    node_member(served, f"m-{secrets.token_hex(3)}", inbox.address, memory.engine.session_id,
-                keys)
+    node_id = f"m-{secrets.token_hex(3)}"
+    proof = node_member(served, node_id, inbox.address, memory.engine.session_id, keys)
+    inbox.leave = lambda: node_member_leave(served, node_id, proof)
     return keys, inbox
 
 
@@ -204,6 +209,7 @@ class _Inbox:
         from pdcluster.transfer.side_channel import SideChannelServer
 
         self.messages: list = []
+        self.leave: Callable[[], None] | None = None  # run at close
         self._directory = directory
         self._server = SideChannelServer(self.messages.append, curve=keys, directory=directory)
         self.address = self._server.address
@@ -217,6 +223,8 @@ class _Inbox:
 
     def close(self) -> None:
         self._server.close()
+        if self.leave is not None:
+            self.leave()
         if self._directory is not None:
             from pdcluster.core.curve import forget_directory
 
