@@ -28,7 +28,7 @@ below that (torch-free bookkeeping; the copies themselves run in `engine.kv.host
   bytes until they are saved), then all loads (host, then disk). A pinned slot is never
   evicted, so a load cannot read a slot a later demotion of the same step reused. With tensor
   parallelism every rank runs the same copies on its own slice of the blocks, in a host tier
-  (and a disk file) of its own with these slot numbers (engine/runner/tp_tiers.py).
+  (and a disk file) of its own with these slot numbers (engine/runner/tp_workers.py).
 
 API: `KVTiers`, `HostHit`, `DiskHit`, `TierCopies`.
 """

@@ -50,8 +50,8 @@ from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
 
 class TierPeers(Protocol):
     """The other tensor-parallel ranks' host tiers, as rank 0 drives them
-    (engine/runner/tp_workers.py's `StepPeers`; named here by what it does, so that the
-    ranks' module may import this one)."""
+    (engine/runner/tp_workers.py's `StepPeers`; named here by what it does: kv/ sits below
+    runner/ and may not import it)."""
 
     def copy_tiers(self, copies: TierCopies) -> None: ...
 

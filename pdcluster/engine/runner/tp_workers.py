@@ -13,7 +13,7 @@ the bookkeeping (engine/core/kv_tiers.py).
 
 The group: a FileStore in a private temporary folder for the rendezvous (no listening socket),
 gloo bound to 127.0.0.1 on CPU, NCCL on CUDA (rank r on the r-th device after rank 0's). A
-step's plan crosses a pipe as msgpack (arrays as raw bytes, never pickle); the collectives
+step's plan crosses a pipe as msgpack (engine/runner/tp_wire.py, never pickle); the collectives
 inside the forward pair the ranks up. A rank that dies surfaces as `TensorParallelError` at the
 next step, one that stalls when the collectives' timeout (`RANK_TIMEOUT_S`) runs out: never a
 hang.
