@@ -72,7 +72,7 @@ def _node_main(conn, model: str, tp: int, num_blocks: int, secret_text: str) -> 
             elif cmd == "wait_idle":
                 waiting = True
             elif cmd == "sends":
-                conn.send([s for kind, s in worker.take_latencies() if kind == "send"])
+                conn.send([t.seconds for t in worker.take_latencies() if t.kind == "send"])
             elif cmd == "stats":
                 conn.send(worker.counters())
             elif cmd == "stop":

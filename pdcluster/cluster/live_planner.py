@@ -53,8 +53,11 @@ class Fleet(Protocol):
 class LivePlanner:
     def __init__(self, settings: PlannerSettings, fleet: Fleet,
                  read_metrics: Callable[[], str] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_decision: Callable[[dict, dict[str, int]], None] | None = None) -> None:
         self.settings, self.fleet, self.read_metrics = settings, fleet, read_metrics
+        # told each decision (`last`) and the nodes serving before it: the planner's metrics
+        self.on_decision = on_decision
         self.model = CapacityModel()
         self.planner = Planner(settings.planner_config(), self.model, clock)
         self._window = RouterWindow()
@@ -95,6 +98,8 @@ class LivePlanner:
             "model": {"prefill_tokens_per_s": round(self.model.prefill_tokens_per_s),
                       "step_s": [float(f"{c:.4g}") for c in self.model.step_coefficients]},
             "reasons": list(decision.reasons)}
+        if self.on_decision is not None:
+            self.on_decision(self.last, current)
         targets = {"prefill": decision.prefill, "decode": decision.decode}
         for role in ROLES:
             self._move(role, current[role], targets[role])

@@ -2,7 +2,8 @@
 once the launcher has started the first nodes (cluster.node_fleet.RayFleet), reads the
 router's metrics and /health over HTTP (the router's own endpoints, behind its API key) and
 the nodes' loads through their actors, and every `interval_s` runs one decision
-(cluster.live_planner.LivePlanner) on a thread of its own.
+(cluster.live_planner.LivePlanner) on a thread of its own. Each decision is exported as
+metrics through Ray's metrics port (cluster.planner_metrics).
 
     planner = ray.remote(PlannerActor).options(name="pdcluster-planner", num_cpus=0,
                                                max_concurrency=8).remote(
@@ -28,6 +29,7 @@ from typing import Any
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.live_planner import ROLES, LivePlanner
 from pdcluster.cluster.node_fleet import RayFleet, router_health_reader
+from pdcluster.cluster.planner_metrics import PlannerMetrics
 from pdcluster.core.credentials import ClusterSecret
 
 logger = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ class PlannerActor:
         actors = {node_id: ray.get_actor(name) for node_id, name in node_names.items()}
         self.fleet = RayFleet(config, metadata_address, cluster_secret, actors,
                               self.settings.drain_timeout_s)
-        self.live = LivePlanner(self.settings, self.fleet)
+        self.live = LivePlanner(self.settings, self.fleet, on_decision=PlannerMetrics().record)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

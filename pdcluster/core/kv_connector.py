@@ -18,8 +18,10 @@ core/kv_region.py's `KVRegion` (re-exported here); tensor-parallel ranks are cor
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pdcluster.core.kv_ranks import KVRanks, RankAgentSpec
 from pdcluster.core.kv_region import KVRegion
@@ -34,7 +36,21 @@ from pdcluster.core.types import ReqId
 
 __all__ = ["ConnectorPlan", "ConnectorResults", "KVConnector", "KVConnectorScheduler",
            "KVConnectorWorker", "KVRegion", "PrefixTokens", "PullJob", "PullLookup",
-           "PullResult", "RecvJob", "RecvResult", "SendJob", "ServeJob"]
+           "PullResult", "RecvJob", "RecvResult", "SendJob", "ServeJob", "TransferTiming"]
+
+
+class TransferTiming(NamedTuple):
+    """One finished transfer as the node's metrics and spans see it: `kind` send (P's
+    write), recv (D's request to done) or pull (a prefix pull, request to done)."""
+
+    kind: str
+    seconds: float
+    request_id: ReqId = ""
+    ended_ns: int = 0  # wall clock (time.time_ns) when it finished: 0 if unknown
+
+    @classmethod
+    def now(cls, kind: str, seconds: float, request_id: ReqId) -> TransferTiming:
+        return cls(kind, seconds, request_id, time.time_ns())
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,9 +242,9 @@ class KVConnectorWorker(ABC):
         metrics; none by default."""
         return {}
 
-    def take_latencies(self) -> list[tuple[str, float]]:
-        """(kind, seconds) of the transfers finished since the last call, for node metrics;
-        none by default."""
+    def take_latencies(self) -> list[TransferTiming]:
+        """The transfers finished since the last call, for node metrics and spans; none by
+        default."""
         return []
 
     def fail_receive(self, transfer_id: TransferId, reason: str) -> bool:

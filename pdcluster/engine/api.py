@@ -29,6 +29,7 @@ from typing import Any
 
 from pdcluster.core.events import KVEvent
 from pdcluster.core.hashing import HashConfig
+from pdcluster.core.kv_connector import TransferTiming
 from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, TransferId
 from pdcluster.core.node_wire import KVCosts
 from pdcluster.core.sampling import SamplingSpec
@@ -102,8 +103,8 @@ class NodeEngine(ABC):
         """Running totals of the KV connector's transfers by name ({} without one)."""
 
     @abstractmethod
-    def take_transfer_latencies(self) -> list[tuple[str, float]]:
-        """(kind, seconds) of the transfers finished since the last call."""
+    def take_transfer_latencies(self) -> list[TransferTiming]:
+        """The transfers finished since the last call (kind, seconds, request, end time)."""
 
     def kv_source_lost(self, transfer_id: TransferId, reason: str) -> bool:
         """The prefill node that was to send transfer `transfer_id`'s KV is gone: stop

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from pdcluster.core.events import KVEvent
 from pdcluster.core.hashing import BlockExtra, HashConfig
-from pdcluster.core.kv_connector import KVConnector, KVRegion
+from pdcluster.core.kv_connector import KVConnector, KVRegion, TransferTiming
 from pdcluster.core.kv_transfer import KVTransferParams, PrefixPull, RemotePrefill, TransferId
 from pdcluster.core.node_wire import KVCosts
 from pdcluster.core.sampling import SamplingSpec
@@ -207,7 +207,7 @@ class LLMEngine(NodeEngine):
     def transfer_counters(self) -> dict[str, int]:
         return self.connector.worker.counters() if self.connector is not None else {}
 
-    def take_transfer_latencies(self) -> list[tuple[str, float]]:
+    def take_transfer_latencies(self) -> list[TransferTiming]:
         return self.connector.worker.take_latencies() if self.connector is not None else []
 
     def kv_source_lost(self, transfer_id: TransferId, reason: str) -> bool:

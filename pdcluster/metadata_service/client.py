@@ -221,8 +221,9 @@ class MetadataClient(_Base):
         """An operator's action (principal operator): forget the id's registration."""
         self._call("ReleaseNode", pb.ReleaseNodeRequest(node_id=node_id))
 
-    def heartbeat(self, node_id: NodeId, epoch: int) -> bool:
-        return self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch)).known
+    def heartbeat(self, node_id: NodeId, epoch: int, draining: bool = False) -> bool:
+        return self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch,
+                                                           draining=draining)).known
 
     def deregister(self, node_id: NodeId, proof: bytes = b"") -> None:
         """Needs the registration's proof (its `registration_secret`) when it has a key."""
@@ -317,8 +318,9 @@ class AsyncMetadataClient(_Base):
     async def list_clients(self) -> list[pb.ClientKey]:
         return list((await self._call("ListClients", pb.Empty())).clients)
 
-    async def heartbeat(self, node_id: NodeId, epoch: int) -> bool:
-        reply = await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch))
+    async def heartbeat(self, node_id: NodeId, epoch: int, draining: bool = False) -> bool:
+        reply = await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, epoch=epoch,
+                                                                  draining=draining))
         return reply.known
 
     async def deregister(self, node_id: NodeId, proof: bytes = b"") -> None:

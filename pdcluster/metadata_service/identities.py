@@ -71,8 +71,19 @@ def is_guarded(live: pb.NodeInfo | None) -> bool:
 def identity_changed(live: pb.NodeInfo, info: pb.NodeInfo) -> bool:
     """Anything declared differently — epoch, key, addresses, session, KV identity (model,
     block size, hashing, tokenizer), role, capacity: a new incarnation as far as anyone
-    relying on it goes (the router would hash its blocks, or price it, differently)."""
-    return live != info
+    relying on it goes (the router would hash its blocks, or price it, differently). Its
+    drain state is not declared, so not compared."""
+    return declared(live) != declared(info)
+
+
+def declared(info: pb.NodeInfo) -> pb.NodeInfo:
+    """`info` without its state (`draining`): what the node declares about itself."""
+    if not info.draining:
+        return info
+    copy = pb.NodeInfo()
+    copy.CopyFrom(info)
+    copy.draining = False
+    return copy
 
 
 def check_proof(live: pb.NodeInfo | None, held_hash: bytes, proof: bytes, what: str) -> None:

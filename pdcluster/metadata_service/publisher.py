@@ -6,7 +6,8 @@ Protocol, as a node sees it:
   2. ``publish(events)``: seq += 1 and send. RESYNC_NEEDED (a gap: a batch was lost, rejected
      or never arrived) -> send a snapshot; UNKNOWN_NODE -> register (then snapshot).
      A batch that failed to send is simply lost: the next one leaves a gap, which resyncs.
-  3. ``heartbeat`` every lease TTL / 3; ``known=False`` -> register again.
+  3. ``heartbeat`` every lease TTL / 3; ``known=False`` -> register again. A heartbeat
+     carries the node's drain state (``info.draining``), so the index shows a node leaving.
 
 ``snapshot_fn`` returns the node's whole cached block set, consistent with every event
 published so far: call the publisher from the thread that drains the block pool's events. A
@@ -83,7 +84,7 @@ class NodePublisher(_PublisherState):
 
     def heartbeat(self) -> bool:
         """True if the lease was alive; otherwise the node has registered again."""
-        if self.client.heartbeat(self.node_id, self.info.epoch):
+        if self.client.heartbeat(self.node_id, self.info.epoch, self.info.draining):
             return True
         self.register()
         return False
@@ -117,7 +118,7 @@ class AsyncNodePublisher(_PublisherState):
         await self.client.snapshot(self.node_id, self.info.epoch, self.seq, self.snapshot_fn())
 
     async def heartbeat(self) -> bool:
-        if await self.client.heartbeat(self.node_id, self.info.epoch):
+        if await self.client.heartbeat(self.node_id, self.info.epoch, self.info.draining):
             return True
         await self.register()
         return False

@@ -58,8 +58,11 @@ class ReplicaSink:
             self.index.add_node(info.node_id)
             node = self._nodes[info.node_id] = NodeEntry(pb.NodeInfo(), lease_ttl_s, info.epoch)
         elif not identity_changed(node.info, info):
-            node.info.CopyFrom(info)  # a refresh elsewhere (model, capacity): nothing new
+            drain_changed = node.info.draining != info.draining
+            node.info.CopyFrom(info)  # a refresh elsewhere, or its drain state
             node.proof_hash = proof_hash
+            if drain_changed:
+                self.node_watch.notify(pb.NodeChange.UP, node.info)
             return
         else:
             self._new_incarnation(node, info.epoch)

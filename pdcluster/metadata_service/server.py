@@ -123,7 +123,8 @@ class _Servicer(pb_grpc.MetadataServiceServicer):
 
     async def Heartbeat(self, request, context):  # noqa: N802
         await self._acting_as(context, request.node_id)
-        return pb.HeartbeatReply(known=self.service.heartbeat(request.node_id, request.epoch))
+        return pb.HeartbeatReply(known=self.service.heartbeat(request.node_id, request.epoch,
+                                                              request.draining))
 
     async def Deregister(self, request, context):  # noqa: N802
         await self._acting_as(context, request.node_id)

@@ -168,11 +168,17 @@ class MetadataService(ReplicaSink):
         self.store.client_up(key, ttl)
         return ttl
 
-    def heartbeat(self, node_id: NodeId, epoch: int) -> bool:
+    def heartbeat(self, node_id: NodeId, epoch: int, draining: bool = False) -> bool:
+        """Keep the node's lease alive; a change of its drain state goes to the store (the
+        other replicas) and the node watchers."""
         node = self._nodes.get(node_id)
         if node is None or node.epoch != epoch:
             return False
         self._touch(node)
+        if node.info.draining != draining:
+            node.info.draining = draining
+            self.store.node_up(node.info, node.lease_ttl_s, False, node.proof_hash)
+            self.node_watch.notify(pb.NodeChange.UP, node.info)
         self.store.node_alive(node_id)
         return True
 

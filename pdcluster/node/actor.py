@@ -95,8 +95,9 @@ class NodeActor:
     def begin_drain(self) -> None:
         """Stop admitting (new requests get "draining", load reports say so: routers stop
         sending and hand this node's hot prefixes to peers, which pull them from here);
-        running requests, transfers and pulls go on. `drain` then finishes the job."""
-        self.runtime.server.begin_drain()
+        running requests, transfers and pulls go on; the metadata service's index marks it
+        draining. `drain` then finishes the job."""
+        self.runtime.begin_drain()
 
     def load_summary(self) -> dict[str, Any]:
         """What the planner reads: the load report and the blocks its requests hold."""

@@ -2,8 +2,9 @@
 a slow or absent metadata service never stalls the engine loop.
 
 The engine thread hands each step's events to `put` (a queue append). The publisher thread
-sends them in batches every `interval_s`, heartbeats every lease TTL / 3, and re-registers
-when the lease is gone. A batch that cannot be sent is dropped: the next one leaves a
+sends them in batches every `interval_s`, heartbeats every lease TTL / 3 (at once when the
+node starts draining: `begin_drain`, so the index shows it), and re-registers when the lease
+is gone. A batch that cannot be sent is dropped: the next one leaves a
 sequence gap, which the service answers with a resync, and the node sends a snapshot — a
 copy of its block-hash map taken at that moment. With no next batch (an idle node), the
 thread sends that snapshot itself once the service answers again. Replaying later events
@@ -37,6 +38,7 @@ class EventPublisherThread:
         self._queue: queue.SimpleQueue[list[KVEvent]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._registered = threading.Event()
+        self._heartbeat_now = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kv-events")
 
     def start(self) -> EventPublisherThread:
@@ -49,6 +51,11 @@ class EventPublisherThread:
     def put(self, events: list[KVEvent]) -> None:
         if events:
             self._queue.put(events)
+
+    def begin_drain(self) -> None:
+        """The node stopped taking requests: say so in the next heartbeat, sent now."""
+        self.publisher.info.draining = True
+        self._heartbeat_now.set()
 
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()
@@ -72,7 +79,8 @@ class EventPublisherThread:
                 self._resync_due = not self._try(self.publisher.publish, batch)
             elif self._resync_due:
                 self._resync_due = not self._try(self.publisher.resync)
-            if time.monotonic() >= next_heartbeat:
+            if time.monotonic() >= next_heartbeat or self._heartbeat_now.is_set():
+                self._heartbeat_now.clear()
                 self._try(self.publisher.heartbeat)
                 next_heartbeat = time.monotonic() + max(self.publisher.lease_ttl_s / 3, 0.2)
 

@@ -47,6 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
+from pdcluster.core.kv_connector import TransferTiming
 from pdcluster.engine.api import NodeEngine
 from pdcluster.engine.core.outputs import EngineCounters
 
@@ -88,14 +89,16 @@ class NodeMetrics:
     def snapshot(self) -> _Snapshot:
         return self._snapshot
 
-    def observe(self, engine: NodeEngine, num_admitted: int = 0, num_refused: int = 0) -> None:
-        """Take the engine's figures (on the thread that steps it)."""
+    def observe(self, engine: NodeEngine, num_admitted: int = 0, num_refused: int = 0,
+                transfers: Sequence[TransferTiming] = ()) -> None:
+        """Take the engine's figures (on the thread that steps it); `transfers` are those
+        the caller took from it (`engine.take_transfer_latencies`)."""
         self.update(engine.counters(), engine.transfer_counters(), num_admitted, num_refused)
         labels = (self.node_id, self.role)
         for seconds in engine.take_step_times():
             self.step_seconds.labels(*labels).observe(seconds)
-        for kind, seconds in engine.take_transfer_latencies():
-            self.transfer_seconds.labels(*labels, kind).observe(seconds)
+        for timing in transfers:
+            self.transfer_seconds.labels(*labels, timing.kind).observe(timing.seconds)
 
     def update(self, counters: EngineCounters, worker_counters: dict[str, int],
                num_admitted: int = 0, num_refused: int = 0) -> None:

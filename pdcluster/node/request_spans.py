@@ -10,20 +10,30 @@ children split at the first token it sends:
 
 Timestamps are taken on the server thread as the events happen and the spans are ended
 once the request is forgotten (finished, aborted or failed), so nothing here touches the
-engine.
+engine. Each KV transfer the node's connector finishes is a span of its own under the
+router's: `kv.send` (a prefill node writing a request's KV into its decode node, which
+often ends after the node's part of the request did), `kv.recv` (a decode node, from asking
+for the KV to having it) and `kv.pull` (a prefix pulled from a peer), timed by the connector
+(`TransferTiming`); the trace is found by request id among the node's recent requests.
 
-API: `RequestSpans` (`begin`, `delta`, `end`).
+API: `RequestSpans` (`begin`, `delta`, `end`, `transfers`).
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from opentelemetry import trace
 
 from pdcluster.core import tracing
+from pdcluster.core.kv_connector import TransferTiming
 from pdcluster.core.node_wire import GenerateRequest
+
+# requests whose trace a transfer finishing after them can still join (oldest forgotten)
+_RECENT_TRACES = 4096
 
 
 @dataclass(slots=True)
@@ -40,11 +50,16 @@ class RequestSpans:
     def __init__(self, node_id: str, role: str) -> None:
         self.node_id, self.role = node_id, role
         self._open: dict[str, _Times] = {}
+        self._recent: OrderedDict[str, str] = OrderedDict()  # request id -> traceparent
 
     def begin(self, msg: GenerateRequest) -> None:
         kind = msg.transfer.kind if msg.transfer is not None else "local"
         self._open[msg.request_id] = _Times(msg.traceparent, kind, len(msg.prompt_token_ids),
                                             time.time_ns())
+        if msg.traceparent:
+            self._recent[msg.request_id] = msg.traceparent
+            while len(self._recent) > _RECENT_TRACES:
+                self._recent.popitem(last=False)
 
     def delta(self, request_id: str, num_tokens: int) -> None:
         times = self._open.get(request_id)
@@ -73,3 +88,16 @@ class RequestSpans:
         if times.first_ns:
             tracer.start_span("node.decode", context=inside, start_time=first).end(ended)
         root.end(ended)
+
+    def transfers(self, timings: Iterable[TransferTiming]) -> None:
+        """A `kv.<kind>` span for each finished transfer of a recent traced request."""
+        for timing in timings:
+            traceparent = self._recent.get(timing.request_id)
+            if traceparent is None or not timing.ended_ns:
+                continue
+            started = timing.ended_ns - int(timing.seconds * 1e9)
+            tracing.tracer().start_span(
+                f"kv.{timing.kind}", context=tracing.parent_context(traceparent),
+                start_time=started,
+                attributes={"pdcluster.component": "node", "pdcluster.node": self.node_id,
+                            "pdcluster.role": self.role}).end(timing.ended_ns)

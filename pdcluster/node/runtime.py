@@ -126,7 +126,9 @@ class NodeRuntime:
         if self.events is not None:
             self.events.put(engine.take_kv_events())
         stats = self.server.stats
-        self.metrics.observe(engine, stats.num_requests, stats.num_refused)
+        transfers = engine.take_transfer_latencies()
+        self.metrics.observe(engine, stats.num_requests, stats.num_refused, transfers)
+        self.server.spans.transfers(transfers)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the node's prefix cache (the global index follows); False while busy."""
@@ -137,7 +139,15 @@ class NodeRuntime:
                 "request_address": self.server.address, "kv_address": self.kv_address,
                 "metrics_address": self.metrics_address}
 
+    def begin_drain(self) -> None:
+        """Stop admitting (server.begin_drain) and tell the metadata service so."""
+        self.server.begin_drain()
+        if self.events is not None:
+            self.events.begin_drain()
+
     def stop(self, drain: bool = True, timeout_s: float = 30.0) -> bool:
+        if drain:
+            self.begin_drain()
         drained = self.server.stop(drain=drain, timeout_s=timeout_s)
         if self.events is not None:
             self.events.stop(deregister=True)

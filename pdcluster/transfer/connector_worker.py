@@ -33,6 +33,7 @@ from pdcluster.core.kv_connector import (
     RecvJob,
     RecvResult,
     SendJob,
+    TransferTiming,
 )
 from pdcluster.core.kv_ranks import KVRanks, RankAgentSpec
 from pdcluster.core.kv_transfer import (
@@ -135,9 +136,8 @@ class ConnectorWorker(KVConnectorWorker):
         return {name: getattr(stats, name) for name in stats.__dataclass_fields__
                 if name not in ("latencies", "recent_write_s")}
 
-    def take_latencies(self) -> list[tuple[str, float]]:
-        """The (kind, seconds) of the transfers finished since the last call
-        (`WorkerStats.latencies`)."""
+    def take_latencies(self) -> list[TransferTiming]:
+        """The transfers finished since the last call (`WorkerStats.latencies`)."""
         with self._lock:
             taken = list(self.stats.latencies)
             self.stats.latencies.clear()
@@ -213,7 +213,8 @@ class ConnectorWorker(KVConnectorWorker):
             self.stats.bytes_received += (msg.num_blocks_sent
                                           * self._state.region_nbytes_per_block)
             if msg.ok:
-                self.stats.latencies.append(("recv", self._state.clock() - recv.started))
+                self.stats.latencies.append(TransferTiming.now(
+                    "recv", self._state.clock() - recv.started, recv.request_id))
             self._finish_recv(recv, msg.ok, msg.first_token, msg.first_logprob, msg.error)
 
     def _finish_recv(self, recv: Recv, ok: bool, token=None, logprob=None, error=None) -> None:
@@ -286,7 +287,8 @@ class ConnectorWorker(KVConnectorWorker):
                                               destination(request))
         with self._lock:
             self.stats.recent_write_s.append(time.perf_counter() - started)
-            self.stats.latencies.append(("send", time.perf_counter() - started))
+            self.stats.latencies.append(TransferTiming.now(
+                "send", time.perf_counter() - started, job.request_id))
             self.stats.blocks_sent += len(block_ids)
             self.stats.descriptors_sent += num_descriptors
             self.stats.bytes_sent += nbytes

@@ -25,7 +25,14 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from pdcluster.core.kv_connector import PrefixTokens, PullJob, PullLookup, PullResult, ServeJob
+from pdcluster.core.kv_connector import (
+    PrefixTokens,
+    PullJob,
+    PullLookup,
+    PullResult,
+    ServeJob,
+    TransferTiming,
+)
 from pdcluster.core.kv_transfer import PrefixPullRequest, SideChannelMessage, TransferId, XferDone
 from pdcluster.transfer.errors import error_text
 from pdcluster.transfer.group_writer import Destination, destination
@@ -82,7 +89,8 @@ class PullWorker:
             stats.pulls_ok += 1
             stats.blocks_pulled += num_blocks
             stats.bytes_pulled += num_blocks * self._state.region_nbytes_per_block
-            stats.latencies.append(("pull", self._state.clock() - recv.started))
+            stats.latencies.append(TransferTiming.now("pull", self._state.clock() - recv.started,
+                                                      recv.request_id))
         else:
             stats.pulls_failed += 1
             logger.warning("prefix pull for %s from %s failed (computing instead): %s",

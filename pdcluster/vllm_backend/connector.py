@@ -53,8 +53,9 @@ class PdclusterWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class TransferStats(KVConnectorStats):
-    """`data`: "counters" (the worker's running totals, a snapshot), "latencies" ((kind,
-    seconds) finished since the last report) and "in_flight" (the scheduler side's)."""
+    """`data`: "counters" (the worker's running totals, a snapshot), "latencies" (the
+    `TransferTiming`s finished since the last report) and "in_flight" (the scheduler
+    side's)."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}

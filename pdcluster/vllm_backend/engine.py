@@ -31,6 +31,7 @@ from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.events import KVEvent
 from pdcluster.core.hashing import HashConfig
 from pdcluster.core.identity import Directory
+from pdcluster.core.kv_connector import TransferTiming
 from pdcluster.core.kv_transfer import (
     KVTransferParams,
     PrefixPull,
@@ -274,7 +275,7 @@ class VllmEngine(NodeEngine):
         with self._stats.lock:
             return dict(self._stats.transfer_counters)
 
-    def take_transfer_latencies(self) -> list[tuple[str, float]]:
+    def take_transfer_latencies(self) -> list[TransferTiming]:
         return self._stats.take_latencies()
 
     def pool_state(self) -> dict[str, int]:

@@ -15,6 +15,8 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from pdcluster.core.kv_connector import TransferTiming
+
 
 @dataclass(slots=True)
 class EngineStats:
@@ -28,7 +30,7 @@ class EngineStats:
     num_prefix_hit_tokens: int = 0
     transfers_in_flight: int = 0
     transfer_counters: dict[str, int] = field(default_factory=dict)
-    transfer_latencies: list[tuple[str, float]] = field(default_factory=list)
+    transfer_latencies: list[TransferTiming] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, scheduler: Any, iteration: Any) -> None:
@@ -52,9 +54,11 @@ class EngineStats:
             self.transfers_in_flight = int(data["in_flight"])
         if data.get("counters"):
             self.transfer_counters = dict(data["counters"])
-        self.transfer_latencies.extend((str(k), float(s)) for k, s in data.get("latencies", ()))
+        # from the worker processes, as plain sequences: (kind, seconds, request id, end ns)
+        self.transfer_latencies.extend(
+            TransferTiming(str(t[0]), float(t[1]), *t[2:4]) for t in data.get("latencies", ()))
 
-    def take_latencies(self) -> list[tuple[str, float]]:
+    def take_latencies(self) -> list[TransferTiming]:
         with self.lock:
             taken, self.transfer_latencies = self.transfer_latencies, []
         return taken

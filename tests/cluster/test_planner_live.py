@@ -7,7 +7,9 @@ block. Decisions are stepped by the test (`PlannerActor.step`) rather than timed
 
 from __future__ import annotations
 
+import re
 import time
+import urllib.request
 
 import pytest
 
@@ -49,6 +51,24 @@ def status(cluster) -> dict:
 
 def step(cluster) -> dict | None:
     return ray.get(cluster.planner.step.remote(), timeout=60)
+
+
+def wait_for_metric(name: str, count: int, timeout_s: float = 40.0) -> list[dict]:
+    """The samples of metric `name` on Ray's metrics port (exported every ~10 s), each its
+    labels and `value`, once `count` of them are above 0."""
+    (node,) = ray.nodes()
+    url = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+    sample = re.compile(rf"^{name}\{{([^}}]*)\}} (\S+)$", re.M)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        samples = [{**dict(re.findall(r'(\w+)="([^"]*)"', labels)), "value": float(value)}
+                   for labels, value in sample.findall(text)]
+        if sum(s["value"] > 0 for s in samples) >= count:
+            return samples
+        assert time.monotonic() < deadline, f"no {name} on Ray's metrics port"
+        time.sleep(1.0)
 
 
 def test_the_planner_scales_up_then_in_keeping_the_cache(cluster, model_dirs):
@@ -97,6 +117,12 @@ def test_the_planner_scales_up_then_in_keeping_the_cache(cluster, model_dirs):
         assert hits >= 0.9 * before - BLOCK * len(prompts), (hits, before)
         state = ray.get(ray.get_actor(f"pdcluster-{staying}").pool_state.remote(), timeout=30)
         assert state["num_held_blocks"] == 0, state
+        events = wait_for_metric("ray_pdcluster_planner_scale_events_total", 2)
+        assert {(e["role"], e["direction"]) for e in events} == {("decode", "up"),
+                                                                  ("decode", "down")}, events
+        nodes = {(n["role"], n["state"]): n["value"]
+                 for n in wait_for_metric("ray_pdcluster_planner_nodes", 1)}
+        assert nodes[("decode", "target")] == 1 and nodes[("prefill", "target")] == 0, nodes
         print(f"scale-up: {scale_up_s:.1f} s to a healthy second decode node")
     finally:
         router.stop()

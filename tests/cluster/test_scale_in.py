@@ -3,10 +3,11 @@ own prompts), the metadata service, Mooncake over TCP, and the real router in th
 called with the `openai` client.
 
 A decode node that begins draining stops getting requests (its load report says so; /health
-shows it), the router hands the hottest prompts it sent that node to the other node through
-the pull path (the peer pulls the blocks, it does not recompute them), the same prompts asked
-again hit the peer's cache with the same tokens, the drained node finishes, deregisters and
-leaves the index, and the survivor passes the leak check.
+shows it, and so does the metadata service's node list), the router hands the hottest
+prompts it sent that node to the other node through the pull path (the peer pulls the
+blocks, it does not recompute them), the same prompts asked again hit the peer's cache with
+the same tokens, the drained node finishes, deregisters and leaves the index, and the
+survivor passes the leak check.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.ray_cluster import RayCluster
+from pdcluster.metadata_service.client import MetadataClient
 from tests.cluster.test_failures import Router, assert_idle_and_leak_free, held_by
 from tests.models import random_prompts
 
@@ -48,6 +50,11 @@ def ask(router: Router, prompt: list[int]):
                                             temperature=0)
 
 
+def draining_in_index(cluster) -> dict[str, bool]:
+    with MetadataClient(cluster.metadata_address, cluster_secret=cluster.cluster_secret) as client:
+        return {n.node_id: n.draining for n in client.list_nodes()}
+
+
 def wait_until(check, what: str, timeout_s: float = 60.0):
     deadline = time.monotonic() + timeout_s
     while not (found := check()):
@@ -71,7 +78,10 @@ def test_a_draining_node_hands_its_hot_prefixes_to_the_node_that_stays(cluster, 
         for prompt in mine:  # indexed before the drain
             wait_until(lambda p=prompt: held_by(cluster, p).get(leaving), "never indexed")
 
+        assert draining_in_index(cluster) == {"d0": False, "d1": False}
         ray.get(cluster.actors[leaving].begin_drain.remote(), timeout=30)
+        wait_until(lambda: draining_in_index(cluster) == {leaving: True, staying: False},
+                   "the index never showed the node draining", timeout_s=10)
         status = wait_until(lambda: health(router)["draining"].get(leaving, {}).get(
             "handoff") == "done" and health(router)["draining"][leaving], "no hand-off")
         assert health(router)["nodes"][leaving]["draining"] is True

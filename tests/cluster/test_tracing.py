@@ -3,7 +3,9 @@ the metadata service, Mooncake over TCP) with the real router in this process: t
 `router.request` span, the prefill node's and the decode node's `node.request` spans (each in
 its own actor process, exported over OTLP/HTTP to a receiver this test runs) share one trace
 id, the nodes' spans are children of the router's, the decode node's `kv.wait` precedes its
-`node.decode`; and a client's own `traceparent` is continued."""
+`node.decode`, the KV transfer is a span on each side (`kv.send` on the prefill node within
+`kv.recv` on the decode node, both within `kv.wait`); and a client's own `traceparent` is
+continued."""
 
 from __future__ import annotations
 
@@ -86,11 +88,12 @@ def traced_cluster(model_dirs):
                 os.environ[key] = value
 
 
-def wait_for(receiver: Receiver, trace_id: str, count: int, timeout_s: float = 30.0) -> list:
+def wait_for(receiver: Receiver, trace_id: str, count: int, timeout_s: float = 30.0,
+             name: str = "node.request") -> list:
     deadline = time.monotonic() + timeout_s
     while True:
         found = [s for s in receiver.spans if s["trace"] == trace_id]
-        if sum(s["name"] == "node.request" for s in found) >= count:
+        if sum(s["name"] == name for s in found) >= count:
             return found
         assert time.monotonic() < deadline, f"node spans never arrived: {found}"
         time.sleep(0.1)
@@ -124,6 +127,14 @@ def test_one_trace_from_router_through_prefill_and_transfer_to_decode(traced_clu
         assert (nodes["p0"]["span"], "node.prefill") in children
         assert wait["end"] <= decode["start"] + 1 and decode["end"] <= nodes["d0"]["end"]
         assert root.attributes["pdcluster.prefill_node"] == "p0"
+        spans = wait_for(receiver, trace_id, 1, name="kv.send")
+        transfer = {s["name"]: s for s in spans if s["name"] in ("kv.send", "kv.recv")}
+        assert transfer["kv.send"]["attributes"]["pdcluster.node"] == "p0"
+        assert transfer["kv.recv"]["attributes"]["pdcluster.node"] == "d0"
+        assert all(s["parent"] == root_id for s in transfer.values())
+        send, recv = transfer["kv.send"], transfer["kv.recv"]
+        assert wait["start"] <= recv["start"] <= send["start"] <= send["end"] <= recv["end"]
+        assert recv["end"] <= wait["end"]
 
         client_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
         router.client.completions.create(

@@ -324,11 +324,12 @@ def dashboard_metrics() -> set[str]:
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [a["expr"] for a in dashboard["annotations"]["list"]]
     assert len(exprs) >= 10
     metrics = set()
     for expr in exprs:
-        names = re.findall(r"\b(router_[a-z0-9_]+|ray_node_[a-z0-9_]+|pdcluster_node_[a-z0-9_]+)",
-                           expr)
+        names = re.findall(r"\b(router_[a-z0-9_]+|ray_node_[a-z0-9_]+|pdcluster_node_[a-z0-9_]+"
+                           r"|ray_pdcluster_planner_[a-z0-9_]+)", expr)
         assert names, expr
         metrics |= {re.sub(r"_(bucket|sum|count)$", "", n) for n in names}
     return metrics
@@ -351,6 +352,16 @@ def test_dashboard_router_metrics_exist_in_the_router() -> None:
     missing = sorted(m for m in dashboard_metrics()
                      if m.startswith("router_") and m not in names)
     assert not missing, f"the dashboard queries metrics the router does not export: {missing}"
+
+
+def test_dashboard_planner_metrics_are_the_planners() -> None:
+    """Ray exports the planner actor's metrics with a `ray_` prefix, a counter as `_total`."""
+    from pdcluster.cluster.planner_metrics import PLANNER_METRICS
+
+    exported = {f"ray_{name}_total" if name.endswith("_events") else f"ray_{name}"
+                for name in PLANNER_METRICS}
+    queried = {m for m in dashboard_metrics() if m.startswith("ray_pdcluster_planner_")}
+    assert len(queried) >= 4 and queried <= exported, queried - exported
 
 
 def render_notes(values: dict, tmp_path: Path) -> str:
