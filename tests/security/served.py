@@ -133,6 +133,21 @@ def key_directory(served: Served):
     return Directory(refresh=lambda: registered_peers(client), min_refresh_s=0.05)
 
 
+SEND_TIMEOUT_MS = 5000
+
+
+def send_unless_refused(sock, frame: bytes) -> bool:
+    """Send `frame` on a `dealer`; False if nothing would take it (the peer refused the
+    connection), which for a stranger is the refusal itself."""
+    import zmq
+
+    try:
+        sock.send(frame)
+    except zmq.Again:
+        return False
+    return True
+
+
 def dealer(address: str, keys=None, server_key: bytes | None = None):
     """A DEALER to `address`: plaintext without `keys`; CURVE with `keys` (and the server key
     `server_key`, default: the keys' own public key, as cluster members use)."""
@@ -140,6 +155,9 @@ def dealer(address: str, keys=None, server_key: bytes | None = None):
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # a send to a peer that refused the handshake may find no connection to queue on: fail
+    # (zmq.Again) rather than hang
+    sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
     if keys is not None:
         secure_client(sock, keys)
         if server_key is not None:

@@ -31,6 +31,7 @@ from tests.security.served import (
     node_member,
     node_member_leave,
     router_member,
+    send_unless_refused,
     server_key,
 )
 
@@ -87,7 +88,7 @@ def test_a_stranger_cannot_generate_on_a_node(served, role):
             address, CurveKeys.generate(), server_key(served, role)),
     }
     for name, sock in strangers.items():
-        sock.send(_generate(f"attack-{role}-{name}"))
+        send_unless_refused(sock, _generate(f"attack-{role}-{name}"))
     for name, sock in strangers.items():
         assert _answer(sock) is None, f"a stranger ({name}) was served by the {role} node"
         sock.close()
@@ -153,10 +154,10 @@ def _ask_side_channel_for_kv(served, member_control: bool) -> None:
     pull = PrefixPullRequest("pull-1", "r", replies.address, memory.engine.session_id, nbytes,
                              served.block_size, 0, PROMPT[:4 * served.block_size],
                              [memory.addr(i * nbytes) for i in range(4)])
-    sock.send(encode_kv(pull))
-    sock.send(encode_kv(XferRequest("xfer-1", "r", replies.address, memory.engine.session_id,
-                                    nbytes, 4, 0, [memory.addr((4 + i) * nbytes)
-                                                   for i in range(4)])))
+    xfer = XferRequest("xfer-1", "r", replies.address, memory.engine.session_id, nbytes, 4, 0,
+                       [memory.addr((4 + i) * nbytes) for i in range(4)])
+    for frame in (encode_kv(pull), encode_kv(xfer)):
+        assert send_unless_refused(sock, frame) or not member_control, "a member's send"
     got = replies.wait(10 if member_control else QUIET_S)
     sock.close()
     try:
