@@ -14,6 +14,8 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
+_GIL_FREE_CHARS = 16384  # longer texts are encoded without holding the GIL
+
 
 def _token_text(value: object) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", ...} in some configs
@@ -51,6 +53,11 @@ class RouterTokenizer:
         self.byte_token_ids = frozenset(i for i in byte_ids if i is not None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _GIL_FREE_CHARS:
+            # `Tokenizer.encode` holds the GIL throughout (seconds for a prompt of megabytes,
+            # stalling the event loop even from a thread); `encode_batch` releases it
+            batch = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+            return batch[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
