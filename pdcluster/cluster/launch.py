@@ -94,7 +94,8 @@ def router_config(config: ClusterConfig, metadata_address: str | None,
                         metadata_token=cluster_secret.metadata_token(SERVICE),
                         **config.metadata_tls_fields(),
                         api_keys=api_keys_from_env(), policy=policy, routing=config.routing,
-                        cluster_identity=identity, admission=config.admission)
+                        cluster_identity=identity, admission=config.admission,
+                        tenant_limits=config.tenant_limits)
 
 
 def api_keys_from_env() -> tuple[str, ...]:
