@@ -93,7 +93,7 @@ def build_apps(router: RouterApp) -> tuple[web.Application, web.Application | No
                         router.dispatcher, router.prep_pool, router.tenant_limiter,
                         router.hot_prefixes)
     extra = ExtraRoutes(router.config, router.tokenizer, router.model_name, router.dispatcher,
-                        router.drain_watcher)
+                        router.prep_pool, router.drain_watcher)
     admin = None
     if router.config.admin_port is not None:
         admin = web.Application(middlewares=[error_middleware])

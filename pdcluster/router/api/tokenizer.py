@@ -15,6 +15,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 
 _GIL_FREE_CHARS = 16384  # longer texts are encoded without holding the GIL
+_GIL_FREE_IDS = 16384  # and longer id lists decoded without it
 
 
 def _token_text(value: object) -> str | None:
@@ -61,6 +62,8 @@ class RouterTokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(token_ids) > _GIL_FREE_IDS:  # as `encode`: `decode` holds the GIL throughout
+            return self._tok.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def decodable_ids(self, token_ids: list[int]) -> list[int]:
