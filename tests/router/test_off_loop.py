@@ -16,7 +16,7 @@ import pytest
 
 from tests.router.test_http import client
 
-PROMPT_CHARS = 2_000_000
+PROMPT_CHARS = 3_000_000  # under the 4 MiB body limit as JSON
 
 
 async def probe_stalls(stop: threading.Event, stalls: list[float]) -> None:
@@ -64,7 +64,7 @@ def test_a_large_body_does_not_stall_the_loop(start_router, make_node, path) -> 
     assert big["status"] == (200 if path == "/tokenize" else 400) and small.choices[0].text
     took, stall = big["took_s"], max(stalls)
     # generous for a loaded 2-core machine: before, the stall was the whole tokenization
-    assert took > 1.0, f"the large body took {took:.2f} s: too fast to show a stall"
+    assert took > 0.3, f"the large body took {took:.2f} s: too fast to show a stall"
     assert answered, "no /health request went while the large body was tokenized"
     assert stall < took / 3, f"the loop stalled {stall:.2f} s of {took:.2f} s"
     assert max(answered) < took / 2, (answered, took)
