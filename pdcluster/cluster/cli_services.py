@@ -235,6 +235,24 @@ def add_router(subparsers: argparse._SubParsersAction) -> None:
                        help="cached prefix tokens worth pulling from the node holding them "
                        "instead of recomputing (0: never)")
     add_routing_arg(serve)
+    _add_tenant_limit_args(serve)
+
+
+def _add_tenant_limit_args(serve: argparse.ArgumentParser) -> None:
+    """Per-tenant limits on what is in flight (router.planning.tenant_limits)."""
+    serve.add_argument("--tenant-max-requests", type=int, default=None,
+                       help="requests each tenant (API key's tenant; all requests without "
+                       "keys) may have in flight; more get 429 with Retry-After (default: no "
+                       "limit)")
+    serve.add_argument("--tenant-max-tokens", type=int, default=None,
+                       help="tokens (prompt + max_tokens of every sample) each tenant may have "
+                       "in flight (default: no limit)")
+    serve.add_argument("--tenant-limit", action="append", default=[],
+                       metavar="NAME:REQUESTS:TOKENS",
+                       help="one tenant's own limits instead of the defaults (repeatable; an "
+                       "empty number: no limit)")
+    serve.add_argument("--prep-threads", type=int, default=2,
+                       help="threads that parse and tokenize request bodies off the event loop")
 
 
 class _FromTheNodes(argparse.Action):
@@ -253,11 +271,14 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
     from pdcluster.cluster.launch import api_keys_from_env
     from pdcluster.router.api.server import serve_forever
     from pdcluster.router.config import RouterConfig
+    from pdcluster.router.planning.tenant_limits import TenantLimits
     from pdcluster.router.routing.policy import PolicyConfig
 
     api_keys = api_keys_from_env()
     salt_key = cache_salt_key_from_env("pdcluster router serve", required=bool(api_keys))
     with config_errors_as_usage():
+        limits = TenantLimits(args.tenant_max_requests, args.tenant_max_tokens,
+                              tuple(TenantLimits.parse_tenant(e) for e in args.tenant_limit))
         config = RouterConfig(
             model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
             also_listen=tuple(args.also_listen), metadata_address=args.metadata,
@@ -265,7 +286,7 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
             metadata_token=token, admin_port=args.admin_port, admin_host=args.admin_host,
             **metadata_tls_fields(args),
             max_migrations=args.max_migrations, index_mirror=args.index_mirror,
-            routing=args.routing,
+            routing=args.routing, tenant_limits=limits, prep_threads=args.prep_threads,
             policy=PolicyConfig(local_prefill_threshold=args.local_prefill_threshold,
                                 global_reuse_min_tokens=args.global_reuse_min_tokens))
     asyncio.run(serve_forever(config))

@@ -19,7 +19,9 @@ cluster.yaml:
     router: {host: 0.0.0.0, port: 8000, enabled: true,   # false: a router runs elsewhere
              routing: kv,                      # or round_robin / least_loaded (baselines)
              admission: {slo_ttft_s: 2, mode: reject,   # or queue (router.planning.admission)
-                         max_queue_s: 10, tenant_priorities: {batch: low}}}
+                         max_queue_s: 10, tenant_priorities: {batch: low}},
+             tenant_limits: {max_requests: 64, max_tokens: 262144,  # in flight per tenant
+                             tenants: {batch: {max_requests: 8}}}}  # router.planning
     planner: {enabled: true, ...}              # scale each role live (cluster/planner_settings.py)
     node: {gpus: 1,                            # GPUs per tensor-parallel rank
            tensor_parallel_size: {prefill: 2, decode: 1},   # per role (or one int for both;
@@ -44,6 +46,7 @@ from pdcluster.core.roles import Role
 from pdcluster.core.tls import ClientTLS, MetadataTLSFields
 from pdcluster.engine.config import EngineConfig
 from pdcluster.router.planning.admission import AdmissionConfig
+from pdcluster.router.planning.tenant_limits import TenantLimits
 from pdcluster.router.routing.baselines import ROUTINGS
 
 # Uncached prompt tokens up to which the decode node prefills itself. Low, because on a CPU
@@ -98,6 +101,7 @@ class ClusterConfig:
     role_resource_prefix: str | None = None
     planner: PlannerSettings | None = None  # None: the node counts stay as started
     admission: AdmissionConfig | None = None  # the router's admission by predicted TTFT
+    tenant_limits: TenantLimits = field(default_factory=TenantLimits)  # the router's, per tenant
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -214,7 +218,8 @@ class ClusterConfig:
                                                     LOCAL_PREFILL_THRESHOLD_TOKENS),
             global_reuse_min_tokens=node.get("global_reuse_min_tokens", 512),
             planner=PlannerSettings.from_dict(data.get("planner") or {}),
-            admission=_admission(router.get("admission")))
+            admission=_admission(router.get("admission")),
+            tenant_limits=TenantLimits.from_dict(router.get("tenant_limits") or {}))
 
 
 def _tensor_parallel(value: int | dict[str, int] | None) -> dict[str, int | None]:

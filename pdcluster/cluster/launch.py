@@ -95,7 +95,8 @@ def router_config(config: ClusterConfig, metadata_address: str | None,
                         **config.metadata_tls_fields(),
                         api_keys=api_keys_from_env(), policy=policy, routing=config.routing,
                         cache_salt_key=cache_salt_key(cluster_secret),
-                        cluster_identity=identity, admission=config.admission)
+                        cluster_identity=identity, admission=config.admission,
+                        tenant_limits=config.tenant_limits)
 
 
 def cache_salt_key(cluster_secret: ClusterSecret) -> bytes:

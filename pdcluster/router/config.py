@@ -11,6 +11,7 @@ from pdcluster.core.kv_identity import KVIdentity
 from pdcluster.core.roles import Role, role_names
 from pdcluster.core.tls import ClientTLS
 from pdcluster.router.planning.admission import AdmissionConfig
+from pdcluster.router.planning.tenant_limits import TenantLimits
 from pdcluster.router.routing.baselines import ROUTINGS
 from pdcluster.router.routing.policy import PolicyConfig
 from pdcluster.router.tenants import MIN_SALT_KEY_BYTES, ApiKeys
@@ -106,6 +107,10 @@ class RouterConfig:
     # admission by predicted TTFT (router.planning.admission): shed (429) or hold requests
     # whose prediction is over their priority class's limit; None: admit everything
     admission: AdmissionConfig | None = None
+    # per-tenant limits on requests and tokens in flight (router.planning.tenant_limits)
+    tenant_limits: TenantLimits = field(default_factory=TenantLimits)
+    # threads that parse, render and tokenize request bodies off the event loop
+    prep_threads: int = 2
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -115,6 +120,8 @@ class RouterConfig:
                              f"{self.routing!r}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.prep_threads < 1:
+            raise ValueError(f"prep_threads must be >= 1, got {self.prep_threads}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.max_header_bytes < 256 or self.max_headers < 8:

@@ -84,6 +84,10 @@ class RouterMetrics:
         self.shed = Counter("router_shed_requests", "requests refused with 429 by admission "
                             "(predicted TTFT over their class's limit), by priority class",
                             ["priority"], registry=r)
+        self.tenant_limited = Counter(
+            "router_tenant_limited_requests", "requests refused with 429 because their tenant "
+            "had its limit of requests or tokens in flight (router.planning.tenant_limits)",
+            registry=r)
         self.admission_probes = Counter(
             "router_admission_probes", "requests admitted over their predicted TTFT because "
             "their node had none for probe_after_s (re-calibrating its prediction)",

@@ -21,16 +21,18 @@ API: `ExtraRoutes`, `serving_problem`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+from concurrent.futures import Executor
 from importlib import metadata
 from typing import Any
 
 from aiohttp import web
 
 from pdcluster.core.roles import Role
-from pdcluster.router.api.edge import RETRY_AFTER_S, json_error
+from pdcluster.router.api.edge import RETRY_AFTER_S, json_error, read_body
 from pdcluster.router.api.protocol import parse_chat
-from pdcluster.router.api.request_prep import read_json
+from pdcluster.router.api.request_prep import parse_json
 from pdcluster.router.api.tokenizer import RouterTokenizer
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.errors import ApiError
@@ -59,15 +61,19 @@ def _api_errors(handler):
 
 class ExtraRoutes:
     def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer, model_name: str,
-                 dispatcher: Dispatcher, drain_watcher: DrainWatcher | None = None) -> None:
+                 dispatcher: Dispatcher, prep: Executor,
+                 drain_watcher: DrainWatcher | None = None) -> None:
+        """`prep`: the pool that tokenizes off the event loop (router.api.handlers)."""
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
+        self._prep = prep
         self.dispatcher = dispatcher
         self.drain_watcher = drain_watcher
         self._api_keys = ApiKeys(config.api_keys)
 
     async def _body(self, request: web.Request) -> dict:
         self._api_keys.authenticate(request)
-        body = await read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
+        raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
+        body = await asyncio.get_running_loop().run_in_executor(self._prep, parse_json, raw)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", None, "invalid_body")
         model = body.get("model")
@@ -79,12 +85,18 @@ class ExtraRoutes:
     @_api_errors
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        ids = self._chat_ids(body) if "messages" in body else self._prompt_ids(body)
-        strings = (self.tokenizer.token_strings(ids)
-                   if _flag(body, "return_token_strs", False) else None)
+        ids, strings = await asyncio.get_running_loop().run_in_executor(
+            self._prep, self._tokenized, body)
         return web.json_response({"count": len(ids),
                                   "max_model_len": self.tokenizer.max_model_len,
                                   "tokens": ids, "token_strs": strings})
+
+    def _tokenized(self, body: dict) -> tuple[list[int], list[str] | None]:
+        """The ids of `body`'s prompt or messages, and their strings if asked (a thread)."""
+        ids = self._chat_ids(body) if "messages" in body else self._prompt_ids(body)
+        strings = (self.tokenizer.token_strings(ids)
+                   if _flag(body, "return_token_strs", False) else None)
+        return ids, strings
 
     def _prompt_ids(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
@@ -119,7 +131,8 @@ class ExtraRoutes:
                 for t in tokens):
             raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})",
                            "tokens", "invalid_value")
-        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        text = await asyncio.get_running_loop().run_in_executor(
+            self._prep, self.tokenizer.decode, tokens, False)
         return web.json_response({"prompt": text})
 
     @_api_errors

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from pdcluster.router.api.detokenizer import IncrementalDetokenizer
 from pdcluster.router.api.fanout import SampleRun
 from pdcluster.router.api.protocol import CompletionRequest
 from pdcluster.router.api.request_prep import ResolvedPrompt, make_samples
@@ -35,7 +36,7 @@ from pdcluster.router.api.responses import (
     rank_best,
     usage,
 )
-from pdcluster.router.api.tokenizer import IncrementalDetokenizer, RouterTokenizer
+from pdcluster.router.api.tokenizer import RouterTokenizer
 from pdcluster.router.api.tools import streamable_prefix, tool_format
 from pdcluster.router.errors import NodeFailure, NoHealthyNode, api_error, error_body
 from pdcluster.router.metrics import RouterMetrics

@@ -15,34 +15,41 @@ API: `Handlers`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from concurrent.futures import Executor
 
 from aiohttp import web
 from opentelemetry import trace
 
 from pdcluster.core import tracing
 from pdcluster.router.api.admission_gate import AdmissionGate
-from pdcluster.router.api.edge import json_error
+from pdcluster.router.api.edge import json_error, read_body
 from pdcluster.router.api.fanout import local_placement
 from pdcluster.router.api.generation import EndedWithError, Generation
 from pdcluster.router.api.protocol import CompletionRequest, parse_chat, parse_completion
-from pdcluster.router.api.request_prep import read_json, resolve_prompt
+from pdcluster.router.api.request_prep import ResolvedPrompt, parse_json, resolve_prompt
 from pdcluster.router.api.tokenizer import RouterTokenizer
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.errors import ApiError, NodeFailure, NoHealthyNode, api_error
 from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.planning.tenant_limits import TenantLimiter
 from pdcluster.router.routing.dispatch import Dispatcher, Placement
 from pdcluster.router.routing.handoff import HotPrefixes
-from pdcluster.router.tenants import ApiKeys, TenantSalts
+from pdcluster.router.tenants import ApiKeys, Tenant, TenantSalts
 
 logger = logging.getLogger(__name__)
+
+_INLINE_BODY_BYTES = 4096  # bodies up to this size are prepared on the loop (< ~3 ms here)
 
 
 class Handlers:
     def __init__(self, config: RouterConfig, tokenizer: RouterTokenizer, model_name: str,
-                 metrics: RouterMetrics, dispatcher: Dispatcher,
-                 hot_prefixes: HotPrefixes | None = None) -> None:
+                 metrics: RouterMetrics, dispatcher: Dispatcher, prep: Executor,
+                 tenant_limiter: TenantLimiter, hot_prefixes: HotPrefixes | None = None) -> None:
+        """`prep`: the bounded pool that parses and tokenizes bodies off the event loop."""
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
+        self._prep, self.tenant_limiter = prep, tenant_limiter
         self._metrics, self.dispatcher = metrics, dispatcher
         self.hot_prefixes = hot_prefixes  # what a draining node hands off (routing.handoff)
         self._api_keys = ApiKeys(config.api_keys)
@@ -114,13 +121,35 @@ class Handlers:
 
     async def _checked(self, request: web.Request, chat: bool) -> web.StreamResponse:
         tenant = self._api_keys.authenticate(request)
-        body = await read_json(request, self.config.max_body_bytes,
-                               self.config.body_timeout_s)
+        lease = self.tenant_limiter.acquire(tenant.name if tenant is not None else "")
+        try:
+            raw = await read_body(request, self.config.max_body_bytes,
+                                  self.config.body_timeout_s)
+            # parsing, rendering and tokenizing a body of max_body_bytes takes seconds: on the
+            # loop it would stall every other request and stream. A small one takes less than
+            # the hop to a thread and back costs on a busy machine (~1 ms): it stays here.
+            if len(raw) <= _INLINE_BODY_BYTES:
+                req, prompt = self._prepare(raw, chat, tenant)
+            else:
+                req, prompt = await asyncio.get_running_loop().run_in_executor(
+                    self._prep, self._prepare, raw, chat, tenant)
+            lease.take_tokens(len(prompt.token_ids) + req.best_of * prompt.max_tokens)
+            return await self._serve(request, req, prompt, tenant)
+        finally:
+            lease.release()
+
+    def _prepare(self, raw: bytes, chat: bool,
+                 tenant: Tenant | None) -> tuple[CompletionRequest, ResolvedPrompt]:
+        """The request and its tokenized prompt (in a `prep` thread)."""
+        body = parse_json(raw)
         req = parse_chat(body) if chat else parse_completion(body)
         if self._salts is not None:  # tenants never share a cache
             req.cache_salt = self._salts.salt(tenant, req.cache_salt)
-        prompt = resolve_prompt(req, self.tokenizer, self.model_name,
-                                self.config.max_tokens_limit)
+        return req, resolve_prompt(req, self.tokenizer, self.model_name,
+                                   self.config.max_tokens_limit)
+
+    async def _serve(self, request: web.Request, req: CompletionRequest,
+                     prompt: ResolvedPrompt, tenant: Tenant | None) -> web.StreamResponse:
         async def place() -> Placement:
             placed = await self.dispatcher.place(prompt.token_ids, req.cache_salt)
             return local_placement(placed) if _needs_local_prefill(req) else placed

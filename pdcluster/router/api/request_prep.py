@@ -4,7 +4,7 @@ the prompt (model name, tokenize or apply the chat template, context and max_tok
 and build the node's `GenerateRequest`. Every client mistake is an `ApiError` (4xx).
 Nothing here writes into the parsed `CompletionRequest`: resolved values are returned.
 
-API: `read_json`, `ResolvedPrompt`, `resolve_prompt`, `make_generate`,
+API: `read_json`, `parse_json`, `ResolvedPrompt`, `resolve_prompt`, `make_generate`,
 `make_samples`, `sample_seed`.
 """
 
@@ -41,7 +41,11 @@ async def read_json(request: web.Request, limit: int, timeout_s: float) -> objec
     """The request body parsed as JSON (router.api.edge.read_body: whole, under `limit` bytes
     and `timeout_s`); 400 if it is not UTF-8, not JSON, or holds a string that is not
     valid Unicode (naming that field)."""
-    raw = await read_body(request, limit, timeout_s)
+    return parse_json(await read_body(request, limit, timeout_s))
+
+
+def parse_json(raw: bytes) -> object:
+    """`read_json`'s parsing and checks, for a body already read (any thread)."""
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 from pdcluster.core.node_wire import TokenDelta
-from pdcluster.router.api.tokenizer import IncrementalDetokenizer, RouterTokenizer
+from pdcluster.router.api.detokenizer import IncrementalDetokenizer
+from pdcluster.router.api.tokenizer import RouterTokenizer
 from pdcluster.router.api.tools import ToolChoice, parse_tool_calls
 from pdcluster.router.errors import NodeFailure
 

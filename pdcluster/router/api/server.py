@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
@@ -33,6 +34,7 @@ from pdcluster.router.api.handlers import Handlers
 from pdcluster.router.api.tokenizer import RouterTokenizer
 from pdcluster.router.config import RouterConfig
 from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.planning.tenant_limits import TenantLimiter
 from pdcluster.router.routing.dispatch import Dispatcher
 from pdcluster.router.routing.handoff import DrainWatcher, HotPrefixes
 
@@ -50,6 +52,9 @@ class RouterApp:
         # scale-in that keeps the cache: a draining node's hot prompts go to its peers
         self.hot_prefixes = HotPrefixes()
         self.drain_watcher = DrainWatcher(self.dispatcher, self.hot_prefixes)
+        # parses and tokenizes request bodies off the event loop (router.api.handlers)
+        self.prep_pool = ThreadPoolExecutor(config.prep_threads, thread_name_prefix="router-prep")
+        self.tenant_limiter = TenantLimiter(config.tenant_limits, self.metrics.tenant_limited.inc)
         self._runner: web.AppRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self.port = config.port
@@ -78,15 +83,17 @@ class RouterApp:
             if runner is not None:
                 await runner.cleanup()
         await self.dispatcher.close()
+        self.prep_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def build_apps(router: RouterApp) -> tuple[web.Application, web.Application | None]:
     """The public app, and the admin app (/metrics, the detailed /health; no API key) when
     `admin_port` is set."""
     handlers = Handlers(router.config, router.tokenizer, router.model_name, router.metrics,
-                        router.dispatcher, router.hot_prefixes)
+                        router.dispatcher, router.prep_pool, router.tenant_limiter,
+                        router.hot_prefixes)
     extra = ExtraRoutes(router.config, router.tokenizer, router.model_name, router.dispatcher,
-                        router.drain_watcher)
+                        router.prep_pool, router.drain_watcher)
     admin = None
     if router.config.admin_port is not None:
         admin = web.Application(middlewares=[error_middleware])

@@ -1,9 +1,8 @@
 """Tokenization in the router, without torch: the `tokenizers` library reads the model
 folder's `tokenizer.json`, and jinja2 renders the chat template of `tokenizer_config.json`
-(or `chat_template.jinja`). `IncrementalDetokenizer` turns streamed token ids into text
-deltas, holding back incomplete UTF-8 and any tail that could still become a stop string.
+(or `chat_template.jinja`). Streamed ids become text in `detokenizer.py`.
 
-API: `RouterTokenizer`, `IncrementalDetokenizer`.
+API: `RouterTokenizer`.
 """
 
 from __future__ import annotations
@@ -14,6 +13,9 @@ from pathlib import Path
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer
+
+_GIL_FREE_CHARS = 16384  # longer texts are encoded without holding the GIL
+_GIL_FREE_IDS = 16384  # and longer id lists decoded without it
 
 
 def _token_text(value: object) -> str | None:
@@ -45,12 +47,29 @@ class RouterTokenizer:
         self.template_source = template if isinstance(template, str) else ""
         self._template = env.from_string(template) if isinstance(template, str) else None
         self._token_texts: dict[int, str] = {}
+        self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items()
+                                      if t.special)
+        # SentencePiece byte fallback ("<0xE2>"): the decode joins a run of them as one text
+        byte_ids = (self._tok.token_to_id(f"<0x{b:02X}>") for b in range(256))
+        self.byte_token_ids = frozenset(i for i in byte_ids if i is not None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _GIL_FREE_CHARS:
+            # `Tokenizer.encode` holds the GIL throughout (seconds for a prompt of megabytes,
+            # stalling the event loop even from a thread); `encode_batch` releases it
+            batch = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+            return batch[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(token_ids) > _GIL_FREE_IDS:  # as `encode`: `decode` holds the GIL throughout
+            return self._tok.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def decodable_ids(self, token_ids: list[int]) -> list[int]:
+        """`token_ids` less the special ids that `decode` skips (the decode is the same)."""
+        special = self._special_ids
+        return [i for i in token_ids if i not in special]
 
     @property
     def template_uses_tools(self) -> bool:
@@ -101,39 +120,3 @@ def _read_json(path: Path) -> dict:
         return {}
     data = json.loads(path.read_text(encoding="utf-8"))
     return data if isinstance(data, dict) else {}
-
-
-class IncrementalDetokenizer:
-    """Text deltas of a growing token sequence, cut at the first stop string.
-
-    Each step decodes the whole output so far (O(output) per step, fine for the response
-    lengths served here; a sliding window is the known optimisation).
-    """
-
-    def __init__(self, tokenizer: RouterTokenizer, stop: list[str]) -> None:
-        self._tokenizer = tokenizer
-        self._stop = [s for s in stop if s]
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self._ids: list[int] = []
-        self.text = ""  # everything decoded so far (before any stop cut)
-        self._emitted = 0
-        self.stopped = False
-
-    def add(self, token_ids: list[int], final: bool = False) -> str:
-        """Feed new ids; returns the new text safe to show (everything when `final`)."""
-        if self.stopped:
-            return ""
-        self._ids.extend(token_ids)
-        text = self._tokenizer.decode(self._ids)
-        if text.endswith("\ufffd") and not final:
-            text = text[:-1]  # an incomplete UTF-8 sequence: wait for its next byte
-        self.text = text
-        for stop in self._stop:
-            at = text.find(stop, max(0, self._emitted - len(stop)))
-            if at != -1:
-                self.stopped = True
-                text = text[:at]
-        end = len(text) if final or self.stopped else max(self._emitted, len(text) - self._hold)
-        delta = text[self._emitted:end]
-        self._emitted = max(self._emitted, end)
-        return delta
