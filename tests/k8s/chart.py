@@ -74,6 +74,7 @@ VALUE_SETS: dict[str, dict] = {
     "hub-model": {
         "model": {"source": "hub", "name": "Qwen2.5-0.5B-Instruct",
                   "hub": {"repo": "Qwen/Qwen2.5-0.5B-Instruct",
+                          "revision": "7ae557604adf67be50417f59c2c2f167def9a775",
                           "tokenSecret": {"name": "hf-token"}}},
     },
     "memory-metadata": {

@@ -413,6 +413,40 @@ def test_the_acknowledged_or_fenced_setting_renders(values) -> None:
     assert template(values).returncode == 0
 
 
+# --- model downloads: a commit, not a name that moves
+
+_HUB = {"source": "hub", "name": "m", "hub": {"repo": "org/m"}}
+_COMMIT = "7ae557604adf67be50417f59c2c2f167def9a775"
+
+
+def _download_env(values: dict) -> dict[str, str]:
+    inits = [c for _, c in containers(render(values), init=True)]
+    assert inits
+    envs = [{e["name"]: e.get("value") for e in c["env"] if "value" in e} for c in inits]
+    names = ("PDCLUSTER_MODEL_REVISION", "PDCLUSTER_MODEL_ALLOW_UNPINNED")
+    assert len({tuple(env.get(n) for n in names) for env in envs}) == 1  # every pod alike
+    return envs[0]
+
+
+@pytest.mark.parametrize("revision", ["", "main", "v1.0", _COMMIT[:7]])
+def test_the_chart_refuses_a_model_revision_that_is_not_a_commit(revision: str) -> None:
+    values = {"model": {**_HUB, "hub": {**_HUB["hub"], "revision": revision}}}
+    refused = template(values, check=False)
+    assert refused.returncode != 0, "an unpinned hub download rendered"
+    assert "model.hub.revision" in refused.stderr and "is not a commit" in refused.stderr
+
+
+def test_a_pinned_or_acknowledged_model_revision_renders() -> None:
+    env = _download_env({"model": {**_HUB, "hub": {**_HUB["hub"], "revision": _COMMIT}}})
+    assert env["PDCLUSTER_MODEL_REVISION"] == _COMMIT
+    assert "PDCLUSTER_MODEL_ALLOW_UNPINNED" not in env
+    env = _download_env({"model": {**_HUB, "hub": {
+        **_HUB["hub"], "revision": "main", "acknowledgeUnpinnedRevision": True}}})
+    assert env["PDCLUSTER_MODEL_REVISION"] == "main"
+    assert env["PDCLUSTER_MODEL_ALLOW_UNPINNED"] == "1"
+    assert template({"model": {"source": "pvc"}}).returncode == 0  # no download, no revision
+
+
 # --- metadata gRPC: plaintext or unbound client certificates need an acknowledgement
 
 _SECRETS = {"secretName": "md-tls", "clientAuth": {"routerSecretName": "md-router",
