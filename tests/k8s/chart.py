@@ -66,6 +66,7 @@ VALUE_SETS: dict[str, dict] = {
                  "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"}},
     },
     "rdma-off": {"rdma": {"enabled": False}},
+    "ray-non-root": {"ray": {"runAsUser": 1000}},
     "rdma-host-network": {"rdma": {"enabled": True, "hostNetwork": True,
                                    "acknowledgeUnfencedHostNetwork": True},
                           "networkPolicy": {"nodeCIDRs": ["10.0.0.0/16", "fd00:10::/64"]}},

@@ -413,6 +413,43 @@ def test_the_acknowledged_or_fenced_setting_renders(values) -> None:
     assert template(values).returncode == 0
 
 
+# --- Ray pods: fenced root by default, a non-root uid where the image allows
+
+def _ray_pods(values: dict) -> list[tuple[dict, dict]]:
+    """(pod spec, its Ray container) of the head and each worker group."""
+    (cluster,) = [d for d in render(values) if d["kind"] == "RayCluster"]
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    return [(g["template"]["spec"], g["template"]["spec"]["containers"][0]) for g in groups]
+
+
+@pytest.mark.parametrize("rdma", [False, True])
+def test_ray_containers_drop_capabilities_and_escalation(rdma: bool) -> None:
+    pods = _ray_pods({"rdma": {"enabled": rdma}})
+    assert len(pods) == 3
+    for i, (spec, container) in enumerate(pods):
+        ctx = container["securityContext"]
+        assert ctx["allowPrivilegeEscalation"] is False
+        assert ctx["capabilities"]["drop"] == ["ALL"]
+        assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+        # RDMA's capabilities come back on the workers alone, never on the head
+        wanted = ["IPC_LOCK", "NET_RAW"] if rdma and i > 0 else None
+        assert ctx["capabilities"].get("add") == wanted
+        assert "runAsUser" not in ctx and "securityContext" not in spec  # the image's root
+
+
+def test_ray_pods_run_as_a_non_root_uid_when_asked() -> None:
+    for spec, container in _ray_pods({"ray": {"runAsUser": 1000}}):
+        ctx = container["securityContext"]
+        assert (ctx["runAsNonRoot"], ctx["runAsUser"], ctx["runAsGroup"]) == (True, 1000, 1000)
+        assert ctx["capabilities"]["drop"] == ["ALL"]
+        assert spec["securityContext"]["fsGroup"] == 1000  # the head reads the secret
+    custom = {"seccompProfile": {"type": "Localhost", "localhostProfile": "ray.json"}}
+    for _, container in _ray_pods({"ray": {"securityContext": custom}}):
+        assert container["securityContext"]["seccompProfile"] == custom["seccompProfile"]
+    refused = template({"ray": {"runAsUser": 1000}, "rdma": {"enabled": True}}, check=False)
+    assert refused.returncode != 0 and "CAP_IPC_LOCK" in refused.stderr, refused.stderr[-500:]
+
+
 # --- model downloads: a commit, not a name that moves
 
 _HUB = {"source": "hub", "name": "m", "hub": {"repo": "org/m"}}
