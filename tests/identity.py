@@ -6,16 +6,26 @@ from __future__ import annotations
 import secrets
 
 from pdcluster.core.credentials import SERVICE, ClusterSecret, CurveKeys
+from pdcluster.core.identity import ROUTER_PREFIX
+from pdcluster.core.pull_ticket import TicketSigner
 from pdcluster.metadata_service.client import MetadataClient
 from pdcluster.node.client import BlockingNodeClient
 
 
 def registered_router(metadata_address: str, secret: ClusterSecret) -> CurveKeys:
     """A fresh router key pair, registered with the router's credential."""
-    keys = CurveKeys.generate()
+    return registered_signer(metadata_address, secret)[0]
+
+
+def registered_signer(metadata_address: str, secret: ClusterSecret,
+                      ttl_s: float | None = None) -> tuple[CurveKeys, TicketSigner]:
+    """A fresh router key pair and pull-ticket signer (core.pull_ticket), registered with the
+    router's credential as a router registers them."""
+    keys, client_id = CurveKeys.generate(), f"test-{secrets.token_hex(4)}"
+    signer = TicketSigner(ROUTER_PREFIX + client_id, *(() if ttl_s is None else (ttl_s,)))
     with MetadataClient(metadata_address, token=secret.metadata_token(SERVICE)) as client:
-        client.register_client(f"test-{secrets.token_hex(4)}", keys.public, 600)
-    return keys
+        client.register_client(client_id, keys.public, 600, signer.public_key)
+    return keys, signer
 
 
 def node_keys(metadata_address: str, secret: ClusterSecret) -> dict[str, bytes]:

@@ -43,3 +43,15 @@ data:
 {{- toYaml (dict "name" (include "pdcluster.generatedEtcdAuthSecret" .) "key" "root-password") -}}
 {{- end -}}
 {{- end -}}
+
+{{- define "pdcluster.generatedRouterSaltSecret" -}}{{ include "pdcluster.fullname" . }}-router-salt{{- end -}}
+
+{{/* The router's cache-salt key: (dict name key) of router.cacheSaltKeySecret, else generated. */}}
+{{- define "pdcluster.routerSaltSecret" -}}
+{{- $given := .Values.router.cacheSaltKeySecret -}}
+{{- if $given.name -}}
+{{- toYaml (dict "name" $given.name "key" $given.key) -}}
+{{- else -}}
+{{- toYaml (dict "name" (include "pdcluster.generatedRouterSaltSecret" .) "key" "cache-salt-key") -}}
+{{- end -}}
+{{- end -}}

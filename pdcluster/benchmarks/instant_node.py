@@ -104,7 +104,8 @@ def _router_keys(metadata_address: str, secret: ClusterSecret) -> Directory:
                             timeout_s=30)
 
     def routers() -> list[Peer]:
-        return [Peer(ROUTER_PREFIX + c.client_id, c.curve_public_key.encode())
+        return [Peer(ROUTER_PREFIX + c.client_id, c.curve_public_key.encode(),
+                  ticket_key=c.ticket_public_key)
                 for c in client.list_clients()]
 
     return Directory(refresh=routers).follow(2.0)

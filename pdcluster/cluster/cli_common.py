@@ -137,3 +137,21 @@ def optional_router_token() -> str | None:
         return token_from_env(ROUTER_TOKEN_ENV, ROUTER_TOKEN_FILE_ENV)
     except CredentialError as exc:
         raise UsageError(str(exc)) from exc
+
+
+def cache_salt_key_from_env(command: str, required: bool) -> bytes | None:
+    """The router's cache-salt key from $PDCLUSTER_CACHE_SALT_KEY[_FILE] (router.tenants); a
+    usage error when `required` (API keys set: tenants' caches are salted) and it is unset."""
+    from pdcluster.core.credentials import CredentialError, token_from_env
+    from pdcluster.router.tenants import SALT_KEY_ENV, SALT_KEY_FILE_ENV
+
+    try:
+        key = token_from_env(SALT_KEY_ENV, SALT_KEY_FILE_ENV)
+    except CredentialError as exc:
+        raise UsageError(str(exc)) from exc
+    if key is None and required:
+        raise UsageError(f"{command} with API keys needs the cache-salt key every router of "
+                         f"the cluster shares: set ${SALT_KEY_FILE_ENV} to a file holding it "
+                         f"or ${SALT_KEY_ENV} to it (at least 16 random bytes, e.g. "
+                         "`openssl rand -hex 32`; the Helm chart generates one)")
+    return None if key is None else key.encode()

@@ -12,6 +12,7 @@ from pdcluster.cluster.cli_common import (
     DTYPES,
     UsageError,
     add_command,
+    cache_salt_key_from_env,
     check_model_dir,
     cluster_secret_from_env,
     config_errors_as_usage,
@@ -254,11 +255,13 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
     from pdcluster.router.config import RouterConfig
     from pdcluster.router.routing.policy import PolicyConfig
 
+    api_keys = api_keys_from_env()
+    salt_key = cache_salt_key_from_env("pdcluster router serve", required=bool(api_keys))
     with config_errors_as_usage():
         config = RouterConfig(
             model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
             also_listen=tuple(args.also_listen), metadata_address=args.metadata,
-            api_keys=api_keys_from_env(),
+            api_keys=api_keys, cache_salt_key=salt_key,
             metadata_token=token, admin_port=args.admin_port, admin_host=args.admin_host,
             **metadata_tls_fields(args),
             max_migrations=args.max_migrations, index_mirror=args.index_mirror,

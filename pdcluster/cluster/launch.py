@@ -94,7 +94,20 @@ def router_config(config: ClusterConfig, metadata_address: str | None,
                         metadata_token=cluster_secret.metadata_token(SERVICE),
                         **config.metadata_tls_fields(),
                         api_keys=api_keys_from_env(), policy=policy, routing=config.routing,
+                        cache_salt_key=cache_salt_key(cluster_secret),
                         cluster_identity=identity, admission=config.admission)
+
+
+def cache_salt_key(cluster_secret: ClusterSecret) -> bytes:
+    """The in-process router's cache-salt key (router.tenants): $PDCLUSTER_CACHE_SALT_KEY
+    [_FILE] when set (to share salts with routers run apart), else derived from the cluster
+    secret, so a restart with the same secret keeps the same salts. The router gets the
+    derived key, never the secret."""
+    from pdcluster.core.credentials import token_from_env
+    from pdcluster.router.tenants import SALT_KEY_ENV, SALT_KEY_FILE_ENV
+
+    given = token_from_env(SALT_KEY_ENV, SALT_KEY_FILE_ENV)
+    return given.encode() if given else cluster_secret.derive("router/cache-salt-key")
 
 
 def api_keys_from_env() -> tuple[str, ...]:

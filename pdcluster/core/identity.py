@@ -55,6 +55,7 @@ class Peer:
     request_address: str = ""
     kv_address: str = ""
     kv_session: str = ""
+    ticket_key: bytes = b""  # a router's Ed25519 key for pull tickets (core.pull_ticket)
 
 
 def is_router(principal: str | None) -> bool:

@@ -32,6 +32,7 @@ from pdcluster.core.kv_transfer import (
     RemotePrefill,
     TransferId,
 )
+from pdcluster.core.pull_ticket import PullTicket
 from pdcluster.core.types import ReqId
 
 __all__ = ["ConnectorPlan", "ConnectorResults", "KVConnector", "KVConnectorScheduler",
@@ -98,6 +99,7 @@ class PullJob:
     source_addr: str
     block_ids: list[int]
     prefix: PrefixTokens
+    ticket: PullTicket | None = None  # the router's, forwarded to the holder
 
 
 @dataclass(frozen=True, slots=True)

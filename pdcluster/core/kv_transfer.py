@@ -9,7 +9,8 @@
   ranges of my registered region"), `PrefixPullRequest` (requester -> H: "write the leading
   run you hold of these blocks into these byte ranges"; the blocks are named by the prompt's
   tokens and cache salt, never by hash, so that only a requester who knows both can read
-  them: hashes are visible to anyone who watches the index), `XferAbort`
+  them: hashes are visible to anyone who watches the index; and the router's signed
+  `PullTicket` for exactly that chain, core.pull_ticket), `XferAbort`
   ("forget T") and `XferDone` ("T done" with the first token or the number of blocks written,
   or "T failed: reason").
   `encode` / `decode` (the shared codec of `core.wire`) raise `WireError` for anything
@@ -21,13 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated
 
+from pdcluster.core.pull_ticket import PullTicket
 from pdcluster.core.types import MAX_ADDRESS_CHARS, MAX_ID_CHARS
 from pdcluster.core.wire import MaxLen, Protocol, WireError
 
 TransferId = str
 # 2: PrefixPullRequest names blocks by tokens + salt; 3: requests carry the requester's
-# tensor-parallel group (`dest_group`)
-WIRE_VERSION = 3
+# tensor-parallel group (`dest_group`); 4: PrefixPullRequest carries the router's `ticket`
+WIRE_VERSION = 4
 # The largest message the caps allow (a pull of 1M tokens: ~5 MiB of ids, 1.2 MiB of
 # addresses) fits; a side channel's ZMQ socket drops a larger frame before decrypting it.
 MAX_MESSAGE_BYTES = 8 << 20
@@ -75,10 +77,12 @@ KVTransferParams = RemotePrefill | RemoteDecode
 class PrefixPull:
     """The node whose KV side channel is `source_addr` holds (per the metadata service) the
     first `num_blocks` blocks of this prompt: fetch the ones missing locally from there rather
-    than compute them, if that saves enough blocks. A hint: a stale one only costs compute."""
+    than compute them, if that saves enough blocks. A hint: a stale one only costs compute.
+    `ticket`: the router's permission (core.pull_ticket), forwarded to the holder."""
 
     source_addr: str
     num_blocks: int
+    ticket: PullTicket | None = None
 
     def __post_init__(self) -> None:
         if not self.source_addr or self.num_blocks < 1:
@@ -142,6 +146,8 @@ class PrefixPullRequest:
     lora_id: int | None = None
     dest_segment_offsets: Segments = field(default_factory=_one_segment)
     dest_group: KVGroup | None = None  # as XferRequest's
+    # the router's permission for this pull (core.pull_ticket): a holder serves none without
+    ticket: PullTicket | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,11 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
+from pdcluster.core.pull_ticket import PullTicket
 from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import MAX_ADDRESS_CHARS, MAX_ID_CHARS
 from pdcluster.core.wire import MaxLen, Protocol, WireError
 
-NODE_WIRE_VERSION = 1
+NODE_WIRE_VERSION = 2  # 2: PrefixSource.ticket
 MAX_TRACEPARENT_CHARS = 64  # "00-<32 hex>-<16 hex>-<2 hex>" is 55
 # Both ends' ZMQ sockets drop a larger frame before reading it (MAXMSGSIZE): a 1M-token
 # prompt packs into about 5 MiB of msgpack.
@@ -61,10 +62,13 @@ class PrefixSource:
     """Global prefix reuse: the node whose KV side channel is `kv_address` holds the first
     `num_blocks` blocks of this prompt (per the metadata service when the router looked).
     The receiving node pulls the blocks it lacks from there instead of recomputing them; a
-    stale hint (blocks evicted since) only means it computes more itself."""
+    stale hint (blocks evicted since) only means it computes more itself. `ticket`: the
+    router's signed permission for the pull (core.pull_ticket), which the node forwards to
+    the holder; a holder serves no pull without one."""
 
     kv_address: Address
     num_blocks: int
+    ticket: PullTicket | None = None
 
 
 @dataclass(frozen=True, slots=True)

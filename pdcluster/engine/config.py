@@ -34,7 +34,9 @@ class EngineConfig:
     kv_cache_memory_gib: float | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
     # The host tier below the device's KV cache (engine/core/kv_tiers.py): blocks the device evicts
     # are copied there and loaded back on a prefix hit. Sized in GiB of host memory, or in
-    # blocks (num_host_blocks wins); 0 / None: no host tier.
+    # blocks (num_host_blocks wins); 0 / None: no host tier. With tensor parallelism each rank
+    # keeps its slice of a block in its own host tier: the GiB are every rank's together (as
+    # are disk_cache_gib's).
     host_cache_gib: float = 0.0
     num_host_blocks: int | None = None
     # The disk tier below the host tier (engine/kv/disk_kv_cache.py): blocks the host evicts are
@@ -162,9 +164,6 @@ class EngineConfig:
         if self.backend == "pdcluster" and self.gpu_memory_utilization is not None:
             raise ValueError("gpu_memory_utilization is a vLLM option (backend: vllm); the own "
                              "engine sizes its KV cache with kv_cache_memory_gib")
-        if self.tensor_parallel_size > 1 and self.has_host_tier:
-            raise ValueError("a host (or disk) KV tier with tensor_parallel_size > 1 is not "
-                             "supported yet")
 
     @classmethod
     def from_options(cls, model: str, options: Mapping[str, Any]) -> EngineConfig:

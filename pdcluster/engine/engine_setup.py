@@ -119,29 +119,37 @@ def _blocks_for_memory(config: EngineConfig, device: torch.device, max_model_len
     return num_blocks
 
 
-def host_tier(config: EngineConfig, pool: BlockPool, kv_cache: PagedKVCache
-              ) -> tuple[KVTiers | None, HostKVCache | None]:
+def host_tier(config: EngineConfig, pool: BlockPool, kv_cache: PagedKVCache,
+              peers: StepPeers | None = None) -> tuple[KVTiers | None, HostKVCache | None]:
     """The host tier's bookkeeping and bytes, or (None, None) without one; ValueError when
     it does not fit in the host memory available (checked after the device cache exists: on
-    CPU that cache is host memory too)."""
+    CPU that cache is host memory too). With tensor parallelism every rank (`peers`) gets a
+    tier of the same slots for its slice, and the configured sizes hold all the slices."""
     if not config.has_host_tier:
         return None, None
+    num_ranks = config.tensor_parallel_size
     num_blocks = host_tier_blocks(config.host_cache_gib, config.num_host_blocks,
-                                  kv_cache.spec.block_nbytes, available_host_bytes())
+                                  kv_cache.spec.block_nbytes * num_ranks,
+                                  available_host_bytes())
     host_cache = HostKVCache(kv_cache, num_blocks)
     host_cache.calibrate()
     disk_pool = None
     if config.has_disk_tier:
-        host_cache.disk = disk_tier(config, kv_cache.spec.block_nbytes)
+        host_cache.disk = disk_tier(config, kv_cache.spec.block_nbytes, num_ranks)
         disk_pool = HostBlockPool(host_cache.disk.num_blocks)
-    return KVTiers(pool, HostBlockPool(num_blocks), disk_pool,
-                   config.disk_max_pending_writes), host_cache
+    if peers is not None:
+        disk = host_cache.disk
+        peers.start_tiers(num_blocks, disk.num_blocks if disk else 0,
+                          str(disk.path.parent) if disk else None)
+        host_cache.peers = peers
+    return KVTiers(pool, HostBlockPool(num_blocks), disk_pool, config.disk_max_pending_writes,
+                   num_ranks), host_cache
 
 
-def disk_tier(config: EngineConfig, block_nbytes: int) -> DiskKVCache:
+def disk_tier(config: EngineConfig, block_nbytes: int, num_ranks: int = 1) -> DiskKVCache:
     """The disk tier's file, wiped, reserved and calibrated; ValueError when it does not fit
-    its directory's free space."""
+    its directory's free space (with `num_ranks` ranks' files of `block_nbytes` per block)."""
     disk = DiskKVCache.create(config.disk_cache_dir, config.disk_cache_gib,
-                              config.num_disk_blocks, block_nbytes)
+                              config.num_disk_blocks, block_nbytes, num_ranks)
     disk.calibrate()
     return disk

@@ -105,7 +105,7 @@ class LLMEngine(NodeEngine):
         pool = BlockPool(self.kv_spec.num_blocks, config.block_size,
                          enable_caching=config.enable_prefix_caching,
                          enable_events=config.enable_kv_events)
-        self.tiers, self.host_cache = host_tier(config, pool, self.runner.kv_cache)
+        self.tiers, self.host_cache = host_tier(config, pool, self.runner.kv_cache, peers)
         self.cost_meter = KVCostMeter(self.kv_spec.block_nbytes / config.block_size)
         self.kv_manager = KVCacheManager(pool, config.enable_prefix_caching, self.tiers)
         max_pinned = max(1, int(config.max_pinned_fraction * self.kv_spec.num_blocks))
@@ -172,7 +172,9 @@ class LLMEngine(NodeEngine):
 
     @property
     def kv_region(self) -> KVRegion:
-        spec, host = self.kv_spec, self.host_cache
+        spec = self.kv_spec
+        # no host slot for peers at TP > 1: only rank 0's slice is here (KVTiers.peer_prefix)
+        host = self.host_cache if self.peers is None else None
         return KVRegion(self.kv_cache.data_ptr(), spec.total_nbytes, spec.block_nbytes,
                         spec.num_blocks, host_addr=host.tensor.data_ptr() if host else 0,
                         num_host_blocks=host.num_blocks if host else 0,
@@ -351,10 +353,8 @@ class LLMEngine(NodeEngine):
         if self.has_unfinished_requests() or self.has_pinned_blocks():
             return False
         if self.tiers is not None and self.host_cache is not None:
-            disk = self.host_cache.disk
-            if disk is not None and not disk.drain():
+            if not self.host_cache.collect(self.tiers, wait=True):
                 return False
-            self.host_cache.collect(self.tiers)
             return self.tiers.reset()
         return self.block_pool.reset_prefix_cache()
 
@@ -363,8 +363,8 @@ class LLMEngine(NodeEngine):
             self.runner.peers.close()
         if self.connector is not None:
             self.connector.worker.close()
-        if self.host_cache is not None and self.host_cache.disk is not None:
-            self.host_cache.disk.close()
+        if self.host_cache is not None:
+            self.host_cache.close()
 
     # ---- stepping -------------------------------------------------------------------------
 

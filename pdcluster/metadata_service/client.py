@@ -140,9 +140,10 @@ def _snapshot_request(node_id: NodeId, epoch: int, seq: int, blocks: SnapshotBlo
                               block_hashes=pack_hashes(hashes), media=media)
 
 
-def _client_request(client_id: str, curve_public_key: bytes, lease_ttl_s: int
-                    ) -> pb.RegisterClientRequest:
-    key = pb.ClientKey(client_id=client_id, curve_public_key=curve_public_key.decode())
+def _client_request(client_id: str, curve_public_key: bytes, lease_ttl_s: int,
+                    ticket_public_key: bytes = b"") -> pb.RegisterClientRequest:
+    key = pb.ClientKey(client_id=client_id, curve_public_key=curve_public_key.decode(),
+                       ticket_public_key=ticket_public_key)
     return pb.RegisterClientRequest(client=key, lease_ttl_s=lease_ttl_s)
 
 
@@ -209,10 +210,11 @@ class MetadataClient(_Base):
                                                          proof=proof))
 
     def register_client(self, client_id: str, curve_public_key: bytes,
-                        lease_ttl_s: int = 0) -> int:
-        """A router's CURVE key (principal service only); returns the lease TTL granted."""
-        return self._call("RegisterClient", _client_request(client_id, curve_public_key,
-                                                            lease_ttl_s)).lease_ttl_s
+                        lease_ttl_s: int = 0, ticket_public_key: bytes = b"") -> int:
+        """A router's CURVE key and pull-ticket key (principal service only); returns the
+        lease TTL granted."""
+        return self._call("RegisterClient", _client_request(
+            client_id, curve_public_key, lease_ttl_s, ticket_public_key)).lease_ttl_s
 
     def list_clients(self) -> list[pb.ClientKey]:
         return list(self._call("ListClients", pb.Empty()).clients)
@@ -310,9 +312,9 @@ class AsyncMetadataClient(_Base):
             node=info, lease_ttl_s=lease_ttl_s, proof=proof))
 
     async def register_client(self, client_id: str, curve_public_key: bytes,
-                              lease_ttl_s: int = 0) -> int:
-        reply = await self._call("RegisterClient", _client_request(client_id, curve_public_key,
-                                                                   lease_ttl_s))
+                              lease_ttl_s: int = 0, ticket_public_key: bytes = b"") -> int:
+        reply = await self._call("RegisterClient", _client_request(
+            client_id, curve_public_key, lease_ttl_s, ticket_public_key))
         return reply.lease_ttl_s
 
     async def list_clients(self) -> list[pb.ClientKey]:

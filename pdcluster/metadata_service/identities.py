@@ -40,6 +40,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+from pdcluster.core.pull_ticket import PUBLIC_KEY_BYTES
 from pdcluster.metadata_service.errors import InvalidBatch, MetadataError
 from pdcluster.proto import metadata_pb2 as pb
 
@@ -164,6 +165,9 @@ class ClientKeys:
         if not key.curve_public_key:
             raise InvalidBatch("bad_key", "a client registers its CURVE public key")
         check_curve_key(key.curve_public_key, f"client {key.client_id}")
+        if len(key.ticket_public_key) not in (0, PUBLIC_KEY_BYTES):
+            raise InvalidBatch("bad_key", f"client {key.client_id}: ticket_public_key must be "
+                               f"{PUBLIC_KEY_BYTES} bytes (Ed25519) or empty")
         self._expire()
         if key.curve_public_key in set(node_keys) or any(
                 other.curve_public_key == key.curve_public_key and client_id != key.client_id

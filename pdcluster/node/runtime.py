@@ -54,7 +54,8 @@ def registered_peers(client: MetadataClient) -> list[Peer]:
     peers = [Peer(node_principal(n.node_id), n.curve_public_key.encode(), n.request_address,
                   n.kv_address, n.kv_session)
              for n in client.list_nodes() if n.curve_public_key]
-    peers += [Peer(ROUTER_PREFIX + c.client_id, c.curve_public_key.encode())
+    peers += [Peer(ROUTER_PREFIX + c.client_id, c.curve_public_key.encode(),
+                  ticket_key=c.ticket_public_key)
               for c in client.list_clients()]
     return peers
 

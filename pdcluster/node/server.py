@@ -366,7 +366,7 @@ class NodeServer:
     def _prefix_pull(self, source: PrefixSource | None) -> PrefixPull | None:
         if source is None or not self.engine.accepts_prefix_pulls:
             return None  # a hint: a node that cannot pull just computes
-        return PrefixPull(source.kv_address, source.num_blocks)
+        return PrefixPull(source.kv_address, source.num_blocks, source.ticket)
 
     def _refuse(self, identity: bytes, request_id: str, code: str, message: str) -> None:
         self.stats.num_refused += 1

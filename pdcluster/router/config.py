@@ -13,7 +13,7 @@ from pdcluster.core.tls import ClientTLS
 from pdcluster.router.planning.admission import AdmissionConfig
 from pdcluster.router.routing.baselines import ROUTINGS
 from pdcluster.router.routing.policy import PolicyConfig
-from pdcluster.router.tenants import ApiKeys
+from pdcluster.router.tenants import MIN_SALT_KEY_BYTES, ApiKeys
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +63,9 @@ class RouterConfig:
     # "tenant:key" or "key" entries (router.tenants): a tenant's requests share a KV
     # cache with nobody else's
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # the key tenants' cache salts are keyed with (router.tenants): the same in every router
+    # replica of a cluster; None: one of this process's own (a warning; the CLI refuses)
+    cache_salt_key: bytes | None = field(default=None, repr=False)
     # /metrics and the detailed /health without a key, on their own listener (keep it off
     # the Ingress); None: the public port serves them behind the API key
     admin_port: int | None = None
@@ -141,6 +144,8 @@ class RouterConfig:
             raise ValueError("cluster_identity: "
                              + "; ".join(self.cluster_identity.problems().values()))
         ApiKeys(self.api_keys)  # ValueError for a malformed entry
+        if self.cache_salt_key is not None and len(self.cache_salt_key) < MIN_SALT_KEY_BYTES:
+            raise ValueError(f"cache_salt_key must hold at least {MIN_SALT_KEY_BYTES} bytes")
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 
     @property

@@ -84,7 +84,7 @@ class ConnectorScheduler(KVConnectorScheduler):
         transfer_id = f"pull-{uuid.uuid4().hex}"
         self._pulling[request_id] = transfer_id
         self._plan.pulls.append(PullJob(request_id, transfer_id, pull.source_addr,
-                                        list(block_ids), prefix))
+                                        list(block_ids), prefix, pull.ticket))
 
     def on_serve(self, transfer_id: TransferId, block_ids: list[int]) -> None:
         self._plan.serves.append(ServeJob(transfer_id, list(block_ids)))

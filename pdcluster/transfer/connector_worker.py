@@ -80,7 +80,7 @@ class ConnectorWorker(KVConnectorWorker):
         # an engine in other processes (vLLM) may be idle and must be woken to do it.
         self.on_lookup: Callable[[], None] | None = None
         rules = None if peers is None else PeerRules(peers, self._state, self._requester_of,
-                                                     transport.public_key)
+                                                     transport.public_key, self._pulls.refuse)
         transport.start(self._on_message, rules)
 
     # ---- engine-facing ----------------------------------------------------------------

@@ -13,7 +13,8 @@ the blocks it referenced, the leading run of the asked blocks it holds. The writ
 send pool (consecutive blocks coalesced into one descriptor), then the requester gets
 `XferDone(num_blocks_sent=n)` and the engine `served` (drop the references). A pull not
 resolved within `timeout_s`, or aborted by the requester before its write, is answered as
-failed; its late `ServeJob` is released at once.
+failed; its late `ServeJob` is released at once. A pull without the router's valid ticket
+(transfer/peer_rules.py) never reaches the engine: `refuse` answers it as failed at once.
 
 Methods marked "lock held" are called by the worker with `state.lock` held; the others take
 it themselves.
@@ -39,6 +40,8 @@ from pdcluster.transfer.group_writer import Destination, destination
 from pdcluster.transfer.worker_state import OVER_BUDGET, Recv, ServeTable, WorkerState
 
 logger = logging.getLogger(__name__)
+
+PULL_REFUSED = "prefix pull refused: no valid ticket"
 
 Outbox = list[tuple[str, SideChannelMessage]]
 # (local block ids, peer addresses, where) -> (descriptors, bytes)
@@ -79,7 +82,8 @@ class PullWorker:
             first_block=job.prefix.first_block, token_ids=list(job.prefix.token_ids),
             dest_block_addrs=[region.block_addr(b) for b in job.block_ids],
             cache_salt=job.prefix.cache_salt, lora_id=job.prefix.lora_id,
-            dest_segment_offsets=list(region.segment_offsets), dest_group=state.group)
+            dest_segment_offsets=list(region.segment_offsets), dest_group=state.group,
+            ticket=job.ticket)
         return job.source_addr, request
 
     def finish(self, recv: Recv, ok: bool, num_blocks: int, error: str | None) -> None:
@@ -114,6 +118,13 @@ class PullWorker:
                                       msg.cache_salt, msg.lora_id)
                 state.results.lookups.append(PullLookup(msg.transfer_id, prefix))
         self._flush(outbox)
+
+    def refuse(self, msg: PrefixPullRequest) -> None:
+        """Answer a pull that may not be served (no valid ticket: transfer/peer_rules.py) as
+        failed at once: no blocks written, no count of what this node holds."""
+        with self._state.lock:
+            self._state.stats.pull_requests_refused += 1
+        self._flush([(msg.reply_addr, XferDone(msg.transfer_id, False, error=PULL_REFUSED))])
 
     def add_serve(self, job: ServeJob) -> None:
         """The engine's blocks for a pull: write them on the send pool (lock held)."""

@@ -38,7 +38,8 @@ class WorkerStats:
     """Counters of one node's worker. The send/receive ones cover prefill -> decode
     transfers; pulls (global prefix reuse) have their own: `pulls_*` and `blocks_pulled` on
     the requesting node, `pull_requests_served` / `blocks_served` / `pull_serves_failed` on
-    the holder. `timeouts` and `late_messages` count both kinds. `latencies` keeps the
+    the holder (`pull_requests_refused`: without a valid ticket). `timeouts` and
+    `late_messages` count both kinds. `latencies` keeps the
     seconds of the latest finished transfers as (kind, seconds) — "send": P's write to D,
     "recv": D's request to P's done, "pull": a pull's request to its done — until
     `ConnectorWorker.take_latencies` drains them (node metrics)."""
@@ -62,6 +63,8 @@ class WorkerStats:
     bytes_pulled: int = 0
     pull_requests_served: int = 0
     pull_serves_failed: int = 0
+    # peers' pulls answered as failed at once: no valid router ticket (core.pull_ticket)
+    pull_requests_refused: int = 0
     blocks_served: int = 0
     bytes_served: int = 0
     latencies: deque = field(default_factory=lambda: deque(maxlen=_LATENCIES_KEPT))

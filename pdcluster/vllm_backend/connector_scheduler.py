@@ -36,6 +36,7 @@ from pdcluster.core.kv_transfer import (
     RemotePrefill,
     TransferId,
 )
+from pdcluster.core.pull_ticket import ticket_to_dict
 from pdcluster.core.vllm_hashing import VLLM_HASH_ALGORITHM
 from pdcluster.transfer.connector_scheduler import ConnectorScheduler
 from pdcluster.vllm_backend.handshake import endpoint
@@ -80,7 +81,8 @@ def kv_transfer_params(transfer: KVTransferParams | None, pull: PrefixPull | Non
     elif isinstance(transfer, RemoteDecode):
         params = {PD_KEY: "remote_decode", "transfer_id": transfer.transfer_id}
     if pull is not None:
-        params[PULL_KEY] = {"source_addr": pull.source_addr, "num_blocks": pull.num_blocks}
+        params[PULL_KEY] = {"source_addr": pull.source_addr, "num_blocks": pull.num_blocks,
+                            "ticket": None if pull.ticket is None else ticket_to_dict(pull.ticket)}
     return params or None
 
 

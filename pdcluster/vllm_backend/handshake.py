@@ -79,7 +79,8 @@ class Handshake:
     def write_peers(self, peers: list[Peer]) -> None:
         payload = json.dumps([{"principal": p.principal, "public_key": p.public_key.decode(),
                                "request_address": p.request_address,
-                               "kv_address": p.kv_address, "kv_session": p.kv_session}
+                               "kv_address": p.kv_address, "kv_session": p.kv_session,
+                               "ticket_key": p.ticket_key.hex()}
                               for p in peers])
         _write_private(self.dir / _PEERS, payload)
 
@@ -149,7 +150,8 @@ def read_directory(folder: str | Path) -> Directory | None:
 
     def peers() -> list[Peer]:
         return [Peer(p["principal"], p["public_key"].encode(), p["request_address"],
-                     p["kv_address"], p["kv_session"]) for p in json.loads(path.read_text())]
+                     p["kv_address"], p["kv_session"], bytes.fromhex(p.get("ticket_key", "")))
+                for p in json.loads(path.read_text())]
 
     directory = Directory(refresh=peers, min_refresh_s=0.05)
     directory.refresh_now(force=True)

@@ -26,6 +26,7 @@ import zmq
 from pdcluster.core.hashing import BlockExtra, HashConfig, hash_block_tokens
 from pdcluster.core.kv_connector import PrefixTokens, PullLookup
 from pdcluster.core.kv_transfer import PrefixPull, TransferId
+from pdcluster.core.pull_ticket import ticket_from_dict
 from pdcluster.transfer.connector_scheduler import ConnectorScheduler
 
 PULL_KEY = "pull"
@@ -38,7 +39,9 @@ def pull_hint(params: dict[str, Any] | None) -> PrefixPull | None:
     hint = (params or {}).get(PULL_KEY)
     if not hint:
         return None
-    return PrefixPull(str(hint["source_addr"]), int(hint["num_blocks"]))
+    ticket = hint.get("ticket")
+    return PrefixPull(str(hint["source_addr"]), int(hint["num_blocks"]),
+                      None if ticket is None else ticket_from_dict(ticket))
 
 
 class VllmPulls:

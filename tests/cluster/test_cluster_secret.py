@@ -61,6 +61,25 @@ def test_router_serve_refuses_to_start_without_its_client_credential(tmp_path) -
     assert ROUTER_TOKEN_FILE_ENV in proc.stderr and ROUTER_TOKEN_ENV in proc.stderr
 
 
+def test_router_serve_with_api_keys_refuses_to_start_without_the_cache_salt_key(
+        tmp_path) -> None:
+    """Tenants' salts are keyed with a key every router replica shares (router.tenants): a
+    router with API keys and no key would salt alone, sharing no prefix with its replicas."""
+    from pdcluster.router.tenants import SALT_KEY_ENV, SALT_KEY_FILE_ENV
+
+    (tmp_path / "config.json").write_text("{}")
+    env = _env_without_secret(**{ROUTER_TOKEN_ENV: "service:x",
+                                 "PDCLUSTER_API_KEYS": "team-a:sk-0123456789abcdef"})
+    env.pop(SALT_KEY_ENV, None)
+    env.pop(SALT_KEY_FILE_ENV, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdcluster.cluster.cli", "router", "serve", "--model", str(tmp_path),
+         "--metadata", "127.0.0.1:1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "needs the cache-salt key" in proc.stderr and SALT_KEY_FILE_ENV in proc.stderr
+
+
 def test_the_router_token_printed_for_the_router_is_the_service_credential(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pdcluster.cluster.cli", "metadata", "router-token"],

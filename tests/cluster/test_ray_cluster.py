@@ -17,7 +17,7 @@ from pdcluster.core.node_wire import GenerateRequest, PrefixSource, SamplingSpec
 from pdcluster.metadata_service.client import MetadataClient
 from pdcluster.node.client import tokens_of
 from tests.cluster_secret import TEST_SECRET
-from tests.identity import router_clients
+from tests.identity import registered_signer, router_clients
 from tests.models import random_prompts
 
 N_OUT = 6
@@ -122,7 +122,9 @@ def test_a_prefill_node_pulls_a_prefix_another_prefill_node_holds(nodes, clients
     clients[d["node_id"]].collect({submit(clients, p0, d, shared)})  # now cached on p0
     before = ray.get(cluster.actors["p1"].transfer_stats.remote())["blocks_pulled"]
     prompt = shared + random_prompts(1, 12, 12, seed=76)[0]
-    rid = submit(clients, p1, d, prompt, PrefixSource(p0["kv_address"], 8))
+    _, signer = registered_signer(cluster.metadata_address, cluster.cluster_secret)
+    ticket = signer.sign("pull", p1["node_id"], p0["node_id"], prompt, 8, 8, None)
+    rid = submit(clients, p1, d, prompt, PrefixSource(p0["kv_address"], 8, ticket))
     got = clients[d["node_id"]].collect({rid})[rid]
     assert tokens_of(got) == hf_reference(model_dirs["llama-gqa"], prompt, N_OUT)
     assert ray.get(cluster.actors["p1"].transfer_stats.remote())["blocks_pulled"] - before == 8

@@ -36,14 +36,14 @@ def test_round_trip(msg):
     assert codec.decode(codec.encode(msg)) == msg
 
 
-def frame(type_name: str, body, v: int = 1) -> bytes:
+def frame(type_name: str, body, v: int = node_wire.NODE_WIRE_VERSION) -> bytes:
     return msgpack.packb({"v": v, "type": type_name, "body": body})
 
 
 @pytest.mark.parametrize("data, match", [
     (b"\xc1", "not msgpack"),
     (msgpack.packb([1, 2]), "envelope"),
-    (frame("TokenDelta", {"request_id": "r", "token_ids": [1]}, v=2), "version"),
+    (frame("TokenDelta", {"request_id": "r", "token_ids": [1]}, v=99), "version"),
     (frame("Pickle", {}), "unknown message type"),
     (frame("XferDone", {"transfer_id": "t", "ok": True}), "unknown message type"),  # other protocol
     (frame("TokenDelta", {"request_id": "r"}), "do not match"),  # missing token_ids

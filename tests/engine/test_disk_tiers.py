@@ -2,7 +2,9 @@
 `BlockMoved(host -> disk)`, a disk slot that is no hit until its write finished, the disk's
 own LRU, dropped spills when too many writes are pending, failed writes forgotten, peers'
 pull lookups that never claim a disk block, and the index fed by the events holding every
-tier's blocks on their media; leak checks on every pool after each scenario."""
+tier's blocks on their media; with tensor parallelism, a disk slot that is no hit until every
+rank wrote its slice and pulls that never claim a host block; leak checks on every pool after
+each scenario."""
 
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ from tests.helpers import assert_pool_clean, assert_tiers_clean
 
 
 def make_tiered(num_blocks: int = 4, num_host: int = 2, num_disk: int = 8,
-                max_pending: int = 64) -> tuple[KVCacheManager, BlockPool, KVTiers]:
+                max_pending: int = 64, num_ranks: int = 1
+                ) -> tuple[KVCacheManager, BlockPool, KVTiers]:
     pool = BlockPool(num_blocks, BLOCK_SIZE, enable_events=True)
-    tiers = KVTiers(pool, HostBlockPool(num_host), HostBlockPool(num_disk), max_pending)
+    tiers = KVTiers(pool, HostBlockPool(num_host), HostBlockPool(num_disk), max_pending,
+                    num_ranks)
     return KVCacheManager(pool, True, tiers), pool, tiers
 
 
@@ -216,4 +220,70 @@ def test_a_peer_pull_is_served_from_the_host_but_never_from_the_disk() -> None:
     assert served["disk"] in ([], [[]])  # nothing claimed from the disk
     (host_ids,) = served["host"]  # ids past the device's name host slots
     assert len(host_ids) == 2 and all(i >= pool.num_blocks for i in host_ids)
+    assert_tiers_clean(tiers)
+
+
+def spilled_unwritten(kv: KVCacheManager) -> tuple[list[int], list[int]]:
+    """`spilled_prompt` with every disk write left pending: the prompt and the pending slots."""
+    prompt = make_request("a", 2 * BLOCK_SIZE + 1).prompt_token_ids
+    pending = run(kv, make_request("a", prompt=prompt), write=False)
+    for i in range(3):
+        pending += run(kv, make_request(f"f{i}", 3 * BLOCK_SIZE + 1), write=False)
+    return prompt, pending
+
+
+def test_at_two_ranks_a_disk_slot_is_a_hit_once_both_wrote_it() -> None:
+    kv, pool, tiers = make_tiered(num_ranks=2)
+    prompt, pending = spilled_unwritten(kv)
+    hashes = make_request("a", prompt=prompt).block_hashes[:2]
+    tiers.writes_done([(slot, True) for slot in pending])  # rank 0's writer
+    assert tiers.longest_prefix(hashes) == []
+    assert tiers.num_pending_spills == len(pending)
+    tiers.writes_done([(slot, True) for slot in pending])  # rank 1's
+    assert [type(h) for h in tiers.longest_prefix(hashes)] == [DiskHit, DiskHit]
+    assert tiers.num_pending_spills == 0
+    assert_tiers_clean(tiers)
+
+
+def test_at_two_ranks_one_failed_write_forgets_the_block() -> None:
+    kv, pool, tiers = make_tiered(num_ranks=2)
+    prompt, pending = spilled_unwritten(kv)
+    first = make_request("a", prompt=prompt).block_hashes[0]
+    slot = tiers.disk.lookup(first)
+    pool.take_events()
+    tiers.writes_done([(slot, True)])
+    tiers.writes_done([(slot, False)])  # the other rank's write failed: no whole copy
+    assert pool.take_events() == [BlockRemoved((first,), DISK)]
+    assert tiers.disk.lookup(first) is None
+    rest = [s for s in pending if s != slot]
+    tiers.writes_done([(s, True) for s in rest + rest])
+    assert_tiers_clean(tiers)
+
+
+def test_at_two_ranks_a_peer_pull_is_never_served_from_the_host() -> None:
+    """Only rank 0's slice of a host block could be read (transfer/group_writer.py refuses
+    host blocks of a tensor-parallel group): the run stops at the first block only the host
+    holds, and the requester computes the rest."""
+    from pdcluster.core.kv_connector import ConnectorResults, PrefixTokens, PullLookup
+    from pdcluster.engine.core.scheduler import Scheduler, SchedulerConfig
+    from pdcluster.transfer.connector_scheduler import ConnectorScheduler
+
+    kv, pool, tiers = make_tiered(num_host=4, num_ranks=2)
+    connector = ConnectorScheduler(min_pull_blocks=1)
+    sched = Scheduler(SchedulerConfig(64, 8, 256), kv, connector)
+    on_host = make_request("h", 2 * BLOCK_SIZE + 1).prompt_token_ids
+    run(kv, make_request("h", prompt=on_host))
+    on_device = make_request("g", 3 * BLOCK_SIZE + 1).prompt_token_ids
+    run(kv, make_request("g", prompt=on_device))  # h's blocks move to the host
+    assert all(isinstance(h, HostHit) for h in
+               tiers.longest_prefix(make_request("h", prompt=on_host).block_hashes[:2]))
+    served = {}
+    for name, prompt in (("host", on_host), ("device", on_device)):
+        lookup = PullLookup(f"pull-{name}", PrefixTokens(prompt[:2 * BLOCK_SIZE], BLOCK_SIZE, 0))
+        sched.apply_connector_results(ConnectorResults(lookups=[lookup]))
+        served[name] = [s.block_ids for s in connector.build_plan().serves]
+        sched.apply_connector_results(ConnectorResults(served=[f"pull-{name}"]))
+    assert served["host"] in ([], [[]])
+    (device_ids,) = served["device"]
+    assert len(device_ids) == 2 and all(i < pool.num_blocks for i in device_ids)
     assert_tiers_clean(tiers)

@@ -1,8 +1,9 @@
 """Tensor parallelism on CPU (gloo over 127.0.0.1; engine/runner/tp_workers.py): two ranks give
 transformers' greedy tokens exactly — and so TP=1's — on every family's split (KV heads split,
 one KV head replicated, q/k/v bias, tied embeddings, Qwen3's q/k norms, routed experts split,
-MLA's latent replicated), through chunked prefill, prefix hits and preemption; a rank that dies
-fails the next step at once with its name; what TP cannot do yet is refused by name.
+MLA's latent replicated), through chunked prefill, prefix hits and preemption (the host and disk
+tiers: test_tp_kv_tiers.py); a rank that dies fails the next step at once with its name; what TP
+cannot do yet is refused by name.
 
 Kept small: every engine here starts a second process that imports torch and loads its slice."""
 
@@ -17,7 +18,7 @@ import time
 
 import pytest
 
-from pdcluster.engine import LLM, EngineConfig, SamplingParams
+from pdcluster.engine import LLM, SamplingParams
 from pdcluster.engine.runner.tp_workers import TensorParallelError
 from tests.helpers import assert_pool_clean
 from tests.models import random_prompts
@@ -77,8 +78,6 @@ def test_a_rank_that_dies_fails_the_next_step_at_once(model_dirs):
 
 
 def test_what_tensor_parallelism_cannot_do_yet_is_refused_by_name(model_dirs):
-    with pytest.raises(ValueError, match="host .*tensor_parallel_size"):
-        EngineConfig(model_dirs["llama-gqa"], tensor_parallel_size=2, num_host_blocks=8)
     with pytest.raises(ValueError, match="is not divisible by tensor_parallel_size 3"):
         LLM(model_dirs["qwen2-tied-bias-mha"], device="cpu", tensor_parallel_size=3)
 

@@ -190,7 +190,7 @@ def test_existing_secret_is_used_everywhere() -> None:
             for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
     volumes = {v["secret"]["secretName"] for doc in docs for _, spec in pod_specs(doc)
                for v in spec.get("volumes", []) if "secret" in v}
-    assert refs == {"pd-secrets"} and volumes - generated == {"pd-secrets"}
+    assert refs - generated == {"pd-secrets"} and volumes - generated == {"pd-secrets"}
 
 
 def test_metadata_service_command_follows_etcd_settings() -> None:
@@ -245,6 +245,12 @@ def test_router_command_env_and_service() -> None:
     assert not [a for a in router["args"] if a.startswith(("--block-size", "--engine"))]
     env = env_of(router)
     assert env["PDCLUSTER_API_KEYS"]["valueFrom"]["secretKeyRef"]["key"] == "api-keys"
+    # every replica salts tenants with the one key the chart generated and keeps
+    salt = env["PDCLUSTER_CACHE_SALT_KEY"]["valueFrom"]["secretKeyRef"]
+    assert salt == {"name": f"{RELEASE}-pdcluster-router-salt", "key": "cache-salt-key"}
+    generated = one(docs, "Secret", salt["name"])
+    assert len(generated["data"]["cache-salt-key"]) >= 64
+    assert generated["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     # the router holds its client credential, never the cluster secret
     assert env["PDCLUSTER_ROUTER_TOKEN_FILE"]["value"] \
         == "/var/run/secrets/pdcluster-router/router-token"

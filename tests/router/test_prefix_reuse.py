@@ -49,6 +49,16 @@ def run_one(nodes, hits: dict[str, int], busy: str, num_prompt_tokens: int,
     return asyncio.run(scenario())
 
 
+
+def assert_ticketed(source: PrefixSource | None, kv_address: str, num_blocks: int, *,
+                    puller: str, holder: str) -> None:
+    """The hint names the holder and its blocks, with the router's ticket for that pull."""
+    assert source is not None and source.ticket is not None
+    assert (source.kv_address, source.num_blocks) == (kv_address, num_blocks)
+    ticket = source.ticket
+    assert (ticket.puller, ticket.holder, ticket.num_blocks) == (puller, holder, num_blocks)
+    assert ticket.router.startswith("router/") and len(ticket.signature) == 64
+
 def test_the_prefill_node_is_told_where_to_pull_the_prefix(make_node) -> None:
     holder, idle = make_node("h", role="prefill"), make_node("p", role="prefill")
     decode = make_node("d", role="decode")
@@ -63,7 +73,7 @@ def test_the_prefill_node_is_told_where_to_pull_the_prefix(make_node) -> None:
     assert (decision.prefill_node, decision.decode_node) == ("p", "d")
     (sent_to_p,) = idle.requests()
     (sent_to_d,) = decode.requests()
-    assert sent_to_p.prefix_source == PrefixSource(holder.kv_address, 40)
+    assert_ticketed(sent_to_p.prefix_source, holder.kv_address, 40, puller="p", holder="h")
     assert sent_to_d.prefix_source is None  # D receives the whole prompt from P
     assert not holder.requests()  # the holder serves the pull on its KV side channel only
 
@@ -73,7 +83,7 @@ def test_a_decode_node_prefilling_locally_pulls_itself(make_node) -> None:
     decision = run_one([holder, decode], {"h": 20, "d": 10}, "h", 20 * 16 + 8)
     assert decision.prefill_node is None and decision.decode_node == "d"
     (sent_to_d,) = decode.requests()
-    assert sent_to_d.prefix_source == PrefixSource(holder.kv_address, 20)
+    assert_ticketed(sent_to_d.prefix_source, holder.kv_address, 20, puller="d", holder="h")
     assert sent_to_d.transfer is None
 
 

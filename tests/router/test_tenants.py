@@ -5,6 +5,7 @@ caller without a key on the public port — they live on the admin port."""
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 from types import SimpleNamespace
@@ -14,9 +15,10 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from pdcluster.router.errors import ApiError
-from pdcluster.router.tenants import ApiKeys, Tenant, tenant_salt
+from pdcluster.router.tenants import ApiKeys, Tenant, TenantSalts, tenant_salt
 
 KEYS = ("team-a:sk-a1", "team-a:sk-a2", "sk-b")
+SALT_KEY = b"k" * 32
 
 
 def _request(key: str | None):
@@ -39,11 +41,27 @@ def test_keys_name_their_tenants():
 
 def test_the_salt_binds_the_tenant_and_keeps_the_clients_split():
     a, b = Tenant("team-a"), Tenant("team-b")
-    assert tenant_salt(a, None) != tenant_salt(b, None)
-    assert tenant_salt(a, "x") != tenant_salt(b, "x")  # the same client salt: still apart
-    assert tenant_salt(a, "x") != tenant_salt(a, None)
-    assert tenant_salt(a, "x") == tenant_salt(a, "x")
-    assert tenant_salt(None, "x") == "x" and tenant_salt(None, None) is None
+
+    def salt(tenant, client):
+        return tenant_salt(tenant, client, SALT_KEY)
+
+    assert salt(a, None) != salt(b, None)
+    assert salt(a, "x") != salt(b, "x")  # the same client salt: still apart
+    assert salt(a, "x") != salt(a, None)
+    assert salt(a, "x") == salt(a, "x")
+    assert salt(None, "x") == "x" and salt(None, None) is None
+
+
+def test_the_salt_is_keyed_so_a_tenants_name_does_not_give_it_away():
+    """Before, the salt was sha256(tenant \\0 client salt): anyone knowing a tenant's name
+    (a member node naming its blocks in a pull) could compute it. Now it is an HMAC under
+    the router's cache-salt key: equal for routers sharing the key, apart otherwise."""
+    a = Tenant("team-a")
+    unkeyed = "tenant:" + hashlib.sha256(b"team-a\0x").hexdigest()
+    assert tenant_salt(a, "x", SALT_KEY) != unkeyed
+    assert TenantSalts(SALT_KEY).salt(a, "x") == TenantSalts(SALT_KEY).salt(a, "x")
+    assert TenantSalts(b"j" * 32).salt(a, "x") != TenantSalts(SALT_KEY).salt(a, "x")
+    assert TenantSalts(None).salt(a, "x") != TenantSalts(None).salt(a, "x")  # own keys
 
 
 @pytest.fixture
@@ -69,7 +87,8 @@ def _cached(router, key: str, prompt: str, salt: str | None = None) -> int:
 def test_two_api_keys_never_share_a_prefix_hit(start_router, real_node, model_dirs):
     node = SimpleNamespace(node_id="d0", role="decode", address=real_node.address,
                            kv_address="")
-    router = start_router([node], api_keys=KEYS, model_dir=model_dirs["llama-gqa"])
+    router = start_router([node], api_keys=KEYS, model_dir=model_dirs["llama-gqa"],
+                          cache_salt_key=SALT_KEY)
     prompt = "one two three four five six seven eight nine ten " * 4
     scheduler = real_node.engine.scheduler
     assert _cached(router, "sk-a1", prompt) == 0
@@ -79,6 +98,22 @@ def test_two_api_keys_never_share_a_prefix_hit(start_router, real_node, model_di
     hit = _cached(router, "sk-a2", prompt)  # the same tenant, another key: shared
     assert hit > 0 and scheduler.num_prefix_hit_tokens == hit
     assert _cached(router, "sk-b", prompt) > 0  # b's own blocks serve b
+
+
+def test_routers_sharing_the_salt_key_share_a_tenants_prefixes(start_router, real_node,
+                                                                 model_dirs):
+    """Two router replicas with the same cache-salt key salt a tenant alike, so the second
+    hits what the first cached; a router with another key shares nothing."""
+    node = SimpleNamespace(node_id="d0", role="decode", address=real_node.address,
+                           kv_address="")
+    model = model_dirs["llama-gqa"]
+    first, second, other = (start_router([node], api_keys=KEYS, model_dir=model,
+                                         cache_salt_key=key)
+                            for key in (SALT_KEY, SALT_KEY, b"j" * 32))
+    prompt = "eleven twelve thirteen fourteen fifteen sixteen seventeen " * 4
+    assert _cached(first, "sk-a1", prompt) == 0
+    assert _cached(other, "sk-a1", prompt) == 0  # another key: another salt, no hit
+    assert _cached(second, "sk-a2", prompt) > 0  # the same key: the same salt
 
 
 def _get(port: int, path: str, key: str | None = None) -> tuple[int, dict | str]:

@@ -175,3 +175,12 @@ class Memory:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def node_member_leave(served: Served, node_id: str, proof: bytes) -> None:
+    """Deregister a member `node_member` registered (with its proof)."""
+    from pdcluster.metadata_service.client import MetadataClient
+
+    token = served.secret.metadata_token(node_principal(node_id))
+    with MetadataClient(served.metadata_address, token=token) as client:
+        client.deregister(node_id, proof)

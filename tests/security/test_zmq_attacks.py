@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 
 import openai
 import pytest
@@ -19,6 +20,7 @@ from pdcluster.core.kv_transfer import PrefixPullRequest, XferDone, XferRequest
 from pdcluster.core.kv_transfer import encode as encode_kv
 from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TokenDelta, TransferSpec, decode
 from pdcluster.core.node_wire import encode as encode_node
+from tests.identity import registered_signer
 from tests.security.conftest import own_engine_only
 from tests.security.served import (
     API_KEY,
@@ -27,6 +29,7 @@ from tests.security.served import (
     dealer,
     key_directory,
     node_member,
+    node_member_leave,
     router_member,
     server_key,
 )
@@ -37,14 +40,17 @@ PROMPT = list(range(100, 228))  # 4 full blocks of vLLM's 32 tokens (8 of the ow
 QUIET_S = 2.0  # how long a refused stranger waits for an answer that never comes
 
 
-def _member_node(served, memory, inbox_keys=None):
+def _member_node(served, memory, inbox_keys=None, with_id=False):
     """A registered decode node (its own key, its inbox's address, `memory`'s session): a
-    cluster member's side channel. Returns (keys, inbox)."""
+    cluster member's side channel. Returns (keys, inbox), and its node id `with_id`;
+    closing the inbox deregisters the node (a later member may get the same transfer-engine
+    port, and live registrations may not share a session)."""
     keys = inbox_keys or CurveKeys.generate()
     inbox = _Inbox(keys, key_directory(served))
-    node_member(served, f"m-{secrets.token_hex(3)}", inbox.address, memory.engine.session_id,
-                keys)
-    return keys, inbox
+    node_id = f"m-{secrets.token_hex(3)}"
+    proof = node_member(served, node_id, inbox.address, memory.engine.session_id, keys)
+    inbox.leave = lambda: node_member_leave(served, node_id, proof)
+    return (keys, inbox, node_id) if with_id else (keys, inbox)
 
 
 def _generate(request_id: str, **kw) -> bytes:
@@ -179,15 +185,19 @@ def test_a_member_cannot_pull_another_tenants_blocks(served):
     member.close()
     nbytes = block_nbytes(served.model_dir, served.block_size)
     results = {}
+    _, signer = registered_signer(served.metadata_address, served.secret)
     for salt in (None, "tenant-b", "tenant-a"):
         memory = Memory(4 * nbytes)
-        keys, replies = _member_node(served, memory)
+        keys, replies, member_id = _member_node(served, memory, with_id=True)
+        # a router's ticket for each pull (core.pull_ticket): here the salt alone decides
+        ticket = signer.sign("r", member_id, prefill["node_id"], salted, served.block_size, 4,
+                             salt)
         sock = dealer(prefill["kv_address"], keys, server_key(served, "prefill"))
         sock.send(encode_kv(PrefixPullRequest(
             f"pull-{salt}", "r", replies.address, memory.engine.session_id, nbytes,
             served.block_size, 0, salted[:4 * served.block_size],
             [memory.addr(i * nbytes) for i in range(4)],
-            cache_salt=salt)))
+            cache_salt=salt, ticket=ticket)))
         (done,) = replies.wait(10)
         results[salt] = (done.num_blocks_sent, memory.touched)
         sock.close()
@@ -204,6 +214,7 @@ class _Inbox:
         from pdcluster.transfer.side_channel import SideChannelServer
 
         self.messages: list = []
+        self.leave: Callable[[], None] | None = None  # run at close
         self._directory = directory
         self._server = SideChannelServer(self.messages.append, curve=keys, directory=directory)
         self.address = self._server.address
@@ -217,6 +228,8 @@ class _Inbox:
 
     def close(self) -> None:
         self._server.close()
+        if self.leave is not None:
+            self.leave()
         if self._directory is not None:
             from pdcluster.core.curve import forget_directory
 

@@ -35,7 +35,7 @@ from pdcluster.node.client import tokens_of  # noqa: E402
 from pdcluster.node.config import NodeConfig  # noqa: E402
 from pdcluster.node.runtime import NodeRuntime  # noqa: E402
 from tests.cluster_secret import TEST_SECRET, node_token  # noqa: E402
-from tests.identity import router_clients  # noqa: E402
+from tests.identity import registered_signer, router_clients  # noqa: E402
 from tests.metadata_service.helpers import make_config  # noqa: E402
 from tests.models import random_prompts  # noqa: E402
 
@@ -60,6 +60,7 @@ class Pair:
         clients = router_clients(metadata_address, TEST_SECRET,
                                  {n: node.server.address for n, node in self.nodes.items()})
         self.to_p, self.to_d = clients["p0"], clients["d0"]
+        self.tickets = registered_signer(metadata_address, TEST_SECRET)[1]  # pull tickets
 
     def disaggregated(self, rid: str, prompt: list[int], max_tokens: int = 8,
                       source: str | None = None) -> list:
@@ -270,7 +271,9 @@ def test_a_prefix_pulled_from_an_idle_vllm_node_gives_the_same_tokens(
     pulled = pair.d.engine.transfer_counters().get("blocks_pulled", 0)
     served = pair.p.engine.transfer_counters().get("blocks_served", 0)
     pair.to_d.send(GenerateRequest("puller", prompt, spec,
-                                   prefix_source=PrefixSource(pair.p.kv_address, 4)))
+                                   prefix_source=PrefixSource(pair.p.kv_address, 4,
+                                                              pair.tickets.sign(
+                                       "puller", "d0", "p0", prompt, BLOCK, 4, None))))
     got = tokens_of(pair.to_d.collect({"puller"})["puller"])
     time.sleep(1.0)  # the workers' counters reach the nodes with vLLM's next stats
     expected_blocks = 4 if holder_still_caches else 0

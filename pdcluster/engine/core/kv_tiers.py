@@ -13,12 +13,12 @@ below that (torch-free bookkeeping; the copies themselves run in `engine.kv.host
   its bytes are staged this step and written by the disk's writer thread. At most
   `max_pending_spills` writes may be pending: past that the spill is dropped
   (`BlockRemoved(host)`), never waited for. A block whose disk copy still exists costs no
-  write. A disk slot is not a hit until its write finished (`writes_done`).
+  write. A disk slot is not a hit until its write finished (`writes_done`) — with tensor
+  parallelism, until every one of the `num_ranks` ranks finished writing its slice of it.
 - **Lookup.** `longest_prefix` walks a request's chain through the device's prefix cache and,
   where a block is not there, the host's, then the disk's: the hits are device blocks,
   `HostHit`s and `DiskHit`s, in chain order, up to the first block no tier holds. Peers'
-  pulls look with `include_disk=False`: disk slots are not registered with the transfer
-  engine, so a pull never claims them.
+  pulls look with `peer_prefix`: only the tiers a peer can read through the transfer engine.
 - **Load-back.** `load` pins a host hit's slot and queues its copy into a fresh device block
   that the caller then caches under the hash (`BlockStored(device)`: the block has both
   copies now, so demoting it again copies nothing).
@@ -26,7 +26,9 @@ below that (torch-free bookkeeping; the copies themselves run in `engine.kv.host
   any block (`take_copies`, then `copies_done`): all spills first (host bytes staged before a
   demotion reuses their slot), then all demotions (a slot reused in this step keeps its old
   bytes until they are saved), then all loads (host, then disk). A pinned slot is never
-  evicted, so a load cannot read a slot a later demotion of the same step reused.
+  evicted, so a load cannot read a slot a later demotion of the same step reused. With tensor
+  parallelism every rank runs the same copies on its own slice of the blocks, in a host tier
+  (and a disk file) of its own with these slot numbers (engine/runner/tp_workers.py).
 
 API: `KVTiers`, `HostHit`, `DiskHit`, `TierCopies`.
 """
@@ -80,13 +82,15 @@ class TierCopies:
 
 class KVTiers:
     def __init__(self, pool: BlockPool, host: HostBlockPool, disk: HostBlockPool | None = None,
-                 max_pending_spills: int = 64) -> None:
+                 max_pending_spills: int = 64, num_ranks: int = 1) -> None:
         self.pool = pool
         self.host = host
         self.disk = disk  # its slots, LRU and pins: the same bookkeeping as the host's
         self.max_pending_spills = max_pending_spills
+        self.num_ranks = num_ranks  # tensor-parallel ranks, each writing its slice to disk
         self._copies = TierCopies()
-        self._spilling: set[int] = set()  # disk slots whose write has not finished
+        # disk slots whose write has not finished on every rank -> the ranks' outcomes so far
+        self._spilling: dict[int, list[bool]] = {}
         self.num_demoted = 0  # blocks copied to the host
         self.num_loaded = 0  # blocks copied back to the device (from host or disk)
         self.num_host_evicted = 0  # host blocks dropped for room (spilled ones included)
@@ -117,6 +121,17 @@ class KVTiers:
                 break
             hits.append(DiskHit(block_hash, slot))
         return hits
+
+    def peer_prefix(self, block_hashes: Sequence[BlockHash]) -> list[KVCacheBlock | LowerHit]:
+        """`longest_prefix` for a peer's pull: only the tiers a peer reads through the
+        transfer engine. Never the disk (its file is not registered). The host only with one
+        rank: the connector registers rank 0's host region alone, so at tensor_parallel_size
+        > 1 the other ranks' slices of a host block cannot be read
+        (transfer/group_writer.py refuses such blocks) and a pull stops at the first block
+        only the host holds."""
+        if self.num_ranks > 1:
+            return [*self.pool.find_longest_prefix(block_hashes)]
+        return self.longest_prefix(block_hashes, include_disk=False)
 
     def _tier(self, hit: LowerHit) -> HostBlockPool:
         if isinstance(hit, HostHit):
@@ -199,21 +214,26 @@ class KVTiers:
             pool.record_event(BlockRemoved((block_hash,), HOST))
             return
         disk.pin(slot)
-        self._spilling.add(slot)
+        self._spilling[slot] = []
         self._copies.spills.append((host_slot, slot))
         self.num_spilled += 1
         pool.record_event(BlockMoved((block_hash,), HOST, DISK))
 
     def writes_done(self, written: Sequence[tuple[int, bool]]) -> None:
-        """The disk writer finished these (slot, ok) writes: a written slot is a hit from
-        now on; a failed one is forgotten (`BlockRemoved(disk)`)."""
+        """One rank's disk writer finished these (slot, ok) writes. Once every rank's has
+        finished a slot, it is a hit from then on if every write went well, else forgotten
+        (`BlockRemoved(disk)`)."""
         disk = self.disk
         assert disk is not None or not written, "disk writes without a disk tier"
         for slot, ok in written:
             assert disk is not None and slot in self._spilling, f"disk slot {slot} not spilling"
-            self._spilling.discard(slot)
+            outcomes = self._spilling[slot]
+            outcomes.append(ok)
+            if len(outcomes) < self.num_ranks:
+                continue
+            del self._spilling[slot]
             disk.unpin(slot)
-            if not ok:
+            if not all(outcomes):
                 gone = disk.forget(slot)
                 if gone is not None:
                     self.pool.record_event(BlockRemoved((gone,), DISK))

@@ -21,9 +21,10 @@ the connector; `release` drops the references once the worker reports the write 
 failed or expired. With a host tier the run goes on through blocks only the host holds: their
 slots are pinned instead and named by the ids past the device's (`KVRegion`'s host slots),
 so the peer reads them straight from host memory, no load back to the device first: the
-cluster's host tiers are one global pool. The run is cut to what the node's pin budget has
-left (engine/core/pins.py), so a flood of pulls cannot tie up the pool; the requester computes
-whatever is not sent.
+cluster's host tiers are one global pool (not at tensor_parallel_size > 1: there the run stops
+at the first block only the host holds, `KVTiers.peer_prefix`). The run is cut to what the
+node's pin budget has left (engine/core/pins.py), so a flood of pulls cannot tie up the pool;
+the requester computes whatever is not sent.
 """
 
 from __future__ import annotations
@@ -193,9 +194,9 @@ class _Lookup:
 
 
 def _longest_prefix(kv: KVCacheManager, hashes: list[bytes]) -> list[PrefixHit]:
-    """The leading run of `hashes` this node holds: the device's, then the host tier's.
-    Never the disk tier's: its file is not registered with the transfer engine, so a peer
-    cannot read it (a pull stops at the first block only the disk holds)."""
+    """The leading run of `hashes` this node holds where a peer can read it: the device's,
+    then the host tier's (at one tensor-parallel rank only), never the disk's
+    (`KVTiers.peer_prefix` says why)."""
     if kv.tiers is not None:
-        return kv.tiers.longest_prefix(hashes, include_disk=False)
+        return kv.tiers.peer_prefix(hashes)
     return list(kv.pool.find_longest_prefix(hashes))

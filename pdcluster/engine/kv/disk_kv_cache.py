@@ -124,12 +124,13 @@ class DiskKVCache:
 
     @classmethod
     def create(cls, folder: str | None, disk_cache_gib: float, num_disk_blocks: int | None,
-               block_nbytes: int) -> DiskKVCache:
+               block_nbytes: int, num_ranks: int = 1) -> DiskKVCache:
         """Wipe what dead engines left in the folder, refuse a size its free space cannot
-        hold (ValueError), then make the file."""
+        hold (ValueError), then make the file. With tensor parallelism `disk_cache_gib` holds
+        every rank's file: `num_ranks` slices of `block_nbytes` per block."""
         path = disk_dir(folder)
         _wipe_stale(path)
-        num_blocks = disk_tier_blocks(disk_cache_gib, num_disk_blocks, block_nbytes,
+        num_blocks = disk_tier_blocks(disk_cache_gib, num_disk_blocks, block_nbytes * num_ranks,
                                       shutil.disk_usage(path).free)
         return cls(path, num_blocks, block_nbytes)
 

@@ -15,6 +15,11 @@ each host slot the host evicted is staged (one block's bytes copied out) and que
 disk's writer thread, before a demotion of the same step reuses the slot; its disk loads run
 last, read straight into the device blocks.
 
+With tensor parallelism every rank holds such a host tier (and disk file) for its own slice of
+the KV heads, with the same slot numbers; rank 0's `peers` (engine/runner/tp_workers.py) run
+each step's copies on theirs as rank 0 runs them on its own, and report their disk writes
+(`collect`), while the bookkeeping stays on rank 0.
+
 Sizing (`host_tier_blocks`): `EngineConfig.host_cache_gib` of blocks, refused with a clear
 `ValueError` when it is more than the host memory available (`/proc/meminfo`
 `MemAvailable`, capped by the container's cgroup limit).
@@ -24,14 +29,15 @@ which a node reports the host tier's bandwidth and latency to the router
 (`router.routing.tier_costs`); a calibration copy at start gives the first figure before
 any load.
 
-API: `HostKVCache` (`collect`, `flush`, `apply`, `calibrate`), `copy_runs`,
-`host_tier_blocks`, `available_host_bytes`.
+API: `HostKVCache` (`collect`, `flush`, `apply`, `take_written`, `calibrate`, `close`),
+`TierPeers`, `copy_runs`, `host_tier_blocks`, `available_host_bytes`.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -40,6 +46,16 @@ from pdcluster.engine.core.kv_tiers import KVTiers, TierCopies
 from pdcluster.engine.core.tier_sizes import tier_blocks
 from pdcluster.engine.kv.disk_kv_cache import DiskKVCache
 from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
+
+
+class TierPeers(Protocol):
+    """The other tensor-parallel ranks' host tiers, as rank 0 drives them
+    (engine/runner/tp_workers.py's `StepPeers`; named here by what it does: kv/ sits below
+    runner/ and may not import it)."""
+
+    def copy_tiers(self, copies: TierCopies) -> None: ...
+
+    def disk_written(self, wait: bool) -> list[tuple[bool, list[tuple[int, bool]]]]: ...
 
 
 def copy_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -108,21 +124,39 @@ class HostKVCache:
         self.loads = CopyTimer()
         self.demotions = CopyTimer()
         self.disk: DiskKVCache | None = None  # the disk tier below, if any
+        self.peers: TierPeers | None = None  # the other tensor-parallel ranks' tiers, if any
 
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.spec.block_nbytes
 
-    def collect(self, tiers: KVTiers) -> None:
-        """Tell the bookkeeping which disk writes finished (before scheduling: a block
-        written since the last step is a hit in this one)."""
-        if self.disk is not None:
-            tiers.writes_done(self.disk.take_written())
+    def collect(self, tiers: KVTiers, wait: bool = False) -> bool:
+        """Tell the bookkeeping which disk writes finished, on every rank (before
+        scheduling: a block written since the last step is a hit in this one). `wait`: first
+        wait until every queued write finished (a reset); False when one did not in time."""
+        if self.disk is None or not tiers.num_pending_spills:
+            return True
+        reports = [self.take_written(wait)]
+        if self.peers is not None:
+            reports += self.peers.disk_written(wait)
+        for _, written in reports:
+            tiers.writes_done(written)
+        return all(drained for drained, _ in reports)
+
+    def take_written(self, wait: bool = False) -> tuple[bool, list[tuple[int, bool]]]:
+        """This rank's disk writes finished since the last call (`wait`: once every queued
+        one has), and whether none is still queued."""
+        assert self.disk is not None, "disk writes without a disk tier"
+        drained = self.disk.drain() if wait else True
+        return drained, self.disk.take_written()
 
     def flush(self, tiers: KVTiers) -> None:
-        """Run the copies `tiers` queued this step, then let their host slots go."""
+        """Run the copies `tiers` queued this step, on every rank, then let their host slots
+        go (a rank runs them before anything rank 0 sends it later: one ordered pipe)."""
         copies = tiers.take_copies()
         if copies:
+            if self.peers is not None:  # the other ranks copy their slices meanwhile
+                self.peers.copy_tiers(copies)
             self.apply(copies)
             tiers.copies_done(copies)
 
@@ -184,3 +218,8 @@ class HostKVCache:
                 if self._stream is not None:
                     torch.cuda.synchronize(self.device_cache.tensor.device)
                 self.loads.add(size * self.spec.block_nbytes, time.perf_counter() - started)
+
+    def close(self) -> None:
+        """Delete the disk tier's file, if any (the host tier is only memory)."""
+        if self.disk is not None:
+            self.disk.close()

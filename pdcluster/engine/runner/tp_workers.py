@@ -5,17 +5,22 @@ step plan rank 0 sends it. Rank 0 keeps everything else: the scheduler, the bloc
 sampler, the connector. With a KV connector each rank also runs the connector's agent
 (`peers.start_agents(spec)`, engine/runner/tp_agents.py: its own transfer engine and its KV
 region registered, writing its share of each transfer on a pipe of its own), so a rank's KV
-heads move straight from its memory to a peer's.
+heads move straight from its memory to a peer's. With a host KV tier each rank also holds a host
+tier (and a disk file) of its own for its KV heads (`peers.start_tiers`), runs each step's
+tier copies on it as rank 0 sends them (`peers.copy_tiers`, before that step's plan: the pipe
+keeps the order) and reports its disk writes when asked (`peers.disk_written`); rank 0 keeps
+the bookkeeping (engine/core/kv_tiers.py).
 
 The group: a FileStore in a private temporary folder for the rendezvous (no listening socket),
 gloo bound to 127.0.0.1 on CPU, NCCL on CUDA (rank r on the r-th device after rank 0's). A
-step's plan crosses a pipe as msgpack (arrays as raw bytes, never pickle); the collectives
+step's plan crosses a pipe as msgpack (engine/runner/tp_wire.py, never pickle); the collectives
 inside the forward pair the ranks up. A rank that dies surfaces as `TensorParallelError` at the
 next step, one that stalls when the collectives' timeout (`RANK_TIMEOUT_S`) runs out: never a
 hang.
 
 API: `TensorParallelError`, `RankSpec`, `StepPeers.start(spec, size)`, `peers.allocate_kv(spec)`,
-`peers.start_agents(spec)`, `peers.step(plan)`, `peers.capture(max_batch, max_model_len)`,
+`peers.start_agents(spec)`, `peers.start_tiers(...)`, `peers.copy_tiers(copies)`,
+`peers.disk_written(wait)`, `peers.step(plan)`, `peers.capture(max_batch, max_model_len)`,
 `peers.check()`, `peers.close()`, `make_group(rank, size, store_path, device)`.
 """
 
@@ -35,16 +40,19 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import msgpack
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from pdcluster.core.kv_ranks import RankAgentSpec, RankEndpoint
 from pdcluster.engine.core.failures import TensorParallelError
-from pdcluster.engine.kv.kv_cache import KVCacheSpec
+from pdcluster.engine.core.kv_tiers import TierCopies
+from pdcluster.engine.kv.disk_kv_cache import DiskKVCache
+from pdcluster.engine.kv.host_kv_cache import HostKVCache
+from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
 from pdcluster.engine.models.parallel import TensorParallel
-from pdcluster.engine.runner.inputs import StepInputs, StepPlan
+from pdcluster.engine.runner.inputs import StepPlan
 from pdcluster.engine.runner.tp_agents import AgentHost, RankLinks
+from pdcluster.engine.runner.tp_wire import decode_copies, decode_plan, encode_copies, encode_plan
 
 logger = logging.getLogger(__name__)
 __all__ = ["RANK_TIMEOUT_S", "RankSpec", "StepPeers", "TensorParallelError", "make_group"]
@@ -150,6 +158,28 @@ class StepPeers:
             endpoints.append(RankEndpoint(session, base_addr))
         return RankLinks(self.agent_pipes, endpoints)
 
+    def start_tiers(self, host_blocks: int, disk_blocks: int, disk_dir: str | None) -> None:
+        """Every rank allocates a host tier of `host_blocks` for its slice (and a disk file of
+        `disk_blocks` in `disk_dir`), slot for slot rank 0's (engine/kv/host_kv_cache.py)."""
+        self._send({"op": "tiers", "host_blocks": host_blocks, "disk_blocks": disk_blocks,
+                    "disk_dir": disk_dir})
+        for rank, pipe in enumerate(self.pipes, start=1):
+            self._expect(rank, pipe, _OK)
+
+    def copy_tiers(self, copies: TierCopies) -> None:
+        """Every rank runs this step's tier copies on its slice."""
+        self._send({"op": "copies", **encode_copies(copies)})
+
+    def disk_written(self, wait: bool) -> list[tuple[bool, list[tuple[int, bool]]]]:
+        """Each rank's `HostKVCache.take_written(wait)`, in rank order."""
+        self._send({"op": "written", "wait": wait})
+        reports = []
+        for rank, pipe in enumerate(self.pipes, start=1):
+            self._expect(rank, pipe, _OK)
+            drained, written = msgpack.unpackb(pipe.recv_bytes())
+            reports.append((drained, [(slot, ok) for slot, ok in written]))
+        return reports
+
     def block_bytes(self, block_id: int) -> list[bytes]:
         """A copy of block `block_id` of ranks 1..N-1, in rank order (tests and debugging:
         call it between steps)."""
@@ -227,34 +257,6 @@ def _stop(processes: list, pipes: list[Connection], folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def encode_plan(plan: StepPlan) -> dict:
-    inputs = plan.inputs
-    return {"ids": _pack(inputs.token_ids), "positions": _pack(inputs.positions),
-            "slots": _pack(inputs.slot_rows), "last": inputs.last_rows,
-            "decodes": inputs.num_decodes, "lens": _pack(inputs.decode_lens),
-            "chunks": [list(chunk) for chunk in inputs.chunks],
-            "table": None if plan.decode_table is None else _pack(plan.decode_table),
-            "rows": _pack(plan.logit_rows), "replay": plan.replay}
-
-
-def decode_plan(message: dict) -> StepPlan:
-    inputs = StepInputs(_unpack(message["ids"]), _unpack(message["positions"]),
-                        _unpack(message["slots"]), list(message["last"]), message["decodes"],
-                        _unpack(message["lens"]),
-                        [(row, pos, list(blocks)) for row, pos, blocks in message["chunks"]])
-    table = None if message["table"] is None else _unpack(message["table"])
-    return StepPlan(inputs, table, _unpack(message["rows"]), message["replay"])
-
-
-def _pack(array: np.ndarray) -> list:
-    return [array.dtype.str, list(array.shape), array.tobytes()]
-
-
-def _unpack(packed: list) -> np.ndarray:
-    dtype, shape, data = packed
-    return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
-
-
 def _worker_main(payload: bytes, rank: int, size: int, store_path: str,
                  pipe: Connection, agent_pipe: Connection) -> None:
     """A rank's process: join the group, load this rank's slice, then run what rank 0 sends
@@ -278,7 +280,6 @@ def _worker_main(payload: bytes, rank: int, size: int, store_path: str,
 
 def _serve(spec: RankSpec, tp: TensorParallel, device: torch.device, pipe: Connection,
            agent_pipe: Connection) -> None:
-    from pdcluster.engine.kv.kv_cache import PagedKVCache
     from pdcluster.engine.models.loader import load_model
     from pdcluster.engine.models.model_config import ModelConfig
     from pdcluster.engine.runner.model_runner import ModelRunner
@@ -289,12 +290,15 @@ def _serve(spec: RankSpec, tp: TensorParallel, device: torch.device, pipe: Conne
     pipe.send_bytes(_READY)
     runner: ModelRunner | None = None
     agent: AgentHost | None = None
+    host: HostKVCache | None = None
     while True:
         message = msgpack.unpackb(pipe.recv_bytes())
         op = message["op"]
         if op == "stop":
             if agent is not None:
                 agent.close()
+            if host is not None:
+                host.close()
             return
         if op == "kv":
             kv = PagedKVCache(KVCacheSpec(**message["spec"]), dtype, device)
@@ -313,5 +317,29 @@ def _serve(spec: RankSpec, tp: TensorParallel, device: torch.device, pipe: Conne
             pipe.send_bytes(runner.kv_cache.block_bytes(message["block"]))
         elif op == "capture":
             runner.capture_graphs(message["max_batch"], message["max_model_len"])
+        elif op in ("tiers", "copies", "written"):
+            host = _tier_op(message, runner.kv_cache, host, pipe)
         elif op == "step":
             runner.forward(decode_plan(message))
+
+
+def _tier_op(message: dict, kv_cache: PagedKVCache, host: HostKVCache | None,
+             pipe: Connection) -> HostKVCache:
+    """Rank 0's `start_tiers`, `copy_tiers` or `disk_written` on this rank's own host tier
+    (returned)."""
+    op = message["op"]
+    if op == "tiers":
+        host = HostKVCache(kv_cache, message["host_blocks"])
+        if message["disk_blocks"]:
+            host.disk = DiskKVCache.create(message["disk_dir"], 0.0, message["disk_blocks"],
+                                           kv_cache.spec.block_nbytes)
+        pipe.send_bytes(_OK)
+        return host
+    assert host is not None, "the host tier is allocated before its copies"
+    if op == "copies":
+        host.apply(decode_copies(message))
+    else:
+        drained, written = host.take_written(message["wait"])
+        pipe.send_bytes(_OK)
+        pipe.send_bytes(msgpack.packb([drained, written]))
+    return host

@@ -33,7 +33,7 @@ from pdcluster.router.errors import ApiError, NodeFailure, NoHealthyNode, api_er
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.routing.dispatch import Dispatcher, Placement
 from pdcluster.router.routing.handoff import HotPrefixes
-from pdcluster.router.tenants import ApiKeys, tenant_salt
+from pdcluster.router.tenants import ApiKeys, TenantSalts
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class Handlers:
         self._metrics, self.dispatcher = metrics, dispatcher
         self.hot_prefixes = hot_prefixes  # what a draining node hands off (routing.handoff)
         self._api_keys = ApiKeys(config.api_keys)
+        self._salts = TenantSalts(config.cache_salt_key) if self._api_keys.enabled else None
         self.admission = (AdmissionGate(config.admission, dispatcher, metrics,
                                         config.load_interval_s)
                           if config.admission is not None else None)
@@ -116,7 +117,8 @@ class Handlers:
         body = await read_json(request, self.config.max_body_bytes,
                                self.config.body_timeout_s)
         req = parse_chat(body) if chat else parse_completion(body)
-        req.cache_salt = tenant_salt(tenant, req.cache_salt)  # tenants never share a cache
+        if self._salts is not None:  # tenants never share a cache
+            req.cache_salt = self._salts.salt(tenant, req.cache_salt)
         prompt = resolve_prompt(req, self.tokenizer, self.model_name,
                                 self.config.max_tokens_limit)
         async def place() -> Placement:

@@ -45,6 +45,7 @@ import zmq.asyncio
 
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.hashing import BlockExtra, hash_block_tokens
+from pdcluster.core.identity import ROUTER_PREFIX
 from pdcluster.core.kv_identity import tokenizer_digest
 from pdcluster.core.node_wire import (
     GenerateRequest,
@@ -53,6 +54,7 @@ from pdcluster.core.node_wire import (
     TokenDelta,
     TransferSpec,
 )
+from pdcluster.core.pull_ticket import TicketSigner
 from pdcluster.core.throttle import Throttle
 from pdcluster.core.types import BlockHash
 from pdcluster.router.config import NodeSpec, RouterConfig
@@ -119,6 +121,9 @@ class Dispatcher:
         self._shared_keys = shared_keys is not None
         self._curve = shared_keys or CurveKeys.generate()
         self.client_id = secrets.token_hex(8)
+        # signs a ticket for every pull this router arranges (core.pull_ticket); its public
+        # half is registered beside the CURVE key, so holders serve only those pulls
+        self.tickets = TicketSigner(ROUTER_PREFIX + self.client_id)
         self._key_renewed_at = float("-inf")
         self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task] = set()
@@ -146,7 +151,8 @@ class Dispatcher:
         now = self.clock()
         if now - self._key_renewed_at < KEY_RENEW_S:
             return
-        if await self.metadata.register_client(self.client_id, self._curve.public, KEY_LEASE_S):
+        if await self.metadata.register_client(self.client_id, self._curve.public, KEY_LEASE_S,
+                                               self.tickets.public_key):
             self._key_renewed_at = now
         else:
             logger.error("could not register the router's key with the metadata service (%s); "
@@ -284,7 +290,10 @@ class Dispatcher:
                 "remote_prefill", transfer_id, prefill.spec.kv_address or None))
             p_request = replace(request, transfer=TransferSpec("remote_decode", transfer_id),
                                 sampling=replace(request.sampling, max_tokens=1))
-        source = self._prefix_source(decision)
+        holder = self.nodes.get(decision.prefix_source or "")
+        source = None if holder is None else self.pull_source(
+            request, decision.prefill_node or decision.decode_node, holder,
+            decision.prefix_source_blocks)
         if source is not None:  # global prefix reuse: the prefilling node pulls the prefix
             self.metrics.prefix_pulls.inc()
             if p_request is not None:
@@ -374,11 +383,20 @@ class Dispatcher:
             held = max(held, source.num_blocks * self.block_size)
         return len(request.prompt_token_ids) - held
 
-    def _prefix_source(self, decision: RouteDecision) -> PrefixSource | None:
-        holder = self.nodes.get(decision.prefix_source or "")
-        if holder is None or not holder.spec.kv_address:
+    def pull_source(self, request: GenerateRequest, puller: str, holder: NodeLink,
+                    num_blocks: int) -> PrefixSource | None:
+        """The hint that `puller` may pull the prompt's first `num_blocks` blocks from
+        `holder`, with this router's ticket for it. A puller never pulls the block holding
+        the last prompt token (it computes it: the rule of both engines, the connector
+        scheduler's `num_pull_blocks`), so the hint and its ticket stop before it: the ticket
+        names exactly the chain the puller will ask for."""
+        num_blocks = min(num_blocks, (len(request.prompt_token_ids) - 1) // self.block_size)
+        if not holder.spec.kv_address or num_blocks < 1:
             return None
-        return PrefixSource(holder.spec.kv_address, decision.prefix_source_blocks)
+        ticket = self.tickets.sign(request.request_id, puller, holder.node_id,
+                                   request.prompt_token_ids, self.block_size, num_blocks,
+                                   request.cache_salt)
+        return PrefixSource(holder.spec.kv_address, num_blocks, ticket)
 
     def _charge(self, node: NodeLink, uncached: int, output_tokens: int = 0) -> None:
         work = request_work(uncached, output_tokens, self.config.policy)

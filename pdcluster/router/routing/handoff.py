@@ -28,9 +28,9 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from pdcluster.core.node_wire import GenerateRequest, PrefixSource, TokenDelta
+from pdcluster.core.node_wire import GenerateRequest, TokenDelta
 from pdcluster.core.roles import Role
 from pdcluster.core.sampling import SamplingSpec
 from pdcluster.core.types import BlockHash
@@ -176,7 +176,9 @@ class DrainWatcher:
         request = GenerateRequest(
             f"handoff-{uuid.uuid4().hex}", prompt.token_ids,
             SamplingSpec(max_tokens=1, temperature=0.0, ignore_eos=True), None,
-            prompt.cache_salt, PrefixSource(source.spec.kv_address, len(prompt.chain)))
+            prompt.cache_salt)
+        request = replace(request, prefix_source=self.dispatcher.pull_source(
+            request, peer.node_id, source, len(prompt.chain)))
         if self.dispatcher.attestations is not None:  # before the peer can claim them
             self.dispatcher.attestations.attest(peer.node_id, prompt.chain)
         stream = await peer.generate(request)

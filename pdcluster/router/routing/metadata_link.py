@@ -213,11 +213,13 @@ class MetadataLink:
                 self.attestations.drop_node(node_id)
         self._identities = seen
 
-    async def register_client(self, client_id: str, public_key: bytes, ttl_s: int) -> bool:
-        """Register (or renew) this router's CURVE key; False if the service is unreachable
-        or refused (logged: nodes will not admit this router until it succeeds)."""
+    async def register_client(self, client_id: str, public_key: bytes, ttl_s: int,
+                              ticket_public_key: bytes = b"") -> bool:
+        """Register (or renew) this router's CURVE key and pull-ticket key; False if the
+        service is unreachable or refused (logged: nodes will not admit this router until it
+        succeeds)."""
         try:
-            await self._client.register_client(client_id, public_key, ttl_s)
+            await self._client.register_client(client_id, public_key, ttl_s, ticket_public_key)
         except MetadataError as exc:
             self._fail(exc)
             return False
