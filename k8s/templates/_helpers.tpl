@@ -388,6 +388,10 @@ include "pdcluster.modelInitContainers" (list $ "full"|"metadata")
       value: {{ $hub.repo | quote }}
     - name: PDCLUSTER_MODEL_REVISION
       value: {{ $hub.revision | quote }}
+{{- if $hub.acknowledgeUnpinnedRevision }}
+    - name: PDCLUSTER_MODEL_ALLOW_UNPINNED
+      value: "1"
+{{- end }}
     - name: PDCLUSTER_MODEL_DIR
       value: {{ include "pdcluster.modelPath" $root | quote }}
     - name: PDCLUSTER_MODEL_PATTERNS

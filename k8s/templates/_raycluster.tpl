@@ -53,6 +53,7 @@ spec:
         {{- with include "pdcluster.scheduling" $head | trim }}
         {{- . | nindent 8 }}
         {{- end }}
+        {{- include "pdcluster.rayPodSecurity" . | nindent 8 }}
         {{- with include "pdcluster.modelInitContainers" (list . "metadata") | trim }}
         initContainers:
           {{- . | nindent 10 }}
@@ -74,6 +75,7 @@ spec:
               {{- include "pdcluster.commonEnv" . | nindent 14 }}
             resources:
               {{- toYaml $head.resources | nindent 14 }}
+            {{- include "pdcluster.rayContainerSecurity" (list . "head") | nindent 12 }}
             {{- include "pdcluster.rayProbes" "head" | nindent 12 }}
             lifecycle:
               preStop:

@@ -86,6 +86,38 @@ cluster secret; a worker holds none (its node actors get their tokens from the l
 {{- end }}
 {{- end -}}
 
+{{/*
+A Ray container's securityContext: include "pdcluster.rayContainerSecurity" (list $ "head"|"worker").
+ray.securityContext, the RDMA capabilities added on workers, and ray.runAsUser's non-root uid.
+*/}}
+{{- define "pdcluster.rayContainerSecurity" -}}
+{{- $root := index . 0 -}}
+{{- $ctx := deepCopy (default dict $root.Values.ray.securityContext) -}}
+{{- if and (eq (index . 1) "worker") $root.Values.rdma.enabled -}}
+{{- $caps := deepCopy (default dict $ctx.capabilities) -}}
+{{- $_ := set $caps "add" $root.Values.rdma.capabilities -}}
+{{- $_ := set $ctx "capabilities" $caps -}}
+{{- end -}}
+{{- with $root.Values.ray.runAsUser -}}
+{{- $_ := set $ctx "runAsNonRoot" true -}}
+{{- $_ := set $ctx "runAsUser" (int .) -}}
+{{- $_ := set $ctx "runAsGroup" (int .) -}}
+{{- end -}}
+{{- with $ctx }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* A Ray pod's securityContext: with ray.runAsUser, the fsGroup that lets it read Secrets. */}}
+{{- define "pdcluster.rayPodSecurity" -}}
+{{- with .Values.ray.runAsUser }}
+securityContext:
+  fsGroup: {{ int . }}
+  fsGroupChangePolicy: OnRootMismatch
+{{- end }}
+{{- end -}}
+
 {{- define "pdcluster.scheduling" -}}
 {{- with .nodeSelector }}
 nodeSelector:
@@ -159,6 +191,7 @@ Each pod advertises the Ray custom resource <groupResourcePrefix><role>, one uni
       {{- with include "pdcluster.scheduling" $group | trim }}
       {{- . | nindent 6 }}
       {{- end }}
+      {{- include "pdcluster.rayPodSecurity" $root | nindent 6 }}
       {{- with include "pdcluster.modelInitContainers" (list $root "full") | trim }}
       initContainers:
         {{- . | nindent 8 }}
@@ -184,12 +217,7 @@ Each pod advertises the Ray custom resource <groupResourcePrefix><role>, one uni
               {{- toYaml $requests | nindent 14 }}
             limits:
               {{- toYaml $limits | nindent 14 }}
-          {{- if $rdma.enabled }}
-          securityContext:
-            capabilities:
-              add:
-                {{- toYaml $rdma.capabilities | nindent 16 }}
-          {{- end }}
+          {{- include "pdcluster.rayContainerSecurity" (list $root "worker") | nindent 10 }}
           {{- include "pdcluster.rayProbes" "worker" | nindent 10 }}
           lifecycle:
             preStop:

@@ -9,6 +9,7 @@ makes the node's with `CompletionRequest.sampling_spec` (tests/engine/test_sampl
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -24,6 +25,12 @@ WIRE_MAX_STOP_STRINGS = 64
 WIRE_MAX_STOP_STRING_CHARS = 1024
 WIRE_MAX_STOP_TOKEN_IDS = 1024
 WIRE_MAX_LOGIT_BIAS = 4096
+# How deep a structured-output constraint may nest (JSON containers of a schema, brackets of a
+# pattern or grammar), checked by the router (a 400) and the engine alike. Real schemas nest
+# a few levels; a deep one only costs recursion in the grammar library (llguidance stops near
+# 128 levels) and in whoever parses it.
+MAX_GUIDED_NESTING = 64
+_BRACKETS = re.compile(r'[\\"()\[\]{}]')
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +68,34 @@ class SamplingSpec:
     logit_bias: Annotated[dict[int, float], MaxLen(WIRE_MAX_LOGIT_BIAS)] = field(
         default_factory=dict)
     guided: GuidedDecoding | None = None
+
+
+def guided_nesting(kind: str, spec: str) -> int:
+    """How deep `spec` nests: its brackets, outside string literals (JSON's and grammars'
+    quoted literals; a regex has none) and escapes. A bracket in a regex's character class
+    counts too: never less than the real depth."""
+    quotes = kind != "regex"
+    depth = deepest = 0
+    in_string = False
+    escaped_at = -1  # the position a backslash escapes
+    for match in _BRACKETS.finditer(spec):
+        char, at = match.group(), match.start()
+        if at == escaped_at:
+            continue
+        if char == "\\":
+            escaped_at = at + 1
+        elif char == '"':
+            in_string = quotes and not in_string
+        elif not in_string:
+            depth = depth + 1 if char in "([{" else max(0, depth - 1)
+            deepest = max(deepest, depth)
+    return deepest
+
+
+def guided_nesting_error(kind: str, spec: str) -> str | None:
+    """Why a constraint nests too deep (None: it does not)."""
+    depth = guided_nesting(kind, spec)
+    if depth <= MAX_GUIDED_NESTING:
+        return None
+    return (f"nests {depth} levels deep; the limit is {MAX_GUIDED_NESTING} "
+            "(MAX_GUIDED_NESTING)")

@@ -25,6 +25,7 @@ requests only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from typing import Any
 
 from pdcluster.core.events import KVEvent
@@ -62,6 +63,12 @@ class NodeEngine(ABC):
     @abstractmethod
     def accepts_prefix_pulls(self) -> bool:
         """Whether a `PrefixPull` hint can be followed (a KV connector is attached)."""
+
+    def prepare(self, sampling: SamplingSpec) -> Future[None] | None:
+        """Start what admitting a request with `sampling` needs that may be slow (compiling
+        its grammar) off the caller's thread: a future to wait for before `submit`, or None
+        when nothing is needed. ValueError (refused) / OverloadedError (no room now)."""
+        return None
 
     @abstractmethod
     def submit(self, request_id: ReqId, prompt_token_ids: list[int], sampling: SamplingSpec,

@@ -40,10 +40,10 @@ class EngineConfig:
     host_cache_gib: float = 0.0
     num_host_blocks: int | None = None
     # The disk tier below the host tier (engine/kv/disk_kv_cache.py): blocks the host evicts are
-    # written to one preallocated file under disk_cache_dir (None: core.paths' cache dir,
-    # kv-disk/) by a writer thread, at most disk_max_pending_writes at a time (more are
-    # dropped, never waited for). In GiB of disk, or in blocks (num_disk_blocks wins); 0 /
-    # None: no disk tier. Wiped at every start.
+    # written to one preallocated file in disk_cache_dir's own 0700 subfolder kv-disk/
+    # (None: core.paths' cache dir) by a writer thread, at most disk_max_pending_writes at a
+    # time (more are dropped, never waited for). In GiB of disk, or in blocks
+    # (num_disk_blocks wins); 0 / None: no disk tier. Wiped at every start.
     disk_cache_gib: float = 0.0
     num_disk_blocks: int | None = None
     disk_cache_dir: str | None = None

@@ -139,8 +139,8 @@ def host_tier(config: EngineConfig, pool: BlockPool, kv_cache: PagedKVCache,
         disk_pool = HostBlockPool(host_cache.disk.num_blocks)
     if peers is not None:
         disk = host_cache.disk
-        peers.start_tiers(num_blocks, disk.num_blocks if disk else 0,
-                          str(disk.path.parent) if disk else None)
+        # the folder rank 0 was given: each rank makes its file in its private subfolder
+        peers.start_tiers(num_blocks, disk.num_blocks if disk else 0, config.disk_cache_dir)
         host_cache.peers = peers
     return KVTiers(pool, HostBlockPool(num_blocks), disk_pool, config.disk_max_pending_writes,
                    num_ranks), host_cache

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 
 from pdcluster.core.events import KVEvent
@@ -51,7 +52,7 @@ from pdcluster.engine.core.kv_cache_manager import KVCacheManager
 from pdcluster.engine.core.kv_costs import KVCostMeter
 from pdcluster.engine.core.outputs import EngineCounters, EngineLoad, RequestOutput
 from pdcluster.engine.core.request import Request, RequestStatus
-from pdcluster.engine.core.sampling_params import SamplingParams
+from pdcluster.engine.core.sampling_params import SamplingParams, check_guided
 from pdcluster.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdcluster.engine.core.validation import RequestLimits, validate_keys, validate_request
 from pdcluster.engine.engine_setup import (
@@ -196,6 +197,12 @@ class LLMEngine(NodeEngine):
     @property
     def accepts_prefix_pulls(self) -> bool:
         return self.connector is not None
+
+    def prepare(self, sampling: SamplingSpec) -> Future[None] | None:
+        if sampling.guided is None or self.grammars is None:
+            return None  # without a tokenizer, submit refuses it
+        check_guided(sampling.guided)  # its form and depth, before anything compiles it
+        return self.grammars.compile_async(sampling.guided)
 
     def submit(self, request_id: ReqId, prompt_token_ids: list[int], sampling: SamplingSpec,
                *, cache_salt: str | None = None, kv_transfer: KVTransferParams | None = None,

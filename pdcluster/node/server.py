@@ -22,6 +22,11 @@ only from the principal that submitted the request. Without a directory, `curve`
 shared pair of the test mode (its holders may do everything); `curve=None` is plaintext, for
 unit tests only.
 
+A request whose admission needs slow work first (compiling its structured-output grammar:
+`NodeEngine.prepare`) waits for it off this thread, parked in `node.admissions`; every other
+request is served meanwhile, and it is refused if the work does not finish within
+`prepare_timeout_s`.
+
 An engine that is lost for good (`engine.api.EngineFailure`: a tensor-parallel rank died or
 stalls) fails every request with "internal", refuses new ones, stops the loop and calls
 `on_fatal(error)` on the server thread; a node actor exits there so that Ray restarts it.
@@ -75,6 +80,7 @@ from pdcluster.core.wire import WireError
 from pdcluster.engine.api import EngineFailure, NodeEngine
 from pdcluster.engine.core.outputs import RequestOutput
 from pdcluster.engine.core.pins import OverloadedError
+from pdcluster.node.admissions import PREPARE_TIMEOUT_S, Admissions
 from pdcluster.node.request_spans import RequestSpans
 
 logger = logging.getLogger(__name__)
@@ -113,7 +119,8 @@ class NodeServer:
                  port: int = 0, on_step: Callable[[NodeEngine], None] | None = None, *,
                  curve: CurveKeys | None, directory: Directory | None = None,
                  port_span: int = 1,
-                 on_fatal: Callable[[Exception], None] | None = None) -> None:
+                 on_fatal: Callable[[Exception], None] | None = None,
+                 prepare_timeout_s: float = PREPARE_TIMEOUT_S) -> None:
         self.engine = engine
         self.node_id, self.role = node_id, role
         self.on_step = on_step
@@ -133,6 +140,8 @@ class NodeServer:
         self._owners: dict[str, bytes] = {}  # request id -> client identity
         self._submitters: dict[str, str] = {}  # request id -> the principal that submitted it
         self._prompt_lens: dict[str, int] = {}
+        # requests whose grammar compiles off this thread (node/admissions.py)
+        self._admissions = Admissions(prepare_timeout_s)
         self._calls: queue.SimpleQueue[tuple[Callable[[NodeEngine], Any], Future]] = \
             queue.SimpleQueue()
         self._forbid_log = Throttle()
@@ -190,7 +199,8 @@ class NodeServer:
                 self.on_step(self.engine)
 
     def _busy(self) -> bool:
-        return self.engine.has_unfinished_requests() or self.engine.has_pinned_blocks()
+        return (self.engine.has_unfinished_requests() or self.engine.has_pinned_blocks()
+                or len(self._admissions) > 0)
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -203,6 +213,7 @@ class NodeServer:
             if poller.poll(0 if runnable else _IDLE_POLL_MS):
                 self._drain_socket()
             self._run_calls()
+            self._admit_prepared()
             if self._busy():
                 self._step()
                 last_step = time.monotonic()
@@ -213,6 +224,9 @@ class NodeServer:
                 last_step = time.monotonic()
         for request_id in list(self._owners):  # stopped without draining
             self.engine.abort_request(request_id)
+        for parked in self._admissions.take_all():
+            self._refuse(parked.identity, parked.msg.request_id, "draining",
+                         "the node stopped")
 
     def _step(self) -> None:
         try:
@@ -271,6 +285,13 @@ class NodeServer:
             self.stats.num_malformed += 1  # a reply type sent to a node
 
     def _on_abort(self, principal: str | None, msg: AbortRequest) -> None:
+        dropped = self._admissions.drop(msg.request_id, principal)
+        if dropped is not None:
+            if dropped:
+                self.stats.num_aborted += 1
+            else:
+                self._forbid(principal, "AbortRequest of another's request")
+            return
         submitter = self._submitters.get(msg.request_id)
         if submitter is not None and submitter != principal:
             self._forbid(principal, "AbortRequest of another's request")
@@ -293,6 +314,27 @@ class NodeServer:
         if self.draining:
             self._refuse(identity, msg.request_id, "draining", "the node is shutting down")
             return
+        try:
+            pending = self.engine.prepare(msg.sampling)
+        except OverloadedError as exc:
+            self._refuse(identity, msg.request_id, "overloaded", str(exc))
+            return
+        except ValueError as exc:
+            self._refuse(identity, msg.request_id, "invalid_request", str(exc))
+            return
+        if pending is not None:  # admitted (or refused) by _admit_prepared
+            self._admissions.park(identity, principal, msg, pending)
+            return
+        self._admit(identity, principal, msg)
+
+    def _admit_prepared(self) -> None:
+        for parked, error in self._admissions.take_due():
+            if error is None:
+                self._admit(parked.identity, parked.principal, parked.msg)
+            else:
+                self._refuse(parked.identity, parked.msg.request_id, "invalid_request", error)
+
+    def _admit(self, identity: bytes, principal: str | None, msg: GenerateRequest) -> None:
         try:
             self.engine.submit(msg.request_id, msg.prompt_token_ids, msg.sampling,
                                cache_salt=msg.cache_salt,

@@ -4,11 +4,17 @@ vLLM runs its scheduler in an engine-core process and its model (with pdcluster'
 worker) in a worker process; the node talks to them through vLLM's own channels, and to its
 connector through this folder (mode 0700, files 0600, removed when the engine closes):
 
-- `curve`: the node's CURVE key pair, which the connector's side channel serves and connects
-  with. Passing it through vLLM's config would print it in vLLM's start-up log. The worker
-  takes it once (`take_curve`) and leaves a marker in its place: a node killed later (no
-  `close`, so the folder stays behind) leaves no key on disk, and a second reader fails
-  instead of silently serving without CURVE.
+- `curve`: where to find the node's CURVE key pair, which the connector's side channel
+  serves and connects with — not the keys. The keys live in an anonymous in-memory file of
+  the node process (`memfd_create`), never linked into any folder; `curve` names it as
+  `/proc/<node pid>/fd/<n>`, which only this user's processes may open. A node that dies
+  at any moment (SIGKILL before the worker took them included) leaves no key anywhere: the
+  kernel frees the file with the last process holding it, and vLLM's processes die with the
+  node (lifeline.py). Passing the keys through vLLM's config would print them in vLLM's
+  start-up log; an environment variable would reach every process vLLM starts. The worker
+  takes them once (`take_curve`), overwriting them with a marker, and the node closes its
+  file once the worker reported its KV address: a second reader fails instead of silently
+  serving without CURVE.
 - `kv-address`, `kv-session`: written by the connector's worker once its side channel is
   bound: the address peers send KV requests to and its transfer-engine session, which the
   node registers in the metadata service.
@@ -23,7 +29,8 @@ connector through this folder (mode 0700, files 0600, removed when the engine cl
   a transfer's prefill node is lost (vllm_backend/lost.py).
 
 The folder lives under the system temp folder with a short name: a `ipc://` path must fit in
-a Unix socket address (107 bytes).
+a Unix socket address (107 bytes). It is removed by `close` and, failing that, when the
+node's interpreter exits; a SIGKILLed node leaves it behind, holding no secret.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 from pdcluster.core.credentials import CurveKeys
@@ -49,12 +57,24 @@ class Handshake:
 
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="pdv-"))  # mkdtemp makes it 0700
+        self._curve_fd = -1
+        # Removed at interpreter exit too, when nobody called close
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
 
     def write_curve(self, keys: CurveKeys | None) -> None:
         if keys is None:
             return
         payload = json.dumps({"public": keys.public.decode(), "secret": keys.secret.decode()})
-        _write_private(self.dir / _CURVE, payload)
+        self._curve_fd = os.memfd_create("pdv-curve")  # close-on-exec; Linux only
+        os.write(self._curve_fd, payload.encode())
+        _write_private(self.dir / _CURVE, json.dumps({"pid": os.getpid(),
+                                                      "fd": self._curve_fd}))
+
+    def forget_curve(self) -> None:
+        """Close the node's in-memory key file (the worker took the keys)."""
+        if self._curve_fd >= 0:
+            os.close(self._curve_fd)
+            self._curve_fd = -1
 
     def write_peers(self, peers: list[Peer]) -> None:
         payload = json.dumps([{"principal": p.principal, "public_key": p.public_key.decode(),
@@ -75,13 +95,15 @@ class Handshake:
         path = self.dir / _KV_ADDRESS
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and alive():
-            if path.is_file():
+            if path.is_file():  # bound after it took the keys: the node's copy can go
+                self.forget_curve()
                 return path.read_text().strip()
             time.sleep(0.05)
         raise TimeoutError(f"the vLLM connector did not report its KV address in {timeout_s:g} s")
 
     def close(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.forget_curve()
+        self._cleanup()
 
 
 def endpoint(folder: str | Path, name: str) -> str:
@@ -95,11 +117,22 @@ def take_curve(folder: str | Path) -> CurveKeys | None:
     path = Path(folder) / _CURVE
     if not path.is_file():
         return None
-    data = json.loads(path.read_text())
-    if data.get("taken"):
-        raise RuntimeError(f"the node's CURVE keys in {folder} were taken already (by pid "
-                           f"{data['taken']}): one connector worker per node")
-    _write_private(path, json.dumps({"taken": os.getpid()}))
+    where = json.loads(path.read_text())
+    source = f"/proc/{where['pid']}/fd/{where['fd']}"
+    try:
+        fd = os.open(source, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RuntimeError(f"the node's CURVE keys ({source}) are gone: taken already, or the "
+                           f"node is gone ({exc}); one connector worker per node") from exc
+    try:
+        data = json.loads(os.pread(fd, 1 << 16, 0))
+        if data.get("taken"):
+            raise RuntimeError(f"the node's CURVE keys in {folder} were taken already (by pid "
+                               f"{data['taken']}): one connector worker per node")
+        os.ftruncate(fd, 0)  # the secret leaves the node's file as this worker takes it
+        os.pwrite(fd, json.dumps({"taken": os.getpid()}).encode(), 0)
+    finally:
+        os.close(fd)
     return CurveKeys(public=data["public"].encode(), secret=data["secret"].encode())
 
 

@@ -9,6 +9,7 @@ refused at start."""
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -17,9 +18,10 @@ import pytest
 
 from pdcluster.core.block_index import BlockIndex, apply_events
 from pdcluster.core.events import DISK, HOST, BlockMoved
+from pdcluster.core.paths import UnsafeDirectory
 from pdcluster.engine import LLM, SamplingParams
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.kv.disk_kv_cache import disk_tier_blocks
+from pdcluster.engine.kv.disk_kv_cache import DiskKVCache, disk_tier_blocks
 from pdcluster.router.routing.policy import NodeView, PolicyConfig
 from pdcluster.router.routing.tier_costs import tier_cost
 from tests.helpers import assert_tiers_clean
@@ -126,12 +128,12 @@ def test_preempted_requests_come_back_through_the_disk(model_dirs, hf_reference,
 
 def test_a_restarted_node_never_serves_stale_disk_blocks(model_dirs, hf_reference, tmp_path):
     model_dir = model_dirs["llama-gqa"]
-    folder = tmp_path / "kv"
-    folder.mkdir()
+    folder = tmp_path / "kv" / "kv-disk"  # the tier's own subfolder of disk_cache_dir
+    folder.mkdir(parents=True, mode=0o700)
     stale = folder / "kv-1-dead.bin"  # what a crashed engine left (nobody holds its lock)
     stale.write_bytes(b"\x7f" * 4096)
     options = dict(num_kv_blocks=16, block_size=8, num_host_blocks=16, num_disk_blocks=64,
-                   disk_cache_dir=str(folder))
+                   disk_cache_dir=str(folder.parent))
     llm = LLM(model_dir, **options)
     assert not stale.exists()
     prefix = random_prompts(1, 72, 72, seed=29)[0]
@@ -261,7 +263,36 @@ def test_disk_sizes_that_cannot_work_are_refused(model_dirs, tmp_path):
     with pytest.raises(ValueError, match="disk KV tier does not fit"):
         LLM(model_dirs["llama-gqa"], num_kv_blocks=16, num_host_blocks=4,
             disk_cache_gib=1e7, disk_cache_dir=str(tmp_path))
-    assert list(Path(tmp_path).glob("kv-*.bin")) == []
+    assert list(Path(tmp_path).rglob("kv-*.bin")) == []
+
+
+def test_the_disk_folder_is_a_private_subfolder_and_a_planted_one_is_refused(tmp_path):
+    given = tmp_path / "given"
+    old_umask = os.umask(0o022)  # a usual umask: folders it makes are 0755
+    try:
+        disk = DiskKVCache.create(str(given), 0.0, 2, 4096)
+    finally:
+        os.umask(old_umask)
+    try:
+        assert disk.path.parent == given / "kv-disk"  # not the folder the user named
+        assert stat.S_IMODE(disk.path.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(disk.path.stat().st_mode) == 0o600
+    finally:
+        disk.close()
+    elsewhere = tmp_path / "attacker"
+    elsewhere.mkdir()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "kv-disk").symlink_to(elsewhere)
+    with pytest.raises(UnsafeDirectory, match="symlink"):
+        DiskKVCache.create(str(linked), 0.0, 2, 4096)
+    assert list(elsewhere.iterdir()) == []
+    shared = tmp_path / "shared"
+    (shared / "kv-disk").mkdir(parents=True)
+    (shared / "kv-disk").chmod(0o777)
+    with pytest.raises(UnsafeDirectory, match="writable by group or others"):
+        DiskKVCache.create(str(shared), 0.0, 2, 4096)
+    assert list((shared / "kv-disk").iterdir()) == []
 
 
 def test_the_metadata_service_counts_a_nodes_disk_blocks(model_dirs, make_llm):

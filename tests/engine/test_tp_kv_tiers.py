@@ -90,7 +90,7 @@ def test_two_ranks_bring_prefixes_back_from_the_disk(model_dirs, hf_reference, t
     pair = (tp2, LLM(model, disk_cache_dir=str(tmp_path / "tp1"), **options))
     engine = tp2.engine
     try:
-        assert len(list((tmp_path / "tp2").glob("kv-*.bin"))) == 2  # a file per rank
+        assert len(list((tmp_path / "tp2" / "kv-disk").glob("kv-*.bin"))) == 2  # a file per rank
         prefix = random_prompts(1, 72, 72, seed=44)[0]  # 9 blocks
         _same_tokens(pair, model, [prefix + [7]], hf_reference)
         before = _rank1_bytes(tp2, prefix, 9)
@@ -106,7 +106,7 @@ def test_two_ranks_bring_prefixes_back_from_the_disk(model_dirs, hf_reference, t
         assert engine.reset_prefix_cache()
     finally:
         _close(*pair)
-    assert list((tmp_path / "tp2").glob("kv-*.bin")) == []  # each rank deleted its own
+    assert list((tmp_path / "tp2" / "kv-disk").glob("kv-*.bin")) == []  # each rank deleted its own
 
 
 class _OneRank(KVRanks):

@@ -66,6 +66,7 @@ VALUE_SETS: dict[str, dict] = {
                  "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"}},
     },
     "rdma-off": {"rdma": {"enabled": False}},
+    "ray-non-root": {"ray": {"runAsUser": 1000}},
     "rdma-host-network": {"rdma": {"enabled": True, "hostNetwork": True,
                                    "acknowledgeUnfencedHostNetwork": True},
                           "networkPolicy": {"nodeCIDRs": ["10.0.0.0/16", "fd00:10::/64"]}},
@@ -74,6 +75,7 @@ VALUE_SETS: dict[str, dict] = {
     "hub-model": {
         "model": {"source": "hub", "name": "Qwen2.5-0.5B-Instruct",
                   "hub": {"repo": "Qwen/Qwen2.5-0.5B-Instruct",
+                          "revision": "7ae557604adf67be50417f59c2c2f167def9a775",
                           "tokenSecret": {"name": "hf-token"}}},
     },
     "memory-metadata": {

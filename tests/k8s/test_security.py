@@ -413,6 +413,77 @@ def test_the_acknowledged_or_fenced_setting_renders(values) -> None:
     assert template(values).returncode == 0
 
 
+# --- Ray pods: fenced root by default, a non-root uid where the image allows
+
+def _ray_pods(values: dict) -> list[tuple[dict, dict]]:
+    """(pod spec, its Ray container) of the head and each worker group."""
+    (cluster,) = [d for d in render(values) if d["kind"] == "RayCluster"]
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    return [(g["template"]["spec"], g["template"]["spec"]["containers"][0]) for g in groups]
+
+
+@pytest.mark.parametrize("rdma", [False, True])
+def test_ray_containers_drop_capabilities_and_escalation(rdma: bool) -> None:
+    pods = _ray_pods({"rdma": {"enabled": rdma}})
+    assert len(pods) == 3
+    for i, (spec, container) in enumerate(pods):
+        ctx = container["securityContext"]
+        assert ctx["allowPrivilegeEscalation"] is False
+        assert ctx["capabilities"]["drop"] == ["ALL"]
+        assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+        # RDMA's capabilities come back on the workers alone, never on the head
+        wanted = ["IPC_LOCK", "NET_RAW"] if rdma and i > 0 else None
+        assert ctx["capabilities"].get("add") == wanted
+        assert "runAsUser" not in ctx and "securityContext" not in spec  # the image's root
+
+
+def test_ray_pods_run_as_a_non_root_uid_when_asked() -> None:
+    for spec, container in _ray_pods({"ray": {"runAsUser": 1000}}):
+        ctx = container["securityContext"]
+        assert (ctx["runAsNonRoot"], ctx["runAsUser"], ctx["runAsGroup"]) == (True, 1000, 1000)
+        assert ctx["capabilities"]["drop"] == ["ALL"]
+        assert spec["securityContext"]["fsGroup"] == 1000  # the head reads the secret
+    custom = {"seccompProfile": {"type": "Localhost", "localhostProfile": "ray.json"}}
+    for _, container in _ray_pods({"ray": {"securityContext": custom}}):
+        assert container["securityContext"]["seccompProfile"] == custom["seccompProfile"]
+    refused = template({"ray": {"runAsUser": 1000}, "rdma": {"enabled": True}}, check=False)
+    assert refused.returncode != 0 and "CAP_IPC_LOCK" in refused.stderr, refused.stderr[-500:]
+
+
+# --- model downloads: a commit, not a name that moves
+
+_HUB = {"source": "hub", "name": "m", "hub": {"repo": "org/m"}}
+_COMMIT = "7ae557604adf67be50417f59c2c2f167def9a775"
+
+
+def _download_env(values: dict) -> dict[str, str]:
+    inits = [c for _, c in containers(render(values), init=True)]
+    assert inits
+    envs = [{e["name"]: e.get("value") for e in c["env"] if "value" in e} for c in inits]
+    names = ("PDCLUSTER_MODEL_REVISION", "PDCLUSTER_MODEL_ALLOW_UNPINNED")
+    assert len({tuple(env.get(n) for n in names) for env in envs}) == 1  # every pod alike
+    return envs[0]
+
+
+@pytest.mark.parametrize("revision", ["", "main", "v1.0", _COMMIT[:7]])
+def test_the_chart_refuses_a_model_revision_that_is_not_a_commit(revision: str) -> None:
+    values = {"model": {**_HUB, "hub": {**_HUB["hub"], "revision": revision}}}
+    refused = template(values, check=False)
+    assert refused.returncode != 0, "an unpinned hub download rendered"
+    assert "model.hub.revision" in refused.stderr and "is not a commit" in refused.stderr
+
+
+def test_a_pinned_or_acknowledged_model_revision_renders() -> None:
+    env = _download_env({"model": {**_HUB, "hub": {**_HUB["hub"], "revision": _COMMIT}}})
+    assert env["PDCLUSTER_MODEL_REVISION"] == _COMMIT
+    assert "PDCLUSTER_MODEL_ALLOW_UNPINNED" not in env
+    env = _download_env({"model": {**_HUB, "hub": {
+        **_HUB["hub"], "revision": "main", "acknowledgeUnpinnedRevision": True}}})
+    assert env["PDCLUSTER_MODEL_REVISION"] == "main"
+    assert env["PDCLUSTER_MODEL_ALLOW_UNPINNED"] == "1"
+    assert template({"model": {"source": "pvc"}}).returncode == 0  # no download, no revision
+
+
 # --- metadata gRPC: plaintext or unbound client certificates need an acknowledgement
 
 _SECRETS = {"secretName": "md-tls", "clientAuth": {"routerSecretName": "md-router",

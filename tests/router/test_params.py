@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pdcluster.core.sampling import GuidedDecoding
+from pdcluster.core.sampling import MAX_GUIDED_NESTING, GuidedDecoding
 from pdcluster.router.api.params import APPLIED, BOTH, CHAT, COMPLETIONS, DEFAULT_ONLY, PARAMS
 from pdcluster.router.api.protocol import parse_chat, parse_completion
 from pdcluster.router.api.request_prep import sample_seed
@@ -154,6 +154,35 @@ def test_structured_output_spellings(body, guided) -> None:
 ])
 def test_bad_structured_output_is_refused(body, param) -> None:
     assert refused(completion, **body).param == param
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"guided_json": _nested(MAX_GUIDED_NESTING)}, "guided_json"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": _nested(400)}}},
+     "response_format"),
+    ({"guided_regex": "(" * 100 + "a" + ")" * 100}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "start: " + "(" * 80 + '"a"' + ")" * 80}},
+     "structured_outputs.grammar"),
+])
+def test_a_constraint_nested_too_deep_is_refused_naming_the_limit(body, param) -> None:
+    error = refused(completion, **body)
+    assert error.status == 400 and error.param == param
+    assert f"the limit is {MAX_GUIDED_NESTING}" in error.message
+
+
+def test_brackets_in_literals_and_escapes_do_not_count() -> None:
+    deep = '"' + "(" * 200 + '"'
+    assert completion(guided_grammar=f"start: {deep}").sampling_spec(4, []).guided
+    assert completion(guided_regex="\\(" * 200).sampling_spec(4, []).guided
+    assert completion(guided_json={"enum": ["[" * 200]}).sampling_spec(4, []).guided
 
 
 def test_sample_seeds_are_derived_and_distinct() -> None:

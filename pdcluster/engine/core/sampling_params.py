@@ -14,7 +14,12 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from pdcluster.core.sampling import GUIDED_KINDS, GuidedDecoding, SamplingSpec
+from pdcluster.core.sampling import (
+    GUIDED_KINDS,
+    GuidedDecoding,
+    SamplingSpec,
+    guided_nesting_error,
+)
 
 _GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0  # far past any useful value; keeps logits / temperature finite
@@ -130,6 +135,9 @@ def check_guided(guided: object) -> None:
         return
     if not guided.spec:
         raise ValueError(f"guided.spec is empty for kind {guided.kind!r}")
+    too_deep = guided_nesting_error(guided.kind, guided.spec)
+    if too_deep:
+        raise ValueError(f"guided.spec {too_deep}")
     if guided.kind in ("json_schema", "choice"):
         _check_guided_json(guided)
 

@@ -17,17 +17,21 @@ hits loaded back) run on the engine thread before the model runs: a prefix they 
 be in the device blocks by then.
 
 Restart safety: nothing on disk is ever trusted. Each engine creates its own new file
-(`kv-<pid>-<random>.bin`) under `disk_cache_dir` (default: `core.paths.cache_dir()/kv-disk`),
-holds an exclusive `flock` on it for its life, and at start deletes every other `kv-*.bin`
-there whose lock it can take (its owner is gone); `close` deletes its own. The bookkeeping
-starts empty, so a restarted node never serves a block a previous process wrote, and two
-nodes (processes, or engines of one process) never share a file.
+(`kv-<pid>-<random>.bin`, mode 0600) in its own subfolder `kv-disk/` of `disk_cache_dir`
+(default: `core.paths.cache_dir()`), holds an exclusive `flock` on it for its life, and at
+start deletes every other `kv-*.bin` there whose lock it can take (its owner is gone);
+`close` deletes its own. The bookkeeping starts empty, so a restarted node never serves a
+block a previous process wrote, and two nodes (processes, or engines of one process) never
+share a file. The subfolder is made 0700 (`core.paths.private_dir`: not the umask's mode,
+and not the folder the user named, which may hold anything else), and refused when it is a
+symlink, another user's, or writable by group or others: whoever can write it could plant a
+link where a file is made or deleted.
 
 Cost: reads are timed (`CopyTimer`); a calibration at start writes then reads 1 and 8 slots,
 so the first load report has a figure (both include the page cache, as real reads do).
 
 API: `DiskKVCache` (`submit`, `take_written`, `read_runs`, `drain`, `close`, `calibrate`),
-`disk_tier_blocks`, `default_disk_dir`.
+`disk_tier_blocks`, `default_disk_dir`, `disk_dir`.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdcluster.core.paths import cache_dir
+from pdcluster.core.paths import cache_dir, private_dir
 from pdcluster.engine.core.kv_costs import CopyTimer
 from pdcluster.engine.core.tier_sizes import tier_blocks
 
@@ -54,8 +58,17 @@ logger = logging.getLogger(__name__)
 _GIB = 2**30
 
 
+_SUBFOLDER = "kv-disk"
+
+
 def default_disk_dir() -> Path:
-    return cache_dir() / "kv-disk"
+    return cache_dir() / _SUBFOLDER
+
+
+def disk_dir(folder: str | None) -> Path:
+    """The tier's own subfolder of `folder` (default: the cache dir), made 0700;
+    `core.paths.UnsafeDirectory` (a ValueError) when it cannot be kept private."""
+    return private_dir((Path(folder) if folder else cache_dir()) / _SUBFOLDER)
 
 
 def disk_tier_blocks(disk_cache_gib: float, num_disk_blocks: int | None, block_nbytes: int,
@@ -115,8 +128,7 @@ class DiskKVCache:
         """Wipe what dead engines left in the folder, refuse a size its free space cannot
         hold (ValueError), then make the file. With tensor parallelism `disk_cache_gib` holds
         every rank's file: `num_ranks` slices of `block_nbytes` per block."""
-        path = Path(folder) if folder else default_disk_dir()
-        path.mkdir(parents=True, exist_ok=True)
+        path = disk_dir(folder)
         _wipe_stale(path)
         num_blocks = disk_tier_blocks(disk_cache_gib, num_disk_blocks, block_nbytes * num_ranks,
                                       shutil.disk_usage(path).free)

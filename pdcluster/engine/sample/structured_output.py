@@ -12,7 +12,11 @@ spend its whole budget on blanks.
 `GrammarCompiler` (one per engine): compiles a (kind, spec) once into a validated matcher
 (LRU cache) and hands each request a copy; a malformed spec raises `ValueError` naming
 `guided`, which refuses that request alone at admission. The llguidance view of the
-vocabulary (~0.5-1 s to build) is made at the first guided request.
+vocabulary (~0.5-1 s to build) is made at the first guided request. `compile_async` compiles
+on the compiler's own thread (llguidance releases the GIL while it compiles): a 64 KiB schema
+takes ~0.5 s, which the node's serving thread must not spend — it admits the request once
+the future is done, or refuses it past its deadline (node/admissions.py). At most
+`MAX_COMPILING` distinct grammars wait for that thread (`OverloadedError` beyond).
 
 `StructuredOutput` (the sampler's): each request's matcher, kept in step with its output
 tokens lazily (tokens sampled elsewhere, e.g. a prefill node's first token, are consumed
@@ -26,7 +30,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +40,7 @@ import torch
 
 from pdcluster.core.sampling import GuidedDecoding
 from pdcluster.core.types import ReqId
+from pdcluster.engine.core.pins import OverloadedError
 from pdcluster.engine.core.request import Request
 
 if TYPE_CHECKING:  # llguidance itself loads at the first guided request
@@ -42,6 +49,7 @@ if TYPE_CHECKING:  # llguidance itself loads at the first guided request
 
 logger = logging.getLogger(__name__)
 _CACHE_SIZE = 256
+MAX_COMPILING = 16
 _MAX_ERROR_CHARS = 500
 _COMPACT_JSON: JsonCompileOptions = {"whitespace_flexible": False}
 _ANY_OBJECT = '{"type": "object"}'
@@ -58,6 +66,10 @@ class GrammarCompiler:
         self.eos_token_ids = list(eos_token_ids) or [tokenizer.eos_token_id]
         self._lltokenizer: LLTokenizer | None = None
         self._cache: OrderedDict[tuple[str, str], LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the cache and `_compiling`, shared with the thread
+        self._tokenizer_lock = threading.Lock()
+        self._compiling: dict[tuple[str, str], Future[None]] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def mask_words(self) -> int:
@@ -72,16 +84,42 @@ class GrammarCompiler:
         """A fresh matcher for `guided`, at its start."""
         return self._compiled(guided).deep_copy()
 
+    def compile_async(self, guided: GuidedDecoding) -> Future[None] | None:
+        """Compile `guided` into the cache on the compiler's thread: None when it is there
+        already, else a future that fails with `check`'s ValueError. `OverloadedError` when
+        `MAX_COMPILING` grammars wait already."""
+        key = (guided.kind, guided.spec)
+        with self._lock:
+            if key in self._cache:
+                return None
+            future = self._compiling.get(key)
+            if future is not None:
+                return future
+            if len(self._compiling) >= MAX_COMPILING:
+                raise OverloadedError(f"{MAX_COMPILING} grammars are compiling already")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+            future = self._pool.submit(self.check, guided)
+            self._compiling[key] = future
+        future.add_done_callback(lambda _: self._done_compiling(key))
+        return future
+
+    def _done_compiling(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self._compiling.pop(key, None)
+
     def _compiled(self, guided: GuidedDecoding) -> LLMatcher:
         key = (guided.kind, guided.spec)
-        pristine = self._cache.get(key)
-        if pristine is None:
-            pristine = self._compile(guided)
+        with self._lock:
+            pristine = self._cache.get(key)
+            if pristine is not None:
+                self._cache.move_to_end(key)
+                return pristine
+        pristine = self._compile(guided)
+        with self._lock:
             self._cache[key] = pristine
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
         return pristine
 
     def _compile(self, guided: GuidedDecoding) -> LLMatcher:
@@ -98,16 +136,17 @@ class GrammarCompiler:
         return matcher
 
     def _tokenizer(self) -> LLTokenizer:
-        if self._lltokenizer is None:
-            import llguidance.hf
+        with self._tokenizer_lock:
+            if self._lltokenizer is None:
+                import llguidance.hf
 
-            try:
-                self._lltokenizer = llguidance.hf.from_tokenizer(
-                    self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
-            except ValueError as exc:  # a slow (Python) tokenizer
-                raise ValueError(f"guided decoding is not available for this model's "
-                                 f"tokenizer: {exc}") from None
-        return self._lltokenizer
+                try:
+                    self._lltokenizer = llguidance.hf.from_tokenizer(
+                        self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                except ValueError as exc:  # a slow (Python) tokenizer
+                    raise ValueError(f"guided decoding is not available for this model's "
+                                     f"tokenizer: {exc}") from None
+            return self._lltokenizer
 
 
 def _grammar_text(guided: GuidedDecoding) -> str:

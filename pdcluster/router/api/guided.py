@@ -2,7 +2,9 @@
 sampler masks tokens by. Four spellings reach it, and a request may use only one:
 OpenAI's `response_format` (`text`, `json_object`, `json_schema`), vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar`, and vLLM's newer `structured_outputs`
-object (`json`, `regex`, `choice`, `grammar`, `json_object`).
+object (`json`, `regex`, `choice`, `grammar`, `json_object`). A constraint longer than
+`MAX_SPEC_CHARS` or nesting deeper than `core.sampling.MAX_GUIDED_NESTING` is refused (400
+naming the limit) before any node compiles it.
 
 API: `parse_guided`, `json_schema_guide`.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdcluster.core.sampling import GuidedDecoding
+from pdcluster.core.sampling import GuidedDecoding, guided_nesting_error
 from pdcluster.router.errors import ApiError
 
 MAX_SPEC_CHARS = 64 << 10
@@ -108,4 +110,7 @@ def _guide(kind: str, value: Any, where: str) -> GuidedDecoding:
     if len(spec) > MAX_SPEC_CHARS:
         raise ApiError(400, f"'{where}' is longer than {MAX_SPEC_CHARS} characters", where,
                        "invalid_value")
+    too_deep = guided_nesting_error(kind, spec)
+    if too_deep:
+        raise ApiError(400, f"'{where}' {too_deep}", where, "invalid_value")
     return GuidedDecoding(kind, spec)
