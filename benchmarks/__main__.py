@@ -34,6 +34,12 @@ from pdcluster.cluster.cli_common import (
 AddArgs = Callable[[argparse.ArgumentParser], None]
 
 
+def _regress_args(parser: argparse.ArgumentParser) -> None:
+    from benchmarks.engine_regress import add_args
+
+    add_args(parser)
+
+
 def _peers_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2,
                         help="CPU threads of every engine measured (and of the machine limits)")
@@ -85,6 +91,8 @@ HARNESSES: dict[str, tuple[str, str, AddArgs]] = {
               "its id, a churn soak; per fault requests lost, latency before/during/after, "
               "recovery, leaked KV blocks and whether the index is exact again within a lease "
               "TTL.", add_chaos_args),
+    "regress": ("engine_regress", "The engine on CPU against an earlier revision of itself: bench "
+                "peers' four workloads, both in one run (--baseline REV).", _regress_args),
     "peers": ("peers_bench", "The engine against vLLM's CPU build (installed into its own venv "
               "under .cache/peers on first use), transformers generate and optionally "
               "llama.cpp, on the real model and the same token ids, all from one settings "
