@@ -2,9 +2,11 @@
 
 A server socket (`secure_server`, before `bind`) speaks CURVE with its own key pair and asks
 the ZAP handler of its context about every client; the handler (`authenticator_for`, one per
-context, started on first use) admits a client whose public key names a principal: a key
-granted to the context (`Admission.trust(key, principal)`: the shared-key mode of unit tests,
-principal `MEMBER`), or one the process's key directories know (`Admission.follow(directory)`:
+context, started on first use: core.zap, which answers a known key at once and looks an
+unknown one up off its thread, so strangers never delay members' handshakes) admits a client
+whose public key names a principal: a key granted to the context
+(`Admission.trust(key, principal)`: the shared-key mode of unit tests, principal `MEMBER`), or
+one the process's key directories know (`Admission.follow(directory)`:
 core.identity, fed by the metadata service). `ZAP_ENFORCE_DOMAIN` makes a missing handler a
 refusal, not an open door. A client socket (`secure_client`, before `connect`) presents its own
 key pair and expects the server's public key (the shared pair's own, by default). A peer
@@ -28,10 +30,10 @@ import threading
 from typing import Any
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.identity import MEMBER, Directory
+from pdcluster.core.zap import ZapServer
 
 logger = logging.getLogger(__name__)
 ZAP_DOMAIN = "pdcluster"
@@ -77,8 +79,16 @@ class Admission:
             principal = directory.principal_of(public_key, wait)
         return principal
 
-    def callback(self, domain: str, key: bytes) -> bool:  # called by pyzmq's ZAP thread
-        ok = domain == ZAP_DOMAIN and self.principal_of(key) is not None
+    def admit(self, domain: str, key: bytes, wait: bool) -> bool | None:
+        """The ZAP decision for a Z85 `key` (core.zap): True, False, or — without `wait` —
+        None when only the directory's next refresh can tell."""
+        if domain != ZAP_DOMAIN:
+            ok = False
+        else:
+            principal = self.principal_of(key, wait)
+            if principal is None and not wait:
+                return None
+            ok = principal is not None
         with self._lock:
             if ok:
                 self.num_admitted += 1
@@ -91,7 +101,7 @@ class Admission:
 
 
 _lock = threading.Lock()
-_handlers: dict[int, tuple[zmq.Context[Any], ThreadAuthenticator, Admission]] = {}
+_handlers: dict[int, tuple[zmq.Context[Any], ZapServer, Admission]] = {}
 
 
 def authenticator_for(context: zmq.Context[Any]) -> Admission:
@@ -99,11 +109,8 @@ def authenticator_for(context: zmq.Context[Any]) -> Admission:
     with _lock:
         entry = _handlers.get(id(context))
         if entry is None or entry[0] is not context:
-            auth = ThreadAuthenticator(context, log=logging.getLogger("zmq.auth"))
-            auth.start()
             admission = Admission()
-            auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=admission)
-            entry = (context, auth, admission)
+            entry = (context, ZapServer(context, admission.admit).start(), admission)
             _handlers[id(context)] = entry
         return entry[2]
 
