@@ -158,7 +158,8 @@ def test_a_node_actor_gets_its_own_bootstrap_credential_only(no_secret_env,
     (only the launcher issues node tokens)."""
     seen = []
     monkeypatch.setattr("pdcluster.node.actor.NodeRuntime",
-                        lambda config, shared_keys=None: seen.append(config) or _Started())
+                        lambda config, shared_keys=None, on_fatal=None: seen.append(config)
+                        or _Started())
 
     class Prefill(NodeActor):
         role = "prefill"

@@ -16,6 +16,7 @@ from pdcluster.core.hashing import hash_block_tokens
 from pdcluster.core.node_wire import GenerateRequest, PrefixSource, SamplingSpec, TransferSpec
 from pdcluster.metadata_service.client import MetadataClient
 from pdcluster.node.client import tokens_of
+from pdcluster.node.runtime import DIRECTORY_REFRESH_S
 from tests.cluster_secret import TEST_SECRET
 from tests.identity import registered_signer, router_clients
 from tests.models import random_prompts
@@ -123,6 +124,9 @@ def test_a_prefill_node_pulls_a_prefix_another_prefill_node_holds(nodes, clients
     before = ray.get(cluster.actors["p1"].transfer_stats.remote())["blocks_pulled"]
     prompt = shared + random_prompts(1, 12, 12, seed=76)[0]
     _, signer = registered_signer(cluster.metadata_address, cluster.cluster_secret)
+    # the holder checks the ticket against routers its key directory knows: a router's key
+    # reaches it with the directory's periodic refresh (or the router's own handshake)
+    time.sleep(1.5 * DIRECTORY_REFRESH_S)
     ticket = signer.sign("pull", p1["node_id"], p0["node_id"], prompt, 8, 8, None)
     rid = submit(clients, p1, d, prompt, PrefixSource(p0["kv_address"], 8, ticket))
     got = clients[d["node_id"]].collect({rid})[rid]

@@ -136,11 +136,12 @@ def test_cert_manager_issues_one_client_certificate_per_workload_kind() -> None:
         assert f"{FULL}-metadata-router" not in mounts[ray], ray
     assert f"{FULL}-metadata-node" not in mounts["router"]
     mounted = set().union(*mounts.values())
-    issued = {s for s in mounted if s.startswith(FULL)} - {f"{FULL}-secrets", f"{FULL}-etcd-auth"}
+    keys = {f"{FULL}-secrets", f"{FULL}-etcd-auth", f"{FULL}-router-salt"}  # not certificates
+    issued = {s for s in mounted if s.startswith(FULL)} - keys
     assert issued <= set(certs), "every certificate a pod mounts is one cert-manager issues"
-    # and the chart generates none: only the etcd passwords the values do not name
-    assert {d["metadata"]["name"] for d in find(docs, "Secret")} == {f"{FULL}-secrets",
-                                                                     f"{FULL}-etcd-auth"}
+    # and the chart generates no certificate: only the etcd passwords and the routers' salt
+    # key the values do not name
+    assert {d["metadata"]["name"] for d in find(docs, "Secret")} == keys
 
 
 def test_cert_manager_with_an_existing_issuer() -> None:

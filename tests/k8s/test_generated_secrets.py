@@ -51,7 +51,8 @@ LEAVES = {f"{FULL}-metadata-tls": FULL + "-metadata", f"{FULL}-metadata-router":
           f"{FULL}-metadata-node": "pdcluster-node",
           f"{FULL}-etcd-client": "pdcluster-metadata-etcd-client",
           f"{FULL}-etcd-server": FULL + "-etcd"}
-GENERATED = {CA, *LEAVES, f"{FULL}-etcd-auth"}
+SALT = f"{FULL}-router-salt"  # the routers' cache-salt key, shared by every replica
+GENERATED = {CA, *LEAVES, f"{FULL}-etcd-auth", SALT}
 
 
 def quick_start_values() -> dict:
@@ -226,13 +227,14 @@ def test_an_upgrade_keeps_what_was_generated(tmp_path) -> None:
     ({"etcd": {"tls": {"secretName": "ec", "serverSecretName": "es"},
                "auth": {"passwordSecret": {"name": "pw"}, "rootPasswordSecret": {"name": "rp"}}},
       "metadata": {"tls": {"secretName": "mt", "clientAuth": {
-          "routerSecretName": "mr", "nodeSecretName": "mn"}}}}, set()),
+          "routerSecretName": "mr", "nodeSecretName": "mn"}}},
+      "router": {"cacheSaltKeySecret": {"name": "rs"}}}, set()),
     ({"metadata": {"tls": {"secretName": "mt"}}},
      {CA, f"{FULL}-metadata-router", f"{FULL}-metadata-node", f"{FULL}-etcd-client",
-      f"{FULL}-etcd-server", f"{FULL}-etcd-auth"}),
-    ({"certManager": {"enabled": True}}, {f"{FULL}-etcd-auth"}),
+      f"{FULL}-etcd-server", f"{FULL}-etcd-auth", SALT}),
+    ({"certManager": {"enabled": True}}, {f"{FULL}-etcd-auth", SALT}),
     ({"metadata": {"backend": "memory", "replicas": 1}, "etcd": {"enabled": False}},
-     {CA, f"{FULL}-metadata-tls", f"{FULL}-metadata-router", f"{FULL}-metadata-node"}),
+     {CA, f"{FULL}-metadata-tls", f"{FULL}-metadata-router", f"{FULL}-metadata-node", SALT}),
 ], ids=["all-given", "server-certificate-given", "cert-manager", "memory-backend"])
 def test_only_what_is_not_given_is_generated(values: dict, generated: set[str]) -> None:
     docs = render(values)
@@ -240,7 +242,7 @@ def test_only_what_is_not_given_is_generated(values: dict, generated: set[str]) 
         generated
     mounted = {v["secret"]["secretName"] for doc in docs for _, tmpl in pod_templates(doc)
                for v in tmpl["spec"].get("volumes", []) if "secret" in v}
-    given = {"ec", "es", "pw", "rp", "mt", "mr", "mn"}
+    given = {"ec", "es", "pw", "rp", "mt", "mr", "mn", "rs"}
     issued = {d["spec"]["secretName"] for d in find(docs, "Certificate")}  # by cert-manager
     unaccounted = mounted - given - generated - issued - {f"{FULL}-secrets"}
     assert not unaccounted, "every mounted Secret is given, generated or cert-manager's"

@@ -146,14 +146,20 @@ def _ask_side_channel_for_kv(served, member_control: bool) -> None:
     member.close()
     nbytes = block_nbytes(served.model_dir, served.block_size)
     memory = Memory(8 * nbytes)
+    ticket = None
     if member_control:
-        keys, replies = _member_node(served, memory)
+        # the pull a router arranged for this member (core.pull_ticket); the router's key is
+        # registered first, so the directory refresh of the member's handshake brings it
+        _, signer = registered_signer(served.metadata_address, served.secret)
+        keys, replies, member_id = _member_node(served, memory, with_id=True)
         sock = dealer(prefill["kv_address"], keys, server_key(served, "prefill"))
+        ticket = signer.sign("r", member_id, prefill["node_id"], PROMPT, served.block_size, 4,
+                             None)
     else:
         replies, sock = _Inbox(None), dealer(prefill["kv_address"])
     pull = PrefixPullRequest("pull-1", "r", replies.address, memory.engine.session_id, nbytes,
                              served.block_size, 0, PROMPT[:4 * served.block_size],
-                             [memory.addr(i * nbytes) for i in range(4)])
+                             [memory.addr(i * nbytes) for i in range(4)], ticket=ticket)
     xfer = XferRequest("xfer-1", "r", replies.address, memory.engine.session_id, nbytes, 4, 0,
                        [memory.addr((4 + i) * nbytes) for i in range(4)])
     for frame in (encode_kv(pull), encode_kv(xfer)):
