@@ -239,7 +239,7 @@ async def _epoch(cluster: ChaosCluster, node_id: str) -> int | None:
 def fault_seconds(name: str, lease_ttl_s: int) -> float:
     """How long fault `name` lasts, about: the load runs on that long after it begins."""
     return {"metadata_stall": 3 * lease_ttl_s, "metadata_restart": 2.0, "etcd_restart": 3.0,
-            "node_restart": 10.0, "prefill_kill": 1.0, "slow_link": LINK_FAULT_S,
+            "node_restart": 15.0, "prefill_kill": 1.0, "slow_link": LINK_FAULT_S,
             "partition": 2 * LINK_FAULT_S}.get(name, 0.0)
 
 
