@@ -115,6 +115,8 @@ def test_an_attack_leaves_a_normal_request_within_2x_of_idle(pair, hf_reference,
     idle = [disaggregated_s(pair, hf_reference, model) for _ in range(3)]
     rss_before = _max_rss_mib()
     p, member = pair[0][0], pair[2]
+    server = p.engine.connector.worker.transport._server
+    counted = (server.num_received, server.num_forbidden + server.num_dropped)
     # the attacker is another process, as another pod would be: its own CPU is not ours,
     # and it starts (imports) before the clock does
     spawn = multiprocessing.get_context("spawn")
@@ -139,6 +141,15 @@ def test_an_attack_leaves_a_normal_request_within_2x_of_idle(pair, hf_reference,
     assert loaded <= SLOWDOWN.get(attack, 2.0) * statistics.median(idle), (attack, idle, loaded)
     # what decoding the attack kept: bounded by the schema, not by the frames' sizes
     assert _max_rss_mib() - rss_before < 256, (attack, rss_before, _max_rss_mib())
+    if attack == "10,000 reply addresses":
+        # every message arrived (the attacker lingers until delivered) and every transfer
+        # request naming a foreign reply address was refused: the first ones each second
+        # decoded and refused, the rest dropped undecoded. Aborts of unknown transfers are
+        # harmless and may be let through; the few requests measured above add to received.
+        received = server.num_received - counted[0]
+        refused = server.num_forbidden + server.num_dropped - counted[1]
+        assert received >= 20_000 and refused >= 10_000, (received, refused)
+        assert server.num_forbidden >= 50 and server.num_dropped > 0
     if attack == "60 held requests":  # P held its share and refused the rest at once
         assert p.engine.connector.worker._state.budget.num_refused >= 40
 
@@ -153,13 +164,3 @@ def test_zmq_drops_an_oversize_frame_before_reading_it(pair):
     time.sleep(0.5)
     sock.close()
     assert server.num_received == before
-
-
-def test_refused_messages_are_counted(pair):
-    """The flood of foreign reply addresses above was refused, not served: the first ones
-    decoded and refused, the rest of each second's flood dropped undecoded."""
-    server = pair[0][0].engine.connector.worker.transport._server
-    assert server.num_forbidden >= 50 and server.num_dropped > 0
-    # the flood sends 20,000; ZMQ's receive high-water mark may drop a few before they are
-    # read (neither served nor counted: seen 49 on a quiet machine)
-    assert server.num_forbidden + server.num_dropped >= 19_000
