@@ -88,10 +88,12 @@ def load_rank_agent(spec: RankAgentSpec) -> KVRankAgent:
 @dataclass(frozen=True, slots=True)
 class RankEndpoint:
     """Where a rank's KV lives for peers: its transfer-engine session and its region's base
-    address (its blocks lie at rank 0's offsets from there)."""
+    address (its blocks lie at rank 0's offsets from there), and where its segments lie from
+    that base (one per layer in vLLM's layout, each rank's own)."""
 
     session: str
     base_addr: int
+    segment_offsets: tuple[int, ...] = (0,)
 
 
 class KVRanks(ABC):

@@ -24,11 +24,12 @@ class KVRegion:
     `num_blocks + s` name host slot s (only a holder's own writes use them; blocks received
     always land on the device).
 
-    `num_kv_heads`: the model's KV heads (MLA: 1, its latent), which a one-segment block
-    holds as equal byte runs, KV head outermost (this rank's share of them with tensor
+    `num_kv_heads`: the model's KV heads (MLA: 1, its latent), which a block holds in every
+    segment as equal byte runs, KV head outermost (this rank's share of them with tensor
     parallelism, core.kv_ranks.rank_heads): what lets a transfer between groups that split
-    the heads differently address a range of heads. 0: not head-addressable (vLLM's layout),
-    only same-layout moves."""
+    the heads differently address a range of heads (the own engine's one segment; vLLM's CPU
+    layout, one segment per layer). 0: not head-addressable (vLLM's GPU layouts, token
+    outermost), only same-layout moves."""
 
     base_addr: int
     nbytes: int
@@ -50,8 +51,8 @@ class KVRegion:
             raise ValueError("segment_offsets must start with 0 (segment 0 is the base)")
         if self.num_host_blocks < 0 or (self.num_host_blocks and self.num_segments != 1):
             raise ValueError("a host tier needs num_host_blocks >= 0 and one segment")
-        if self.num_kv_heads < 0 or (self.num_kv_heads and self.num_segments != 1):
-            raise ValueError("num_kv_heads needs a one-segment region (and is >= 0)")
+        if self.num_kv_heads < 0:
+            raise ValueError("num_kv_heads must be >= 0")
 
     @property
     def stride(self) -> int:

@@ -28,8 +28,9 @@ from pdcluster.core.wire import MaxLen, Protocol, WireError
 
 TransferId = str
 # 2: PrefixPullRequest names blocks by tokens + salt; 3: requests carry the requester's
-# tensor-parallel group (`dest_group`); 4: PrefixPullRequest carries the router's `ticket`
-WIRE_VERSION = 4
+# tensor-parallel group (`dest_group`); 4: PrefixPullRequest carries the router's `ticket`;
+# 5: a group carries each rank's segment offsets (vLLM's per-layer segments at TP > 1)
+WIRE_VERSION = 5
 # The largest message the caps allow (a pull of 1M tokens: ~5 MiB of ids, 1.2 MiB of
 # addresses) fits; a side channel's ZMQ socket drops a larger frame before decrypting it.
 MAX_MESSAGE_BYTES = 8 << 20
@@ -95,11 +96,20 @@ class KVGroup:
     differently can map them (transfer/head_map.py): the model's `num_kv_heads` (MLA: 1),
     and for each rank, rank 0 first, its transfer-engine session and its KV region's base
     address. The request's `dest_block_addrs` are rank 0's; rank r's copy of a block lies at
-    the same offset from `bases[r]`, holding rank r's heads (core.kv_ranks.rank_heads)."""
+    the same offset from `bases[r]`, holding rank r's heads (core.kv_ranks.rank_heads).
+    `segment_offsets`: for a layout of several segments (vLLM's, one per layer), each rank's
+    own offsets of its segments from its base, rank 0 first (every rank allocated its layers
+    itself, so they differ); empty: one segment."""
 
     num_kv_heads: int
     sessions: Annotated[list[Address], MaxLen(MAX_TP_RANKS)]
     bases: Annotated[list[int], MaxLen(MAX_TP_RANKS)]
+    segment_offsets: Annotated[list[Segments], MaxLen(MAX_TP_RANKS)] = field(
+        default_factory=list)
+
+    def rank_segments(self, rank: int) -> list[int]:
+        """Rank `rank`'s segment offsets from its base."""
+        return list(self.segment_offsets[rank]) if self.segment_offsets else [0]
 
     @property
     def tp_size(self) -> int:
@@ -199,6 +209,11 @@ def _check_group(group: KVGroup | None, where: str) -> None:
     if heads < 1 or (heads % size if heads >= size else size % heads):
         raise WireError(f"{where}.dest_group: {heads} KV heads cannot be split over {size} "
                         "ranks")
+    offsets = group.segment_offsets
+    if offsets and (len(offsets) != size or len({len(o) for o in offsets}) != 1):
+        raise WireError(f"{where}.dest_group needs as many segment offsets for every rank")
+    for rank_offsets in offsets:
+        _check_segments(rank_offsets, f"{where}.dest_group")
 
 
 def _check_request(msg: XferRequest) -> None:

@@ -9,9 +9,12 @@ destination byte written once, from one source rank), writes its own, has the ot
 write theirs (`KVRanks.write`, concurrently), and the transfer is done when every rank is;
 one rank's failure (or death) fails it, and the requester recomputes.
 
-Layouts without addressable heads (vLLM's per-layer segments, `KVRegion.num_kv_heads == 0`)
-keep the one-rank, same-layout path: both sides must have as many segments of the same block
-size, and consecutive blocks coalesce within each segment.
+A layout of several segments (vLLM's CPU cache, one per layer, each block KV head outermost)
+is mapped segment by segment: segment s of every source rank into segment s of every
+destination rank, each rank's segments at its own offsets (`KVGroup.segment_offsets`).
+Layouts without addressable heads (vLLM's GPU layouts, `KVRegion.num_kv_heads == 0`) keep the
+one-rank, same-layout path: both sides must have as many segments of the same block size, and
+consecutive blocks coalesce within each segment.
 
 `destination(msg)` is what a write needs of an `XferRequest` or `PrefixPullRequest`.
 """
@@ -56,6 +59,11 @@ class GroupWriter:
         self.transport, self.region, self.ranks = transport, region, ranks
         self.timeout_s = timeout_s
         endpoints = ranks.endpoints if ranks is not None else []
+        # each rank's segment offsets from its base, rank 0 first
+        self._segments = [list(region.segment_offsets),
+                          *(list(e.segment_offsets) for e in endpoints)]
+        if any(len(offsets) != region.num_segments for offsets in self._segments):
+            raise ValueError("every tensor-parallel rank needs as many KV segments as rank 0")
         self._layout = GroupLayout(
             region.num_kv_heads, region.block_nbytes,
             (transport.session_id, *(e.session for e in endpoints)),
@@ -68,7 +76,9 @@ class GroupWriter:
         layout = self._layout
         if layout is None:
             return None
-        return KVGroup(layout.num_kv_heads, list(layout.sessions), list(layout.bases))
+        segments = self._segments if self.region.num_segments > 1 else []
+        return KVGroup(layout.num_kv_heads, list(layout.sessions), list(layout.bases),
+                       segments)
 
     def write(self, block_ids: list[int], dest_addrs: list[int],
               dest: Destination) -> tuple[int, int]:
@@ -76,10 +86,28 @@ class GroupWriter:
         addresses): (descriptors, bytes) written by every rank together."""
         if self._layout is None or (dest.group is None and self.ranks is None):
             return self._write_segments(block_ids, dest_addrs, dest)
-        writes = plan_writes(self._layout, self._dest_layout(dest), self._offsets(block_ids),
-                             self._dest_offsets(dest_addrs, dest.group))
+        dest_layout, dest_segments = self._dest_layout(dest), self._dest_segments(dest)
+        src_offsets = self._offsets(block_ids)
+        dst_offsets = self._dest_offsets(dest_addrs, dest.group)
+        writes: list[RankWrite] = []
+        for s in range(self.region.num_segments):
+            writes += plan_writes(_shifted(self._layout, [o[s] for o in self._segments]),
+                                  _shifted(dest_layout, [o[s] for o in dest_segments]),
+                                  src_offsets, dst_offsets)
+        writes = _per_peer(writes)
         self._run(writes)
         return sum(len(w.src) for w in writes), sum(sum(w.lengths) for w in writes)
+
+    def _dest_segments(self, dest: Destination) -> list[list[int]]:
+        """Each destination rank's segment offsets, as many as this node's segments."""
+        group = dest.group
+        segments = [group.rank_segments(r) for r in range(group.tp_size)] \
+            if group is not None else [[0]]
+        if len(segments[0]) != self.region.num_segments:
+            raise ValueError(
+                f"KV layout mismatch: {len(segments[0])} segments asked, "
+                f"{self.region.num_segments} held (same model and engine on both nodes?)")
+        return segments
 
     def _dest_layout(self, dest: Destination) -> GroupLayout:
         group = dest.group
@@ -155,3 +183,21 @@ class GroupWriter:
         if src:
             self.transport.write(dest.session, src, dst, lengths)
         return len(src), sum(lengths)
+
+
+def _shifted(layout: GroupLayout, offsets: list[int]) -> GroupLayout:
+    """`layout` with every rank's base moved by that rank's offset (one segment's bases)."""
+    return GroupLayout(layout.num_kv_heads, layout.block_nbytes, layout.sessions,
+                       tuple(b + o for b, o in zip(layout.bases, offsets, strict=True)))
+
+
+def _per_peer(writes: list[RankWrite]) -> list[RankWrite]:
+    """The writes of every segment joined per (source rank, destination session): one batch
+    each."""
+    joined: dict[tuple[int, str], RankWrite] = {}
+    for w in writes:
+        into = joined.setdefault((w.rank, w.session), RankWrite(w.rank, w.session, [], [], []))
+        into.src.extend(w.src)
+        into.dst.extend(w.dst)
+        into.lengths.extend(w.lengths)
+    return list(joined.values())

@@ -1,9 +1,12 @@
 """`PdclusterConnector`: pdcluster's KV connector as a vLLM `KVConnectorBase_V1`.
 
 vLLM loads it by module path (`kv_connector_module_path`, settings.py) in two roles: in its
-engine-core process as the scheduler side (connector_scheduler.py) and in its worker process
-as the worker side (connector_worker.py). This class only routes vLLM's calls to the side that
-answers them and wraps what crosses between the two in vLLM's metadata types:
+engine-core process as the scheduler side (connector_scheduler.py) and in each worker process
+(one per tensor-parallel rank) as the worker side (connector_worker.py): rank 0's moves the
+node's KV and reports, ranks r >= 1 only write their heads when rank 0 says (vllm_backend/
+ranks.py), so vLLM counts a transfer finished on rank 0's word alone (`get_finished_count`).
+This class only routes vLLM's calls to the side that answers them and wraps what crosses
+between the two in vLLM's metadata types:
 
     scheduler --(StepPlan in PdclusterMetadata, with the step's scheduler output)--> worker
     worker --(ConnectorResults in PdclusterWorkerMetadata, with its model output)--> scheduler
@@ -30,7 +33,7 @@ from vllm.v1.request import RequestStatus
 
 from pdcluster.core.kv_connector import ConnectorResults
 from pdcluster.vllm_backend.connector_scheduler import StepPlan, VllmSchedulerSide
-from pdcluster.vllm_backend.connector_worker import VllmWorkerSide, _merge
+from pdcluster.vllm_backend.connector_worker import VllmRankSide, VllmWorkerSide, _merge
 from pdcluster.vllm_backend.lifeline import die_with_parent
 from pdcluster.vllm_backend.settings import ConnectorSettings
 
@@ -87,10 +90,17 @@ class PdclusterConnector(KVConnectorBase_V1):
         settings = ConnectorSettings.from_extra_config(dict(extra))
         self._scheduler: VllmSchedulerSide | None = None
         self._worker: VllmWorkerSide | None = None
+        self._rank: VllmRankSide | None = None
+        self._tp_rank, self._tp_size = 0, vllm_config.parallel_config.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = VllmSchedulerSide(settings, vllm_config.cache_config.block_size)
         else:
-            self._worker = VllmWorkerSide(settings)
+            self._tp_rank = _tp_rank() if self._tp_size > 1 else 0
+            if self._tp_rank:
+                self._rank = VllmRankSide(settings, self._tp_rank)
+            else:
+                self._worker = VllmWorkerSide(settings)
+        self._heads = _kv_heads(vllm_config)
         self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
 
     # ---- scheduler side --------------------------------------------------------------
@@ -128,10 +138,14 @@ class PdclusterConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
+    def get_finished_count(self) -> int:
+        return 1  # rank 0 alone reports a transfer finished (it waited for every rank)
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._scheduler is not None:
             return TransferStats({"in_flight": self._scheduler.sched.num_in_flight})
-        assert self._worker is not None
+        if self._worker is None:
+            return None  # rank 0 counts its group's transfers
         return TransferStats({"counters": self._worker.worker.counters(),
                               "latencies": self._worker.worker.take_latencies()})
 
@@ -143,12 +157,16 @@ class PdclusterConnector(KVConnectorBase_V1):
     # ---- worker side -----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        assert self._worker is not None
         num_blocks = self._num_blocks or next(iter(kv_caches.values())).shape[0]
-        self._worker.register(kv_caches, num_blocks)
+        if self._rank is not None:
+            self._rank.register(kv_caches, num_blocks, self._heads)
+            return
+        assert self._worker is not None
+        self._worker.register(kv_caches, num_blocks, self._heads, self._tp_size)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
+        if self._worker is None:
+            return  # rank r >= 1: rank 0 runs the plan
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdclusterMetadata), type(meta)
         self._worker.start_loads(meta.step)
@@ -166,7 +184,8 @@ class PdclusterConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                 set[str] | None]:
-        assert self._worker is not None
+        if self._worker is None:
+            return None, None
         sending, recving, _ = self._worker.take_results()
         return sending or None, recving or None
 
@@ -175,16 +194,17 @@ class PdclusterConnector(KVConnectorBase_V1):
             KVConnectorTransferResults,
         )
 
-        assert self._worker is not None
+        if self._worker is None:
+            return KVConnectorTransferResults(set(), set(), set())
         sending, recving, failed = self._worker.take_results()
         return KVConnectorTransferResults(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        assert self._worker is not None
-        return self._worker.take_load_errors()
+        return self._worker.take_load_errors() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        assert self._worker is not None
+        if self._worker is None:
+            return None
         results = self._worker.take_worker_results()
         if not (results.received or results.released or results.pulled or results.lookups
                 or results.served):
@@ -194,8 +214,28 @@ class PdclusterConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._rank is not None:
+            self._rank.close()
         if self._scheduler is not None:
             self._scheduler.close()
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def _kv_heads(vllm_config: Any) -> tuple[int, int] | None:
+    """(the model's KV heads, one rank's) where vLLM's KV layout holds them outermost in a
+    block (its CPU layout); None elsewhere (token-major GPU layouts)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    model = vllm_config.model_config
+    return (int(model.get_total_num_kv_heads()),
+            int(model.get_num_kv_heads(vllm_config.parallel_config)))
 
 
 def _first_group(block_ids: Any) -> list[int]:

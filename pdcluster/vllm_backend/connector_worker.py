@@ -4,7 +4,13 @@
 - `kv_region` describes vLLM's per-layer cache tensors as one `KVRegion` of many segments
   (one per layer, two when a layer keeps K and V apart): block b of a layer is one byte run,
   so n consecutive blocks travel as one descriptor per segment. Both nodes run the same model
-  and engine, so their segments line up one to one (the worker checks count and size).
+  and engine, so their segments line up one to one (the worker checks count and size). In
+  vLLM's CPU layout a block of a layer holds its KV heads outermost, so the region names the
+  model's KV heads and nodes of different tensor-parallel sizes map head ranges
+  (transfer/head_map.py).
+- With tensor parallelism vLLM builds this side in every rank: rank 0 is the node's connector
+  (`VllmWorkerSide`, driving the other ranks' writes through `ranks.RankClients`); ranks
+  r >= 1 only register their KV slice and write what rank 0 plans (`VllmRankSide`).
 - Each step's plan (built by the scheduler side) is executed: when the step's loads start,
   receives whose source is lost fail, then receives, pulls and cancels start; sends after
   the step's forward (`wait_for_save`), so a prefill node never sends KV its model has not
@@ -27,6 +33,7 @@ import zmq
 from pdcluster.core.kv_connector import ConnectorPlan, ConnectorResults, KVRegion
 from pdcluster.transfer.connector_worker import ConnectorWorker
 from pdcluster.transfer.mooncake_engine import MooncakeConfig
+from pdcluster.transfer.rank_agent import MooncakeRankAgent
 from pdcluster.transfer.transport import MooncakeTransport
 from pdcluster.vllm_backend.connector_scheduler import StepPlan
 from pdcluster.vllm_backend.handshake import (
@@ -35,14 +42,19 @@ from pdcluster.vllm_backend.handshake import (
     take_curve,
     write_kv_address,
 )
+from pdcluster.vllm_backend.ranks import RankClients, RankServer
 from pdcluster.vllm_backend.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
-def kv_region(kv_caches: dict[str, Any], num_blocks: int) -> KVRegion:
-    """vLLM's per-layer cache tensors (layer name -> tensor) as one multi-segment region."""
+def kv_region(kv_caches: dict[str, Any], num_blocks: int,
+              heads: tuple[int, int] | None = None) -> KVRegion:
+    """vLLM's per-layer cache tensors (layer name -> tensor) as one multi-segment region.
+    `heads`: (the model's KV heads, this rank's) where each layer's cache is vLLM's CPU layout
+    `[blocks, kv heads, ...]`, KV head outermost in a block (checked); None: not
+    head-addressable."""
     segments = []
     for name in sorted(kv_caches, key=_layer_order):
         cache = kv_caches[name]
@@ -60,9 +72,13 @@ def kv_region(kv_caches: dict[str, Any], num_blocks: int) -> KVRegion:
         if not segment[0].is_contiguous() or segment[0].nbytes != block_nbytes \
                 or segment.stride(0) * segment.element_size() != stride:
             raise ValueError("vLLM's KV cache segments differ in block size or stride")
+    if heads is not None and any(s.ndim < 3 or s.shape[1] != heads[1] for s in segments):
+        raise ValueError(f"KV cache layout {tuple(first.shape)} does not hold its {heads[1]} "
+                         "KV heads outermost in a block: not supported at this TP size")
     base = first.data_ptr()
     return KVRegion(base, 0, block_nbytes, num_blocks, block_stride=stride,
-                    segment_offsets=tuple(s.data_ptr() - base for s in segments))
+                    segment_offsets=tuple(s.data_ptr() - base for s in segments),
+                    num_kv_heads=heads[0] if heads is not None else 0)
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -86,10 +102,14 @@ class VllmWorkerSide:
         self._sends = ConnectorPlan()
         self._results = ConnectorResults()
         self._load_errors: set[int] = set()
+        self._ranks: RankClients | None = None
 
-    def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
-        region = kv_region(kv_caches, num_blocks)
-        self.worker.register_kv_region(region)
+    def register(self, kv_caches: dict[str, Any], num_blocks: int,
+                 heads: tuple[int, int] | None = None, tp_size: int = 1) -> None:
+        region = kv_region(kv_caches, num_blocks, heads)
+        if tp_size > 1:
+            self._ranks = RankClients(self._handshake_dir, tp_size, self.worker.timeout_s)
+        self.worker.register_kv_region(region, self._ranks)
         logger.info("pdcluster connector: %d KV segments of %d blocks x %d bytes registered",
                     region.num_segments, num_blocks, region.block_nbytes)
         # Only now can peers be served: tell the node where to send KV requests.
@@ -162,6 +182,30 @@ class VllmWorkerSide:
         for sock in self._announcers:
             sock.close()
         self.worker.close()
+        if self._ranks is not None:
+            self._ranks.close()
+
+
+class VllmRankSide:
+    """Tensor-parallel rank r >= 1: its KV slice registered with a transfer engine of its
+    own, writing what rank 0 plans (ranks.RankServer); the step's plans are rank 0's."""
+
+    def __init__(self, settings: ConnectorSettings, rank: int) -> None:
+        self._settings, self._rank = settings, rank
+        self._server: RankServer | None = None
+
+    def register(self, kv_caches: dict[str, Any], num_blocks: int,
+                 heads: tuple[int, int] | None = None) -> None:
+        if heads is None:
+            raise ValueError("tensor parallelism needs vLLM's CPU KV layout (heads outermost)")
+        region = kv_region(kv_caches, num_blocks, heads)
+        settings = self._settings
+        agent = MooncakeRankAgent(settings.host, settings.protocol, settings.device)
+        self._server = RankServer(settings.handshake_dir, self._rank, agent, region)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
 
 
 def _merge(a: ConnectorResults, b: ConnectorResults) -> ConnectorResults:

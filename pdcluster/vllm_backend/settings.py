@@ -75,11 +75,12 @@ def check_supported(config: EngineConfig) -> None:
     if not _on_gpu() and config.block_size % CPU_BLOCK_MULTIPLE:
         refused.append(f"block_size {config.block_size} (vLLM's CPU kernels need a multiple "
                        f"of {CPU_BLOCK_MULTIPLE})")
-    if config.tensor_parallel_size > 1:
-        # Each tensor-parallel rank holds a slice of every block: the connector would need a
-        # side channel and a transfer per rank, matched rank to rank between nodes.
-        refused.append("tensor_parallel_size > 1 (KV transfer between tensor-parallel groups "
-                       "is not built yet)")
+    if config.tensor_parallel_size > 1 and _on_gpu():
+        # The connector maps KV head ranges between groups (transfer/head_map.py) where a
+        # block holds its heads outermost: vLLM's CPU layout. Its GPU layouts put tokens
+        # outermost, where a head range is not one byte run.
+        refused.append("tensor_parallel_size > 1 on CUDA (the connector maps KV heads in "
+                       "vLLM's CPU cache layout only)")
     if refused:
         raise ValueError("the vLLM backend does not support: " + "; ".join(refused))
     seed = os.environ.get("PYTHONHASHSEED")

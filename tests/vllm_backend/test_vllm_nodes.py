@@ -46,11 +46,14 @@ DEAD_ADDRESS = "tcp://127.0.0.1:9"  # nothing listens on the discard port
 
 
 class Pair:
-    def __init__(self, model: str, metadata_address: str) -> None:
-        engine = EngineConfig(model, backend="vllm", block_size=BLOCK, num_kv_blocks=192,
-                              max_num_seqs=8)
+    """`tp`: each node's tensor-parallel size (p0, d0)."""
+
+    def __init__(self, model: str, metadata_address: str, tp: tuple[int, int] = (1, 1)) -> None:
         self.nodes = {}
-        for node_id, role in (("p0", "prefill"), ("d0", "decode")):
+        for (node_id, role), tp_size in zip((("p0", "prefill"), ("d0", "decode")), tp,
+                                            strict=True):
+            engine = EngineConfig(model, backend="vllm", block_size=BLOCK, num_kv_blocks=192,
+                                  max_num_seqs=8, tensor_parallel_size=tp_size)
             self.nodes[node_id] = NodeRuntime(NodeConfig(
                 node_id=node_id, role=role, engine=engine, metadata_address=metadata_address,
                 lease_ttl_s=5, publish_interval_s=0.02, bootstrap_token=node_token(node_id),

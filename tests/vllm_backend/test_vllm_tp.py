@@ -1,0 +1,81 @@
+"""vLLM nodes of different tensor-parallel sizes (vLLM's CPU build, TP over gloo in worker
+processes, pdcluster's connector in every rank): a prompt prefilled by a node at TP=2 and
+decoded by one at TP=1, and the other way round, gives exactly transformers' greedy tokens.
+Each rank's KV heads move rank to rank over Mooncake (TCP on 127.0.0.1) as the head map plans
+(transfer/head_map.py), after one side-channel handshake per request with rank 0; vLLM's
+KV events (one stream per engine, from its scheduler, whatever its TP) reach the index."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
+
+from pdcluster.core.hashing import hash_block_tokens  # noqa: E402
+from pdcluster.core.node_wire import (  # noqa: E402
+    GenerateRequest,
+    SamplingSpec,
+    TokenDelta,
+    TransferSpec,
+)
+from pdcluster.node.client import tokens_of  # noqa: E402
+from tests.models import random_prompts  # noqa: E402
+from tests.vllm_backend.test_vllm_nodes import BLOCK, Pair, metadata  # noqa: E402, F401
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def pair(model_dirs, metadata):  # noqa: F811
+    pair = Pair(model_dirs["llama-vllm"], metadata[0].address, tp=(2, 1))
+    yield pair
+    pair.close()
+
+
+def _disaggregated(pair: Pair, rid: str, prompt: list[int], prefill: str, decode: str
+                   ) -> list[int]:
+    """`prefill` node computes the prompt's KV, `decode` node receives it and decodes."""
+    to = {"p0": pair.to_p, "d0": pair.to_d}
+    spec = SamplingSpec(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    source = pair.nodes[prefill].kv_address
+    to[decode].send(GenerateRequest(f"{rid}-d", prompt, spec,
+                                    TransferSpec("remote_prefill", rid, source)))
+    to[prefill].send(GenerateRequest(f"{rid}-p", prompt, SamplingSpec(
+        max_tokens=1, temperature=0.0), TransferSpec("remote_decode", rid)))
+    to[prefill].collect({f"{rid}-p"})
+    got = to[decode].collect({f"{rid}-d"})[f"{rid}-d"]
+    assert all(isinstance(m, TokenDelta) for m in got), got
+    return tokens_of(got)
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [("p0", "d0"), ("d0", "p0")],
+                         ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_kv_moved_between_tp_sizes_gives_transformers_tokens(pair, hf_reference, model_dirs,
+                                                             prefill, decode) -> None:
+    receiver = pair.nodes[decode].engine
+    before = receiver.transfer_counters()
+    prompts = random_prompts(2, BLOCK + 1, 3 * BLOCK + 9, seed=5 + (prefill == "d0"))
+    for i, prompt in enumerate(prompts):
+        got = _disaggregated(pair, f"{prefill}{i}", prompt, prefill, decode)
+        assert got == hf_reference(model_dirs["llama-vllm"], prompt, MAX_TOKENS), i
+    time.sleep(1.0)  # the workers' counters reach the nodes with vLLM's next stats
+    after = receiver.transfer_counters()
+    assert after["recvs_failed"] == before.get("recvs_failed", 0)
+    # rank 0 reports each block once for its whole group
+    assert after["blocks_received"] - before.get("blocks_received", 0) == \
+        sum(-(-len(p) // BLOCK) for p in prompts)
+    pair.assert_idle()
+
+
+def test_a_tp2_nodes_kv_events_reach_the_index(pair, metadata) -> None:  # noqa: F811
+    _, client = metadata
+    prompt = random_prompts(1, 2 * BLOCK + 3, 2 * BLOCK + 3, seed=13)[0]
+    _disaggregated(pair, "ev", prompt, "p0", "d0")
+    chain = hash_block_tokens(prompt, BLOCK, config=pair.p.engine.hash_config)
+    deadline = time.monotonic() + 10
+    while dict(client.query(chain)) != {"p0": 2, "d0": 2}:
+        assert time.monotonic() < deadline, dict(client.query(chain))
+        time.sleep(0.05)
