@@ -1,6 +1,7 @@
 """vLLM nodes of different tensor-parallel sizes (vLLM's CPU build, TP over gloo in worker
 processes, pdcluster's connector in every rank): a prompt prefilled by a node at TP=2 and
-decoded by one at TP=1, and the other way round, gives exactly transformers' greedy tokens.
+decoded by one at TP=1, and the other way round, gives exactly transformers' greedy tokens;
+so does a prompt whose prefix a node pulls from a holder of the other TP size.
 Each rank's KV heads move rank to rank over Mooncake (TCP on 127.0.0.1) as the head map plans
 (transfer/head_map.py), after one side-channel handshake per request with rank 0; vLLM's
 KV events (one stream per engine, from its scheduler, whatever its TP) reach the index."""
@@ -16,6 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
 from pdcluster.core.hashing import hash_block_tokens  # noqa: E402
 from pdcluster.core.node_wire import (  # noqa: E402
     GenerateRequest,
+    PrefixSource,
     SamplingSpec,
     TokenDelta,
     TransferSpec,
@@ -79,3 +81,25 @@ def test_a_tp2_nodes_kv_events_reach_the_index(pair, metadata) -> None:  # noqa:
     while dict(client.query(chain)) != {"p0": 2, "d0": 2}:
         assert time.monotonic() < deadline, dict(client.query(chain))
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("holder", "puller"), [("p0", "d0"), ("d0", "p0")],
+                         ids=["from-tp2", "from-tp1"])
+def test_a_prefix_pulled_between_tp_sizes_gives_transformers_tokens(
+        pair, hf_reference, model_dirs, holder, puller) -> None:
+    to = {"p0": pair.to_p, "d0": pair.to_d}
+    prompt = random_prompts(1, 3 * BLOCK + 7, 3 * BLOCK + 7, seed=17 + (holder == "d0"))[0]
+    spec = SamplingSpec(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    to[holder].send(GenerateRequest(f"hold-{holder}", prompt, spec))
+    to[holder].collect({f"hold-{holder}"})
+    receiver = pair.nodes[puller].engine
+    pulled = receiver.transfer_counters().get("blocks_pulled", 0)
+    rid = f"pull-{puller}"
+    ticket = pair.tickets.sign(rid, puller, holder, prompt, BLOCK, 3, None)
+    to[puller].send(GenerateRequest(rid, prompt, spec, prefix_source=PrefixSource(
+        pair.nodes[holder].kv_address, 3, ticket)))
+    got = tokens_of(to[puller].collect({rid})[rid])
+    assert got == hf_reference(model_dirs["llama-vllm"], prompt, MAX_TOKENS)
+    time.sleep(1.0)  # the workers' counters reach the nodes with vLLM's next stats
+    assert receiver.transfer_counters().get("blocks_pulled", 0) - pulled == 3
+    pair.assert_idle()
