@@ -48,7 +48,8 @@ DEAD_ADDRESS = "tcp://127.0.0.1:9"  # nothing listens on the discard port
 class Pair:
     """`tp`: each node's tensor-parallel size (p0, d0)."""
 
-    def __init__(self, model: str, metadata_address: str, tp: tuple[int, int] = (1, 1)) -> None:
+    def __init__(self, model: str, metadata_address: str, tp: tuple[int, int] = (1, 1),
+                 kv_timeout_s: float = KV_TIMEOUT_S) -> None:
         self.nodes = {}
         for (node_id, role), tp_size in zip((("p0", "prefill"), ("d0", "decode")), tp,
                                             strict=True):
@@ -57,7 +58,7 @@ class Pair:
             self.nodes[node_id] = NodeRuntime(NodeConfig(
                 node_id=node_id, role=role, engine=engine, metadata_address=metadata_address,
                 lease_ttl_s=5, publish_interval_s=0.02, bootstrap_token=node_token(node_id),
-                kv_timeout_s=KV_TIMEOUT_S)).start(registration_timeout_s=30)
+                kv_timeout_s=kv_timeout_s)).start(registration_timeout_s=30)
         self.p, self.d = self.nodes["p0"], self.nodes["d0"]
         # each node with its own keys, the test a registered router (as in a cluster)
         clients = router_clients(metadata_address, TEST_SECRET,

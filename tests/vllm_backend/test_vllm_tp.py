@@ -28,11 +28,20 @@ from tests.vllm_backend.test_vllm_nodes import BLOCK, Pair, metadata  # noqa: E4
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
+# A receive waits for the prefill too: at TP=2 three vLLM processes share the 2 cores with
+# the other node's, and on a loaded machine a prefill took longer than the other vLLM tests'
+# 6 s (seen: the first transfer timed out, then recomputed).
+KV_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
 def pair(model_dirs, metadata):  # noqa: F811
-    pair = Pair(model_dirs["llama-vllm"], metadata[0].address, tp=(2, 1))
+    pair = Pair(model_dirs["llama-vllm"], metadata[0].address, tp=(2, 1),
+                kv_timeout_s=KV_TIMEOUT_S)
+    # each engine's first step (one-time set-up) before any transfer waits on it
+    for rid, client in (("warm-p", pair.to_p), ("warm-d", pair.to_d)):
+        client.send(GenerateRequest(rid, list(range(5, 45)), SamplingSpec(max_tokens=2)))
+        client.collect({rid})
     yield pair
     pair.close()
 
