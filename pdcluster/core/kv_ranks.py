@@ -88,10 +88,12 @@ def load_rank_agent(spec: RankAgentSpec) -> KVRankAgent:
 @dataclass(frozen=True, slots=True)
 class RankEndpoint:
     """Where a rank's KV lives for peers: its transfer-engine session and its region's base
-    address (its blocks lie at rank 0's offsets from there)."""
+    address (its blocks lie at rank 0's offsets from there), and its host tier's (0: none;
+    host slots lie at rank 0's slot offsets from there)."""
 
     session: str
     base_addr: int
+    host_addr: int = 0
 
 
 class KVRanks(ABC):
