@@ -118,7 +118,7 @@ def api_keys_from_env() -> tuple[str, ...]:
     return tuple(k for k in os.environ.get(API_KEYS_ENV, "").split(",") if k)
 
 
-def _needs_secret(config: ClusterConfig) -> bool:
+def needs_cluster_secret(config: ClusterConfig) -> bool:
     """Whether this launcher needs the cluster secret: for an in-process router or nodes of
     an external metadata service (their tokens), or for a router elsewhere to share an
     embedded service's. Not when the nodes get their tokens for their pods' identity and the
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     except CredentialError as exc:
         print(f"pdcluster.cluster.launch: {exc}", file=sys.stderr)
         return 2
-    if secret is None and _needs_secret(config):
+    if secret is None and needs_cluster_secret(config):
         print(f"pdcluster.cluster.launch: the cluster secret is required when the metadata "
               f"service or the router runs elsewhere: set ${SECRET_FILE_ENV} (a mounted Secret) or "
               f"${SECRET_ENV}", file=sys.stderr)

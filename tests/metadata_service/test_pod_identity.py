@@ -197,23 +197,23 @@ def test_kubernetes_refusing_the_reviewer_is_unavailable_not_a_pass(api, tmp_pat
     identity = _identity(api, api=KubernetesAPI(url=api.url, token_file=str(wrong),
                                                 ca_file=api.pki.ca))
     with ServerThread(make_config(cluster_secret=TEST_SECRET, node_allowlist=ALLOWED,
-                                  pod_identity=identity)) as server:
-        with pytest.raises(MetadataUnavailable, match="HTTP 401"):
-            _exchange(server, api.mint(RAY_SA, (AUDIENCE,), pod=POD))
+                                  pod_identity=identity)) as server, \
+            pytest.raises(MetadataUnavailable, match="HTTP 401"):
+        _exchange(server, api.mint(RAY_SA, (AUDIENCE,), pod=POD))
     api.forbid_reviewer()  # no system:auth-delegator
     with ServerThread(make_config(cluster_secret=TEST_SECRET, node_allowlist=ALLOWED,
-                                  pod_identity=_identity(api))) as server:
-        with pytest.raises(MetadataUnavailable, match="HTTP 403"):
-            _exchange(server, api.mint(RAY_SA, (AUDIENCE,), pod=POD))
+                                  pod_identity=_identity(api))) as server, \
+            pytest.raises(MetadataUnavailable, match="HTTP 403"):
+        _exchange(server, api.mint(RAY_SA, (AUDIENCE,), pod=POD))
 
 
 def test_an_api_server_with_a_certificate_from_another_ca_is_not_asked(api) -> None:
     identity = _identity(api, api=KubernetesAPI(url=api.url, token_file=api.reviewer_token_file,
                                                 ca_file=api.pki.rogue_ca))
     with ServerThread(make_config(cluster_secret=TEST_SECRET, node_allowlist=ALLOWED,
-                                  pod_identity=identity)) as server:
-        with pytest.raises(MetadataUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
-            _exchange(server, api.mint(RAY_SA, (AUDIENCE,), pod=POD))
+                                  pod_identity=identity)) as server, \
+            pytest.raises(MetadataUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+        _exchange(server, api.mint(RAY_SA, (AUDIENCE,), pod=POD))
     assert api.reviews == []  # the pod's token never went to it
 
 
