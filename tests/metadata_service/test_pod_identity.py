@@ -29,7 +29,7 @@ from pdcluster.proto import metadata_pb2_grpc as pb_grpc
 from tests.cluster_secret import TEST_SECRET
 from tests.k8s_api import FakeKubernetesAPI
 from tests.metadata_service.helpers import make_config
-from tests.tls_certs import make_pki
+from tests.tls_certs import issue_client_cert, make_pki
 
 AUDIENCE = "pdcluster-metadata.test"
 RAY_SA = "system:serviceaccount:llm:pd-pdcluster-ray"
@@ -254,3 +254,32 @@ def test_a_flood_of_exchanges_is_refused_past_the_review_slots(api) -> None:
         channel.close()
     assert grpc.StatusCode.OK in codes and grpc.StatusCode.RESOURCE_EXHAUSTED in codes
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def test_under_bound_mtls_only_a_node_certificate_may_exchange(api, tmp_path) -> None:
+    """The chart's default transport: the exchange needs no bearer token, but the connection's
+    certificate must still be a node's (a router's or operator's pod cannot buy node tokens
+    even with a Ray pod's stolen service-account token)."""
+    pki = make_pki(tmp_path / "mtls")
+    config = make_config(cluster_secret=TEST_SECRET, node_allowlist=ALLOWED,
+                         pod_identity=_identity(api), tls_cert_file=pki.server_cert,
+                         tls_key_file=pki.server_key, tls_client_ca_file=pki.client_ca,
+                         tls_bind_client_roles=True)
+    sa_token = api.mint(RAY_SA, (AUDIENCE,), pod=POD)
+    with ServerThread(config) as server:
+        for kind, common_name in (("router", "pdcluster-router"),
+                                  ("operator", "pdcluster-operator"),
+                                  ("node", "pdcluster-node.pd-ray-prefill-0")):
+            cert, key = issue_client_cert(pki, tmp_path, kind, common_name)
+            with MetadataClient(server.address, tls_ca_file=pki.ca, tls_cert_file=cert,
+                                tls_key_file=key) as client:
+                if kind != "node":
+                    with pytest.raises(MetadataAuthError, match="bound to its own kind"):
+                        client.exchange_node_token(sa_token, "p0", "prefill")
+                    continue
+                token = client.exchange_node_token(sa_token, "p0", "prefill").token
+            with MetadataClient(server.address, token=token, tls_ca_file=pki.ca,
+                                tls_cert_file=cert, tls_key_file=key) as node:
+                node.register(make_node_info("p0", "prefill", epoch=1,
+                                             curve_public_key=CurveKeys.generate().public), 30)
+    assert len(api.reviews) == 1  # the refused certificates never reached Kubernetes
