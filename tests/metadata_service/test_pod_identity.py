@@ -6,6 +6,8 @@ allowlisted node id of its role, good for that node only, and only until it expi
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -283,3 +285,44 @@ def test_under_bound_mtls_only_a_node_certificate_may_exchange(api, tmp_path) ->
                 node.register(make_node_info("p0", "prefill", epoch=1,
                                              curve_public_key=CurveKeys.generate().public), 30)
     assert len(api.reviews) == 1  # the refused certificates never reached Kubernetes
+
+
+def test_the_cli_serves_pod_identity_with_the_kubernetes_settings_it_is_given(api,
+                                                                               tmp_path) -> None:
+    """`pdcluster metadata serve` as the chart runs it (its flags; the API server, token and
+    CA files named as a pod would find them), in its own process."""
+    import subprocess
+    import sys
+
+    from pdcluster.core.credentials import SECRET_FILE_ENV, write_secret_file
+    from tests.metadata_service.helpers import free_port
+
+    port = free_port()
+    env = {**os.environ, SECRET_FILE_ENV: str(write_secret_file(TEST_SECRET,
+                                                                tmp_path / "secret"))}
+    env.pop("PDCLUSTER_CLUSTER_SECRET", None)
+    args = [sys.executable, "-m", "pdcluster.cluster.cli", "metadata", "serve", "--port",
+            str(port), "--allow-nodes=prefill=p0", "--allow-nodes=decode=d0",
+            f"--pod-identity-audience={AUDIENCE}",
+            "--pod-identity-service-account=llm:pd-pdcluster-ray",
+            f"--kubernetes-api={api.url}", f"--kubernetes-token-file={api.reviewer_token_file}",
+            f"--kubernetes-ca-file={api.pki.ca}"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "listening on 127.0.0.1:" in proc.stdout.readline()
+        with MetadataClient(f"127.0.0.1:{port}") as client:
+            reply = client.exchange_node_token(api.mint(RAY_SA, (AUDIENCE,), pod=POD), "p0",
+                                               "prefill")
+            with pytest.raises(MetadataAuthError, match="may not have node tokens"):
+                client.exchange_node_token(api.mint("system:serviceaccount:llm:default",
+                                                    (AUDIENCE,), pod=POD), "p0", "prefill")
+        with MetadataClient(f"127.0.0.1:{port}", token=reply.token) as node:
+            node.register(make_node_info("p0", "prefill", epoch=1,
+                                         curve_public_key=CurveKeys.generate().public), 30)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    missing = subprocess.run([*args[:7], f"--pod-identity-audience={AUDIENCE}"], env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2
+    assert "needs --pod-identity-service-account NAMESPACE:NAME" in missing.stderr
