@@ -7,9 +7,9 @@ a ROUTER socket three times — "plain"; "curve", one key pair for everyone thro
 handler (the shared-key mode); "identity", the server's own key pair, a key directory naming
 the client's key (a router's for generate requests, a node's for KV requests) and, per
 message, what a node does: read the sender's key back from the frame, map it to a principal
-and authorise the message (node/server.py's rule, transfer/peer_rules.py's) — decoding each
-frame with the wire codec in every mode, and answering it with the node's reply; the parent
-drives a DEALER at each.
+(noting the connection, core.connections) and authorise the message (node/server.py's rule,
+transfer/peer_rules.py's) — decoding each frame with the wire codec in every mode, and
+answering it with the node's reply; the parent drives a DEALER at each.
 
 - `handshake_ms_{curve,plain}`: a new connection's first round trip (connect, the CURVE
   handshake with its ZAP check, one request and its reply), median of fresh connections;
@@ -67,6 +67,7 @@ def _serve(conn, secret_text: str, client_keys: dict[str, bytes]) -> None:
     with a reply, the identity one after the node's per-message checks."""
     import zmq
 
+    from pdcluster.core.connections import PeerConnections
     from pdcluster.core.curve import secure_server
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -76,13 +77,15 @@ def _serve(conn, secret_text: str, client_keys: dict[str, bytes]) -> None:
     directory.grant(Peer("node/bench", client_keys["x"], "", *_KV))
     rules = PeerRules(directory, WorkerState(None, 1.0, time.monotonic),  # type: ignore[arg-type]
                       lambda tid: None)
-    sockets = {}
+    sockets, connections = {}, None
     for kind in KINDS:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         if kind != "plain":
             secure_server(sock, ClusterSecret.from_text(secret_text).curve_keys()
                           if kind == "curve" else own, directory if kind == "identity" else None)
+        if kind == "identity":
+            connections = PeerConnections(sock, directory)
         sockets[sock] = kind
         port = sock.bind_to_random_port("tcp://127.0.0.1")
         conn.send((kind, f"tcp://127.0.0.1:{port}"))
@@ -96,16 +99,15 @@ def _serve(conn, secret_text: str, client_keys: dict[str, bytes]) -> None:
             if tag.bytes == b"b":
                 continue  # bulk frames get no answer
             msg = (decode_node if tag.bytes == b"g" else decode_xfer)(body.bytes)
-            if sockets[sock] == "identity" and not _allowed(ctx, body, msg, rules):
+            if sockets[sock] == "identity" and not _allowed(connections, body, msg, rules):
                 continue
             sock.send_multipart([identity.bytes, _REPLIES[tag.bytes]])
 
 
-def _allowed(ctx, frame, msg, rules: PeerRules) -> bool:
-    """What a node checks per message: who sent it, and may that principal send it."""
-    from pdcluster.core.curve import sender_principal
-
-    principal = sender_principal(ctx, frame)
+def _allowed(connections, frame, msg, rules: PeerRules) -> bool:
+    """What a node checks per message: who sent it (noting its connection, to close it if
+    the key departs: core.connections), and may that principal send it."""
+    principal = connections.principal(frame)
     if isinstance(msg, GenerateRequest):
         return is_router(principal)
     return rules(msg, principal) is None

@@ -130,6 +130,11 @@ class Directory:
             self._listeners.append(listener)
             listener(list(self._by_key.values()))
 
+    def unsubscribe(self, listener: Callable[[list[Peer]], None]) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
     @property
     def peers(self) -> list[Peer]:
         return list(self._by_key.values())

@@ -50,8 +50,9 @@ from typing import Any
 
 import zmq
 
+from pdcluster.core.connections import PeerConnections
 from pdcluster.core.credentials import CurveKeys
-from pdcluster.core.curve import secure_server, sender_principal
+from pdcluster.core.curve import secure_server
 from pdcluster.core.identity import MEMBER, Directory, is_router
 from pdcluster.core.kv_transfer import (
     SOURCE_LOST,
@@ -132,9 +133,10 @@ class NodeServer:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client is not an error
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-        self._curve = curve
+        self._connections: PeerConnections | None = None
         if curve is not None:
             secure_server(self._socket, curve, directory)
+            self._connections = PeerConnections(self._socket, directory)
         port = _bind(self._socket, host, port, port_span)
         self.address = f"tcp://{host}:{port}"
         self._owners: dict[str, bytes] = {}  # request id -> client identity
@@ -174,6 +176,8 @@ class NodeServer:
             time.sleep(0.01)
         self._stop.set()
         self._thread.join(timeout_s)
+        if self._connections is not None:
+            self._connections.close()
         self._socket.close()
         return drained
 
@@ -261,9 +265,9 @@ class NodeServer:
             self._dispatch(frames[0].bytes, self._principal(frames[1]), msg)
 
     def _principal(self, frame: zmq.Frame) -> str | None:
-        if self._curve is None:
+        if self._connections is None:
             return MEMBER  # plaintext: unit tests of this room only
-        return sender_principal(self._socket.context, frame)
+        return self._connections.principal(frame)
 
     def _dispatch(self, identity: bytes, principal: str | None, msg: NodeMessage) -> None:
         """Each message type for the principals it is for: generate requests and load
@@ -316,11 +320,8 @@ class NodeServer:
             return
         try:
             pending = self.engine.prepare(msg.sampling)
-        except OverloadedError as exc:
-            self._refuse(identity, msg.request_id, "overloaded", str(exc))
-            return
-        except ValueError as exc:
-            self._refuse(identity, msg.request_id, "invalid_request", str(exc))
+        except (OverloadedError, ValueError) as exc:
+            self._refuse(identity, msg.request_id, *_refusal(exc))
             return
         if pending is not None:  # admitted (or refused) by _admit_prepared
             self._admissions.park(identity, principal, msg, pending)
@@ -340,11 +341,8 @@ class NodeServer:
                                cache_salt=msg.cache_salt,
                                kv_transfer=_transfer_params(msg.transfer),
                                prefix_pull=self._prefix_pull(msg.prefix_source))
-        except OverloadedError as exc:
-            self._refuse(identity, msg.request_id, "overloaded", str(exc))
-            return
-        except ValueError as exc:
-            self._refuse(identity, msg.request_id, "invalid_request", str(exc))
+        except (OverloadedError, ValueError) as exc:
+            self._refuse(identity, msg.request_id, *_refusal(exc))
             return
         except Exception:  # a bug must cost this request, not the node's thread
             logger.exception("node %s could not admit request %s", self.node_id,
@@ -454,6 +452,11 @@ def _new_top_logprobs(top: list[list[tuple[int, float]]] | None, num_new: int
     tail = [[]] * (num_new - len(tail)) + tail
     return ([[i for i, _ in pairs] for pairs in tail],
             [[float(v) for _, v in pairs] for pairs in tail])
+
+
+def _refusal(exc: Exception) -> tuple[str, str]:
+    """The error code and message a request the engine turned down is refused with."""
+    return ("overloaded" if isinstance(exc, OverloadedError) else "invalid_request", str(exc))
 
 
 def _transfer_params(spec: TransferSpec | None) -> KVTransferParams | None:

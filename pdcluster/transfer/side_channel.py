@@ -31,8 +31,9 @@ from collections.abc import Callable
 
 import zmq
 
+from pdcluster.core.connections import PeerConnections
 from pdcluster.core.credentials import CurveKeys
-from pdcluster.core.curve import secure_server, sender_principal
+from pdcluster.core.curve import secure_server
 from pdcluster.core.identity import MEMBER, Directory
 from pdcluster.core.kv_transfer import MAX_MESSAGE_BYTES, SideChannelMessage, decode
 from pdcluster.core.throttle import Throttle as _Throttle
@@ -75,7 +76,6 @@ class SideChannelServer:
             raise ValueError(f"poll_interval_s must be positive, got {poll_interval_s}")
         self._handler = handler
         self._authorize = authorize
-        self._plaintext = curve is None
         self._poll_ms = max(1, round(poll_interval_s * 1000))
         self.num_received = 0
         self.num_rejected = 0
@@ -88,6 +88,8 @@ class SideChannelServer:
         self._error_log = _Throttle(log_interval_s)
         self._stop = threading.Event()
         self._socket = _router_socket(host, port, curve, directory)
+        # keys that depart lose their connections (core.connections)
+        self._connections = None if curve is None else PeerConnections(self._socket, directory)
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         # From here on only the loop thread touches the socket (zmq sockets are not
         # thread-safe); it also closes it.
@@ -122,6 +124,8 @@ class SideChannelServer:
             if exc.errno != zmq.ETERM:  # ETERM: someone terminated the shared context
                 logger.error("side channel %s: receive loop stopped: %s", self.address, exc)
         finally:
+            if self._connections is not None:
+                self._connections.close()
             self._socket.close(linger=0)
 
     def _drain(self) -> None:
@@ -141,8 +145,8 @@ class SideChannelServer:
         self.num_received += 1
         principal = None
         if self._authorize is not None and len(frames) == 2:
-            principal = (MEMBER if self._plaintext
-                         else sender_principal(self._socket.context, frames[1]))
+            principal = (MEMBER if self._connections is None
+                         else self._connections.principal(frames[1]))
             if self._strikes.penalized(principal):
                 self.num_dropped += 1  # a flood of bad messages: not even decoded
                 return
