@@ -7,10 +7,11 @@ API: `add_pod_identity_args(parser)`, `pod_identity_config(args)`.
 from __future__ import annotations
 
 import argparse
-import os
 
 from pdcluster.cluster.cli_common import UsageError
 
+# a pod's own service-account token and CA (metadata_service.tokenreview.SERVICE_ACCOUNT_DIR;
+# the CLI imports the service's modules only when it runs the service)
 _ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
@@ -43,21 +44,14 @@ def pod_identity_config(args: argparse.Namespace):
             raise UsageError("--pod-identity-service-account needs --pod-identity-audience")
         return None
     from pdcluster.metadata_service.node_tokens import PodIdentityConfig
-    from pdcluster.metadata_service.tokenreview import KubernetesAPI
+    from pdcluster.metadata_service.tokenreview import KubernetesAPI, in_cluster_url
 
     namespace, sep, name = (args.pod_identity_service_account or "").partition(":")
     if not sep or not namespace or not name:
         raise UsageError("--pod-identity-audience needs --pod-identity-service-account "
                          "NAMESPACE:NAME (the Ray pods' service account)")
-    url = args.kubernetes_api
-    if url is None:
-        host = os.environ.get("KUBERNETES_SERVICE_HOST")
-        if not host:
-            raise UsageError("--pod-identity-audience: not in a pod ($KUBERNETES_SERVICE_HOST "
-                             "unset): give --kubernetes-api")
-        host = f"[{host}]" if ":" in host else host
-        url = f"https://{host}:{os.environ.get('KUBERNETES_SERVICE_PORT', '443')}"
     try:
+        url = args.kubernetes_api or in_cluster_url()
         api = KubernetesAPI(url=url, token_file=args.kubernetes_token_file,
                             ca_file=args.kubernetes_ca_file or None)
         return PodIdentityConfig(audience=args.pod_identity_audience, namespace=namespace,

@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     if secret is None and needs_cluster_secret(config):
         print(f"pdcluster.cluster.launch: the cluster secret is required when the metadata "
               f"service or the router runs elsewhere: set ${SECRET_FILE_ENV} (a mounted Secret) or "
-              f"${SECRET_ENV}", file=sys.stderr)
+              f"${SECRET_ENV} (or, on Kubernetes with the router elsewhere, let the nodes "
+              f"get their tokens for their pods' identity: metadata.node_identity_token_file)",
+              file=sys.stderr)
         return 2
     return serve(config, ray_address=args.ray_address, cluster_secret=secret)
 

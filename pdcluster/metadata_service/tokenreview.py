@@ -1,7 +1,9 @@
 """The Kubernetes TokenReview API, as the metadata service calls it to learn whose a pod's
 projected service-account token is (authentication.k8s.io/v1).
 
-    reviewer = TokenReviewer(KubernetesAPI.in_cluster())
+    api = KubernetesAPI(url=in_cluster_url(), token_file=f"{SERVICE_ACCOUNT_DIR}/token",
+                        ca_file=f"{SERVICE_ACCOUNT_DIR}/ca.crt")
+    reviewer = TokenReviewer(api)
     review = reviewer.review(token, audiences=("pdcluster-metadata",))
     review.authenticated, review.username, review.audiences, review.extra, review.error
 
@@ -12,6 +14,7 @@ TokenReviews (the chart binds it to `system:auth-delegator`). Standard library o
 and ssl.
 
 API: `KubernetesAPI` (where the API server is and how to authenticate to it),
+`in_cluster_url`, `SERVICE_ACCOUNT_DIR` (a pod's own token and CA),
 `TokenReviewer` (`.review`), `Review`, `TokenReviewUnavailable`.
 """
 
@@ -22,6 +25,7 @@ import os
 import ssl
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,20 +65,17 @@ class KubernetesAPI:
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
-    @classmethod
-    def in_cluster(cls, environ: dict[str, str] | None = None,
-                   account_dir: str = SERVICE_ACCOUNT_DIR) -> KubernetesAPI:
-        """The API server as a pod sees it: $KUBERNETES_SERVICE_HOST/PORT, and the pod's
-        mounted service-account token and CA."""
-        env = os.environ if environ is None else environ
-        host = env.get("KUBERNETES_SERVICE_HOST")
-        if not host:
-            raise ValueError("not in a Kubernetes pod ($KUBERNETES_SERVICE_HOST unset): name "
-                             "the API server's URL")
-        port = env.get("KUBERNETES_SERVICE_PORT", "443")
-        host = f"[{host}]" if ":" in host else host
-        return cls(url=f"https://{host}:{port}", token_file=f"{account_dir}/token",
-                   ca_file=f"{account_dir}/ca.crt")
+
+
+def in_cluster_url(environ: Mapping[str, str] | None = None) -> str:
+    """The API server's URL as a pod sees it ($KUBERNETES_SERVICE_HOST/PORT)."""
+    env = os.environ if environ is None else environ
+    host = env.get("KUBERNETES_SERVICE_HOST")
+    if not host:
+        raise ValueError("not in a Kubernetes pod ($KUBERNETES_SERVICE_HOST unset): name the "
+                         "API server's URL")
+    host = f"[{host}]" if ":" in host else host
+    return f"https://{host}:{env.get('KUBERNETES_SERVICE_PORT', '443')}"
 
 
 def _loopback(url: str) -> bool:

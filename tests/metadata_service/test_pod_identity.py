@@ -326,3 +326,15 @@ def test_the_cli_serves_pod_identity_with_the_kubernetes_settings_it_is_given(ap
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2
     assert "needs --pod-identity-service-account NAMESPACE:NAME" in missing.stderr
+
+
+def test_the_api_server_is_found_as_a_pod_sees_it_and_never_over_plain_http() -> None:
+    from pdcluster.metadata_service.tokenreview import in_cluster_url
+
+    assert in_cluster_url({"KUBERNETES_SERVICE_HOST": "10.96.0.1",
+                           "KUBERNETES_SERVICE_PORT": "443"}) == "https://10.96.0.1:443"
+    assert in_cluster_url({"KUBERNETES_SERVICE_HOST": "fd00::1"}) == "https://[fd00::1]:443"
+    with pytest.raises(ValueError, match="not in a Kubernetes pod"):
+        in_cluster_url({})
+    with pytest.raises(ValueError, match="only on 127.0.0.1"):
+        KubernetesAPI(url="http://10.96.0.1:80", token_file="/t")
