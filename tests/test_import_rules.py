@@ -37,7 +37,7 @@ ROOMS = frozenset({
 # the clients and the errors they raise. These modules import only core, proto, grpc and each
 # other (plus the codec and wire helpers), never the server.
 CLIENT_MODULES = ("pdcluster.metadata_service.client", "pdcluster.metadata_service.publisher",
-                  "pdcluster.metadata_service.errors")
+                  "pdcluster.metadata_service.errors", "pdcluster.metadata_service.pod_token")
 HEAVY = frozenset({"torch", "ray", "vllm"})
 RUNTIME_FORBIDDEN = frozenset({"torch", "ray", "engine"})  # engine: pdcluster.engine
 

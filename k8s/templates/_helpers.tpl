@@ -184,7 +184,7 @@ its own Deployment), so router.host here is never bound.
     "protocol" (ternary "rdma" "tcp" .Values.rdma.enabled)
     "device_name" (ternary .Values.rdma.deviceName "" .Values.rdma.enabled)
     "timeout_s" $c.transfer.timeoutS)
-  "metadata" (include "pdcluster.metadataClientConfig" . | fromYaml)
+  "metadata" (include "pdcluster.nodeMetadataConfig" . | fromYaml)
   "host" "auto"
   "router" (dict "host" "127.0.0.1" "port" (int .Values.router.port) "enabled" false)
   "node" (dict
@@ -439,4 +439,68 @@ capabilities:
   drop: [ALL]
 seccompProfile:
   type: RuntimeDefault
+{{- end -}}
+
+{{/*
+Pod identity (metadata.podIdentity): the Ray pods run as their own service account and carry a
+projected token for the metadata service's audience, which they trade for their nodes' tokens;
+no Ray pod mounts the cluster secret. The metadata service's own account may create
+TokenReviews (pod-identity.yaml).
+*/}}
+{{- define "pdcluster.podIdentityAudience" -}}
+{{- default (printf "pdcluster.%s.%s" .Release.Namespace (include "pdcluster.fullname" .)) .Values.metadata.podIdentity.audience -}}
+{{- end -}}
+
+{{- define "pdcluster.rayServiceAccountName" -}}
+{{- printf "%s-ray" (include "pdcluster.fullname" .) -}}
+{{- end -}}
+
+{{- define "pdcluster.metadataServiceAccountName" -}}
+{{- printf "%s-metadata" (include "pdcluster.fullname" .) -}}
+{{- end -}}
+
+{{- define "pdcluster.nodeIdentityDir" -}}
+/var/run/secrets/pdcluster-node-identity
+{{- end -}}
+
+{{/*
+A Ray pod's service account: only with pod identity (else the namespace's default).
+include "pdcluster.rayServiceAccount" (list $ "head"|"worker"). Node actors never call the
+Kubernetes API: only their projected token is mounted, except on the head with the planner,
+where KubeRay's autoscaler sidecar needs the account's API token (KubeRay binds its Role to
+this account then).
+*/}}
+{{- define "pdcluster.rayServiceAccount" -}}
+{{- $root := index . 0 -}}
+{{- if $root.Values.metadata.podIdentity.enabled }}
+serviceAccountName: {{ include "pdcluster.rayServiceAccountName" $root }}
+automountServiceAccountToken: {{ and (eq (index . 1) "head") $root.Values.planner.enabled }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdcluster.nodeIdentityVolume" -}}
+- name: node-identity
+  projected:
+    defaultMode: 0400
+    sources:
+      - serviceAccountToken:
+          audience: {{ include "pdcluster.podIdentityAudience" . | quote }}
+          expirationSeconds: {{ int .Values.metadata.podIdentity.tokenExpirationSeconds }}
+          path: token
+{{- end -}}
+
+{{- define "pdcluster.nodeIdentityMount" -}}
+- name: node-identity
+  mountPath: {{ include "pdcluster.nodeIdentityDir" . }}
+  readOnly: true
+{{- end -}}
+
+{{/* cluster.yaml's metadata section: the nodes' client settings, and with pod identity where
+their pod's projected token is (they trade it for their own; the launcher derives none). */}}
+{{- define "pdcluster.nodeMetadataConfig" -}}
+{{- $config := include "pdcluster.metadataClientConfig" . | fromYaml -}}
+{{- if .Values.metadata.podIdentity.enabled -}}
+{{- $_ := set $config "node_identity_token_file" (printf "%s/token" (include "pdcluster.nodeIdentityDir" .)) -}}
+{{- end -}}
+{{- toYaml $config -}}
 {{- end -}}

@@ -54,6 +54,7 @@ spec:
         {{- . | nindent 8 }}
         {{- end }}
         {{- include "pdcluster.rayPodSecurity" . | nindent 8 }}
+        {{- include "pdcluster.rayServiceAccount" (list . "head") | nindent 8 }}
         {{- with include "pdcluster.modelInitContainers" (list . "metadata") | trim }}
         initContainers:
           {{- . | nindent 10 }}
@@ -72,7 +73,8 @@ spec:
               - name: metrics
                 containerPort: 8080
             env:
-              {{- include "pdcluster.commonEnv" . | nindent 14 }}
+              {{- /* with pod identity the head holds no secret: the launcher needs none */}}
+              {{- include (ternary "pdcluster.baseEnv" "pdcluster.commonEnv" .Values.metadata.podIdentity.enabled) . | nindent 14 }}
             resources:
               {{- toYaml $head.resources | nindent 14 }}
             {{- include "pdcluster.rayContainerSecurity" (list . "head") | nindent 12 }}

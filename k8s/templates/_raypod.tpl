@@ -46,6 +46,8 @@ readinessProbe:
 The Ray pods' volumes: include "pdcluster.rayVolumes" (list $ shmSize "head"|"worker"). Only the
 head, where the launcher's driver derives each node actor's own bootstrap token, mounts the
 cluster secret; a worker holds none (its node actors get their tokens from the launcher).
+With metadata.podIdentity no Ray pod mounts it: each carries its projected service-account
+token, which its node actors trade for their tokens at the metadata service.
 */}}
 {{- define "pdcluster.rayVolumes" -}}
 {{- $root := index . 0 -}}
@@ -58,7 +60,9 @@ cluster secret; a worker holds none (its node actors get their tokens from the l
 - name: config
   configMap:
     name: {{ include "pdcluster.fullname" $root }}-config
-{{- if eq (index . 2) "head" }}
+{{- if $root.Values.metadata.podIdentity.enabled }}
+{{ include "pdcluster.nodeIdentityVolume" $root }}
+{{- else if eq (index . 2) "head" }}
 {{ include "pdcluster.clusterSecretVolume" $root }}
 {{- end }}
 {{ include "pdcluster.modelVolume" $root }}
@@ -77,7 +81,9 @@ cluster secret; a worker holds none (its node actors get their tokens from the l
 - name: config
   mountPath: /etc/pdcluster
   readOnly: true
-{{- if eq (index . 1) "head" }}
+{{- if $root.Values.metadata.podIdentity.enabled }}
+{{ include "pdcluster.nodeIdentityMount" $root }}
+{{- else if eq (index . 1) "head" }}
 {{ include "pdcluster.clusterSecretMount" $root }}
 {{- end }}
 {{ include "pdcluster.modelMount" $root }}
@@ -192,6 +198,7 @@ Each pod advertises the Ray custom resource <groupResourcePrefix><role>, one uni
       {{- . | nindent 6 }}
       {{- end }}
       {{- include "pdcluster.rayPodSecurity" $root | nindent 6 }}
+      {{- include "pdcluster.rayServiceAccount" (list $root "worker") | nindent 6 }}
       {{- with include "pdcluster.modelInitContainers" (list $root "full") | trim }}
       initContainers:
         {{- . | nindent 8 }}

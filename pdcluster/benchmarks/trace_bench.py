@@ -141,6 +141,7 @@ def _run_policies(args: argparse.Namespace, config, workload: Workload,
     cluster = RayCluster(config).start()
     try:
         nodes = cluster.nodes()
+        assert cluster.cluster_secret is not None, "an embedded cluster makes its own secret"
         # a node answers load polls between engine steps: on a small, saturated CPU a step
         # can outlast the default 2 s timeout, and the router would take the node for dead
         base = dataclasses.replace(

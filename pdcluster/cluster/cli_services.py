@@ -28,6 +28,7 @@ from pdcluster.cluster.cli_metadata_ops import (
     etcd_access_fields,
 )
 from pdcluster.cluster.cli_planner import add_planner_args, planner_fields
+from pdcluster.cluster.cli_pod_identity import add_pod_identity_args, pod_identity_config
 from pdcluster.core.tls import MetadataTLSFields
 
 
@@ -341,6 +342,7 @@ def add_metadata(subparsers: argparse._SubParsersAction) -> None:
                        help="most blocks one node may hold in the index (also capped at 64x "
                        "the capacity it declares)")
     add_etcd_access_args(serve)
+    add_pod_identity_args(serve)
     add_metadata_operator_commands(commands, add_metadata_tls_args)
     add_etcd_setup(commands)
 
@@ -389,7 +391,8 @@ def _cmd_metadata_serve(args: argparse.Namespace) -> int:
             tls_bind_client_roles=args.tls_bind_client_roles, replica_id=args.replica_id,
             node_allowlist=node_allowlist(args.allow_nodes),
             max_nodes=max_nodes(args.max_nodes),
-            max_node_blocks=args.max_node_blocks, **etcd_access,
+            max_node_blocks=args.max_node_blocks, pod_identity=pod_identity_config(args),
+            **etcd_access,
         )
 
     def ready(port: int) -> None:

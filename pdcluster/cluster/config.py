@@ -15,7 +15,10 @@ cluster.yaml:
     metadata: {address: "metadata:50061",      # absent: an embedded in-memory service
                tls_ca: /tls/ca.crt,            # TLS to it (router and nodes); absent: plaintext
                tls_cert: /tls/client.crt, tls_key: /tls/client.key,   # mTLS client cert
-               tls_server_name: metadata}      # name in its certificate, if not the address's
+               tls_server_name: metadata,      # name in its certificate, if not the address's
+               node_identity_token_file: /var/run/secrets/pdcluster-node-identity/token}
+                                               # nodes trade their pod's projected token for
+                                               # their own (Kubernetes): no secret in the launcher
     router: {host: 0.0.0.0, port: 8000, enabled: true,   # false: a router runs elsewhere
              routing: kv,                      # or round_robin / least_loaded (baselines)
              admission: {slo_ttft_s: 2, mode: reject,   # or queue (router.planning.admission)
@@ -61,7 +64,8 @@ _SECTIONS = {"model", "num_prefill", "num_decode", "engine", "transfer", "metada
              "node", "host", "planner"}
 _ADMISSION_KEYS = {"slo_ttft_s", "mode", "max_queue_s", "tenant_priorities",
                    "default_priority", "header"}
-_METADATA_KEYS = {"address", "tls_ca", "tls_cert", "tls_key", "tls_server_name"}
+_METADATA_KEYS = {"address", "tls_ca", "tls_cert", "tls_key", "tls_server_name",
+                  "node_identity_token_file"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +84,11 @@ class ClusterConfig:
     metadata_tls_cert: str | None = None
     metadata_tls_key: str | None = None
     metadata_tls_server_name: str | None = None
+    # Each node gets its own token from the metadata service for its pod's projected
+    # service-account token in this file (metadata_service/pod_token.py), instead of from the
+    # launcher: the launcher then needs no cluster secret for the nodes. None: the launcher
+    # derives each node's token from the secret.
+    node_identity_token_file: str | None = None
     router_host: str = "127.0.0.1"
     router_port: int = 8000
     router_enabled: bool = True
@@ -139,6 +148,9 @@ class ClusterConfig:
         if tls is not None and self.metadata_address is None:
             raise ValueError("metadata TLS settings need an external metadata service (its "
                              "address): the embedded one serves plaintext on 127.0.0.1")
+        if self.node_identity_token_file is not None and self.metadata_address is None:
+            raise ValueError("node_identity_token_file trades a pod's token at an external "
+                             "metadata service (its address); the embedded one issues none")
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -204,6 +216,7 @@ class ClusterConfig:
             metadata_tls_ca=metadata.get("tls_ca"), metadata_tls_cert=metadata.get("tls_cert"),
             metadata_tls_key=metadata.get("tls_key"),
             metadata_tls_server_name=metadata.get("tls_server_name"),
+            node_identity_token_file=metadata.get("node_identity_token_file"),
             router_host=router.get("host", "127.0.0.1"), router_port=router.get("port", 8000),
             router_enabled=router.get("enabled", True), routing=router.get("routing", "kv"),
             node_metrics_port=node.get("metrics_port"),

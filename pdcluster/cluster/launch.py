@@ -73,6 +73,9 @@ async def _run(config: ClusterConfig, cluster: RayCluster,
         if on_ready is not None:
             on_ready(base_url)
 
+    if cluster.cluster_secret is None:
+        raise ValueError("an in-process router needs the cluster secret (its client "
+                         "credential is derived from it)")
     await serve_forever(router_config(config, cluster.metadata_address, cluster.cluster_secret),
                         ready)
 
@@ -115,6 +118,16 @@ def api_keys_from_env() -> tuple[str, ...]:
     return tuple(k for k in os.environ.get(API_KEYS_ENV, "").split(",") if k)
 
 
+def needs_cluster_secret(config: ClusterConfig) -> bool:
+    """Whether this launcher needs the cluster secret: for an in-process router or nodes of
+    an external metadata service (their tokens), or for a router elsewhere to share an
+    embedded service's. Not when the nodes get their tokens for their pods' identity and the
+    router runs elsewhere (the chart's head holds no secret then)."""
+    if config.metadata_address is None:
+        return not config.router_enabled
+    return config.router_enabled or config.node_identity_token_file is None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pdcluster.cluster.launch",
@@ -134,10 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     except CredentialError as exc:
         print(f"pdcluster.cluster.launch: {exc}", file=sys.stderr)
         return 2
-    if secret is None and (config.metadata_address or not config.router_enabled):
+    if secret is None and needs_cluster_secret(config):
         print(f"pdcluster.cluster.launch: the cluster secret is required when the metadata "
               f"service or the router runs elsewhere: set ${SECRET_FILE_ENV} (a mounted Secret) or "
-              f"${SECRET_ENV}", file=sys.stderr)
+              f"${SECRET_ENV} (or, on Kubernetes with the router elsewhere, let the nodes "
+              f"get their tokens for their pods' identity: metadata.node_identity_token_file)",
+              file=sys.stderr)
         return 2
     return serve(config, ray_address=args.ray_address, cluster_secret=secret)
 

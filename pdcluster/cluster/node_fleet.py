@@ -54,7 +54,7 @@ def router_health_reader(base_url: str, api_key: str | None) -> Callable[[], dic
 
 class RayFleet:
     def __init__(self, config: ClusterConfig, metadata_address: str,
-                 cluster_secret: ClusterSecret, actors: dict[str, Any],
+                 cluster_secret: ClusterSecret | None, actors: dict[str, Any],
                  drain_timeout_s: float = 120.0) -> None:
         self.config, self.metadata_address = config, metadata_address
         self.cluster_secret, self.drain_timeout_s = cluster_secret, drain_timeout_s

@@ -48,7 +48,7 @@ def metrics_reader(base_url: str, api_key: str | None) -> Callable[[], str]:
 
 class PlannerActor:
     def __init__(self, config: ClusterConfig, metadata_address: str,
-                 cluster_secret: ClusterSecret, node_names: dict[str, str]) -> None:
+                 cluster_secret: ClusterSecret | None, node_names: dict[str, str]) -> None:
         import ray
 
         assert config.planner is not None, "a planner actor needs planner settings"

@@ -34,12 +34,18 @@ logger = logging.getLogger(__name__)
 class RayCluster:
     def __init__(self, config: ClusterConfig, ray_address: str | None = None,
                  cluster_secret: ClusterSecret | None = None) -> None:
-        if cluster_secret is None and config.metadata_address is not None:
+        if (cluster_secret is None and config.metadata_address is not None
+                and config.node_identity_token_file is None):
             raise ValueError("a cluster using an external metadata service needs its cluster "
-                             "secret ($PDCLUSTER_CLUSTER_SECRET or $PDCLUSTER_CLUSTER_SECRET_FILE)")
+                             "secret ($PDCLUSTER_CLUSTER_SECRET or $PDCLUSTER_CLUSTER_SECRET_FILE)"
+                             ", unless its nodes get their tokens for their pods' identity "
+                             "(metadata.node_identity_token_file)")
         self.config = config
-        # None: everything is embedded here, so a fresh secret that only this launcher knows
-        self.cluster_secret = cluster_secret or ClusterSecret.generate()
+        # None: everything is embedded here, so a fresh secret that only this launcher knows;
+        # with pod identity the nodes need none, and this launcher holds none
+        self.cluster_secret: ClusterSecret | None = cluster_secret
+        if cluster_secret is None and config.metadata_address is None:
+            self.cluster_secret = ClusterSecret.generate()
         self.ray_address = ray_address  # None: start a local Ray; "auto": join a running one
         self.metadata_server: ServerThread | None = None
         self.metadata_address = config.metadata_address
@@ -111,6 +117,7 @@ class RayCluster:
         from pdcluster.metadata_service.config import MetadataConfig
         from pdcluster.metadata_service.server import ServerThread
 
+        assert self.cluster_secret is not None, "an embedded service gets a fresh secret"
         config = MetadataConfig(host="127.0.0.1", port=0, cluster_secret=self.cluster_secret)
         self.metadata_server = ServerThread(config).start()
         self.metadata_address = self.metadata_server.address
@@ -145,6 +152,9 @@ class RayCluster:
         from pdcluster.node.client import BlockingNodeClient
 
         assert self.metadata_address is not None, "start() the cluster first"
+        if self.cluster_secret is None:
+            raise ValueError("router_clients speak as the router: they need the cluster "
+                             "secret, which this launcher does not hold")
         keys = CurveKeys.generate()
         token = self.cluster_secret.metadata_token(SERVICE)
         cfg = self.config

@@ -88,11 +88,13 @@ def load_rank_agent(spec: RankAgentSpec) -> KVRankAgent:
 @dataclass(frozen=True, slots=True)
 class RankEndpoint:
     """Where a rank's KV lives for peers: its transfer-engine session and its region's base
-    address (its blocks lie at rank 0's offsets from there), and where its segments lie from
+    address (its blocks lie at rank 0's offsets from there), its host tier's (0: none;
+    host slots lie at rank 0's slot offsets from there), and where its segments lie from
     that base (one per layer in vLLM's layout, each rank's own)."""
 
     session: str
     base_addr: int
+    host_addr: int = 0
     segment_offsets: tuple[int, ...] = (0,)
 
 

@@ -173,8 +173,7 @@ class LLMEngine(NodeEngine):
     @property
     def kv_region(self) -> KVRegion:
         spec = self.kv_spec
-        # no host slot for peers at TP > 1: only rank 0's slice is here (KVTiers.peer_prefix)
-        host = self.host_cache if self.peers is None else None
+        host = self.host_cache  # at TP > 1 rank 0's slice; each rank registers its own
         return KVRegion(self.kv_cache.data_ptr(), spec.total_nbytes, spec.block_nbytes,
                         spec.num_blocks, host_addr=host.tensor.data_ptr() if host else 0,
                         num_host_blocks=host.num_blocks if host else 0,

@@ -3,30 +3,41 @@ the interceptor that refuses every call, streams included, without one — and, 
 ``bind_roles``, every call whose token's principal the connection's client certificate may not
 present (cert_roles.py: a router's token over a node's certificate, and the reverse).
 
-API: `Verifier(secret, router_token)` (`.principal(metadata)`),
+The token exchange (`ExchangeNodeToken`) is let through without one: it checks its own
+credential, a pod's service-account token.
+
+API: `Verifier(secret, router_token, pod_tokens)` (`.principal(metadata)`),
 `AuthInterceptor(verifier, bind_roles=False)`.
 """
 
 from __future__ import annotations
 
 import hmac
+import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from pdcluster.core.credentials import SERVICE, ClusterSecret, verify_metadata_token
 from pdcluster.metadata_service.cert_roles import may_present, peer_role, refusal
+from pdcluster.metadata_service.node_tokens import verify_pod_token
+from pdcluster.metadata_service.token_exchange import EXCHANGE_METHOD
 from pdcluster.metadata_service.wire import AUTH_HEADER
 
 
 class Verifier:
     """Which principal a call's ``authorization: Bearer <token>`` proves: a token derived
     from the cluster secret for that principal, or the configured router token (principal
-    ``service``). Constant-time compares."""
+    ``service``), or, with `pod_tokens`, a node token issued to a pod and not yet expired
+    (node_tokens.py). Constant-time compares."""
 
-    def __init__(self, secret: ClusterSecret, router_token: str | None = None) -> None:
+    def __init__(self, secret: ClusterSecret, router_token: str | None = None,
+                 pod_tokens: bool = False, clock: Callable[[], float] = time.time) -> None:
         self._secret = secret
         self._router_token = router_token.encode() if router_token else None
+        self._pod_tokens = pod_tokens
+        self._clock = clock
 
     def principal(self, metadata: Any) -> str | None:
         for key, value in metadata or ():
@@ -39,11 +50,14 @@ class Verifier:
         if self._router_token is not None and hmac.compare_digest(token.encode(),
                                                                   self._router_token):
             return SERVICE
+        if self._pod_tokens and ":pod1." in token:
+            return verify_pod_token(self._secret, token, self._clock())
         return verify_metadata_token(self._secret, token)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call, streams included, that lacks a valid token (`Verifier`); with
+    """Refuses every call, streams included, that lacks a valid token (`Verifier`), but the
+    token exchange (token_exchange.py: a pod's service-account token is its credential); with
     `bind_roles`, also one whose principal its client certificate's role may not present
     (the certificate is only visible to the handler's context, so the check wraps it)."""
 
@@ -53,7 +67,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None:
+        if handler is None or handler_call_details.method == EXCHANGE_METHOD:
             return handler
         principal = self._verifier.principal(handler_call_details.invocation_metadata)
         if not principal:

@@ -2,7 +2,8 @@
 any thread) and ``AsyncMetadataClient`` (asyncio), with the same methods. gRPC failures become
 ``MetadataUnavailable`` / ``MetadataAuthError`` / ``MetadataRequestError``.
 
-Credentials: ``token=`` (a bearer token, ``ClusterSecret.metadata_token(principal)``), or
+Credentials: ``token=`` (a bearer token, ``ClusterSecret.metadata_token(principal)``, or a
+callable returning the current one: a node's ``pod_token.PodTokenSource``, which renews), or
 ``cluster_secret=`` and ``principal=`` (default ``SERVICE``: read, never act as a node; a node
 passes ``node_principal(its id)``). The service refuses a call without one.
 TLS: ``tls_ca_file=`` (verify the service), ``tls_server_name=`` (if the address is not in its
@@ -158,7 +159,7 @@ class _Base:
         self,
         address: str,
         *,
-        token: str | None = None,
+        token: str | Callable[[], str] | None = None,
         cluster_secret: ClusterSecret | None = None,
         principal: str = SERVICE,
         tls_ca_file: str | None = None,
@@ -175,7 +176,7 @@ class _Base:
             if token is not None:
                 raise ValueError("give token or cluster_secret, not both")
             token = cluster_secret.metadata_token(principal)
-        self._metadata = ((AUTH_HEADER, f"Bearer {token}"),) if token else None
+        self._token = token
         if tls is None:
             tls = ClientTLS.from_fields(tls_ca_file, tls_cert_file, tls_key_file,
                                         tls_server_name)
@@ -184,6 +185,11 @@ class _Base:
         self._credentials = tls.channel_credentials() if tls is not None else None
         self._options = [*GRPC_OPTIONS, *channel_options,
                          *(tls.channel_options() if tls is not None else ())]
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        token = self._token() if callable(self._token) else self._token
+        return ((AUTH_HEADER, f"Bearer {token}"),) if token else None
 
 
 class MetadataClient(_Base):
@@ -218,6 +224,14 @@ class MetadataClient(_Base):
 
     def list_clients(self) -> list[pb.ClientKey]:
         return list(self._call("ListClients", pb.Empty()).clients)
+
+    def exchange_node_token(self, service_account_token: str, node_id: NodeId,
+                            role: str) -> pb.NodeTokenReply:
+        """Node `node_id`'s token, for its pod's projected service-account token (needs no
+        token of its own: the service checks the pod's with Kubernetes)."""
+        return self._call("ExchangeNodeToken", pb.NodeTokenRequest(
+            node_id=node_id, role=role_value(role),
+            service_account_token=service_account_token))
 
     def release_node(self, node_id: NodeId) -> None:
         """An operator's action (principal operator): forget the id's registration."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pdcluster.core.credentials import ClusterSecret
 from pdcluster.core.tls import ClientTLS
+from pdcluster.metadata_service.node_tokens import PodIdentityConfig
 
 BACKENDS = ("memory", "etcd")
 HASH_SIZES = (16, 32)
@@ -79,6 +80,10 @@ class MetadataConfig:
     # and every router's mirror.
     node_capacity_factor: int = 64
     max_node_blocks: int = 1_000_000
+    # Kubernetes: issue node tokens to pods of the release's Ray service account against
+    # their projected service-account tokens (node_tokens.py), for ids the allowlist names
+    # (or, without one, of a role max_nodes bounds). None: no node tokens are issued here.
+    pod_identity: PodIdentityConfig | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -131,6 +136,9 @@ class MetadataConfig:
             if not set(getattr(self, name) or ()) <= {"prefill", "decode"}:
                 raise ValueError(f"{name} is keyed by the roles 'prefill' and 'decode', got "
                                  f"{sorted(getattr(self, name))}")
+        if self.pod_identity is not None and self.cluster_secret is None:
+            raise ValueError("pod_identity issues tokens signed with cluster_secret: it needs "
+                             "one (and credentials checked)")
         if any(n < 0 for n in (self.max_nodes or {}).values()):
             raise ValueError(f"max_nodes must be >= 0 per role, got {dict(self.max_nodes or {})}")
 
@@ -143,6 +151,19 @@ class MetadataConfig:
         if capacity_blocks <= 0:
             return self.max_node_blocks
         return min(self.max_node_blocks, capacity_blocks * self.node_capacity_factor)
+
+    def node_token_refusal(self, role: str, node_id: str) -> str | None:
+        """Why a node token for `node_id` in `role` may not be issued here, or None: its id
+        must be on the allowlist, or, without one, its role's live count bounded."""
+        if self.node_allowlist is not None:
+            if node_id in self.node_allowlist.get(role, frozenset()):
+                return None
+            return (f"node id {node_id!r} is not on the {role} allowlist of this metadata "
+                    "service (--allow-nodes)")
+        if self.max_nodes is not None and role in self.max_nodes:
+            return None
+        return (f"this metadata service bounds no {role} node ids (neither --allow-nodes nor "
+                f"--max-nodes for {role}): it issues no {role} node tokens")
 
     def clamp_ttl(self, requested_s: int) -> int:
         if requested_s <= 0:

@@ -14,7 +14,9 @@ Publish, Snapshot and Deregister for node X are allowed only to principal ``node
 a Register that would change X's live registration, or a Deregister, without its proof is
 PERMISSION_DENIED too, as is one that would share a live node's key, address or session, or
 an id off the allowlist (metadata_service.identities). RegisterClient (a router's key) is
-``service``'s alone, ReleaseNode ``operator``'s.
+``service``'s alone, ReleaseNode ``operator``'s. ExchangeNodeToken needs no token: a pod's
+projected service-account token, checked with Kubernetes' TokenReview, buys it a node token
+(``pod_identity``; token_exchange.py, node_tokens.py).
 
 TLS (config ``tls_cert_file``/``tls_key_file``) and mTLS (``tls_client_ca_file``: a client
 without a certificate signed by that CA fails the handshake) protect the connection; the token
@@ -47,8 +49,10 @@ from pdcluster.metadata_service.auth import AuthInterceptor, Verifier
 from pdcluster.metadata_service.config import MetadataConfig
 from pdcluster.metadata_service.errors import InvalidBatch
 from pdcluster.metadata_service.identities import RegistrationConflict
+from pdcluster.metadata_service.node_tokens import NodeTokenIssuer
 from pdcluster.metadata_service.service import MetadataService
 from pdcluster.metadata_service.store import IndexStore, MemoryIndexStore
+from pdcluster.metadata_service.token_exchange import TokenExchange
 from pdcluster.metadata_service.watch import SubscriberTooSlow
 from pdcluster.metadata_service.wire import GRPC_OPTIONS
 from pdcluster.proto import metadata_pb2 as pb
@@ -71,9 +75,11 @@ def make_store(config: MetadataConfig) -> IndexStore:
 
 
 class _Servicer(pb_grpc.MetadataServiceServicer):
-    def __init__(self, service: MetadataService, verifier: Verifier | None) -> None:
+    def __init__(self, service: MetadataService, verifier: Verifier | None,
+                 exchange: TokenExchange) -> None:
         self.service = service
         self._verifier = verifier  # None: unauthenticated (unit tests of this room only)
+        self._exchange = exchange
 
     async def _acting_as(self, context: grpc.aio.ServicerContext, node_id: str) -> None:
         """Abort unless the caller's principal is ``node/<node_id>``. The interceptor has
@@ -120,6 +126,9 @@ class _Servicer(pb_grpc.MetadataServiceServicer):
         await self._require(context, OPERATOR, "release a node's registration")
         self.service.release_node(request.node_id)
         return pb.Empty()
+
+    async def ExchangeNodeToken(self, request, context):  # noqa: N802
+        return await self._exchange.handle(request, context)
 
     async def Heartbeat(self, request, context):  # noqa: N802
         await self._acting_as(context, request.node_id)
@@ -226,11 +235,17 @@ class MetadataServer:
     async def start(self) -> int:
         await self.service.start()
         secret = self.config.cluster_secret
-        verifier = None if secret is None else Verifier(secret, self.config.router_token)
+        identity = self.config.pod_identity
+        verifier = None if secret is None else Verifier(secret, self.config.router_token,
+                                                        pod_tokens=identity is not None)
+        issuer = (None if identity is None or secret is None else
+                  NodeTokenIssuer(identity, secret, self.config.node_token_refusal))
+        exchange = TokenExchange(issuer, self.config.tls_bind_client_roles)
         interceptors = ([AuthInterceptor(verifier, self.config.tls_bind_client_roles)]
                         if verifier is not None else [])
         server = grpc.aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
-        pb_grpc.add_MetadataServiceServicer_to_server(_Servicer(self.service, verifier), server)
+        pb_grpc.add_MetadataServiceServicer_to_server(_Servicer(self.service, verifier, exchange),
+                                                  server)
         address = self.config.address
         if self.config.tls_cert_file:
             self.port = server.add_secure_port(address, _server_credentials(self.config))

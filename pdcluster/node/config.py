@@ -40,6 +40,11 @@ class NodeConfig:
     # the node makes its own CURVE key pair, registers the public half and admits only the
     # routers and nodes the metadata service names (core.identity).
     bootstrap_token: str | None = field(default=None, repr=False)
+    # Instead of a bootstrap_token, on Kubernetes: the pod's projected service-account token
+    # file; the node gets its token from the metadata service for it (ExchangeNodeToken, bound
+    # to the pod, renewed before it expires), so nothing that hands the node a token needs the
+    # cluster secret (metadata_service/pod_token.py).
+    identity_token_file: str | None = None
     lease_ttl_s: int = 10
     publish_interval_s: float = 0.05
     kv_protocol: str = "tcp"  # "rdma" on a GPU cluster
@@ -71,6 +76,11 @@ class NodeConfig:
                 f"node/{self.node_id}:"):
             raise ValueError(f"node {self.node_id}: bootstrap_token is not a credential of "
                              f"principal node/{self.node_id}")
+        if self.identity_token_file is not None and (self.bootstrap_token is not None
+                                                     or self.metadata_address is None):
+            raise ValueError(f"node {self.node_id}: identity_token_file gets the node's token "
+                             "from the metadata service: it needs metadata_address and no "
+                             "bootstrap_token")
         _ = self.metadata_tls  # ValueError for an inconsistent set of metadata_tls_* fields
 
     @property

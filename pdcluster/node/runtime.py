@@ -28,6 +28,7 @@ from pdcluster.core.identity import ROUTER_PREFIX, Directory, Peer
 from pdcluster.core.kv_identity import KVIdentity
 from pdcluster.engine.api import NodeEngine
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
+from pdcluster.metadata_service.pod_token import PodTokenSource
 from pdcluster.node.config import NodeConfig
 from pdcluster.node.engines import make_engine
 from pdcluster.node.events import EventPublisherThread
@@ -38,11 +39,22 @@ logger = logging.getLogger(__name__)
 DIRECTORY_REFRESH_S = 2.0
 
 
-def metadata_client(config: NodeConfig) -> MetadataClient:
+def node_credential(config: NodeConfig) -> str | Callable[[], str] | None:
+    """The node's metadata token: its bootstrap_token, or, with an identity_token_file, a
+    source that gets (and renews) one for its pod's service-account token."""
+    if config.identity_token_file is None:
+        return config.bootstrap_token
+    assert config.metadata_address is not None, "NodeConfig checks identity_token_file"
+    return PodTokenSource(config.metadata_address, config.node_id, config.role,
+                          config.identity_token_file, tls=config.metadata_tls)
+
+
+def metadata_client(config: NodeConfig,
+                    token: str | Callable[[], str] | None = None) -> MetadataClient:
     """The node's client of the metadata service: its own principal (the service lets it act
     only as itself), over TLS when the config names a CA."""
     assert config.metadata_address is not None, "no metadata service configured"
-    return MetadataClient(config.metadata_address, token=config.bootstrap_token,
+    return MetadataClient(config.metadata_address, token=token or config.bootstrap_token,
                           tls_ca_file=config.metadata_tls_ca,
                           tls_cert_file=config.metadata_tls_cert,
                           tls_key_file=config.metadata_tls_key,
@@ -64,11 +76,14 @@ class NodeRuntime:
     def __init__(self, config: NodeConfig, shared_keys: CurveKeys | None = None,
                  on_fatal: Callable[[Exception], None] | None = None) -> None:
         if shared_keys is None and (config.metadata_address is None
-                                    or config.bootstrap_token is None):
+                                    or (config.bootstrap_token is None
+                                        and config.identity_token_file is None)):
             raise ValueError(f"node {config.node_id}: a node needs a metadata service and its "
-                             "bootstrap_token (its identity comes from there): it never "
-                             "serves strangers")
+                             "bootstrap_token or identity_token_file (its identity comes "
+                             "from there): it never serves strangers")
         self.config = config
+        # one source for the node's clients, so that they share each exchange
+        self._credential = node_credential(config) if config.metadata_address else None
         self.keys = shared_keys or CurveKeys.generate()  # its own pair never leaves this node
         self.directory = None if shared_keys is not None else self._directory()
         self.engine, self.kv_address, self.kv_session = make_engine(config, self.keys,
@@ -93,7 +108,7 @@ class NodeRuntime:
         return self.metrics_server.address if self.metrics_server is not None else ""
 
     def _directory(self) -> Directory:
-        client = metadata_client(self.config)
+        client = metadata_client(self.config, self._credential)
         return Directory(refresh=lambda: registered_peers(client))
 
     def _publisher(self) -> EventPublisherThread:
@@ -108,8 +123,9 @@ class NodeRuntime:
                               capacity_blocks=engine.num_kv_blocks,
                               curve_public_key=b"" if self.directory is None
                               else self.keys.public, kv_session=self.kv_session)
-        return EventPublisherThread(metadata_client(cfg), info, engine.cached_block_media,
-                                    cfg.lease_ttl_s, cfg.publish_interval_s)
+        return EventPublisherThread(metadata_client(cfg, self._credential), info,
+                                    engine.cached_block_media, cfg.lease_ttl_s,
+                                    cfg.publish_interval_s)
 
     def start(self, registration_timeout_s: float = 10.0) -> NodeRuntime:
         if self.events is not None:

@@ -64,11 +64,16 @@ class GroupWriter:
                           *(list(e.segment_offsets) for e in endpoints)]
         if any(len(offsets) != region.num_segments for offsets in self._segments):
             raise ValueError("every tensor-parallel rank needs as many KV segments as rank 0")
+        sessions = (transport.session_id, *(e.session for e in endpoints))
         self._layout = GroupLayout(
-            region.num_kv_heads, region.block_nbytes,
-            (transport.session_id, *(e.session for e in endpoints)),
+            region.num_kv_heads, region.block_nbytes, sessions,
             (region.base_addr, *(e.base_addr for e in endpoints))) \
             if region.num_kv_heads else None
+        # each rank's host tier, slot for slot rank 0's: a holder's pull served from there
+        self._host_layout = GroupLayout(
+            region.num_kv_heads, region.block_nbytes, sessions,
+            (region.host_addr, *(e.host_addr for e in endpoints))) \
+            if region.num_kv_heads and region.num_host_blocks and ranks is not None else None
 
     @property
     def group(self) -> KVGroup | None:
@@ -86,15 +91,17 @@ class GroupWriter:
         addresses): (descriptors, bytes) written by every rank together."""
         if self._layout is None or (dest.group is None and self.ranks is None):
             return self._write_segments(block_ids, dest_addrs, dest)
-        dest_layout, dest_segments = self._dest_layout(dest), self._dest_segments(dest)
-        src_offsets = self._offsets(block_ids)
+        dst_layout, dst_segments = self._dest_layout(dest), self._dest_segments(dest)
         dst_offsets = self._dest_offsets(dest_addrs, dest.group)
         writes: list[RankWrite] = []
-        for s in range(self.region.num_segments):
-            writes += plan_writes(_shifted(self._layout, [o[s] for o in self._segments]),
-                                  _shifted(dest_layout, [o[s] for o in dest_segments]),
-                                  src_offsets, dst_offsets)
-        writes = _per_peer(writes)
+        for layout, picked in self._by_tier(block_ids):  # a host tier has one segment only
+            src_offsets = [self._offset(block_ids[i]) for i in picked]
+            picked_dst = [dst_offsets[i] for i in picked]
+            writes += _per_peer([
+                w for s in range(self.region.num_segments)
+                for w in plan_writes(_shifted(layout, [o[s] for o in self._segments]),
+                                     _shifted(dst_layout, [o[s] for o in dst_segments]),
+                                     src_offsets, picked_dst)])
         self._run(writes)
         return sum(len(w.src) for w in writes), sum(sum(w.lengths) for w in writes)
 
@@ -121,11 +128,26 @@ class GroupWriter:
         return GroupLayout(group.num_kv_heads, dest.block_nbytes, tuple(group.sessions),
                            tuple(group.bases))
 
-    def _offsets(self, block_ids: list[int]) -> list[int]:
-        base = self.region.base_addr
-        if any(b >= self.region.num_blocks for b in block_ids) and self.ranks is not None:
-            raise ValueError("host-tier blocks have no copy on the other tensor-parallel ranks")
-        return [self.region.block_addr(b) - base for b in block_ids]
+    def _by_tier(self, block_ids: list[int]) -> list[tuple[GroupLayout, list[int]]]:
+        """The indices of `block_ids` each source layout writes: one rank's region holds its
+        host slots too (at offsets from its base); several ranks' host tiers lie apart from
+        their device regions, each at its own address (`_host_layout`)."""
+        assert self._layout is not None, "checked by write()"
+        num_device = self.region.num_blocks
+        on_host = [i for i, b in enumerate(block_ids) if b >= num_device]
+        if not on_host or self._host_layout is None:
+            if on_host and self.ranks is not None:
+                raise ValueError("host-tier blocks named, but the ranks registered no host tier")
+            return [(self._layout, list(range(len(block_ids))))]
+        on_device = [i for i, b in enumerate(block_ids) if b < num_device]
+        return [(self._layout, on_device), (self._host_layout, on_host)]
+
+    def _offset(self, block_id: int) -> int:
+        """Bytes from the base of the layout that holds `block_id` (`_by_tier`)."""
+        region = self.region
+        if self._host_layout is not None and block_id >= region.num_blocks:
+            return region.block_addr(block_id) - region.host_addr
+        return region.block_addr(block_id) - region.base_addr
 
     @staticmethod
     def _dest_offsets(dest_addrs: list[int], group: KVGroup | None) -> list[int]:

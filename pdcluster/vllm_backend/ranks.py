@@ -145,7 +145,8 @@ class RankClients(KVRanks):
     def _ask_endpoint(self, rank: int) -> RankEndpoint:
         reply = self._call(rank, EndpointAsk(rank))
         assert isinstance(reply, EndpointReply), type(reply)
-        return RankEndpoint(reply.session, reply.base_addr, tuple(reply.segment_offsets))
+        return RankEndpoint(reply.session, reply.base_addr,
+                            segment_offsets=tuple(reply.segment_offsets))
 
     def _write(self, rank: int, ask: WriteAsk) -> None:
         reply = self._call(rank, ask)

@@ -3,8 +3,8 @@
 own LRU, dropped spills when too many writes are pending, failed writes forgotten, peers'
 pull lookups that never claim a disk block, and the index fed by the events holding every
 tier's blocks on their media; with tensor parallelism, a disk slot that is no hit until every
-rank wrote its slice and pulls that never claim a host block; leak checks on every pool after
-each scenario."""
+rank wrote its slice and pulls that claim host blocks as at one rank; leak checks on every pool
+after each scenario."""
 
 from __future__ import annotations
 
@@ -260,10 +260,10 @@ def test_at_two_ranks_one_failed_write_forgets_the_block() -> None:
     assert_tiers_clean(tiers)
 
 
-def test_at_two_ranks_a_peer_pull_is_never_served_from_the_host() -> None:
-    """Only rank 0's slice of a host block could be read (transfer/group_writer.py refuses
-    host blocks of a tensor-parallel group): the run stops at the first block only the host
-    holds, and the requester computes the rest."""
+def test_at_two_ranks_a_peer_pull_is_served_from_the_host_too() -> None:
+    """Every rank registers its host tier (transfer/group_writer.py writes each rank's slice
+    of a host block from there): a pull claims host slots at TP=2 as at TP=1, never a disk
+    block."""
     from pdcluster.core.kv_connector import ConnectorResults, PrefixTokens, PullLookup
     from pdcluster.engine.core.scheduler import Scheduler, SchedulerConfig
     from pdcluster.transfer.connector_scheduler import ConnectorScheduler
@@ -283,7 +283,8 @@ def test_at_two_ranks_a_peer_pull_is_never_served_from_the_host() -> None:
         sched.apply_connector_results(ConnectorResults(lookups=[lookup]))
         served[name] = [s.block_ids for s in connector.build_plan().serves]
         sched.apply_connector_results(ConnectorResults(served=[f"pull-{name}"]))
-    assert served["host"] in ([], [[]])
+    (host_ids,) = served["host"]
+    assert len(host_ids) == 2 and all(i >= pool.num_blocks for i in host_ids)
     (device_ids,) = served["device"]
     assert len(device_ids) == 2 and all(i < pool.num_blocks for i in device_ids)
     assert_tiers_clean(tiers)

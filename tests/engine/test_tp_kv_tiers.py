@@ -2,17 +2,15 @@
 every demoted block in a host tier (and a disk file) of its own, rank 0 keeps the bookkeeping.
 Prefixes the device evicted come back from the host, and from the disk, with greedy tokens equal
 to TP=1's and transformers', through chunked prefill and preemption, rank 1's bytes of each
-block identical after the round trip, every pool leak-free. What cannot work at TP > 1 stays
-refused by name: a tensor-parallel group never writes host-tier blocks to a peer (only rank 0's
-slice of them is registered), so the engine offers peers no host slot.
+block identical after the round trip, every pool leak-free. Every rank registers its host tier
+with its transfer engine, so the engine offers peers its host slots too, and a group writes a
+host block from each rank's own tier (tests/transfer/test_tp_transfer.py pulls from one).
 
 Kept small: every TP=2 engine starts a second process that imports torch and loads its slice."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
-
-import pytest
 
 from pdcluster.core.hashing import hash_block_tokens
 from pdcluster.core.kv_ranks import KVRanks, RankEndpoint
@@ -77,7 +75,7 @@ def test_two_ranks_bring_prefixes_back_from_the_host(model_dirs, hf_reference):
                      SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
         assert tp2.scheduler.num_preemptions > 0
         assert_tiers_clean(tp2.tiers)
-        assert tp2.kv_region.num_host_blocks == 0  # no host slot offered to peers
+        assert tp2.kv_region.num_host_blocks == 64  # host slots offered to peers
     finally:
         _close(*pair)
 
@@ -110,23 +108,36 @@ def test_two_ranks_bring_prefixes_back_from_the_disk(model_dirs, hf_reference, t
 
 
 class _OneRank(KVRanks):
-    """Rank 1 of a group, for a writer that must refuse before writing anything."""
+    """Rank 1 of a group, recording what it is asked to write."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, list[int], list[int], list[int]]] = []
 
     @property
     def endpoints(self) -> list[RankEndpoint]:
-        return [RankEndpoint("rank1", 0x100000)]
+        return [RankEndpoint("rank1", 0x100000, host_addr=0x200000)]
 
     def write(self, rank: int, session: str, src: list[int], dst: list[int],
               lengths: list[int]) -> Future[None]:
-        raise AssertionError("nothing may be written")
+        assert rank == 1
+        self.writes.append((session, src, dst, lengths))
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
 
-def test_a_tp_group_refuses_to_write_host_tier_blocks_by_name():
+def test_a_tp_group_writes_a_host_block_from_each_ranks_own_host_tier():
+    """Rank 0's device block 1 and host slot 0 (block id 4) into a TP=1 peer's two blocks:
+    each rank sends its one KV head of each, the host slot from its own host tier's address."""
     from pdcluster.transfer.group_writer import Destination, GroupWriter
 
     region = KVRegion(0x1000, 4 * 64, 64, 4, host_addr=0x9000, num_host_blocks=2,
                       num_kv_heads=2)
-    writer = GroupWriter(LoopbackFabric().transport(), region, _OneRank(), timeout_s=1.0)
-    with pytest.raises(ValueError, match="host-tier blocks have no copy on the other "
-                                         "tensor-parallel ranks"):
-        writer.write([4], [0x50000], Destination("peer", 64, [0], None))
+    rank1 = _OneRank()
+    writer = GroupWriter(LoopbackFabric().transport(), region, rank1, timeout_s=1.0)
+    rank0: list[tuple[str, list[int], list[int], list[int]]] = []
+    writer.transport.write = lambda *args: rank0.append(args)  # type: ignore[method-assign]
+    writer.write([1, 4], [0x50000, 0x50080], Destination("peer", 128, [0], None))
+    assert rank0 == [("peer", [0x1040], [0x50000], [64]), ("peer", [0x9000], [0x50080], [64])]
+    assert rank1.writes == [("peer", [0x100040], [0x50040], [64]),
+                            ("peer", [0x200000], [0x500C0], [64])]

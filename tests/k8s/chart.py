@@ -124,6 +124,8 @@ VALUE_SETS: dict[str, dict] = {
         "imagePullSecrets": [{"name": "registry-creds"}],
         "pdb": {"maxUnavailable": "25%"},
     },
+    # no Ray pod holds the cluster secret: nodes trade their pods' projected tokens
+    "pod-identity": {"metadata": {"podIdentity": {"enabled": True}}},
 }
 
 

@@ -381,8 +381,11 @@ def test_ray_pods_mount_config_model_and_shm(name: str) -> None:
     for where, c in containers([cluster]):
         mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
         assert {"/dev/shm", "/etc/pdcluster", "/models", "/tmp/ray"} <= set(mounts), where
-        # the cluster secret on the head only (the launcher's driver): no worker holds it
-        assert ("/var/run/secrets/pdcluster" in mounts) == where.endswith("/head/ray-head")
+        # the cluster secret on the head only (the launcher's driver): no worker holds it,
+        # and with pod identity not even the head (its nodes trade their pods' tokens)
+        on_head = where.endswith("/head/ray-head")
+        pod_identity = values["metadata"]["podIdentity"]["enabled"]
+        assert ("/var/run/secrets/pdcluster" in mounts) == (on_head and not pod_identity)
         assert mounts["/models"]["readOnly"] == (values["model"]["source"] == "pvc")
 
 

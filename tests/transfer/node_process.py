@@ -37,6 +37,16 @@ def _head_copies(engine, prompt: list[int]) -> list[dict | None]:
     return [head_copies(engine, b.block_id) if b else None for b in blocks]
 
 
+def _media(engine, prompt: list[int]) -> list[str]:
+    """Where each of the prompt's leading cached blocks is ("device" or "host")."""
+    from pdcluster.core.hashing import hash_block_tokens
+    from pdcluster.engine.core.kv_tiers import HostHit
+
+    hashes = hash_block_tokens(prompt, engine.config.block_size)
+    hits = engine.tiers.longest_prefix(hashes, include_disk=False)
+    return ["host" if isinstance(hit, HostHit) else "device" for hit in hits]
+
+
 def _leaks(engine) -> str | None:
     """The child's own leak check: None when every block is free and consistent."""
     from tests.helpers import assert_pool_clean
@@ -65,6 +75,8 @@ def _handle(engine, conn, finished: dict, cmd: str, args: list) -> bool:
         conn.send(_block_bytes(engine, args[0]))
     elif cmd == "head_copies":
         conn.send(_head_copies(engine, args[0]))
+    elif cmd == "media":
+        conn.send(_media(engine, args[0]))
     elif cmd == "stats":
         conn.send(engine.connector.worker.counters())
     elif cmd == "leaks":

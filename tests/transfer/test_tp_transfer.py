@@ -119,6 +119,42 @@ def test_a_prefix_pull_from_a_holder_of_other_tp(model_dirs, hf_reference):
         holder.stop()
 
 
+@pytest.mark.parametrize(("evict_tokens", "media"), [
+    (72, ["host"] * 4),  # all 9 device blocks taken: every shared block demoted
+    (64, ["device", "host", "host", "host"]),  # 8 taken: one pull from both tiers
+])
+def test_a_prefix_pull_served_from_the_host_tier_of_a_tp2_holder(evict_tokens, media,
+                                                                  model_dirs, hf_reference):
+    """The holder's blocks were demoted to its host tier (each rank's slice in its own host
+    tier, registered with its own transfer engine): each rank writes its slice from there."""
+    model = model_dirs["llama-gqa"]
+    holder = NodeProcess(model, timeout_s=20.0, device="cpu", dtype="float32",
+                         tensor_parallel_size=2, num_kv_blocks=9, num_host_blocks=16)
+    requester = _local(model, 1, timeout_s=20.0)
+    try:
+        shared = random_prompts(1, 32, 32, seed=72)[0]
+        holder.send("add", "warm", shared + [5, 6, 7], 1, None, None, None)
+        holder.wait_for("warm")
+        held = holder.call("head_copies", shared)
+        evict = random_prompts(1, evict_tokens, evict_tokens, seed=73)[0]
+        holder.send("add", "evict", evict, 1, None, None, None)
+        holder.wait_for("evict")
+        assert holder.call("media", shared) == media
+        prompt = shared + random_prompts(1, 9, 9, seed=74)[0]
+        requester.add_request("r", prompt, GREEDY, prefix_pull=PrefixPull(holder.address, 4))
+        final = drive([requester], lambda: idle(requester), timeout_s=60)
+        assert requester.connector.worker.stats.blocks_pulled == 4
+        assert final["r"].num_cached_tokens == 32
+        assert final["r"].token_ids == hf_reference(model, prompt, N_OUT)
+        _assert_same_heads(held, requester, prompt, 4)
+        drive([], lambda: holder.call("idle"), timeout_s=30)
+        assert holder.call("leaks") is None
+        assert_pool_clean(requester.block_pool)
+    finally:
+        requester.close()
+        holder.stop()
+
+
 def test_a_rank_killed_mid_transfer_the_decode_side_recomputes(model_dirs, hf_reference):
     model = model_dirs["llama-gqa"]
     prefill = NodeProcess(model, timeout_s=20.0, device="cpu", dtype="float32",

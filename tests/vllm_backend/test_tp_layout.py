@@ -105,7 +105,7 @@ def _group(num_heads, tp, name, fill, memory):
     transports = [MemoryTransport(f"{name}{r}", memory) for r in range(tp)]
     for r in range(tp):
         memory[f"{name}{r}"] = list(caches[r].values())
-    endpoints = [RankEndpoint(t.session_id, g.base_addr, g.segment_offsets)
+    endpoints = [RankEndpoint(t.session_id, g.base_addr, segment_offsets=g.segment_offsets)
                  for t, g in zip(transports[1:], regions[1:], strict=True)]
     ranks = MemoryRanks(transports, endpoints) if tp > 1 else None
     return transports, regions, caches, GroupWriter(transports[0], regions[0], ranks, 5.0)

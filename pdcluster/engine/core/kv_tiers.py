@@ -124,13 +124,9 @@ class KVTiers:
 
     def peer_prefix(self, block_hashes: Sequence[BlockHash]) -> list[KVCacheBlock | LowerHit]:
         """`longest_prefix` for a peer's pull: only the tiers a peer reads through the
-        transfer engine. Never the disk (its file is not registered). The host only with one
-        rank: the connector registers rank 0's host region alone, so at tensor_parallel_size
-        > 1 the other ranks' slices of a host block cannot be read
-        (transfer/group_writer.py refuses such blocks) and a pull stops at the first block
-        only the host holds."""
-        if self.num_ranks > 1:
-            return [*self.pool.find_longest_prefix(block_hashes)]
+        transfer engine. Never the disk (its file is not registered). The host, also at
+        tensor_parallel_size > 1: every rank registers its own host tier (slot for slot rank
+        0's) with its transfer engine, and transfer/group_writer.py plans each rank's share."""
         return self.longest_prefix(block_hashes, include_disk=False)
 
     def _tier(self, hit: LowerHit) -> HostBlockPool:

@@ -33,6 +33,7 @@ from pdcluster.core.kv_ranks import (
     load_rank_agent,
 )
 from pdcluster.engine.core.failures import TensorParallelError
+from pdcluster.engine.kv.host_kv_cache import HostKVCache
 from pdcluster.engine.kv.kv_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -49,16 +50,19 @@ class AgentHost:
         self._thread = threading.Thread(target=self._serve, name="kv-rank-agent", daemon=True)
 
     @classmethod
-    def start(cls, spec: RankAgentSpec, kv_cache: PagedKVCache,
-              pipe: Connection) -> tuple[AgentHost, RankEndpoint]:
-        """The agent built and this rank's region registered; where peers reach it."""
+    def start(cls, spec: RankAgentSpec, kv_cache: PagedKVCache, pipe: Connection,
+              host_tier: HostKVCache | None = None) -> tuple[AgentHost, RankEndpoint]:
+        """The agent built and this rank's region registered (with its host tier, so a peer's
+        pull can be served from there); where peers reach it."""
         kv = kv_cache.spec
         agent = load_rank_agent(spec)
-        region = KVRegion(kv_cache.data_ptr(), kv.total_nbytes, kv.block_nbytes, kv.num_blocks)
+        region = KVRegion(kv_cache.data_ptr(), kv.total_nbytes, kv.block_nbytes, kv.num_blocks,
+                          host_addr=host_tier.tensor.data_ptr() if host_tier else 0,
+                          num_host_blocks=host_tier.num_blocks if host_tier else 0)
         session = agent.register(region)
         host = cls(agent, pipe)
         host._thread.start()
-        return host, RankEndpoint(session, region.base_addr)
+        return host, RankEndpoint(session, region.base_addr, region.host_addr)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -154,8 +154,7 @@ class StepPeers:
         endpoints = []
         for rank, pipe in enumerate(self.pipes, start=1):
             self._expect(rank, pipe, _OK)
-            session, base_addr = msgpack.unpackb(pipe.recv_bytes())
-            endpoints.append(RankEndpoint(session, base_addr))
+            endpoints.append(RankEndpoint(*msgpack.unpackb(pipe.recv_bytes())))
         return RankLinks(self.agent_pipes, endpoints)
 
     def start_tiers(self, host_blocks: int, disk_blocks: int, disk_dir: str | None) -> None:
@@ -309,9 +308,10 @@ def _serve(spec: RankSpec, tp: TensorParallel, device: torch.device, pipe: Conne
         if op == "agent":
             agent, endpoint = AgentHost.start(
                 RankAgentSpec(message["factory"], message["options"]), runner.kv_cache,
-                agent_pipe)
+                agent_pipe, host)
             pipe.send_bytes(_OK)
-            pipe.send_bytes(msgpack.packb([endpoint.session, endpoint.base_addr]))
+            pipe.send_bytes(msgpack.packb([endpoint.session, endpoint.base_addr,
+                                           endpoint.host_addr]))
         elif op == "block_bytes":
             pipe.send_bytes(_OK)
             pipe.send_bytes(runner.kv_cache.block_bytes(message["block"]))
