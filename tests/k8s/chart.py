@@ -124,8 +124,10 @@ VALUE_SETS: dict[str, dict] = {
         "imagePullSecrets": [{"name": "registry-creds"}],
         "pdb": {"maxUnavailable": "25%"},
     },
-    # no Ray pod holds the cluster secret: nodes trade their pods' projected tokens
+    # no Ray pod holds the cluster secret: nodes trade their pods' projected tokens (the
+    # default, spelled out); off, the launcher on the Ray head derives them from the secret
     "pod-identity": {"metadata": {"podIdentity": {"enabled": True}}},
+    "secret-on-head": {"metadata": {"podIdentity": {"enabled": False}}},
 }
 
 

@@ -85,7 +85,8 @@ def test_off_when_disabled() -> None:
         assert not tls_volumes(tmpl["spec"]), component
     args = " ".join(command_of(OFF, "metadata") + command_of(OFF, "router"))
     assert "--tls" not in args and "--metadata-tls" not in args
-    assert set(cluster_config(render(OFF))["metadata"]) == {"address"}
+    # no certificate named; the token file is pod identity's (the chart's default)
+    assert set(cluster_config(render(OFF))["metadata"]) == {"address", "node_identity_token_file"}
 
 
 def test_mtls_by_default_with_the_charts_own_certificates() -> None:

@@ -78,7 +78,8 @@ def test_the_launcher_reads_the_token_file_and_needs_no_secret(mode) -> None:
     config = ClusterConfig.from_dict(data)  # the product's own parse of the rendered file
     assert config.node_identity_token_file == f"{TOKEN_DIR}/token"
     assert not needs_cluster_secret(config)
-    assert needs_cluster_secret(ClusterConfig.from_dict(cluster_config(render({}))))
+    off = cluster_config(render(VALUE_SETS["secret-on-head"]))
+    assert needs_cluster_secret(ClusterConfig.from_dict(off))
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -122,8 +123,15 @@ def test_the_metadata_service_may_create_token_reviews_and_nothing_else(mode) ->
     assert accounts[RAY_SA]["automountServiceAccountToken"] is False
 
 
-def test_off_by_default_the_head_keeps_the_secret_and_nothing_renders() -> None:
-    docs = render({})
+def test_on_by_default_no_ray_pod_holds_the_secret() -> None:
+    pods = _ray_pods(render({}))
+    for component, tmpl in pods.items():
+        assert not _secret_volumes(tmpl["spec"]), component
+        assert any(v["name"] == "node-identity" for v in tmpl["spec"]["volumes"]), component
+
+
+def test_turned_off_the_head_keeps_the_secret_and_nothing_renders() -> None:
+    docs = render(VALUE_SETS["secret-on-head"])
     pods = _ray_pods(docs)
     assert [v["name"] for v in _secret_volumes(pods["ray-head"]["spec"])] == ["cluster-secret"]
     for component, tmpl in pods.items():
