@@ -12,7 +12,10 @@ the engine at TP=1 and at TP=N (default 2) on the same prompts (greedy, EOS igno
 and reports each TP=N figure over TP=1's, and whether their greedy tokens are equal. On a CPU
 both runs share the same cores (TP=1 with all of them, each of N ranks with 1/N), so the ratio
 shows what the per-layer collectives cost where no extra compute comes with the ranks; on GPUs
-each rank brings its own device.
+each rank brings its own device. The machine's ceiling for that cost, in the same run:
+`allreduce_us_p50` / `_mean`, the time of one all-reduce of a decode step's activations (one token's
+hidden state) between N processes joined as the engine joins its ranks
+(`runner.tp_workers.make_group`: gloo on CPU, NCCL on CUDA).
 
 Returns a flat dict; the CLI prints it as the last line of stdout.
 """
@@ -24,6 +27,9 @@ import random
 import statistics
 import tempfile
 import time
+
+_BENCH_HIDDEN = 512  # the `bench` preset's hidden size
+_ALLREDUCE_WARMUP, _ALLREDUCE_TIMED = 20, 200
 
 
 def _engine(model: str, device: str, tp: int):
@@ -84,6 +90,54 @@ def _measure(model: str, device: str, tp: int, quick: bool) -> tuple[dict, list[
     return figures, tokens
 
 
+def _allreduce_rank(rank: int, size: int, store: str, device: str, hidden: int,
+                    results) -> None:
+    import torch
+
+    from pdcluster.engine.runner.tp_workers import make_group, rank_device
+
+    where = rank_device(device, rank)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    else:
+        torch.set_num_threads(1)
+    tp = make_group(rank, size, store, where)
+    x = torch.ones(1, hidden, device=where)
+    times = []
+    for i in range(_ALLREDUCE_WARMUP + _ALLREDUCE_TIMED):
+        start = time.perf_counter()
+        tp.all_reduce(x)
+        if where.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= _ALLREDUCE_WARMUP:
+            times.append(time.perf_counter() - start)
+    if rank == 0:
+        results.put((statistics.median(times), statistics.fmean(times)))
+
+
+def _allreduce_us(size: int, device: str, hidden: int) -> tuple[float, float]:
+    """Median and mean µs of one all-reduce of `hidden` values between `size` fresh
+    processes."""
+    import multiprocessing as mp
+    import os
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="pdcluster-tp-allreduce-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_allreduce_rank,
+                             args=(rank, size, store, device, hidden, results))
+                 for rank in range(size)]
+        for p in procs:
+            p.start()
+        try:
+            p50, mean = results.get(timeout=120)
+            return p50 * 1e6, mean * 1e6
+        finally:
+            for p in procs:
+                p.join(30)
+
+
 def run(args: argparse.Namespace) -> dict:
     from pdcluster.engine.models.tiny_model import make_tiny_model
 
@@ -96,6 +150,8 @@ def run(args: argparse.Namespace) -> dict:
         many, tokens_many = _measure(model, device, size, args.quick)
     result: dict = {"device": device, "tensor_parallel_size": size,
                     "tokens_equal": tokens_one == tokens_many}
+    p50, mean = _allreduce_us(size, device, _BENCH_HIDDEN)
+    result.update(allreduce_us_p50=round(p50, 1), allreduce_us_mean=round(mean, 1))
     for name, value in one.items():
         result[f"tp1_{name}"] = round(value, 3)
         result[f"tp{size}_{name}"] = round(many[name], 3)
