@@ -99,3 +99,4 @@ def test_bench_tp_reports_each_figure_against_tp1():
     assert result["tokens_equal"] is True
     for name in ("decode_b1", "decode_b16", "ttft_512"):
         assert result[f"tp2_over_tp1_{name}"] > 0
+    assert result["allreduce_us_p50"] > 0 and result["allreduce_us_mean"] > 0  # the ceiling
