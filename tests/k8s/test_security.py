@@ -424,6 +424,19 @@ def _ray_pods(values: dict) -> list[tuple[dict, dict]]:
     return [(g["template"]["spec"], g["template"]["spec"]["containers"][0]) for g in groups]
 
 
+@pytest.mark.parametrize("run_as", [None, 1000])
+def test_the_launcher_job_runs_as_the_ray_head_does(run_as) -> None:
+    docs = render({"launcher": {"mode": "job"}, "ray": {"runAsUser": run_as}})
+    (job,) = [d for d in docs if d["kind"] == "Job"
+              and d["metadata"]["labels"]["app.kubernetes.io/component"] == "launcher"]
+    spec = job["spec"]["template"]["spec"]
+    ctx = spec["containers"][0]["securityContext"]
+    assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"]["drop"] == ["ALL"]
+    assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert ctx.get("runAsUser") == run_as and ctx.get("runAsNonRoot") == (run_as and True)
+    assert spec.get("securityContext", {}).get("fsGroup") == run_as
+
+
 @pytest.mark.parametrize("rdma", [False, True])
 def test_ray_containers_drop_capabilities_and_escalation(rdma: bool) -> None:
     pods = _ray_pods({"rdma": {"enabled": rdma}})
