@@ -37,6 +37,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of both engines")
     parser.add_argument("--model", default=None, help="model folder (default: the built-in one)")
+    parser.add_argument("--max-load", type=float, default=None,
+                        help="the highest 1-minute load average to start at (default: the "
+                        "cores the engines leave free, at least 0.5)")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                        help="wait up to this long for the load to drop before refusing")
     parser.add_argument("--allow-busy", action="store_true",
                         help="run on a busy machine anyway, flagging the result")
 
@@ -64,7 +69,8 @@ def run(args: argparse.Namespace) -> dict:
     sizes = QUICK if args.quick else PeerSizes(repeats=args.repeats)
     model = str(args.model or builtin_model_dir())
     settings = PeerSettings(threads=args.threads, max_num_seqs=sizes.num_requests)
-    gate = LoadGate.for_threads(settings.threads, None, 0.0, args.allow_busy).check()
+    gate = LoadGate.for_threads(settings.threads, args.max_load, args.wait_quiet,
+                                args.allow_busy).check()
     commit, base_root = baseline_checkout(args.baseline)
     launch = settings.launch("pdcluster", model)
     logs = cache_dir() / "regress"
