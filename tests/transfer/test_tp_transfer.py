@@ -95,6 +95,21 @@ def test_prefill_and_decode_of_different_tp(variant, p_tp, d_tp, model_dirs, hf_
         prefill.stop()
 
 
+def _pull_four_blocks(holder: NodeProcess, requester, prompt: list[int],
+                      held: list[dict | None], expected: list[int]) -> None:
+    """The requester pulls the prompt's first 4 blocks from the holder: its tokens are
+    `expected`, its heads equal the holder's copies `held`, and neither side leaks a block."""
+    requester.add_request("r", prompt, GREEDY, prefix_pull=PrefixPull(holder.address, 4))
+    final = drive([requester], lambda: idle(requester), timeout_s=60)
+    assert final["r"].token_ids == expected
+    assert requester.connector.worker.stats.blocks_pulled == 4
+    assert final["r"].num_cached_tokens == 32
+    _assert_same_heads(held, requester, prompt, 4)
+    drive([], lambda: holder.call("idle"), timeout_s=30)
+    assert holder.call("leaks") is None
+    assert_pool_clean(requester.block_pool)
+
+
 def test_a_prefix_pull_from_a_holder_of_other_tp(model_dirs, hf_reference):
     model = model_dirs["llama-gqa"]
     holder = NodeProcess(model, timeout_s=20.0, device="cpu", dtype="float32",
@@ -105,15 +120,8 @@ def test_a_prefix_pull_from_a_holder_of_other_tp(model_dirs, hf_reference):
         holder.send("add", "warm", shared + [5, 6, 7], 1, None, None, None)
         holder.wait_for("warm")
         prompt = shared + random_prompts(1, 9, 9, seed=71)[0]
-        requester.add_request("r", prompt, GREEDY, prefix_pull=PrefixPull(holder.address, 4))
-        final = drive([requester], lambda: idle(requester), timeout_s=60)
-        assert final["r"].token_ids == hf_reference(model, prompt, N_OUT)
-        assert requester.connector.worker.stats.blocks_pulled == 4
-        assert final["r"].num_cached_tokens == 32
-        _assert_same_heads(holder.call("head_copies", prompt), requester, prompt, 4)
-        drive([], lambda: holder.call("idle"), timeout_s=30)
-        assert holder.call("leaks") is None
-        assert_pool_clean(requester.block_pool)
+        _pull_four_blocks(holder, requester, prompt, holder.call("head_copies", prompt),
+                          hf_reference(model, prompt, N_OUT))
     finally:
         requester.close()
         holder.stop()
@@ -141,15 +149,7 @@ def test_a_prefix_pull_served_from_the_host_tier_of_a_tp2_holder(evict_tokens, m
         holder.wait_for("evict")
         assert holder.call("media", shared) == media
         prompt = shared + random_prompts(1, 9, 9, seed=74)[0]
-        requester.add_request("r", prompt, GREEDY, prefix_pull=PrefixPull(holder.address, 4))
-        final = drive([requester], lambda: idle(requester), timeout_s=60)
-        assert requester.connector.worker.stats.blocks_pulled == 4
-        assert final["r"].num_cached_tokens == 32
-        assert final["r"].token_ids == hf_reference(model, prompt, N_OUT)
-        _assert_same_heads(held, requester, prompt, 4)
-        drive([], lambda: holder.call("idle"), timeout_s=30)
-        assert holder.call("leaks") is None
-        assert_pool_clean(requester.block_pool)
+        _pull_four_blocks(holder, requester, prompt, held, hf_reference(model, prompt, N_OUT))
     finally:
         requester.close()
         holder.stop()
