@@ -10,6 +10,9 @@ thread never waits on vLLM:
   queue; `step` drains that queue (waiting at most a few milliseconds when it is empty).
 - `abort_request` forgets the request at once and asks vLLM to abort it in the background;
   until vLLM's figures include the abort (aborts.py), the node does not count as idle.
+- `step` raises `engine.api.EngineFailure` once vLLM's engine is dead (a worker or its
+  engine core died: failures.py), so that the node goes down instead of serving on; a dead
+  engine counts as unfinished work, so that an idle node steps and notices too.
 - Load and counters come from vLLM's stats (stats.py), KV events from vLLM's event
   publisher (events.py), the connector's KV address from the handshake folder.
 """
@@ -45,6 +48,7 @@ from pdcluster.engine.core.outputs import EngineCounters, EngineLoad, RequestOut
 from pdcluster.vllm_backend.aborts import AbortTracker
 from pdcluster.vllm_backend.connector_scheduler import kv_transfer_params
 from pdcluster.vllm_backend.events import EventSubscriber
+from pdcluster.vllm_backend.failures import is_dead, raise_if_dead
 from pdcluster.vllm_backend.handshake import Handshake, endpoint
 from pdcluster.vllm_backend.lost import LostNotifier
 from pdcluster.vllm_backend.sampling import to_node_output, to_vllm_params
@@ -225,6 +229,8 @@ class VllmEngine(NodeEngine):
                 outputs.append(self._outputs.get_nowait())
         except queue.Empty:
             pass
+        # After the drain: a request that vLLM's death failed fails as the node's loss.
+        raise_if_dead(self._llm, self.config.tensor_parallel_size)
         kept = []
         for out in outputs:
             tracked = self._requests.get(out.request_id)
@@ -239,7 +245,8 @@ class VllmEngine(NodeEngine):
         return kept
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or not self._aborts.settled()
+        # A dead vLLM has one thing left to do, idle or not: a step that reports its death.
+        return bool(self._requests) or not self._aborts.settled() or is_dead(self._llm)
 
     def has_runnable_requests(self) -> bool:
         return bool(self._requests)

@@ -46,11 +46,13 @@ DEAD_ADDRESS = "tcp://127.0.0.1:9"  # nothing listens on the discard port
 
 
 class Pair:
-    """`tp`: each node's tensor-parallel size (p0, d0)."""
+    """`tp`: each node's tensor-parallel size (p0, d0). `fatal[node_id]`: what lost that
+    node's engine for good, as its server reports it (`on_fatal`)."""
 
     def __init__(self, model: str, metadata_address: str, tp: tuple[int, int] = (1, 1),
                  kv_timeout_s: float = KV_TIMEOUT_S) -> None:
         self.nodes = {}
+        self.fatal: dict[str, list[Exception]] = {"p0": [], "d0": []}
         for (node_id, role), tp_size in zip((("p0", "prefill"), ("d0", "decode")), tp,
                                             strict=True):
             engine = EngineConfig(model, backend="vllm", block_size=BLOCK, num_kv_blocks=192,
@@ -58,7 +60,8 @@ class Pair:
             self.nodes[node_id] = NodeRuntime(NodeConfig(
                 node_id=node_id, role=role, engine=engine, metadata_address=metadata_address,
                 lease_ttl_s=5, publish_interval_s=0.02, bootstrap_token=node_token(node_id),
-                kv_timeout_s=kv_timeout_s)).start(registration_timeout_s=30)
+                kv_timeout_s=kv_timeout_s), on_fatal=self.fatal[node_id].append,
+            ).start(registration_timeout_s=30)
         self.p, self.d = self.nodes["p0"], self.nodes["d0"]
         # each node with its own keys, the test a registered router (as in a cluster)
         clients = router_clients(metadata_address, TEST_SECRET,
@@ -95,8 +98,8 @@ class Pair:
         return node.engine.transfer_counters().get(name, 0)
 
     def assert_idle(self, timeout_s: float = 10.0) -> None:
-        """Every block of both engines free again (vLLM's own KV usage back to zero) and no
-        transfer in flight."""
+        """Every block of both engines (those still running) free again (vLLM's own KV usage
+        back to zero) and no transfer in flight."""
         deadline = time.monotonic() + timeout_s
         while True:
             states = {n: node.server.call(lambda e: e.pool_state())
@@ -106,6 +109,11 @@ class Pair:
                 return
             assert time.monotonic() < deadline, f"blocks still held: {states}"
             time.sleep(0.1)
+
+    def stop_node(self, node_id: str) -> None:
+        """Stop one node for good, as its actor does before it exits (`assert_idle` and
+        `close` leave it out from then on)."""
+        self.nodes.pop(node_id).stop(drain=False, timeout_s=10)
 
     def close(self) -> None:
         self.to_p.close()
