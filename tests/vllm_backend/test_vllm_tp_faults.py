@@ -8,9 +8,9 @@ timing (as tests/chaos/prefill_lost.py does):
 2. a second request streams on the prefill node; once it has a token, the prefill node's
    vLLM is stopped, its rank 1 worker SIGKILLed, and the rest resumed;
 3. the prefill node must go down cleanly: the streaming request fails with "internal" naming
-   the lost engine, its server reports the loss (`on_fatal`, where a node actor exits so that
-   Ray restarts it), and none of its vLLM processes outlives it. Its actor then stops the node
-   (`Pair.stop_node`), its connection closes, and the router tells the decode node
+   the lost engine and its server reports the loss (`on_fatal`, where a node actor exits so
+   that Ray restarts it). Its actor then stops the node (`Pair.stop_node`), none of its vLLM
+   processes outlives it, its connection closes, and the router tells the decode node
    (`PrefillLost`, sent here as the router sends it) while its vLLM is still stopped;
 4. the decode node's vLLM runs again and recomputes the prompt at once: its receive failed as
    lost (`sources_lost`), never timed out; exactly transformers' greedy tokens; no block held.
@@ -56,7 +56,10 @@ MAX_TOKENS = 8
 KV_TIMEOUT_S = 30.0
 # The goal is 1 s; a loaded 2-core machine gets more (tests/vllm_backend/test_vllm_faults.py).
 RESUMED_WITHIN_S = 5.0
-DOWN_WITHIN_S = 15.0  # the prefill node noticing its dead rank and failing its requests
+DOWN_WITHIN_S = 15.0  # a node noticing its dead rank and failing its requests
+# vLLM's engine core may linger after its executor failed (13 s seen under a load of 12);
+# stopping the node ends it (SIGTERM, then SIGKILL after vLLM's 5 s grace; 0.2 s seen).
+GONE_WITHIN_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +124,11 @@ def test_a_prefill_rank_killed_under_pinned_kv_downs_the_node_and_the_decode_nod
         assert isinstance(failed, RequestError) and failed.code == "internal", failed
         assert "vLLM's engine is dead" in failed.message, failed.message
         wait_for(lambda: pair.fatal["p0"], DOWN_WITHIN_S)
+        down_s = time.monotonic() - killed_at
         assert isinstance(pair.fatal["p0"][0], VllmEngineLost), pair.fatal["p0"]
         assert pair.p.server.failure is pair.fatal["p0"][0] and pair.p.server.draining
-        wait_for(lambda: gone(p_tree), DOWN_WITHIN_S)  # no vLLM process outlives the node
-        down_s = time.monotonic() - killed_at
         pair.stop_node("p0")  # what its actor does before it exits: its connection closes
+        wait_for(lambda: gone(p_tree), GONE_WITHIN_S)  # no vLLM process outlives the node
         pair.to_d.send(PrefillLost(rid, tid, "p0: disconnected"))  # so the router says
         time.sleep(1.0)  # the notice waits for a decode node busy elsewhere
     resumed_at = time.monotonic()
@@ -147,5 +150,5 @@ def test_a_vllm_worker_killed_while_the_node_is_idle_takes_the_node_down(pair) -
     wait_for(lambda: pair.fatal["d0"], DOWN_WITHIN_S)  # no request needed to notice
     assert isinstance(pair.fatal["d0"][0], VllmEngineLost), pair.fatal["d0"]
     assert pair.d.server.failure is pair.fatal["d0"][0] and pair.d.server.draining
-    wait_for(lambda: gone(tree), DOWN_WITHIN_S)
     pair.stop_node("d0")
+    wait_for(lambda: gone(tree), GONE_WITHIN_S)
