@@ -69,7 +69,6 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $_ := set $engine "disk_cache_gib" (float64 $e.diskCacheGiB) -}}
 {{- end -}}
 {{- if eq $e.backend "vllm" -}}
-{{- $_ := set $engine "tensor_parallel_size" (int $e.tensorParallelSize) -}}
 {{- if not (kindIs "invalid" $e.gpuMemoryUtilization) -}}
 {{- $_ := set $engine "gpu_memory_utilization" $e.gpuMemoryUtilization -}}
 {{- end -}}

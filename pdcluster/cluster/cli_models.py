@@ -103,8 +103,8 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--engine", choices=("pdcluster", "vllm"), default="pdcluster",
                         help="the project's own engine, or vLLM (`make setup-vllm`)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="split the model over this many ranks (the own engine: processes "
-                        "it starts, one GPU each on CUDA)")
+                        help="split the model over this many ranks (processes the engine "
+                        "starts, one GPU each on CUDA)")
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -119,8 +119,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     require_device(args.device)
     model = resolve_model_arg(args.model)
     if args.engine == "vllm":
-        if args.tensor_parallel_size != 1:
-            raise UsageError("--tensor-parallel-size with --engine vllm is not supported yet")
         return _generate_with_vllm(args, model)
     from pdcluster.engine import LLM, SamplingParams
 
@@ -170,7 +168,8 @@ def _generate_with_vllm(args: argparse.Namespace, model: str) -> int:
     started = time.perf_counter()
     with config_errors_as_usage():
         token_ids, text = generate(model, prompt, spec, dtype=args.dtype, device=args.device,
-                                   block_size=args.block_size or 32, **extra)
+                                   block_size=args.block_size or 32,
+                                   tensor_parallel_size=args.tensor_parallel_size, **extra)
     print(f"prompt: {prompt}")
     print(f"output: {text}")
     print(f"generated {len(token_ids)} tokens with vLLM in {time.perf_counter() - started:.3f} s "

@@ -9,10 +9,10 @@ destination byte written once, from one source rank), writes its own, has the ot
 write theirs (`KVRanks.write`, concurrently), and the transfer is done when every rank is;
 one rank's failure (or death) fails it, and the requester recomputes.
 
-A layout of several segments (vLLM's CPU cache, one per layer, each block KV head outermost)
+A layout of several segments (vLLM's cache, one per layer, each block KV head outermost)
 is mapped segment by segment: segment s of every source rank into segment s of every
 destination rank, each rank's segments at its own offsets (`KVGroup.segment_offsets`).
-Layouts without addressable heads (vLLM's GPU layouts, `KVRegion.num_kv_heads == 0`) keep the
+Layouts without addressable heads (`KVRegion.num_kv_heads == 0`) keep the
 one-rank, same-layout path: both sides must have as many segments of the same block size, and
 consecutive blocks coalesce within each segment.
 

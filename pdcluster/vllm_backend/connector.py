@@ -35,7 +35,7 @@ from pdcluster.core.kv_connector import ConnectorResults
 from pdcluster.vllm_backend.connector_scheduler import StepPlan, VllmSchedulerSide
 from pdcluster.vllm_backend.connector_worker import VllmRankSide, VllmWorkerSide, _merge
 from pdcluster.vllm_backend.lifeline import die_with_parent
-from pdcluster.vllm_backend.settings import ConnectorSettings
+from pdcluster.vllm_backend.settings import REQUIRED_LAYOUT, ConnectorSettings
 
 _NORMAL_FINISH = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
@@ -102,6 +102,17 @@ class PdclusterConnector(KVConnectorBase_V1):
                 self._worker = VllmWorkerSide(settings)
         self._heads = _kv_heads(vllm_config)
         self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """LBHNC: each layer's block holds its KV heads outermost, one byte run, so a head
+        range is one run and nodes of different TP map heads (connector_worker.kv_region).
+        vLLM's CPU backend has only this layout; its GPU backends default to token-major
+        LBNHC unless a connector asks. MLA's one latent head reads the same either way."""
+        model = vllm_config.model_config
+        if model is None or model.use_mla:
+            return None
+        return REQUIRED_LAYOUT
 
     # ---- scheduler side --------------------------------------------------------------
 
@@ -226,14 +237,11 @@ def _tp_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
-def _kv_heads(vllm_config: Any) -> tuple[int, int] | None:
-    """(the model's KV heads, one rank's) where vLLM's KV layout holds them outermost in a
-    block (its CPU layout); None elsewhere (token-major GPU layouts)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return None
+def _kv_heads(vllm_config: Any) -> tuple[int, int]:
+    """(the model's KV heads, one rank's); MLA's latent is one head every rank holds."""
     model = vllm_config.model_config
+    if model.use_mla:
+        return (1, 1)
     return (int(model.get_total_num_kv_heads()),
             int(model.get_num_kv_heads(vllm_config.parallel_config)))
 

@@ -2,12 +2,12 @@
 `ConnectorWorker` over Mooncake and the CURVE side channel, on vLLM's paged KV cache.
 
 - `kv_region` describes vLLM's per-layer cache tensors as one `KVRegion` of many segments
-  (one per layer, two when a layer keeps K and V apart): block b of a layer is one byte run,
-  so n consecutive blocks travel as one descriptor per segment. Both nodes run the same model
-  and engine, so their segments line up one to one (the worker checks count and size). In
-  vLLM's CPU layout a block of a layer holds its KV heads outermost, so the region names the
-  model's KV heads and nodes of different tensor-parallel sizes map head ranges
-  (transfer/head_map.py).
+  (one per layer): block b of a layer is one byte run, so n consecutive blocks travel as one
+  descriptor per segment. Both nodes run the same model and engine, so their segments line up
+  one to one (the worker checks count and size). The connector asks vLLM for the layout
+  LBHNC (CPU and GPU alike), where a block of a layer holds its KV heads outermost, so the
+  region names the model's KV heads and nodes of different tensor-parallel sizes map head
+  ranges (transfer/head_map.py).
 - With tensor parallelism vLLM builds this side in every rank: rank 0 is the node's connector
   (`VllmWorkerSide`, driving the other ranks' writes through `ranks.RankClients`); ranks
   r >= 1 only register their KV slice and write what rank 0 plans (`VllmRankSide`).
@@ -43,42 +43,43 @@ from pdcluster.vllm_backend.handshake import (
     write_kv_address,
 )
 from pdcluster.vllm_backend.ranks import RankClients, RankServer
-from pdcluster.vllm_backend.settings import ConnectorSettings
+from pdcluster.vllm_backend.settings import HEAD_OUTERMOST_LAYOUTS, ConnectorSettings
 
 logger = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
-def kv_region(kv_caches: dict[str, Any], num_blocks: int,
-              heads: tuple[int, int] | None = None) -> KVRegion:
+def kv_region(kv_caches: dict[str, Any], num_blocks: int, heads: tuple[int, int]) -> KVRegion:
     """vLLM's per-layer cache tensors (layer name -> tensor) as one multi-segment region.
-    `heads`: (the model's KV heads, this rank's) where each layer's cache is vLLM's CPU layout
-    `[blocks, kv heads, ...]`, KV head outermost in a block (checked); None: not
-    head-addressable."""
+    `heads`: (the model's KV heads, this rank's). Each layer's cache is vLLM's logical
+    `[blocks, KV heads, block size, content]` view; its physical layout (`KVCacheLayout`) must
+    hold a block of a layer as one byte run with the KV heads outermost (LBHNC or BLHNC: the
+    layout the connector asks vLLM for, `HEAD_OUTERMOST_LAYOUTS`), so that a range of heads is
+    one run and groups of different TP map heads. Anything else is refused by name."""
     segments = []
     for name in sorted(kv_caches, key=_layer_order):
         cache = kv_caches[name]
-        if cache.shape[0] == num_blocks:
-            segments.append(cache)
-        elif cache.shape[0] == 2 and cache.ndim > 1 and cache.shape[1] == num_blocks:
-            segments.extend((cache[0], cache[1]))  # K and V apart (vLLM's GPU layouts)
-        else:
+        if cache.shape[0] != num_blocks:
             raise ValueError(f"KV cache layout of {name} {tuple(cache.shape)} has no block "
                              f"dimension of {num_blocks} first: not supported by this connector")
+        if cache.ndim < 3 or cache.shape[1] != heads[1] or not cache[0].is_contiguous():
+            raise ValueError(
+                f"KV cache of {name} {tuple(cache.shape)}, strides {tuple(cache.stride())}: "
+                f"a block does not hold its {heads[1]} KV heads outermost in one byte run. "
+                f"pdcluster's connector needs KV cache layout {' or '.join(HEAD_OUTERMOST_LAYOUTS)}"
+                " (unset VLLM_KV_CACHE_LAYOUT: the connector asks vLLM for LBHNC)")
+        segments.append(cache)
     first = segments[0]
     block_nbytes = first[0].nbytes
     stride = first.stride(0) * first.element_size()
     for segment in segments:
-        if not segment[0].is_contiguous() or segment[0].nbytes != block_nbytes \
-                or segment.stride(0) * segment.element_size() != stride:
+        if segment[0].nbytes != block_nbytes or segment.stride(0) * segment.element_size() \
+                != stride:
             raise ValueError("vLLM's KV cache segments differ in block size or stride")
-    if heads is not None and any(s.ndim < 3 or s.shape[1] != heads[1] for s in segments):
-        raise ValueError(f"KV cache layout {tuple(first.shape)} does not hold its {heads[1]} "
-                         "KV heads outermost in a block: not supported at this TP size")
     base = first.data_ptr()
     return KVRegion(base, 0, block_nbytes, num_blocks, block_stride=stride,
                     segment_offsets=tuple(s.data_ptr() - base for s in segments),
-                    num_kv_heads=heads[0] if heads is not None else 0)
+                    num_kv_heads=heads[0])
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -104,8 +105,8 @@ class VllmWorkerSide:
         self._load_errors: set[int] = set()
         self._ranks: RankClients | None = None
 
-    def register(self, kv_caches: dict[str, Any], num_blocks: int,
-                 heads: tuple[int, int] | None = None, tp_size: int = 1) -> None:
+    def register(self, kv_caches: dict[str, Any], num_blocks: int, heads: tuple[int, int],
+                 tp_size: int = 1) -> None:
         region = kv_region(kv_caches, num_blocks, heads)
         if tp_size > 1:
             self._ranks = RankClients(self._handshake_dir, tp_size, self.worker.timeout_s)
@@ -195,9 +196,7 @@ class VllmRankSide:
         self._server: RankServer | None = None
 
     def register(self, kv_caches: dict[str, Any], num_blocks: int,
-                 heads: tuple[int, int] | None = None) -> None:
-        if heads is None:
-            raise ValueError("tensor parallelism needs vLLM's CPU KV layout (heads outermost)")
+                 heads: tuple[int, int]) -> None:
         region = kv_region(kv_caches, num_blocks, heads)
         settings = self._settings
         agent = MooncakeRankAgent(settings.host, settings.protocol, settings.device)

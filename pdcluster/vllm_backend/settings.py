@@ -10,6 +10,8 @@ set, never dropped: `check_supported` names each. What vLLM is always given:
   role `kv_both` with `kv_load_failure_policy="recompute"`: a failed remote load recomputes;
 - KV cache events published over `ipc://` in a private folder (vLLM's default endpoint is a
   wildcard TCP port, which this project never opens);
+- the KV cache layout LBHNC (the connector asks for it: `REQUIRED_LAYOUT`), where each layer's
+  block holds its KV heads outermost in one byte run, on CPU and GPU alike;
 - eager mode (no torch.compile warm-up of a minute per engine on CPU; CUDA graphs are kept
   on GPUs unless `enforce_eager` is set).
 """
@@ -30,6 +32,11 @@ GIB = 1 << 30
 # vLLM's CPU attention kernels take blocks of a multiple of 32 tokens
 # (CPUAttentionBackend.get_supported_kernel_block_sizes).
 CPU_BLOCK_MULTIPLE = 32
+# vLLM's KV cache layouts (vllm/v1/kv_cache_layout.py) in which a block of one layer is one
+# byte run with its KV heads outermost; "HND" is vLLM's older name for LBHNC.
+REQUIRED_LAYOUT = "LBHNC"
+HEAD_OUTERMOST_LAYOUTS = ("LBHNC", "BLHNC")
+_LAYOUT_ALIASES = {"HND": "LBHNC", "NHD": "LBNHC"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +82,10 @@ def check_supported(config: EngineConfig) -> None:
     if not _on_gpu() and config.block_size % CPU_BLOCK_MULTIPLE:
         refused.append(f"block_size {config.block_size} (vLLM's CPU kernels need a multiple "
                        f"of {CPU_BLOCK_MULTIPLE})")
-    if config.tensor_parallel_size > 1 and _on_gpu():
-        # The connector maps KV head ranges between groups (transfer/head_map.py) where a
-        # block holds its heads outermost: vLLM's CPU layout. Its GPU layouts put tokens
-        # outermost, where a head range is not one byte run.
-        refused.append("tensor_parallel_size > 1 on CUDA (the connector maps KV heads in "
-                       "vLLM's CPU cache layout only)")
+    layout = os.environ.get("VLLM_KV_CACHE_LAYOUT")
+    if layout and _LAYOUT_ALIASES.get(layout, layout) not in HEAD_OUTERMOST_LAYOUTS:
+        refused.append(f"VLLM_KV_CACHE_LAYOUT={layout} (the connector moves blocks whose KV "
+                       f"heads are outermost: {' or '.join(HEAD_OUTERMOST_LAYOUTS)}; unset it)")
     if refused:
         raise ValueError("the vLLM backend does not support: " + "; ".join(refused))
     seed = os.environ.get("PYTHONHASHSEED")

@@ -35,21 +35,30 @@ def _received(metadata_address: str) -> dict[str, float]:
     return counts
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
-def test_disaggregated_between_tensor_parallel_sizes(prefill_tp, decode_tp, model_dirs):
-    model_dir = model_dirs["llama-gqa"]
+@pytest.mark.parametrize(("engine", "prefill_tp", "decode_tp"), [
+    ("pdcluster", 2, 1), ("pdcluster", 1, 2),
+    pytest.param("vllm", 2, 1, marks=pytest.mark.slow)])
+def test_disaggregated_between_tensor_parallel_sizes(engine, prefill_tp, decode_tp, model_dirs):
+    """`engine` vllm: vLLM's own ranks in each node actor (its multiprocessing executor, gloo),
+    pdcluster's connector in every rank."""
+    model_dir = model_dirs["llama-gqa" if engine == "pdcluster" else "llama-vllm"]
     port = free_port()
+    engine_args = ["--block-size", "16", "--kv-cache-gib", "0.05"] if engine == "pdcluster" \
+        else ["--engine", "vllm", "--kv-cache-gib", "0.05"]
     proc, line = start_serve(["--model", model_dir, "--num-prefill", "1", "--num-decode", "1",
-                           "--port", str(port), "--block-size", "16", "--kv-cache-gib", "0.05",
-                           "--local-prefill-threshold", "64",
-                           "--node-metrics-port", "0",
-                           "--prefill-tensor-parallel-size", str(prefill_tp),
-                           "--decode-tensor-parallel-size", str(decode_tp)],
-                          env={**os.environ, SECRET_ENV: TEST_SECRET.to_text()}, timeout_s=300)
+                              "--port", str(port), *engine_args,
+                              "--local-prefill-threshold", "64",
+                              "--node-metrics-port", "0",
+                              "--prefill-tensor-parallel-size", str(prefill_tp),
+                              "--decode-tensor-parallel-size", str(decode_tp)],
+                             env={**os.environ, SECRET_ENV: TEST_SECRET.to_text(),
+                                  "VLLM_LOGGING_LEVEL": "WARNING"},
+                             timeout_s=300 if engine == "pdcluster" else 900)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                max_retries=0, timeout=120)
-        wait_until_answering(client, Path(model_dir).name, timeout_s=120)
+        wait_until_answering(client, Path(model_dir).name,
+                             timeout_s=120 if engine == "pdcluster" else 300)
         prompt = " ".join(f"word{i % 41} then" for i in range(120))
         out = client.completions.create(model=Path(model_dir).name, prompt=prompt,
                                         max_tokens=10, temperature=0)

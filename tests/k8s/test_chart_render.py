@@ -139,7 +139,8 @@ def test_vllm_backend_runs_vllms_image_and_options_everywhere_it_matters() -> No
     docs = render({"cluster": {"engine": {"backend": "vllm", "gpuMemoryUtilization": 0.8}}})
     engine = cluster_config(docs)["engine"]
     assert engine["backend"] == "vllm"
-    assert engine["tensor_parallel_size"] == 1 and engine["gpu_memory_utilization"] == 0.8
+    assert "tensor_parallel_size" not in engine  # per role: cluster.node.tensorParallelSize
+    assert engine["gpu_memory_utilization"] == 0.8
     from pdcluster.engine.config import EngineConfig
 
     EngineConfig.from_options("/models/m", engine)  # what the nodes build from it
@@ -203,12 +204,14 @@ def test_cluster_yaml(name: str) -> None:
     assert "secret" not in cluster_config_text(docs).replace("/var/run/secrets/", "/")
 
 
-def test_tensor_parallel_size_per_role_sets_node_counts_and_each_actors_gpus() -> None:
-    """Prefill at TP=4 and decode at TP=2 on 8-GPU pods: two prefill and four decode actors a
-    pod, each asking the launcher for a GPU per rank (all on its pod)."""
+@pytest.mark.parametrize("backend", ["pdcluster", "vllm"])
+def test_tensor_parallel_size_per_role_sets_node_counts_and_each_actors_gpus(backend) -> None:
+    """Prefill at TP=4 and decode at TP=2 on 8-GPU pods, either engine: two prefill and four
+    decode actors a pod, each asking the launcher for a GPU per rank (all on its pod)."""
     from pdcluster.cluster.config import ClusterConfig
 
-    docs = render({"cluster": {"node": {"tensorParallelSize": {"prefill": 4, "decode": 2}}},
+    docs = render({"cluster": {"engine": {"backend": backend},
+                               "node": {"tensorParallelSize": {"prefill": 4, "decode": 2}}},
                    "ray": {"prefill": {"replicas": 1, "gpusPerPod": 8},
                            "decode": {"replicas": 2, "gpusPerPod": 8}}})
     config = cluster_config(docs)
@@ -216,6 +219,8 @@ def test_tensor_parallel_size_per_role_sets_node_counts_and_each_actors_gpus() -
     parsed = ClusterConfig.from_dict(config)
     assert (parsed.node_gpus_of("prefill"), parsed.node_gpus_of("decode")) == (4, 2)
     assert parsed.engine_options("prefill")["tensor_parallel_size"] == 4
+    assert parsed.engine_options("decode")["tensor_parallel_size"] == 2
+    assert parsed.engine_options("decode")["backend"] == backend
 
 
 def test_cluster_yaml_max_model_len_and_engine_values() -> None:

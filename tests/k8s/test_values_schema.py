@@ -64,9 +64,9 @@ BAD_VALUES = {
     "pdb percentage": ({"pdb": {"maxUnavailable": "150%"}}, "/pdb/maxUnavailable"),
     "an engine backend not built": ({"cluster": {"engine": {"backend": "sglang"}}},
                                     "/cluster/engine/backend"),
-    # vLLM's own tensor parallelism (the vLLM backend at TP > 1) is not built yet
-    "vLLM tensor parallelism": ({"cluster": {"engine": {"tensorParallelSize": 2}}},
-                                "/cluster/engine/tensorParallelSize"),
+    # one tensor-parallel setting for both engines: cluster.node.tensorParallelSize
+    "a tensor-parallel size in the engine section": (
+        {"cluster": {"engine": {"tensorParallelSize": 2}}}, "tensorParallelSize"),
     "a tensor-parallel size of a role not served": (
         {"cluster": {"node": {"tensorParallelSize": {"prefill": 1, "decode": 1, "both": 2}}}},
         "/cluster/node/tensorParallelSize"),
@@ -98,11 +98,6 @@ BAD_COMBINATIONS = {
     "a tensor-parallel group across pods": (
         {"cluster": {"node": {"tensorParallelSize": {"prefill": 2, "decode": 1}}}},
         "a tensor-parallel group never spans pods"),
-    "tensor parallelism on vLLM nodes": (
-        {"cluster": {"engine": {"backend": "vllm"},
-                     "node": {"tensorParallelSize": {"prefill": 2, "decode": 1}}},
-         "ray": {"prefill": {"gpusPerPod": 2}}},
-        "the vLLM backend at TP > 1 is not built yet"),
     "api keys beside an existing secret": ({"secrets": {"existingSecret": "mine"},
                                             "router": {"apiKeys": ["sk-0123456789abcdef"]}},
                                            "router.apiKeys is ignored"),

@@ -87,6 +87,25 @@ def test_a_vllm_engine_config_hashes_as_vllm_does() -> None:
         EngineConfig("m", gpu_memory_utilization=0.5)  # the own engine sizes its KV cache
 
 
+def test_tensor_parallel_vllm_is_served_on_cuda_but_a_token_major_layout_is_refused(
+        monkeypatch) -> None:
+    """On CUDA too the connector gets its head-outermost layout (it asks vLLM for LBHNC), so
+    TP > 1 is accepted there; a layout forced through VLLM_KV_CACHE_LAYOUT that puts tokens
+    outermost is refused by name before vLLM starts."""
+    from pdcluster.vllm_backend import settings
+
+    monkeypatch.setattr(settings, "_on_gpu", lambda: True)
+    check_supported(EngineConfig("m", backend="vllm", block_size=16, device="cuda",
+                                 tensor_parallel_size=2))
+    for accepted in ("LBHNC", "HND", "BLHNC"):
+        monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", accepted)
+        check_supported(EngineConfig("m", backend="vllm", block_size=BLOCK))
+    for refused in ("NHD", "LBNHC", "BHLNC"):
+        monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", refused)
+        with pytest.raises(ValueError, match=f"VLLM_KV_CACHE_LAYOUT={refused} .*LBHNC or BLHNC"):
+            check_supported(EngineConfig("m", backend="vllm", block_size=BLOCK))
+
+
 # ---- the connector's scheduler side on vLLM's Request ----------------------------------
 
 

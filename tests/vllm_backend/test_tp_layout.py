@@ -154,6 +154,69 @@ def test_the_same_split_moves_runs_of_blocks_as_one_descriptor_per_layer() -> No
     assert num_descriptors == 2 * LAYERS  # one per rank per layer
 
 
+def _vllm_views(layout_name: str, num_heads: int) -> dict[str, torch.Tensor]:
+    """Per-layer caches exactly as vLLM's model runners allocate them (CPU and GPU alike:
+    `create_kv_cache_views` over one buffer, strides from the resolved `KVCacheLayout`)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layout = KVCacheLayout[layout_name]
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=num_heads, head_size=HEAD,
+                             dtype=torch.float32)
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, NUM_BLOCKS, LAYERS, layout)
+    names = [f"model.layers.{layer}.self_attn.attn" for layer in range(LAYERS)]
+    size = spec.page_size_bytes * NUM_BLOCKS * LAYERS
+    views = create_kv_cache_views(
+        torch.zeros(size, dtype=torch.int8), spec, NUM_BLOCKS, layout,
+        KVCacheTensor(size=size, layers=names, layer_stride=layer_stride,
+                      block_stride=block_stride))
+    return dict(zip(names, views, strict=True))
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
+def test_every_vllm_kv_layout_is_mapped_byte_for_byte_or_refused_by_name(layout) -> None:
+    """The layouts vLLM may pick (its GPU backends default to LBNHC, token-major; the
+    connector asks for LBHNC): where a block of a layer holds its heads outermost in one run,
+    each head of each block lies where the region says; elsewhere kv_region refuses."""
+    from pdcluster.vllm_backend.settings import HEAD_OUTERMOST_LAYOUTS
+
+    caches = _vllm_views(layout, 2)
+    if layout not in HEAD_OUTERMOST_LAYOUTS:
+        with pytest.raises(ValueError, match="needs KV cache layout LBHNC or BLHNC"):
+            kv_region(caches, NUM_BLOCKS, (4, 2))
+        return
+    for name, cache in caches.items():
+        for head in range(2):
+            cache[:, head] = _pattern(int(name.split(".")[2]), head)
+    region = kv_region(caches, NUM_BLOCKS, (4, 2))
+    head_nbytes = region.block_nbytes // 2
+    for layer in range(LAYERS):
+        for block in range(NUM_BLOCKS):
+            for head in range(2):
+                addr = region.block_addr(block) + region.segment_offsets[layer] \
+                    + head * head_nbytes
+                run = (ctypes.c_float * (head_nbytes // 4)).from_address(addr)
+                assert torch.equal(torch.frombuffer(run, dtype=torch.float32),
+                                   _pattern(layer, head)[block].flatten()), (layer, block)
+
+
+def test_the_connector_asks_vllm_for_the_head_outermost_layout() -> None:
+    from types import SimpleNamespace
+
+    from pdcluster.vllm_backend.connector import PdclusterConnector
+
+    def config(use_mla: bool) -> SimpleNamespace:
+        return SimpleNamespace(model_config=SimpleNamespace(use_mla=use_mla))
+
+    assert PdclusterConnector.get_required_kvcache_layout(config(False)) == "LBHNC"
+    assert PdclusterConnector.get_required_kvcache_layout(config(True)) is None  # one head
+
+
 def test_a_layer_cache_whose_second_dimension_is_not_the_ranks_heads_is_refused() -> None:
     token_major = {"model.layers.0.attn": torch.zeros(NUM_BLOCKS, BLOCK, 2, HEAD)}
     with pytest.raises(ValueError, match="KV heads outermost"):

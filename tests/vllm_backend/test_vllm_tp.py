@@ -8,9 +8,14 @@ KV events (one stream per engine, from its scheduler, whatever its TP) reach the
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
 
@@ -112,3 +117,23 @@ def test_a_prefix_pulled_between_tp_sizes_gives_transformers_tokens(
     time.sleep(1.0)  # the workers' counters reach the nodes with vLLM's next stats
     assert receiver.transfer_counters().get("blocks_pulled", 0) - pulled == 3
     pair.assert_idle()
+
+
+def test_generate_with_vllm_at_tp2_gives_transformers_tokens(model_dirs, hf_reference,
+                                                             tmp_path) -> None:
+    """`pdcluster generate --engine vllm --tensor-parallel-size 2`: vLLM's own TP (two worker
+    processes, gloo), from a folder outside the checkout."""
+    model = model_dirs["llama-vllm"]
+    prompt = random_prompts(1, 2 * BLOCK + 5, 2 * BLOCK + 5, seed=31)[0]
+    pdcluster = Path(sys.executable).with_name("pdcluster")
+    proc = subprocess.run(
+        [str(pdcluster), "generate", "--engine", "vllm", "--model", model,
+         "--tensor-parallel-size", "2", "--prompt-ids", ",".join(map(str, prompt)),
+         "--max-tokens", str(MAX_TOKENS), "--dtype", "float32"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout.split("output: ", 1)[1].rstrip("\n")
+    expected = AutoTokenizer.from_pretrained(model).decode(
+        hf_reference(model, prompt, MAX_TOKENS), skip_special_tokens=True)
+    assert expected and output == expected
