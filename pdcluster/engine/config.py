@@ -67,6 +67,10 @@ class EngineConfig:
     # Tensor parallelism: the model split over this many ranks (processes the engine starts,
     # engine/runner/tp_workers.py; one GPU each on CUDA); vLLM: its own.
     tensor_parallel_size: int = 1
+    # The own engine's ranks: a collective (or a rank's answer) that waits this long for a rank
+    # fails the step with TensorParallelError, which takes the node down (a stalled rank is
+    # caught, never a hang). vLLM: its own.
+    tensor_parallel_timeout_s: float = 120.0
     # vLLM only (the own engine refuses other values): the share of GPU memory vLLM may take.
     gpu_memory_utilization: float | None = None
     # Both engines, on CUDA: True runs every step eagerly, False (the default) replays decode
@@ -158,6 +162,9 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(f"tensor_parallel_timeout_s must be > 0, got "
+                             f"{self.tensor_parallel_timeout_s}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")

@@ -78,7 +78,8 @@ def build_model(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
         model_class(mc.architecture)(mc, max_model_len, TensorParallel(0, size))
     spec = RankSpec(config.model, str(dtype).removeprefix("torch."), str(device),
                     max_model_len, config.load_format,
-                    threads=max(1, torch.get_num_threads() // size))
+                    threads=max(1, torch.get_num_threads() // size),
+                    timeout_s=config.tensor_parallel_timeout_s)
     peers, tp = StepPeers.start(spec, size)
     try:
         model = load_model(config.model, mc, dtype, device, max_model_len, dummy=dummy, tp=tp)

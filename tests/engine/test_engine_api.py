@@ -259,6 +259,7 @@ def test_engine_refusals_name_the_field(engine) -> None:
     dict(device="tpu"), dict(max_model_len=1), dict(hash_algorithm="md5"),
     dict(max_num_batched_tokens=0), dict(kv_cache_memory_gib=0.0), dict(max_logprobs=-1),
     dict(max_pinned_fraction=0.0), dict(max_pinned_fraction=1.5), dict(pin_timeout_s=0.0),
+    dict(tensor_parallel_timeout_s=0.0),
 ])
 def test_engine_config_rejects_bad_values(options) -> None:
     with pytest.raises(ValueError):

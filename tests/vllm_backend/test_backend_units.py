@@ -83,6 +83,9 @@ def test_a_vllm_engine_config_hashes_as_vllm_does() -> None:
                                      speculative="ngram:k=2"))
     with pytest.raises(ValueError, match="block_size 16"):
         check_supported(EngineConfig("m", backend="vllm", block_size=16))
+    with pytest.raises(ValueError, match="tensor_parallel_timeout_s"):
+        check_supported(EngineConfig("m", backend="vllm", block_size=BLOCK,
+                                     tensor_parallel_timeout_s=30.0))
     with pytest.raises(ValueError, match="gpu_memory_utilization is a vLLM option"):
         EngineConfig("m", gpu_memory_utilization=0.5)  # the own engine sizes its KV cache
 
@@ -256,7 +259,8 @@ def test_cpu_layout_is_one_segment_per_layer_with_block_major_runs() -> None:
     num_blocks = 6
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(num_blocks, 2, BLOCK, 64)
               for i in (1, 0)}  # vLLM CPU: [blocks, kv heads, block, 2 x head size]
-    region = kv_region(caches, num_blocks)
+    region = kv_region(caches, num_blocks, (2, 2))
+    assert region.num_kv_heads == 2
     first = caches["model.layers.0.self_attn.attn"]
     second = caches["model.layers.1.self_attn.attn"]
     assert region.num_segments == 2 and region.base_addr == first.data_ptr()
@@ -267,18 +271,9 @@ def test_cpu_layout_is_one_segment_per_layer_with_block_major_runs() -> None:
     assert spans[first.data_ptr()] == first.nbytes and spans[second.data_ptr()] == second.nbytes
 
 
-def test_k_and_v_kept_apart_are_two_segments_per_layer() -> None:
-    num_blocks = 5
-    cache = torch.zeros(2, num_blocks, BLOCK, 2, 32)  # vLLM's GPU layouts: [K|V, blocks, ...]
-    region = kv_region({"model.layers.0.attn": cache}, num_blocks)
-    assert region.num_segments == 2
-    assert region.segment_offsets[1] == cache[1].data_ptr() - cache[0].data_ptr()
-    assert region.block_addr(3) == cache[0, 3].data_ptr()
-
-
 def test_a_layout_without_a_leading_block_dimension_is_refused() -> None:
     with pytest.raises(ValueError, match="not supported"):
-        kv_region({"model.layers.0.attn": torch.zeros(BLOCK, 4, 3)}, 4)
+        kv_region({"model.layers.0.attn": torch.zeros(BLOCK, 4, 3)}, 4, (4, 4))
 
 
 # ---- sampling -------------------------------------------------------------------------------

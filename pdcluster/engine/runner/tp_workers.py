@@ -15,13 +15,13 @@ The group: a FileStore in a private temporary folder for the rendezvous (no list
 gloo bound to 127.0.0.1 on CPU, NCCL on CUDA (rank r on the r-th device after rank 0's). A
 step's plan crosses a pipe as msgpack (engine/runner/tp_wire.py, never pickle); the collectives
 inside the forward pair the ranks up. A rank that dies surfaces as `TensorParallelError` at the
-next step, one that stalls when the collectives' timeout (`RANK_TIMEOUT_S`) runs out: never a
-hang.
+next step, one that stalls when the collectives' timeout runs out (`RankSpec.timeout_s`, the
+engine's `tensor_parallel_timeout_s`): never a hang.
 
 API: `TensorParallelError`, `RankSpec`, `StepPeers.start(spec, size)`, `peers.allocate_kv(spec)`,
 `peers.start_agents(spec)`, `peers.start_tiers(...)`, `peers.copy_tiers(copies)`,
 `peers.disk_written(wait)`, `peers.step(plan)`, `peers.capture(max_batch, max_model_len)`,
-`peers.check()`, `peers.close()`, `make_group(rank, size, store_path, device)`.
+`peers.check()`, `peers.close()`, `make_group(rank, size, store_path, device, timeout_s)`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from pdcluster.engine.runner.tp_wire import decode_copies, decode_plan, encode_c
 logger = logging.getLogger(__name__)
 __all__ = ["RANK_TIMEOUT_S", "RankSpec", "StepPeers", "TensorParallelError", "make_group"]
 
-RANK_TIMEOUT_S = 120.0  # a collective (or a rank's start) waits at most this long
+RANK_TIMEOUT_S = 120.0  # by default a collective (or a rank's answer) waits at most this long
 _READY, _OK = b"ready", b"ok"
 
 
@@ -71,6 +71,7 @@ class RankSpec:
     max_model_len: int
     load_format: str = "auto"
     threads: int = 1  # torch threads of each worker on CPU
+    timeout_s: float = RANK_TIMEOUT_S  # a collective or a rank's answer, at most
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -80,10 +81,12 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + rank)
 
 
-def make_group(rank: int, size: int, store_path: str, device: torch.device) -> TensorParallel:
-    """This rank's group: NCCL on CUDA, gloo on 127.0.0.1 elsewhere (blocks until all join)."""
+def make_group(rank: int, size: int, store_path: str, device: torch.device,
+               timeout_s: float = RANK_TIMEOUT_S) -> TensorParallel:
+    """This rank's group: NCCL on CUDA, gloo on 127.0.0.1 elsewhere (blocks until all join);
+    a collective that waits `timeout_s` for a rank raises."""
     store = dist.FileStore(store_path, size)
-    timeout = datetime.timedelta(seconds=RANK_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         nccl = dist.ProcessGroupNCCL.Options()
         nccl._timeout = timeout
@@ -101,9 +104,9 @@ class StepPeers:
     connector's agent there (engine/runner/tp_agents.py)."""
 
     def __init__(self, processes: list, pipes: list[Connection], folder: str,
-                 agent_pipes: list[Connection]) -> None:
+                 agent_pipes: list[Connection], timeout_s: float = RANK_TIMEOUT_S) -> None:
         self.processes, self.pipes, self.folder = processes, pipes, folder
-        self.agent_pipes = agent_pipes
+        self.agent_pipes, self.timeout_s = agent_pipes, timeout_s
         self._finalizer = weakref.finalize(self, _stop, processes, pipes + agent_pipes, folder)
 
     @classmethod
@@ -128,9 +131,9 @@ class StepPeers:
             processes.append(process)
             pipes.append(ours)
             agent_pipes.append(agent_ours)
-        peers = cls(processes, pipes, folder, agent_pipes)
+        peers = cls(processes, pipes, folder, agent_pipes, spec.timeout_s)
         try:
-            tp = make_group(0, size, store_path, rank_device(spec.device, 0))
+            tp = make_group(0, size, store_path, rank_device(spec.device, 0), spec.timeout_s)
         except RuntimeError as exc:
             peers.close()
             raise TensorParallelError(f"the tensor-parallel group did not form: {exc}") from exc
@@ -213,7 +216,9 @@ class StepPeers:
             self.check()
         except TensorParallelError as dead:
             return dead
-        return TensorParallelError(f"a tensor-parallel collective failed: {exc}")
+        return TensorParallelError(
+            f"a tensor-parallel collective failed with every rank running (one that stalls "
+            f"past tensor_parallel_timeout_s, {self.timeout_s:g} s, ends here): {exc}")
 
     def close(self) -> None:
         self._finalizer()
@@ -228,10 +233,10 @@ class StepPeers:
                 raise TensorParallelError(f"tensor-parallel rank {rank}: {exc}") from exc
 
     def _expect(self, rank: int, pipe: Connection, want: bytes) -> None:
-        if not pipe.poll(RANK_TIMEOUT_S):
+        if not pipe.poll(self.timeout_s):
             self.check()
             raise TensorParallelError(f"tensor-parallel rank {rank} did not answer within "
-                                      f"{RANK_TIMEOUT_S:.0f} s")
+                                      f"{self.timeout_s:g} s")
         try:
             got = pipe.recv_bytes()
         except (EOFError, OSError) as exc:
@@ -268,7 +273,7 @@ def _worker_main(payload: bytes, rank: int, size: int, store_path: str,
             torch.cuda.set_device(device)
         else:
             torch.set_num_threads(spec.threads)
-        tp = make_group(rank, size, store_path, device)
+        tp = make_group(rank, size, store_path, device, spec.timeout_s)
         _serve(spec, tp, device, pipe, agent_pipe)
     except Exception:  # reported to rank 0, which raises it as TensorParallelError
         logger.exception("tensor-parallel rank %d failed", rank)
