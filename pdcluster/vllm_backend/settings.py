@@ -112,6 +112,9 @@ def engine_args(config: EngineConfig, connector: ConnectorSettings, events_dir: 
         "enable_prefix_caching": True, "prefix_caching_hash_algo": "sha256_cbor",
         "seed": config.seed, "max_logprobs": config.max_logprobs,
         "tensor_parallel_size": config.tensor_parallel_size,
+        # vLLM's ranks are processes of the node (its actor holds their GPUs), never Ray
+        # workers of their own: vLLM would pick Ray inside a placement group.
+        "distributed_executor_backend": "mp" if config.tensor_parallel_size > 1 else None,
         "enforce_eager": config.enforce_eager or not _on_gpu(),
         "disable_log_stats": False,  # the node's load reports come from vLLM's stats
         "kv_events_config": KVEventsConfig(

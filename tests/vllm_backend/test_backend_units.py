@@ -109,6 +109,20 @@ def test_tensor_parallel_vllm_is_served_on_cuda_but_a_token_major_layout_is_refu
             check_supported(EngineConfig("m", backend="vllm", block_size=BLOCK))
 
 
+def test_vllms_ranks_are_processes_of_the_node(model_dirs, tmp_path) -> None:
+    """At TP > 1 vLLM runs its ranks with its multiprocessing executor (the node actor holds
+    their GPUs), never as Ray workers of their own, whatever Ray context the node is in."""
+    from pdcluster.vllm_backend.settings import engine_args
+
+    settings = ConnectorSettings(handshake_dir=str(tmp_path))
+    for tp, backend in ((1, None), (2, "mp")):
+        config = EngineConfig(model_dirs["llama-vllm"], backend="vllm", block_size=BLOCK,
+                              tensor_parallel_size=tp)
+        args = engine_args(config, settings, tmp_path)
+        assert args["tensor_parallel_size"] == tp
+        assert args["distributed_executor_backend"] == backend
+
+
 # ---- the connector's scheduler side on vLLM's Request ----------------------------------
 
 
