@@ -78,6 +78,10 @@ class EngineConfig:
     # On CPU every step is eager either way (vLLM's CPU build here too: no minute-long compile
     # per engine).
     enforce_eager: bool = False
+    # The own engine, on decode graphs: a step of decodes launches the next one on the device
+    # before its own tokens reach the host, so the host's bookkeeping runs while the GPU
+    # computes (engine/runner/lookahead.py). False: host and GPU take turns. vLLM: its own.
+    overlap_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -24,7 +24,8 @@ prefill node keeps the blocks pinned after prefill until the connector has sent 
 the prompt's cached prefix from another node when that saves enough blocks, computing
 whatever does not arrive; the engine also serves other nodes' pulls from its own prefix
 cache. Each step first applies the connector's results, then schedules and runs the model,
-then hands the connector the step's plan.
+then hands the connector the step's plan. On decode graphs a step of decodes launches the next
+one before its own tokens reach the host (`overlap_decode`, engine/runner/lookahead.py).
 
 Building the parts from the config is engine/engine_setup.py; turning a request into its
 `RequestOutput` (stop strings included) is engine/output_builder.py.
@@ -53,7 +54,12 @@ from pdcluster.engine.core.kv_costs import KVCostMeter
 from pdcluster.engine.core.outputs import EngineCounters, EngineLoad, RequestOutput
 from pdcluster.engine.core.request import Request, RequestStatus
 from pdcluster.engine.core.sampling_params import SamplingParams, check_guided
-from pdcluster.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdcluster.engine.core.scheduler import (
+    ScheduledRequest,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from pdcluster.engine.core.validation import RequestLimits, validate_keys, validate_request
 from pdcluster.engine.engine_setup import (
     build_model,
@@ -127,6 +133,8 @@ class LLMEngine(NodeEngine):
         self.uses_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
                                  and self.runner.capture_graphs(config.max_num_seqs,
                                                                 self.max_model_len))
+        self.kv_manager.before_free = self.runner.lookahead.fence
+        self.overlap_decode = config.overlap_decode  # a benchmark compares both ways in one run
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens",
                     self.model_config.architecture, self.device, self.dtype,
                     self.kv_spec.num_blocks, config.block_size)
@@ -385,12 +393,12 @@ class LLMEngine(NodeEngine):
             updated += self.scheduler.apply_connector_results(results)
         if self.tiers is not None and self.host_cache is not None:
             self.host_cache.collect(self.tiers)
-        sched = self.scheduler.schedule(self._propose())
+        sched = self.scheduler.schedule(self._propose(), self.runner.lookahead.pending_ids())
         if self.tiers is not None and self.host_cache is not None:  # before the model writes
             self.host_cache.flush(self.tiers)
         if not sched.is_empty:
             run_started = time.perf_counter()
-            sampled = self.runner.execute(sched)
+            sampled = self.runner.execute(sched, self._next_decodes(sched))
             self.cost_meter.record_step(
                 sum(s.num_tokens for s in sched.scheduled if s.num_tokens > 1),
                 sched.num_batched_tokens, time.perf_counter() - run_started)
@@ -406,6 +414,15 @@ class LLMEngine(NodeEngine):
         self._step_times.append(elapsed)
         unique = {req.request_id: req for req in updated}
         return [self._output_or_error(req, elapsed) for req in unique.values()]
+
+    def _next_decodes(self, sched: SchedulerOutput) -> list[ScheduledRequest] | None:
+        """The decode step to launch before this one's tokens reach the host, if any
+        (engine/runner/lookahead.py): with `overlap_decode`, on decode graphs, at one rank,
+        without speculative decoding (whose steps verify proposals, never replay)."""
+        if not self.overlap_decode or self.peers is not None \
+                or self.spec_decoder is not None or not self.runner.replays(sched.scheduled):
+            return None
+        return self.scheduler.next_decodes(sched)
 
     def _propose(self) -> dict[ReqId, list[int]] | None:
         """This step's proposed tokens per request (speculative decoding), or None when off."""

@@ -71,6 +71,9 @@ def check_supported(config: EngineConfig) -> None:
         refused.append("speculative (the own engine's speculative decoding)")
     if config.tensor_parallel_timeout_s != 120.0:
         refused.append("tensor_parallel_timeout_s (the own engine's ranks; vLLM's are its own)")
+    if not config.overlap_decode:
+        refused.append("overlap_decode (the own engine's decode look-ahead; vLLM schedules "
+                       "its own)")
     if config.max_pinned_fraction != 0.5 or config.pin_timeout_s != 10.0:
         refused.append("max_pinned_fraction / pin_timeout_s (the own engine's pin budget)")
     if config.hash_algorithm != VLLM_HASH_ALGORITHM:

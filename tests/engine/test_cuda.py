@@ -34,6 +34,23 @@ def test_cuda_float32_with_graphs_matches_transformers(variant, model_dirs, hf_r
     assert llm.engine.uses_cuda_graphs
     _assert_matches(llm, model_dirs[variant], hf_reference, random_prompts(8, 5, 80, seed=11))
     assert replays, "no decode step replayed a graph"
+    assert llm.engine.runner.lookahead.num_taken, "no decode step was launched ahead"
+
+
+def test_cuda_look_ahead_changes_no_token_and_every_launch_is_taken(model_dirs, hf_reference):
+    """Decode steps launched ahead on real graphs, with the host racing the device: the same
+    tokens as the engine without look-ahead (engine/runner/lookahead.py)."""
+    from tests.engine.test_lookahead import assert_same_runs, mixed_run, mixed_stop_token
+
+    model = model_dirs["llama-gqa"]
+    stop_token = mixed_stop_token(model, hf_reference)
+    runs = []
+    for overlap in (True, False):
+        llm = LLM(model, device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=8,
+                  overlap_decode=overlap)
+        assert llm.engine.uses_cuda_graphs
+        runs.append(mixed_run(llm, stop_token))
+    assert_same_runs(*runs)
     assert torch.isfinite(llm.engine.kv_cache.tensor).all()
 
 

@@ -11,12 +11,12 @@
   nothing changed — when the pool cannot supply the blocks: the scheduler decides what to
   preempt.
 - `free(req)`: returns the request's blocks in reverse order, so an evicted chain loses its
-  tail before its head.
+  tail before its head; `before_free` first waits for device writes still queued into them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdcluster.core.types import BlockHash, ReqId
 from pdcluster.engine.core.block_pool import BlockPool, KVCacheBlock
@@ -39,6 +39,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.req_blocks: dict[ReqId, list[KVCacheBlock]] = {}
         self._num_hashed: dict[ReqId, int] = {}
+        # Called with a request's id before any of its blocks is freed: waits for device
+        # writes still queued into them (a decode step launched ahead, engine/runner/lookahead.py)
+        self.before_free: Callable[[ReqId], None] | None = None
 
     @property
     def usage(self) -> float:
@@ -129,6 +132,8 @@ class KVCacheManager:
         blocks = self.req_blocks.get(req.request_id)
         keep = cdiv(num_tokens, self.block_size)
         if blocks and len(blocks) > keep:
+            if self.before_free is not None:
+                self.before_free(req.request_id)
             extra = blocks[keep:]
             del blocks[keep:]
             assert all(b.block_hash is None for b in extra), "trimming a cached block"
@@ -137,5 +142,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, None)
         self._num_hashed.pop(req.request_id, None)
+        if blocks and self.before_free is not None:
+            self.before_free(req.request_id)
         if blocks:
             self.pool.free_blocks(reversed(blocks))

@@ -13,6 +13,9 @@ Algorithm, per step:
    a request that does not fit blocks the ones behind it. Nothing is admitted in a step that
    had to preempt. A request whose KV comes from another node (a prefill node's transfer or
    a prefix pull) is parked instead, without using the budget.
+A step of decodes only can also tell the step after it (`next_decodes`, which allocates its
+slots): the model runner launches that one early (engine/runner/lookahead.py), and while it is
+in flight `schedule(only=...)` keeps to its requests.
 `update_from_output` advances progress, appends sampled tokens for requests whose scheduled
 chunk reached their last token, applies stop conditions and frees finished requests.
 
@@ -24,8 +27,9 @@ connector's results, pinned blocks, the pin budget, prefix pulls) is `RequestQue
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
+from pdcluster.core.kv_transfer import RemoteDecode
 from pdcluster.core.types import ReqId
 from pdcluster.engine.core.outputs import RequestFailure, SampledToken, StepResult
 from pdcluster.engine.core.request import Request, RequestStatus
@@ -40,25 +44,53 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler(RequestQueues):
-    def schedule(self, spec_tokens: Mapping[ReqId, list[int]] | None = None
-                 ) -> SchedulerOutput:
+    def schedule(self, spec_tokens: Mapping[ReqId, list[int]] | None = None,
+                 only: Collection[ReqId] | None = None) -> SchedulerOutput:
         """`spec_tokens`: proposed tokens per request in decode (engine/spec_decode); each
-        request's are scheduled after its last token as far as budget and blocks allow."""
+        request's are scheduled after its last token as far as budget and blocks allow.
+        `only`: the requests of a decode step already launched (engine/runner/lookahead.py);
+        this step schedules none but those, and the others join the next one."""
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens,
-                                        spec_tokens or {})
-        if not out.preempted:
+                                        spec_tokens or {}, only)
+        if not out.preempted and only is None:
             self._schedule_waiting(out, budget)
         return out
 
+    def next_decodes(self, out: SchedulerOutput) -> list[ScheduledRequest] | None:
+        """The step that will follow `out`, a step of decodes only, when it can be told now:
+        each of its requests one position on, less those whose token from `out` ends them by
+        length, with the slot of that position allocated. None when it cannot be told
+        (something waits to join, a request is left out, blocks are short, a prefill node's
+        request whose blocks a transfer reads) or nothing would follow."""
+        if out.preempted or self.waiting or len(out.scheduled) != len(self.running):
+            return None
+        following = []
+        for item in out.scheduled:
+            req = item.request
+            if item.num_tokens != 1 or not item.samples or item.spec_token_ids \
+                    or isinstance(req.kv_transfer, RemoteDecode):
+                return None
+            if req.num_output_tokens + 1 >= req.params.max_tokens \
+                    or req.num_tokens + 1 >= self.config.max_model_len:
+                continue  # its next token ends it
+            if self.kv.allocate_slots(req, 2) is None:  # this step's token and the next
+                return None
+            following.append(ScheduledRequest(req, item.start + 1, 1,
+                                              self.kv.block_ids(req.request_id)))
+        return following or None
+
     def _schedule_running(self, out: SchedulerOutput, budget: int,
-                          spec_tokens: Mapping[ReqId, list[int]]) -> int:
+                          spec_tokens: Mapping[ReqId, list[int]],
+                          only: Collection[ReqId] | None) -> int:
         scheduled_ids: set[ReqId] = set()
         for req in sorted(self.running, key=lambda r: (r.is_prefilling, r.arrival_time)):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if only is not None and req.request_id not in only:
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = self._fitting_drafts(req, spec_tokens.get(req.request_id), budget)
             if not drafts and not self._allocate_or_preempt(req, num_new, scheduled_ids, out):

@@ -82,6 +82,9 @@ class DecodeGraphs:
                                        pin_memory=pinned)
         self._inputs = torch.zeros((4, self.max_batch), dtype=torch.int64, device=device)
         self._table = torch.zeros((self.max_batch, width), dtype=torch.int32, device=device)
+        # Recorded after each replay's copies out of the pinned staging rows: a replay launched
+        # ahead may still be queued when the next one fills them.
+        self._staged: torch.cuda.Event | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._pad_inputs(0, self.max_batch)
@@ -111,11 +114,16 @@ class DecodeGraphs:
         """The smallest captured batch size that holds `num_seqs` sequences."""
         return self.buckets[bisect_left(self.buckets, num_seqs)]
 
-    def replay(self, inputs: StepInputs, table: np.ndarray) -> torch.Tensor:
+    def replay(self, inputs: StepInputs, table: np.ndarray,
+               token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits `[n, vocab]` (float32) of a decode-only step of n <= max_batch sequences;
-        `table` is their `[n, w]` block table."""
+        `table` is their `[n, w]` block table. `token_ids`: the step's tokens already on the
+        device (a step launched ahead, engine/runner/lookahead.py), used instead of
+        `inputs.token_ids`."""
         n = len(inputs.token_ids)
         size = self.bucket(n)
+        if self._staged is not None:  # the last replay's copies out of the staging rows
+            self._staged.synchronize()
         host = self._host.numpy()
         host[0, :n], host[1, :n] = inputs.token_ids, inputs.positions
         host[2, :n], host[3, :n] = inputs.slot_rows, inputs.decode_lens
@@ -124,6 +132,11 @@ class DecodeGraphs:
         self._host_table.numpy()[:n, :width] = table
         self._inputs[:, :size].copy_(self._host[:, :size], non_blocking=True)
         self._table[:n, :width].copy_(self._host_table[:n, :width], non_blocking=True)
+        if token_ids is not None:
+            self._inputs[0, :n].copy_(token_ids)
+        if self._host.is_pinned():
+            self._staged = torch.cuda.Event()
+            self._staged.record()
         graph = self._graphs.get(size)
         if graph is None:  # not captured (off CUDA: the same forward, eagerly, for tests)
             return self._forward(size)[:n]

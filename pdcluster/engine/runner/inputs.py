@@ -7,8 +7,9 @@ uncached token is its last), then prefill chunks; see `engine.models.attention`.
 is built with numpy (a Python loop over requests, none over tokens) and crosses to the device in
 a few copies, whatever the batch size.
 
-API: `StepInputs`, `StepPlan`, `build_inputs(items, kv_cache)`, `decode_table(items, lens,
-block_size)`, `chunk_tables(inputs, total_rows)`, `to_device(array, device)`.
+API: `StepInputs`, `StepPlan`, `build_inputs(items, kv_cache)`, `lookahead_inputs(items,
+kv_cache)`, `decode_table(items, lens, block_size)`, `chunk_tables(inputs, total_rows)`,
+`to_device(array, device)`.
 """
 
 from __future__ import annotations
@@ -77,6 +78,19 @@ def build_inputs(items: list[ScheduledRequest], kv_cache: PagedKVCache) -> StepI
     decode_lens = positions[:num_decodes] + 1
     return StepInputs(token_ids, positions, slot_rows, last_rows, num_decodes, decode_lens,
                       chunks)
+
+
+def lookahead_inputs(items: list[ScheduledRequest], kv_cache: PagedKVCache) -> StepInputs:
+    """The inputs of a decode step launched before its tokens reach the host
+    (engine/runner/lookahead.py): each item decodes position `start`, whose token is still on
+    the device; `token_ids` are zeros, which the device's tokens replace."""
+    block_size, per_block = kv_cache.spec.block_size, kv_cache.rows_per_block
+    n = len(items)
+    positions = np.fromiter((it.start for it in items), np.int64, n)
+    blocks = np.fromiter((it.block_ids[it.start // block_size] for it in items), np.int64, n)
+    slot_rows = blocks * per_block + positions % block_size
+    return StepInputs(np.zeros(n, np.int64), positions, slot_rows, list(range(n)), n,
+                      positions + 1, [])
 
 
 def decode_table(items: list[ScheduledRequest], lens: np.ndarray, block_size: int

@@ -5,12 +5,14 @@ token for every request whose chunk reached its last known token.
 On CUDA, once `capture_graphs` has run, a step of decodes only (no prefill chunk, no proposed
 tokens to verify, at most the largest captured batch) replays the CUDA graph of its batch-size
 bucket instead (engine/runner/cuda_graphs.py); every other step runs eagerly. Either way the
-step waits for the device once: for the sampled token ids.
+step waits for the device once: for the sampled token ids. A replayed step can launch the next
+one before that wait (engine/runner/lookahead.py), and the next step then takes its logits.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -37,6 +39,7 @@ from pdcluster.engine.runner.inputs import (
     decode_table,
     to_device,
 )
+from pdcluster.engine.runner.lookahead import DecodeLookahead
 from pdcluster.engine.sample.rejection import verify_chunks
 from pdcluster.engine.sample.sampler import Sampler
 
@@ -71,6 +74,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.workspace = GatherWorkspace()  # attention's gather buffers, reused every step
         self.graphs: DecodeGraphs | None = None
+        self.lookahead = DecodeLookahead(device)  # decode steps launched ahead (on graphs)
         self.peers: Peers | None = None  # the other tensor-parallel ranks, if any
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> bool:
@@ -87,26 +91,33 @@ class ModelRunner:
         return True
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[StepResult]:
+    def execute(self, out: SchedulerOutput, ahead: list[ScheduledRequest] | None = None
+                ) -> list[StepResult]:
         """One entry per `out.scheduled` item, in that order; None where nothing is sampled,
         a `RequestFailure` where sampling failed for that request alone (engine.sample.sampler),
-        a list of tokens for a chunk that verified proposed tokens (engine/spec_decode)."""
+        a list of tokens for a chunk that verified proposed tokens (engine/spec_decode).
+        `ahead`: the decode step predicted to follow this one (`Scheduler.next_decodes`),
+        launched before this step's tokens reach the host (engine/runner/lookahead.py)."""
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_tokens > 1)
         items = [out.scheduled[i] for i in order]
         plan = self._plan(items)
-        if self.peers is None:
-            logits = self.forward(plan)
-        else:  # the other tensor-parallel ranks run the same forward
-            self.peers.step(plan)
-            try:
-                logits = self.forward(plan)
-            except RuntimeError as exc:
-                raise self.peers.failed(exc) from exc
-        results = self._sample(items, logits)
+        logits = self.lookahead.take(items, plan)  # computed by a step launched ahead
+        if logits is None:
+            logits = self._forward_on_every_rank(plan)
+        results = self._sample(items, logits, self._launcher(items, plan, ahead))
         unordered: list[StepResult] = [None] * len(items)
         for k, i in enumerate(order):
             unordered[i] = results[k]
         return unordered
+
+    def _forward_on_every_rank(self, plan: StepPlan) -> torch.Tensor:
+        if self.peers is None:
+            return self.forward(plan)
+        self.peers.step(plan)  # the other tensor-parallel ranks run the same forward
+        try:
+            return self.forward(plan)
+        except RuntimeError as exc:
+            raise self.peers.failed(exc) from exc
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
@@ -127,7 +138,7 @@ class ModelRunner:
         inputs = build_inputs(items, self.kv_cache)
         n = inputs.num_decodes
         table = decode_table(items[:n], inputs.decode_lens, self.block_size) if n else None
-        replay = self._replays(items)
+        replay = self.replays(items)
         rows: list[int] = []  # verifying chunks' rows, then the sampled rows
         for item, last in zip(items, inputs.last_rows, strict=True):
             if item.spec_token_ids:
@@ -136,14 +147,27 @@ class ModelRunner:
                  if item.samples and not item.spec_token_ids]
         return StepPlan(inputs, table, np.asarray(rows, dtype=np.int64), replay)
 
-    def _replays(self, items: list[ScheduledRequest]) -> bool:
+    def _launcher(self, items: list[ScheduledRequest], plan: StepPlan,
+                  ahead: list[ScheduledRequest] | None) -> Callable[[torch.Tensor], None] | None:
+        """What launches `ahead` once this step's tokens are sampled on the device, or None:
+        look-ahead needs a replayed step and one rank (its ranks would have to launch too)."""
+        graphs = self.graphs
+        if not ahead or not plan.replay or graphs is None or self.peers is not None:
+            return None
+        return lambda sampled: self.lookahead.launch(graphs, self.kv_cache, items, ahead,
+                                                     sampled)
+
+    def replays(self, items: list[ScheduledRequest]) -> bool:
+        """Whether a step of these items replays a decode graph."""
         graphs = self.graphs
         return (graphs is not None and len(items) <= graphs.max_batch
                 and all(it.num_tokens == 1 and it.samples and not it.spec_token_ids
                         for it in items))
 
-    def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor) -> list[StepResult]:
-        """`logits` rows in `_plan`'s order: each verifying chunk's, then the sampled rows."""
+    def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor,
+                launch: Callable[[torch.Tensor], None] | None = None) -> list[StepResult]:
+        """`logits` rows in `_plan`'s order: each verifying chunk's, then the sampled rows
+        (with `launch`, every item samples)."""
         results: list[StepResult] = [None] * len(items)
         verifying = [k for k, item in enumerate(items) if item.spec_token_ids]
         offset = 0
@@ -154,7 +178,8 @@ class ModelRunner:
             offset = sum(len(items[k].spec_token_ids) + 1 for k in verifying)
         sampling = [k for k, item in enumerate(items) if item.samples and not item.spec_token_ids]
         if sampling:
-            sampled = self.sampler.sample(logits[offset:], [items[k].request for k in sampling])
+            sampled = self.sampler.sample(logits[offset:], [items[k].request for k in sampling],
+                                          launch)
             for k, token in zip(sampling, sampled, strict=True):
                 results[k] = token
         return results

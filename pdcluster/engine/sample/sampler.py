@@ -21,6 +21,7 @@ request with an error; every other row's token is what it would have been withou
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -73,12 +74,16 @@ class Sampler:
         if self.structured is not None:
             self.structured.forget(request_id)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               launch: Callable[[torch.Tensor], None] | None = None
                ) -> list[SampledToken | RequestFailure]:
-        """logits: [len(requests), vocab] float32 (modified in place)."""
+        """logits: [len(requests), vocab] float32 (modified in place). `launch`, if given, is
+        called with every row's token on the device once the copy of the step's tokens to the
+        host is queued and before it is waited for (engine/runner/lookahead.py): it may queue
+        more device work, which then runs while the host goes on. It must not raise."""
         original = logits.clone() if any(_transforms(r) for r in requests) else None
         try:
-            batch = self._batched(logits, requests)
+            batch = self._batched(logits, requests, launch)
         except Exception:
             logger.exception("batched sampling failed; sampling %d rows one by one",
                              len(requests))
@@ -97,7 +102,8 @@ class Sampler:
             return RequestFailure(_FAILED)
         return self._pick_guarded(logits, batch, 0, req)
 
-    def _batched(self, logits: torch.Tensor, requests: list[Request]) -> _Batch:
+    def _batched(self, logits: torch.Tensor, requests: list[Request],
+                 launch: Callable[[torch.Tensor], None] | None = None) -> _Batch:
         need_logprobs = any(r.params.logprobs is not None for r in requests)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
         self.processors.apply(logits, requests)
@@ -106,17 +112,37 @@ class Sampler:
         greedy = torch.argmax(logits, dim=-1)
         rows = [row for row, req in enumerate(requests) if not req.params.is_greedy]
         if not rows:
-            return _Batch(logprobs, greedy.tolist(), failed, dead)
+            return _Batch(logprobs, self._to_host(greedy, greedy, launch), failed, dead)
         params = [requests[row].params for row in rows]
         tokens, valid = draw(logits[rows], [p.temperature for p in params],
                              [p.top_k for p in params], [p.top_p for p in params],
                              [self._generator_for(requests[row]) for row in rows])
+        chosen = None
+        if launch is not None:  # each row's token: its argmax, or its draw
+            chosen = greedy.index_put((torch.tensor(rows, device=greedy.device),), tokens)
         # the step's one device-to-host copy: every row's argmax, the draws and their flags
-        merged = torch.cat((greedy, tokens, valid.long())).tolist()
+        merged = self._to_host(torch.cat((greedy, tokens, valid.long())), chosen, launch)
         n, m = len(requests), len(rows)
         return _Batch(logprobs, merged[:n], failed, dead,
                       dict(zip(rows, merged[n: n + m], strict=True)),
                       {row for row, ok in zip(rows, merged[n + m:], strict=True) if not ok})
+
+    def _to_host(self, values: torch.Tensor, chosen: torch.Tensor | None,
+                 launch: Callable[[torch.Tensor], None] | None) -> list[int]:
+        """`values` on the host; `launch(chosen)` runs between queueing the copy and
+        waiting for it."""
+        if launch is None or chosen is None:
+            return values.tolist()
+        pinned = values.is_cuda
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=pinned)
+        host.copy_(values, non_blocking=pinned)
+        copied = torch.cuda.Event() if pinned else None
+        if copied is not None:
+            copied.record()
+        launch(chosen)
+        if copied is not None:
+            copied.synchronize()
+        return host.tolist()
 
     def _mask_grammars(self, logits: torch.Tensor, requests: list[Request]
                        ) -> tuple[dict[int, str], set[int]]:
