@@ -8,14 +8,16 @@ bfloat16, measures in one run:
 - the machine's ceilings: device copy rate (bytes read + written, a 1 GiB device-to-device
   copy) and bf16 matmul rate (8192^3);
 - batch-1 decode ms/token (the median step of one request, scheduler and sampling included)
-  and its ratio to the HBM floor: the weight bytes a step reads / the copy rate; and the
-  device part alone (one replay of the batch-1 CUDA graph, timed with events), and the
-  largest kernels of an eager step (torch's profiler);
+  and its ratio to the HBM floor: the weight bytes a step reads / the copy rate; the same step
+  with the host and the GPU taking turns (`overlap_decode` off: no step launched ahead,
+  engine/runner/lookahead.py); the device part alone (one replay of the batch-1 CUDA graph,
+  timed with events), and the largest kernels of an eager step (torch's profiler);
 - TTFT of a 2,048-token prompt (median of 3 fresh prompts) and its MFU: the step's FLOPs
   (2 x tokens x layer weights, the LM head for one row, causal attention) / the matmul rate;
 - output tokens/s of 64 x (1,024 -> 128) and of 32 x (1,024 shared + 64) -> 64 through
   `LLM.generate`, and transformers' `generate` on the same ids with a model of the same shape
-  (SDPA attention, batched, greedy), on the shapes listed in `--hf-shapes` (default: the 1B).
+  (SDPA attention, batched, greedy), on the shapes listed in `--hf-shapes` (default: the 1B);
+  with the steps of the 64-request run launched ahead and those taken.
 
 Every figure is a ratio to something measured in the same run. Returns a flat dict.
 """
@@ -142,6 +144,11 @@ def run_shape(shape: str, folder: Path, sizes: GpuSizes, limits: dict, with_hf: 
     floor_s = weight_bytes_read(mc) / (limits["copy_gb_s"] * 1e9)
     out.update(decode_ms=round(step_s * 1e3, 3), decode_floor_ms=round(floor_s * 1e3, 3),
                decode_vs_floor=round(step_s / floor_s, 3))
+    llm.engine.overlap_decode = False  # the same step with host and GPU taking turns
+    turns_s = _decode_step(llm, sizes, rng)
+    llm.engine.overlap_decode = True
+    out.update(decode_ms_without_overlap=round(turns_s * 1e3, 3),
+               decode_overlap_speedup=round(turns_s / step_s, 3))
     graphs = llm.engine.runner.graphs
     if graphs is not None:  # the step's device part alone: the rest is the host's
         replay_s = graphs.replay_seconds(1)
@@ -153,7 +160,10 @@ def run_shape(shape: str, folder: Path, sizes: GpuSizes, limits: dict, with_hf: 
                ttft_2k_mfu=round(prefill_flops(mc, sizes.ttft_len) / ttft
                                  / (limits["matmul_tflops"] * 1e12), 3))
     batch_prompts = _prompts(sizes.batch, sizes.prompt_len, rng)
+    ahead = llm.engine.runner.lookahead
+    launched, taken = ahead.num_launched, ahead.num_taken
     out["batch_tok_s"] = round(_generate_rate(llm, batch_prompts, sizes.output_len), 1)
+    out["batch_steps_launched_ahead"] = [ahead.num_launched - launched, ahead.num_taken - taken]
     shared = _prompts(1, sizes.shared_len, rng)[0]
     shared_prompts = [shared + tail for tail in _prompts(sizes.shared_batch, sizes.shared_tail,
                                                          rng)]

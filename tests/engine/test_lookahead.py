@@ -13,13 +13,11 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.engine import LLM, SamplingParams, kernels
-from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.core.outputs import SampledToken
 from pdcluster.engine.core.scheduler import Scheduler
 from pdcluster.engine.runner import lookahead as lookahead_module
 from pdcluster.engine.runner.cuda_graphs import DecodeGraphs
 from pdcluster.engine.runner.lookahead import DecodeLookahead
-from pdcluster.vllm_backend.settings import check_supported
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request
 from tests.engine.test_scheduler import make_scheduler
 from tests.helpers import assert_pool_clean
@@ -97,6 +95,15 @@ def test_while_a_step_is_launched_newcomers_wait_one_step():
     assert [i.request.request_id for i in held.scheduled] == ["old"]
     sched.update_from_output(held, [SampledToken(501)])
     assert {i.request.request_id for i in sched.schedule().scheduled} == {"old", "new"}
+
+
+def test_a_launched_step_whose_requests_are_all_gone_holds_nobody_back():
+    sched, _ = make_scheduler()
+    gone = make_request("gone", 3, max_tokens=8)
+    _decoding(sched, gone)
+    sched.finish_request("gone", gone.status.FINISHED_ABORTED)
+    sched.add_request(make_request("new", 3))
+    assert [i.request.request_id for i in sched.schedule(only={"gone"}).scheduled] == ["new"]
 
 
 # ---- the engine: tokens, blocks, steps taken --------------------------------------------
@@ -213,13 +220,21 @@ def test_blocks_are_freed_only_after_the_launched_steps_writes(model_dirs, monke
     assert engine.abort_request("aborted")
     assert waits == [("aborted", free_before)]
     assert engine.block_pool.num_free_blocks > free_before
+    # The launched step's only request is gone: a newcomer is served, and the launched step
+    # is thrown away (its rows are nobody's now).
+    new = random_prompts(1, 5, 5, seed=44)[0]
+    engine.add_request("after", new, SamplingParams(temperature=0.0, max_tokens=3))
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out for out in engine.step() if out.finished]
+    assert [out.request_id for out in finished] == ["after"]
+    assert ahead.num_missed == 1
     assert_pool_clean(engine.block_pool)
 
 
-def test_overlap_decode_false_launches_nothing_and_vllm_refuses_it(model_dirs):
+def test_overlap_decode_false_launches_nothing(model_dirs):
+    """(The vLLM backend refuses it by name: tests/vllm_backend/test_backend_units.py.)"""
     llm = _llm(model_dirs["llama-gqa"], overlap=False)
     llm.generate(random_prompts(2, 5, 8, seed=44),
                  SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert llm.engine.runner.lookahead.num_launched == 0
-    with pytest.raises(ValueError, match="overlap_decode"):
-        check_supported(EngineConfig(model="m", backend="vllm", overlap_decode=False))

@@ -86,6 +86,9 @@ def test_a_vllm_engine_config_hashes_as_vllm_does() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_timeout_s"):
         check_supported(EngineConfig("m", backend="vllm", block_size=BLOCK,
                                      tensor_parallel_timeout_s=30.0))
+    with pytest.raises(ValueError, match="overlap_decode"):
+        check_supported(EngineConfig("m", backend="vllm", block_size=BLOCK,
+                                     overlap_decode=False))
     with pytest.raises(ValueError, match="gpu_memory_utilization is a vLLM option"):
         EngineConfig("m", gpu_memory_utilization=0.5)  # the own engine sizes its KV cache
 

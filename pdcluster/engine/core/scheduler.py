@@ -49,7 +49,10 @@ class Scheduler(RequestQueues):
         """`spec_tokens`: proposed tokens per request in decode (engine/spec_decode); each
         request's are scheduled after its last token as far as budget and blocks allow.
         `only`: the requests of a decode step already launched (engine/runner/lookahead.py);
-        this step schedules none but those, and the others join the next one."""
+        this step schedules none but those, and the others join the next one. When none of
+        them is running any more, it is ignored."""
+        if only is not None and not any(r.request_id in only for r in self.running):
+            only = None
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens,
                                         spec_tokens or {}, only)
