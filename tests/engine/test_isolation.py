@@ -85,11 +85,11 @@ def test_a_failing_batched_stage_is_redone_row_by_row(engine, model_dir, hf_refe
     batched = sampler._batched
     calls = []
 
-    def faulty(logits, requests):
+    def faulty(logits, requests, launch=None):
         calls.append(len(requests))
         if any(r.request_id == "bad" for r in requests):
             raise Injected("injected fault")
-        return batched(logits, requests)
+        return batched(logits, requests, launch)
 
     monkeypatch.setattr(sampler, "_batched", faulty)
     final = run(engine)

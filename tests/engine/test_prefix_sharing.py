@@ -23,10 +23,10 @@ def test_a_shared_uncached_prefix_is_computed_once_per_step(model_dirs, hf_refer
     chunks: list[tuple[str, int, int]] = []
     execute = engine.runner.execute
 
-    def spy(out):
+    def spy(out, ahead=None):
         chunks.extend((it.request.request_id, it.start, it.num_tokens) for it in out.scheduled
                       if it.num_tokens > 1)
-        return execute(out)
+        return execute(out, ahead)
 
     engine.runner.execute = spy
     outputs: dict[str, list[int]] = {}
