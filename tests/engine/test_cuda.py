@@ -63,11 +63,28 @@ def test_cuda_enforce_eager_takes_no_graphs_and_matches(model_dirs, hf_reference
     assert not replays
 
 
-@pytest.mark.parametrize("variant", ["mixtral-4x2", "deepseek-v2-qlora-grouped"])
-def test_cuda_families_without_graphs_run_eagerly_and_match(variant, model_dirs, hf_reference):
+def test_cuda_mla_runs_eagerly_and_matches(model_dirs, hf_reference):
+    variant = "deepseek-v2-qlora-grouped"
     llm = LLM(model_dirs[variant], device="cuda", dtype="float32", num_kv_blocks=256)
     assert not llm.engine.uses_cuda_graphs
     _assert_matches(llm, model_dirs[variant], hf_reference, random_prompts(4, 5, 40, seed=5))
+
+
+def test_cuda_moe_decodes_in_graphs_with_its_experts_grouped_on_the_device(
+        model_dirs, hf_reference, monkeypatch):
+    """Mixtral: routing and experts without a host sync (engine/kernels/gpu/fused_moe.py), so
+    its decode steps replay graphs."""
+    from pdcluster.engine.kernels import gpu
+
+    grouped = count_calls(monkeypatch, gpu.ops(), "moe_experts")
+    replays = count_calls(monkeypatch, DecodeGraphs, "replay")
+    llm = LLM(model_dirs["mixtral-4x2"], device="cuda", dtype="float32", num_kv_blocks=256,
+              max_num_seqs=8)
+    assert llm.engine.uses_cuda_graphs
+    grouped.clear()  # capture ran them
+    _assert_matches(llm, model_dirs["mixtral-4x2"], hf_reference,
+                    random_prompts(4, 5, 40, seed=5))
+    assert replays and grouped
 
 
 def test_cuda_bfloat16_generates(model_dirs):

@@ -185,3 +185,61 @@ def test_silu_and_mul(dtype, rows, intermediate):
     gate_up = torch.randn(rows, 2 * intermediate, generator=gen).to(dtype).to(DEVICE)
     got = ops.silu_and_mul(gate_up, intermediate)
     _close(got, ref.silu_and_mul(gate_up, intermediate), dtype)
+
+
+MOE_CASES = [
+    # tokens, hidden, intermediate, experts, top_k, first_expert, experts of this rank
+    (1, 32, 48, 8, 2, 0, 8),  # batch-1 decode: two experts' weights read
+    (37, 64, 40, 8, 2, 0, 8),  # widths off the tiles
+    (20, 32, 32, 16, 4, 4, 8),  # a tensor-parallel rank's slice: the other pairs are no-ops
+    (40, 32, 16, 4, 1, 0, 4),  # an expert with pairs for several tiles
+]
+
+
+def _routing(tokens: int, experts: int, top_k: int, gen, skewed: bool = False):
+    scores = torch.randn(tokens, experts, generator=gen)
+    if skewed:
+        scores[:, 0] += 10.0  # every token picks expert 0
+    weights, ids = scores.softmax(-1).topk(top_k, dim=-1)
+    return ids, weights
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hidden, intermediate, experts, top_k, first, local",
+                         MOE_CASES)
+def test_moe_experts_match_the_reference(dtype, tokens, hidden, intermediate, experts, top_k,
+                                         first, local):
+    ops = triton_ops()
+    gen = torch.Generator().manual_seed(tokens * 7 + experts)
+    ids, weights = _routing(tokens, experts, top_k, gen, skewed=top_k == 1)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(local, 2 * intermediate, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(local, hidden, intermediate, generator=gen) / intermediate ** 0.5
+    want = ref.moe_experts(x.double(), ids, weights.double(), w13.double(), w2.double(), first)
+    args = [t.to(dtype).to(DEVICE) for t in (x, weights, w13, w2)]
+    got = ops.moe_experts(args[0], ids.to(DEVICE), args[1], args[2], args[3], first)
+    assert got.shape == (tokens, hidden) and got.dtype == dtype
+    _close(got.cpu(), want, dtype)
+    if first:  # a token with no pair here gets exactly zero
+        here = ((ids >= first) & (ids < first + local)).any(-1)
+        assert not got.cpu()[~here].any()
+
+
+def test_moe_layout_gives_each_expert_whole_tiles_and_each_pair_one_row():
+    from pdcluster.engine.kernels.gpu.fused_moe import moe_layout
+
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 12, (23, 3), generator=gen)
+    row_pair, tile_expert = moe_layout(ids.to(DEVICE), 4, 6, 8)
+    row_pair, tile_expert = row_pair.cpu(), tile_expert.cpu()
+    flat = ids.reshape(-1)
+    mine = ((flat >= 4) & (flat < 10)).nonzero().flatten()
+    assert sorted(row_pair[row_pair >= 0].tolist()) == mine.tolist()
+    assert tile_expert.shape[0] == -(-flat.numel() // 8) + 6
+    for tile, expert in enumerate(tile_expert.tolist()):
+        pairs = row_pair[tile * 8:(tile + 1) * 8]
+        pairs = pairs[pairs >= 0]
+        if expert == 6:
+            assert not len(pairs), "a tile past the used ones holds pairs"
+        else:
+            assert len(pairs) and (flat[pairs] - 4 == expert).all()

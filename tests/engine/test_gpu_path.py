@@ -69,6 +69,37 @@ def test_decode_steps_through_the_graph_buffers_with_padding_match_transformers(
     assert_pool_clean(llm.engine.block_pool)
 
 
+def test_moe_through_the_grouped_experts_kernel_matches_transformers(
+        model_dirs, hf_reference, kernel_calls, monkeypatch):
+    """Mixtral's experts grouped on the device (engine/kernels/gpu/fused_moe.py), prefill and
+    decode steps, the latter through the graphs' buffers."""
+    model = model_dirs["mixtral-4x2"]
+    grouped = count_calls(monkeypatch, triton_ops(), "moe_experts")
+    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, block_size=8)
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch=4, max_model_len=128)
+    prompts = random_prompts(3, 6, 14, seed=24)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+        assert out.token_ids == hf_reference(model, prompt, 4)
+    assert grouped, "no step grouped its experts on the device"
+    assert_pool_clean(llm.engine.block_pool)
+
+
+def test_a_failed_capture_leaves_decode_steps_eager(model_dirs, monkeypatch, caplog):
+    llm = LLM(model_dirs["llama-gqa"], device="cpu", dtype="float32", num_kv_blocks=8)
+    runner = llm.engine.runner
+
+    def fail(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr("pdcluster.engine.runner.model_runner.graph_blocker",
+                        lambda model, kv_cache: None)
+    monkeypatch.setattr(DecodeGraphs, "capture", fail)
+    assert runner.capture_graphs(4, 64) is False and runner.graphs is None
+    assert "decode steps run eagerly" in caplog.text
+
+
 def test_batch_buckets():
     assert cuda_graphs.batch_buckets(1) == [1]
     assert cuda_graphs.batch_buckets(3) == [1, 2, 3]

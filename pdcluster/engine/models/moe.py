@@ -8,7 +8,9 @@
 - `Experts`: the routed experts' weights stacked at load time (`w13 [E, 2I, H]`, `w2 [E, H, I]`).
   A step's (token, expert) pairs are sorted by expert, the tokens gathered with one
   `index_select`, each expert runs two matmuls on its contiguous group, and the weighted rows
-  are summed back per token with one `index_add_`. Python loops over experts, never tokens.
+  are summed back per token with one `index_add_`. Python loops over experts, never tokens;
+  it reads the counts per expert back first, a host sync. On CUDA the grouping stays on the
+  device instead (engine/kernels/gpu/fused_moe.py), so a CUDA graph holds the layer.
 - `SparseMoE`: router + experts + an optional always-on shared expert (DeepSeek).
 """
 
@@ -18,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcluster.engine import kernels
+from pdcluster.engine.kernels import gpu
 from pdcluster.engine.models.linear import linear, silu_and_mul
 from pdcluster.engine.models.model_families import MoEConfig
 from pdcluster.engine.models.parallel import (
@@ -104,6 +108,8 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if kernels.ENABLED and gpu.serves(x, self.w13):  # grouped on the device: no sync
+            return gpu.ops().moe_experts(x, ids, weights, self.w13, self.w2, self.first_expert)
         top_k, num_local = ids.shape[1], self.w13.shape[0]
         flat = ids.reshape(-1) - self.first_expert
         flat = flat.masked_fill((flat < 0) | (flat >= num_local), num_local)  # elsewhere

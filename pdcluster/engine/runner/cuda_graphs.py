@@ -14,8 +14,9 @@ never alive at once); capture runs at start-up, largest bucket first, and logs i
 the memory it took.
 
 What a graph cannot hold runs eagerly: prefill chunks and mixed steps, verification of
-proposed tokens, batches beyond the largest bucket, and models whose step syncs with the host
-or gathers by data-dependent shapes (`graph_blocker`: MoE routing, MLA).
+proposed tokens, batches beyond the largest bucket, and models whose step gathers by
+data-dependent shapes (`graph_blocker`: MLA). MoE layers are held: their experts are grouped on
+the device (engine/kernels/gpu/fused_moe.py), without a host sync.
 
 API: `batch_buckets(max_batch)`, `graph_blocker(model, kv_cache)`, `DecodeGraphs`.
 """
@@ -34,7 +35,7 @@ from pdcluster.engine.kernels import gpu
 from pdcluster.engine.kv.kv_cache import PagedKVCache
 from pdcluster.engine.models.attention_meta import AttentionMetadata, GatherWorkspace
 from pdcluster.engine.models.llama import Attention, CausalLM
-from pdcluster.engine.models.moe import MLP
+from pdcluster.engine.models.moe import MLP, SparseMoE
 from pdcluster.engine.runner.inputs import StepInputs, cdiv
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,8 @@ def graph_blocker(model: CausalLM, kv_cache: PagedKVCache) -> str | None:
     for layer in model.layers:
         if type(layer.self_attn) is not Attention:
             return f"{type(layer.self_attn).__name__} layers run eagerly"
-        if not isinstance(layer.mlp, MLP):
-            return f"{type(layer.mlp).__name__} layers route on the host"
+        if not isinstance(layer.mlp, MLP | SparseMoE):
+            return f"{type(layer.mlp).__name__} layers run eagerly"
     return None
 
 

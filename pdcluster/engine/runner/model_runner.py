@@ -84,10 +84,18 @@ class ModelRunner:
         if reason is not None:
             logger.info("decode steps run eagerly: %s", reason)
             return False
+        graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, max_model_len)
         if self.peers is not None:  # every rank captures at once: the forward holds collectives
             self.peers.capture(max_batch, max_model_len)
-        self.graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, max_model_len)
-        self.graphs.capture()
+            graphs.capture()  # a rank's failure here is the engine's (the ranks must agree)
+        else:
+            try:
+                graphs.capture()
+            except RuntimeError:  # an op of this model that a graph cannot hold
+                logger.warning("capturing the decode CUDA graphs failed: decode steps run "
+                               "eagerly", exc_info=True)
+                return False
+        self.graphs = graphs
         return True
 
     @torch.inference_mode()

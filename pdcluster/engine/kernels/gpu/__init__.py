@@ -1,6 +1,7 @@
 """The engine's GPU kernels, written in Triton: paged decode and prefill attention reading the
-KV cache in place (`decode_attention`, `prefill_attention`), and a layer's small steps fused
-(`layer_ops`: RMSNorm with the residual add, RoPE with the KV-cache write, SwiGLU).
+KV cache in place (`decode_attention`, `prefill_attention`), a layer's small steps fused
+(`layer_ops`: RMSNorm with the residual add, RoPE with the KV-cache write, SwiGLU), and an MoE
+layer's routed experts grouped on the device (`fused_moe`).
 `reference` holds the torch definition each kernel is tested against.
 
 `serves(*tensors)` says whether the kernels take these tensors: CUDA tensors, where triton
@@ -33,8 +34,13 @@ def serves(*tensors: torch.Tensor) -> bool:
 @cache
 def ops() -> SimpleNamespace:
     """The kernels: `paged_attention`, `prefill_attention`, `rms_norm`, `add_rms_norm_`,
-    `rope_and_cache_`, `silu_and_mul` (see each module)."""
-    from pdcluster.engine.kernels.gpu import decode_attention, layer_ops, prefill_attention
+    `rope_and_cache_`, `silu_and_mul`, `moe_experts` (see each module)."""
+    from pdcluster.engine.kernels.gpu import (
+        decode_attention,
+        fused_moe,
+        layer_ops,
+        prefill_attention,
+    )
 
     return SimpleNamespace(
         paged_attention=decode_attention.paged_attention,
@@ -44,4 +50,5 @@ def ops() -> SimpleNamespace:
         add_rms_norm_=layer_ops.add_rms_norm_,
         rope_and_cache_=layer_ops.rope_and_cache_,
         silu_and_mul=layer_ops.silu_and_mul,
+        moe_experts=fused_moe.moe_experts,
     )

@@ -67,3 +67,16 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
 def silu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     gate, up = gate_up.split(intermediate, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def moe_experts(x, ids, weights, w13, w2, first_expert):
+    """`x [T, H]`, routing `ids, weights [T, k]`, experts `w13 [E, 2I, H]`, `w2 [E, H, I]`
+    numbered from `first_expert` -> `[T, H]`, pair by pair (pairs on other experts: nothing)."""
+    out = torch.zeros_like(x)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - first_expert
+            if 0 <= e < w13.shape[0]:
+                hidden = silu_and_mul(x[t] @ w13[e].T, w2.shape[2])
+                out[t] += weights[t, j] * (hidden @ w2[e].T)
+    return out
