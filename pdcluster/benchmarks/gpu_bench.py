@@ -1,14 +1,15 @@
 """The engine on a GPU: `pdcluster bench engine --device cuda [--shapes llama-1b,llama-8b]
 [--quick] [--json]`.
 
-On random-weight models of the named shapes (Llama-3.2-1B's and Llama-3.1-8B's: only a
-config.json is written, the engine draws its weights on the device, `load_format="dummy"`), in
-bfloat16, measures in one run:
+On random-weight models of the named shapes (Llama-3.2-1B's and Llama-3.1-8B's by default;
+Qwen3-30B-A3B's, an MoE, on request: only a config.json is written, the engine draws its
+weights on the device, `load_format="dummy"`), in bfloat16, measures in one run:
 
 - the machine's ceilings: device copy rate (bytes read + written, a 1 GiB device-to-device
   copy) and bf16 matmul rate (8192^3);
 - batch-1 decode ms/token (the median step of one request, scheduler and sampling included)
-  and its ratio to the HBM floor: the weight bytes a step reads / the copy rate; the same step
+  and its ratio to the HBM floor: the weight bytes a step reads (of an MoE layer, the router
+  and the experts the token picks) / the copy rate; the same step
   with the host and the GPU taking turns (`overlap_decode` off: no step launched ahead,
   engine/runner/lookahead.py); the device part alone (one replay of the batch-1 CUDA graph,
   timed with events), and the largest kernels of an eager step (torch's profiler);
@@ -32,13 +33,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                      vocab_size=128256, tie_word_embeddings=True),
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      vocab_size=128256, tie_word_embeddings=False),
+    # Qwen3-30B-A3B's shape: 128 experts, 8 per token; not in the default run (61 GB of
+    # weights; `--shapes qwen3-30b-a3b`)
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                          hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                          rope_theta=1000000.0, rope_scaling=None),
 }
 _COMMON = dict(architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5,
                rope_theta=500000.0, max_position_embeddings=131072, hidden_act="silu",
@@ -111,18 +120,30 @@ def _prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(3, 32000) for _ in range(length)] for _ in range(n)]
 
 
+def _layer_weights(mc, layer: int) -> int:
+    """Weights of `layer` one token multiplies by: attention's projections, and the MLP (of an
+    MoE layer: the router and the `top_k` experts the token picks, plus any shared one)."""
+    attention = mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)
+    moe = mc.moe
+    if moe is None or layer not in moe.moe_layers:
+        return attention + 3 * mc.hidden_size * mc.intermediate_size
+    experts = moe.top_k * moe.intermediate_size + moe.shared_intermediate_size
+    return attention + moe.num_experts * mc.hidden_size + 3 * mc.hidden_size * experts
+
+
 def weight_bytes_read(mc) -> int:
-    """Bytes of weights one decode step reads: every layer, the final norm and the LM head
-    (the input embedding is one row per token unless it is the LM head too)."""
-    per_layer = (mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)
-                 + 3 * mc.hidden_size * mc.intermediate_size + 2 * mc.hidden_size)
-    return 2 * (mc.num_layers * per_layer + mc.vocab_size * mc.hidden_size + mc.hidden_size)
+    """Bytes of weights a batch-1 decode step reads: every layer's (`_layer_weights`) and its
+    two norms, the final norm and the LM head (the input embedding is one row per token
+    unless it is the LM head too)."""
+    layers = sum(_layer_weights(mc, layer) + 2 * mc.hidden_size
+                 for layer in range(mc.num_layers))
+    return 2 * (layers + mc.vocab_size * mc.hidden_size + mc.hidden_size)
 
 
 def prefill_flops(mc, tokens: int) -> float:
-    per_layer = (mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)
-                 + 3 * mc.hidden_size * mc.intermediate_size)
-    linear = 2 * tokens * mc.num_layers * per_layer + 2 * mc.vocab_size * mc.hidden_size
+    """2 per weight per token (`_layer_weights`), the LM head for one row, causal attention."""
+    linear = (2 * tokens * sum(_layer_weights(mc, layer) for layer in range(mc.num_layers))
+              + 2 * mc.vocab_size * mc.hidden_size)
     attention = 4 * mc.num_layers * mc.num_heads * mc.head_dim * tokens * (tokens + 1) / 2
     return linear + attention
 
@@ -282,7 +303,8 @@ def _hf_rates(model_dir: Path, prompts, sizes: GpuSizes, shared_prompts) -> dict
 def gpu_fields(shapes: list[str], hf_shapes: list[str], quick: bool, folder: Path) -> dict:
     import torch
 
-    unknown = sorted(set(shapes) - set(SHAPES))
+    hf_shapes = [shape for shape in hf_shapes if shape]  # "" (--hf-shapes ''): none
+    unknown = sorted((set(shapes) | set(hf_shapes)) - set(SHAPES))
     if unknown:
         raise ValueError(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
     sizes = QUICK if quick else GpuSizes()

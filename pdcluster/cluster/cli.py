@@ -107,11 +107,11 @@ def _engine_bench_args(parser: argparse.ArgumentParser) -> None:
                         "model with a chat template (--model)")
     parser.add_argument("--shapes", default="llama-1b,llama-8b",
                         help="with --device cuda and no --model: random bf16 models of these "
-                        "shapes (llama-1b, llama-8b), measured against the GPU's copy and "
-                        "matmul rates")
+                        "shapes (llama-1b, llama-8b, qwen3-30b-a3b: an MoE), measured "
+                        "against the GPU's copy and matmul rates")
     parser.add_argument("--hf-shapes", default="llama-1b",
                         help="with --device cuda: the shapes also run through transformers' "
-                        "generate (the baseline)")
+                        "generate (the baseline); '' for none")
     parser.add_argument("--host-tier", action="store_true",
                         help="measure the TTFT of prompts re-asked after the device KV pool "
                         "cycled (a working set 4x the pool), host tier and disk tier against "
