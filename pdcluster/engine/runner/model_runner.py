@@ -220,8 +220,8 @@ class ModelRunner:
         row, first_pos, blocks = inputs.chunks[c]
         end = inputs.chunks[c + 1][0] if c + 1 < len(inputs.chunks) else len(inputs.token_ids)
         context_len = first_pos + end - row
-        table = torch.tensor(blocks[: -(-context_len // self.block_size)])
-        return PrefillChunk(row, end, context_len, table.to(self.device))
+        table = np.asarray(blocks[: -(-context_len // self.block_size)], dtype=np.int64)
+        return PrefillChunk(row, end, context_len, to_device(table, self.device))
 
     def _cascade(self, table: torch.Tensor, lens: torch.Tensor) -> CascadeTables | None:
         """The decode batch split at its leading blocks common to every sequence (only blocks
