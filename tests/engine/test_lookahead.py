@@ -238,3 +238,41 @@ def test_overlap_decode_false_launches_nothing(model_dirs):
     llm.generate(random_prompts(2, 5, 8, seed=44),
                  SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert llm.engine.runner.lookahead.num_launched == 0
+
+
+def test_a_decode_node_with_look_ahead_takes_in_arrivals_of_remote_kv(model_dirs,
+                                                                       hf_reference):
+    """A decode node decoding in launched steps while prompts' KV keeps arriving from a
+    prefill node (the production connector over the in-process loopback wire): each
+    arrival joins a step later, no launched step is thrown away, every block is freed."""
+    from tests.transfer.disagg import drive, idle, make_engine, submit
+    from tests.transfer.loopback import LoopbackFabric
+
+    model = model_dirs["llama-gqa"]
+    fabric = LoopbackFabric()
+    p_transport, d_transport = fabric.transport(), fabric.transport()
+    prefill = make_engine(model, p_transport, device="cpu", dtype="float32")
+    decode = make_engine(model, d_transport, device="cpu", dtype="float32")
+    decode.runner.graphs = DecodeGraphs(decode.runner.model, decode.runner.kv_cache,
+                                        max_batch=8, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = random_prompts(5, 4, 30, seed=45)
+    runs = [submit(prefill, decode, prompts[0], params, p_transport.reply_address)]
+    steps = iter(range(1000))
+
+    def arrive() -> None:  # one more request every third step while the others decode
+        step = next(steps)
+        if step % 3 == 2 and len(runs) < len(prompts):
+            runs.append(submit(prefill, decode, prompts[len(runs)], params,
+                               p_transport.reply_address))
+
+    final = drive([prefill, decode], lambda: len(runs) == len(prompts) and idle(prefill)
+                  and idle(decode), on_step=arrive)
+    for prompt, run in zip(prompts, runs, strict=True):
+        assert final[run.decode_id].token_ids == hf_reference(model, prompt, 10)
+    assert decode.connector.worker.stats.recvs_ok == len(prompts)
+    ahead = decode.runner.lookahead
+    assert ahead.num_taken >= 5 and ahead.num_missed == 0, vars(ahead)
+    for engine in (prefill, decode):
+        assert_pool_clean(engine.block_pool)
+        engine.close()
