@@ -376,11 +376,11 @@ class ConnectorWorker(KVConnectorWorker):
                     on_failure(str(exc))
 
     def _source_unreachable(self, tid: TransferId, reason: str) -> None:
-        self._fail_recv(tid, f"KV source unreachable: {reason}")
-
-    def _fail_recv(self, tid: TransferId, error: str) -> None:
         with self._lock:
             recv = self._state.recvs.pop(tid, None)
-            if recv is not None:
-                self._finish_recv(recv, False, error=error)
+            if recv is None:
+                return
+            if not recv.is_pull:
+                self.stats.sources_unreachable += 1
+            self._finish_recv(recv, False, error=f"KV source unreachable: {reason}")
 

@@ -50,6 +50,9 @@ class WorkerStats:
     recvs_failed: int = 0
     timeouts: int = 0
     sources_lost: int = 0  # receives given up because their source died (`fail_receive`)
+    # receives failed because the side channel could not hand their request to the source
+    # (a dead node whose death the router has not reported yet: whichever comes first wins)
+    sources_unreachable: int = 0
     late_messages: int = 0
     blocks_sent: int = 0
     descriptors_sent: int = 0

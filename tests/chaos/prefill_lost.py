@@ -12,13 +12,18 @@ processes (SIGSTOP), not by timing — on a served cluster of one prefill and on
    (`PrefillLost`), which gets the notice while its engine is still stopped — `hold_s` more
    (a busy engine, on a loaded machine) — and then runs again.
 
-It must resume the request at once: its receive failed as lost (`sources_lost`), never timed
-out, the request done. The engine that is stopped is the node process itself for the own
-engine, and vLLM's engine core and worker for a vLLM node (its node process relays the
-router's messages meanwhile). Before anything is stopped (and once every node is up: a
-prefill node killed before is restarted by Ray), one request through the same two
-nodes opens the decode node's side channel to the prefill node (a restarted prefill node is a
-new peer: a first handshake with a stopped one could not complete).
+It must resume the request at once: its receive failed because its source is gone, never
+timed out, the request done. Told by the router (`sources_lost`), or — with `registered=True`,
+when the decode node's request to the prefill node had not left before it was stopped — by
+its own side channel, which cannot hand the request to the dead node (`sources_unreachable`):
+both wait for the engine to run again, and whichever it meets first fails the receive.
+
+The engine that is stopped is the node process itself for the own engine, and vLLM's engine
+core and worker for a vLLM node (its node process relays the router's messages meanwhile).
+Before anything is stopped (and once every node is up: a prefill node killed before is
+restarted by Ray), one request through the same two nodes opens the decode node's side
+channel to the prefill node (a restarted prefill node is a new peer: a first handshake with a
+stopped one could not complete).
 
 API: `kill_prefill_after_its_part`.
 """
@@ -58,7 +63,8 @@ def kill_prefill_after_its_part(chaos: Chaos, registered: bool, seed: int,
     """Run the schedule above (an AssertionError if the router does not tell the decode
     node within 5 s); what the decode node did: `resumed_after_s` / `done_after_s` (the
     request's first token and end, from the moment its engine runs again), the request's
-    `error` and `num_tokens`, and the decode node's `sources_lost` and `timeouts`."""
+    `error` and `num_tokens`, and the decode node's `sources_lost`, `sources_unreachable`
+    and `timeouts`."""
     asyncio.run(wait_ready(chaos.cluster))  # a prefill node killed before is back
     prefill, decode = _the_two_nodes(chaos)
     prompts = make_prompts(LoadSpec(rate=1, count=2, unique=True, seed=seed),
@@ -91,8 +97,8 @@ def kill_prefill_after_its_part(chaos: Chaos, registered: bool, seed: int,
     return {"error": reply.reply.error, "num_tokens": reply.reply.num_tokens,
             "resumed_after_s": _since(reply.reply.first_token, resumed_at),
             "done_after_s": _since(reply.reply.done, resumed_at),
-            "sources_lost": after["sources_lost"] - before["sources_lost"],
-            "timeouts": after["timeouts"] - before["timeouts"]}
+            **{name: after[name] - before[name]
+               for name in ("sources_lost", "sources_unreachable", "timeouts")}}
 
 
 @dataclass(slots=True)
@@ -193,7 +199,7 @@ def _decode_counters(chaos: Chaos, decode: str, moved_from: dict | None = None) 
     in them (a vLLM node reports its worker's counters with later steps)."""
     import ray
 
-    names = ("recvs_ok", "recvs_failed", "sources_lost", "timeouts")
+    names = ("recvs_ok", "recvs_failed", "sources_lost", "sources_unreachable", "timeouts")
     deadline = time.monotonic() + WAIT_S
     while True:
         stats = ray.get(chaos.cluster.actors[decode].transfer_stats.remote(), timeout=WAIT_S)

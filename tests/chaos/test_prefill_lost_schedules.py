@@ -30,4 +30,6 @@ def test_a_prefill_node_killed_after_its_part_is_reported_and_recomputed_at_once
     assert result["error"] is None and result["num_tokens"] == 8, result
     assert result["resumed_after_s"] is not None, result
     assert result["resumed_after_s"] < RESUMED_WITHIN_S, result
-    assert result["sources_lost"] == 1 and result["timeouts"] == 0, result
+    # its source gone: told by the router, or found by the side channel (prefill_lost.py)
+    assert result["sources_lost"] + result["sources_unreachable"] == 1, result
+    assert result["timeouts"] == 0, result

@@ -1,7 +1,8 @@
 """In-process fake transport for unit tests: engines in one process "talk" through a shared
 `LoopbackFabric` — messages are delivered on a fabric thread, writes are memmoves between
 registered regions. It subclasses the real `Transport`, so the connector worker under test is
-the production one; only the wire is fake. `fail_writes` and `drop_messages_to` inject faults.
+the production one; only the wire is fake. `fail_writes`, `drop_messages_to` and
+`refuse_messages_to` (the sender is told, as by a peer that cannot be reached) inject faults.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class LoopbackFabric:
         self._ids = itertools.count()
         self._queue: queue.Queue = queue.Queue()
         self.drop_messages_to: set[str] = set()
+        self.refuse_messages_to: set[str] = set()
+        # the failure handlers of dropped messages, to report them late (a sender's deadline)
+        self.dropped_handlers: list[Callable[[str], None]] = []
         self.fail_writes = False
         self._thread = threading.Thread(target=self._deliver, daemon=True, name="loopback")
         self._thread.start()
@@ -37,9 +41,10 @@ class LoopbackFabric:
         self._nodes[node.session_id] = node
         return node
 
-    def post(self, address: str, msg: SideChannelMessage) -> None:
+    def post(self, address: str, msg: SideChannelMessage,
+             on_failure: Callable[[str], None] | None = None) -> None:
         # Through the real codec, so a message the wire cannot carry fails here too.
-        self._queue.put((address, encode(msg)))
+        self._queue.put((address, (encode(msg), on_failure)))
 
     def node(self, address: str) -> LoopbackTransport | None:
         return self._nodes.get(address)
@@ -55,10 +60,17 @@ class LoopbackFabric:
             if address is None:
                 payload.set()
                 continue
+            encoded, on_failure = payload
+            if address in self.refuse_messages_to:
+                if on_failure is not None:  # on the delivery thread, as the real sender's
+                    on_failure(f"no side-channel peer accepted a message at {address}")
+                continue
             node = self._nodes.get(address)
+            if address in self.drop_messages_to and on_failure is not None:
+                self.dropped_handlers.append(on_failure)
             if node is None or address in self.drop_messages_to or node.closed:
                 continue
-            node.deliver(decode(payload))
+            node.deliver(decode(encoded))
 
 
 class LoopbackTransport(Transport):
@@ -89,7 +101,8 @@ class LoopbackTransport(Transport):
 
     def send(self, address: str, msg: SideChannelMessage,
              on_failure: Callable[[str], None] | None = None) -> None:
-        self._fabric.post(address, msg)  # a lost message is lost silently: the peer times out
+        # a dropped message is lost silently (the peer times out); a refused one is reported
+        self._fabric.post(address, msg, on_failure)
 
     def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
         peer = self._fabric.node(session)

@@ -1,6 +1,8 @@
 """`ConnectorWorker.fail_receive`: a decode node told that its prefill node died gives up on
 the KV at once and recomputes the prompt (exact tokens), long before its KV timeout, with
-nothing leaked; a late answer from the dead transfer changes nothing."""
+nothing leaked; a late answer from the dead transfer changes nothing. A source the side
+channel cannot reach fails the receive as at once (`sources_unreachable`), and when the
+router's word comes too, whichever is first fails it — once."""
 
 from __future__ import annotations
 
@@ -68,5 +70,47 @@ def test_a_source_lost_before_the_receive_starts_fails_it_as_it_starts(model_dir
     final = drive([decode], lambda: idle(decode))
     assert final[run.decode_id].token_ids == hf_reference(model_dirs["llama-gqa"], prompt, 8)
     assert worker.stats.sources_lost == 1 and worker.stats.timeouts == 0
+    assert_pool_clean(decode.block_pool)
+    decode.close()
+
+
+def test_an_unreachable_source_fails_the_receive_at_once(model_dirs, hf_reference):
+    fabric, clock = LoopbackFabric(), FakeClock()  # the clock never moves: no timeout
+    p_transport, d_transport = fabric.transport(), fabric.transport()
+    fabric.refuse_messages_to.add(p_transport.reply_address)  # P's socket is gone
+    decode = make_engine(model_dirs["llama-gqa"], d_transport, clock=clock, timeout_s=30)
+    prompt = random_prompts(1, 30, 30, seed=93)[0]
+    run = submit(None, decode, prompt, GREEDY, p_transport.reply_address)
+    worker = decode.connector.worker
+    final = drive([decode], lambda: idle(decode))
+    assert final[run.decode_id].token_ids == hf_reference(model_dirs["llama-gqa"], prompt, 8)
+    assert worker.stats.sources_unreachable == 1 and worker.stats.recvs_failed == 1
+    assert worker.stats.sources_lost == 0 and worker.stats.timeouts == 0
+    # the router's word, coming after, finds nothing left to fail
+    assert not worker.fail_receive(run.transfer_id, "prefill node lost: p0 disconnected")
+    assert worker.stats.sources_lost == 0 and worker.stats.recvs_failed == 1
+    assert_pool_clean(decode.block_pool)
+    decode.close()
+
+
+def test_the_routers_word_first_leaves_nothing_for_the_transport_to_fail(model_dirs,
+                                                                         hf_reference):
+    fabric, clock = LoopbackFabric(), FakeClock()
+    p_transport, d_transport = fabric.transport(), fabric.transport()
+    fabric.drop_messages_to.add(p_transport.reply_address)  # held, as by a stopped peer
+    decode = make_engine(model_dirs["llama-gqa"], d_transport, clock=clock, timeout_s=30)
+    prompt = random_prompts(1, 30, 30, seed=94)[0]
+    run = submit(None, decode, prompt, GREEDY, p_transport.reply_address)
+    for _ in range(3):
+        decode.step()
+    worker = decode.connector.worker
+    assert worker.fail_receive(run.transfer_id, "prefill node lost: p0 disconnected")
+    fabric.flush()
+    assert len(fabric.dropped_handlers) == 1  # the request to P, never delivered
+    fabric.dropped_handlers[0]("the peer is gone")  # the sender's deadline, after the word
+    final = drive([decode], lambda: idle(decode))
+    assert final[run.decode_id].token_ids == hf_reference(model_dirs["llama-gqa"], prompt, 8)
+    assert worker.stats.sources_lost == 1 and worker.stats.sources_unreachable == 0
+    assert worker.stats.recvs_failed == 1 and worker.stats.timeouts == 0
     assert_pool_clean(decode.block_pool)
     decode.close()
