@@ -124,6 +124,8 @@ def test_a_compiler_that_rejects_the_machine_flags_gets_the_scalar_build(
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout
+
+
 def test_gemm_calibration_records_a_winner_per_use(tmp_path, monkeypatch) -> None:
     from pdcluster.engine.kernels import gemm
 
