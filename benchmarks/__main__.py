@@ -8,6 +8,7 @@ table, then one JSON object as the last line of stdout; --model resolved the sam
   moe      a MoE step against an equally sized dense one
   mla      MLA decode, absorbed vs expanded, and KV bytes per token
   grammar  structured-output grammar libraries on one tokenizer
+  attention  paged decode attention on a GPU: the engine's kernel, its floor, FlashInfer
 
 API: `main(argv) -> int` (exit status), `HARNESSES`.
 """
@@ -110,6 +111,10 @@ HARNESSES: dict[str, tuple[str, str, AddArgs]] = {
     "grammar": ("grammar_bench", "Structured-output grammar libraries (llguidance, xgrammar, "
                 "outlines-core, those installed) on one tokenizer: compile times and the "
                 "per-token mask cost against the same run's argmax.", _grammar_args),
+    "attention": ("attention_bench", "Paged decode attention on a CUDA device: the engine's "
+                  "Triton kernel against the KV bytes it reads / the copy rate, gather + SDPA, "
+                  "and FlashInfer's and FlashAttention's paged kernels where installed.",
+                  lambda _: None),
 }
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The engine on a GPU machine, in one call of a few minutes, from the repository root:
 #
-#   bash scripts/gpu_check.sh [kernels] [bench] [suite] [moe]  (default: the first three)
+#   bash scripts/gpu_check.sh [kernels] [bench] [suite] [moe] [attention]
+#                                                          (default: the first three)
 #
 #   kernels  the Triton kernels against their torch definitions and the CUDA paths
 #            (tests/engine/test_gpu_kernels.py, tests/engine/test_cuda.py)
@@ -11,6 +12,9 @@
 #   suite    the engine suite on CUDA in float32 (PDCLUSTER_TEST_DEVICE=cuda pytest tests/engine)
 #   moe      `bench engine --device cuda --shapes qwen3-30b-a3b --quick --json`: an MoE shape
 #            (61 GB of random weights), its experts grouped on the device (not in the default)
+#   attention  `python -m benchmarks attention --json`: the paged decode kernel against the KV
+#            bytes it reads / the copy rate, gather + SDPA, and FlashInfer / FlashAttention
+#            where their wheels are in WHEELS (not in the default)
 #
 # The machine needs python3 with torch (CUDA), triton, transformers, safetensors, numpy,
 # msgpack, xxhash, pytest and pytest-timeout. What it lacks comes as wheels built beforehand
@@ -19,7 +23,7 @@
 # mistral-common's data/tokenizer.model.v1 (SENTENCEPIECE, default .gpu/tokenizer.model.v1;
 # a stand-in mistral_common package would not do: transformers then takes it for the real one).
 # Logs and the benchmark's JSON go to $OUT (default /tmp/gpu-check). Time limits per part:
-# KERNELS_S, BENCH_S, SUITE_S, MOE_S seconds.
+# KERNELS_S, BENCH_S, SUITE_S, MOE_S, ATTENTION_S seconds.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -72,8 +76,11 @@ for part in "${parts[@]}"; do
         timeout "${MOE_S:-240}" python3 -m pdcluster.cluster.cli bench engine --device cuda \
             --shapes qwen3-30b-a3b --hf-shapes '' --quick --json 2>&1 \
             | tee "$OUT/moe.log" | tail -5 ;;
+    attention)
+        timeout "${ATTENTION_S:-180}" python3 -m benchmarks attention --json 2>&1 \
+            | tee "$OUT/attention.log" | tail -5 ;;
     *)
-        echo "unknown part $part (kernels, bench, suite, moe)" >&2; exit 2 ;;
+        echo "unknown part $part (kernels, bench, suite, moe, attention)" >&2; exit 2 ;;
     esac
     rc=${PIPESTATUS[0]}
     echo "== $part: exit $rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
