@@ -63,8 +63,9 @@ def kill_prefill_after_its_part(chaos: Chaos, registered: bool, seed: int,
     """Run the schedule above (an AssertionError if the router does not tell the decode
     node within 5 s); what the decode node did: `resumed_after_s` / `done_after_s` (the
     request's first token and end, from the moment its engine runs again), the request's
-    `error` and `num_tokens`, and the decode node's `sources_lost`, `sources_unreachable`
-    and `timeouts`."""
+    `error` and `num_tokens`, the decode node's `sources_lost`, `sources_unreachable` and
+    `timeouts`, and whether its counters showed the failed receive at all
+    (`receive_failed`)."""
     asyncio.run(wait_ready(chaos.cluster))  # a prefill node killed before is back
     prefill, decode = _the_two_nodes(chaos)
     prompts = make_prompts(LoadSpec(rate=1, count=2, unique=True, seed=seed),
@@ -98,7 +99,9 @@ def kill_prefill_after_its_part(chaos: Chaos, registered: bool, seed: int,
             "resumed_after_s": _since(reply.reply.first_token, resumed_at),
             "done_after_s": _since(reply.reply.done, resumed_at),
             **{name: after[name] - before[name]
-               for name in ("sources_lost", "sources_unreachable", "timeouts")}}
+               for name in ("sources_lost", "sources_unreachable", "timeouts")},
+            # False: the decode node's counters showed no failed receive within WAIT_S
+            "receive_failed": after["recvs_failed"] > before["recvs_failed"]}
 
 
 @dataclass(slots=True)
