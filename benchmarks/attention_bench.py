@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,8 +57,8 @@ class Case:
     @property
     def kv_bytes(self) -> int:
         """The keys and values a decode step of one layer reads."""
-        item = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.batch * self.context * self.num_kv_heads * self.head_dim * item
+        return (2 * self.batch * self.context * self.num_kv_heads * self.head_dim
+                * self.dtype.itemsize)
 
 
 def cases(quick: bool) -> list[Case]:
@@ -85,8 +86,8 @@ class Inputs:
 
         per_seq = -(-case.context // BLOCK_SIZE)
         num_blocks = case.batch * per_seq
-        item = torch.tensor([], dtype=case.dtype).element_size()
-        spec = KVCacheSpec(num_blocks, 2, BLOCK_SIZE, case.num_kv_heads, case.head_dim, item)
+        spec = KVCacheSpec(num_blocks, 2, BLOCK_SIZE, case.num_kv_heads, case.head_dim,
+                           case.dtype.itemsize)
         cache = PagedKVCache(spec, case.dtype, device)
         gen = torch.Generator(device=device).manual_seed(seed)
         cache.rows.copy_(torch.randn(cache.rows.shape, generator=gen, device=device,
@@ -164,24 +165,19 @@ def flash_attn_decode(x: Inputs) -> Callable[[], torch.Tensor]:
 
 
 def median_us(fn: Callable[[], torch.Tensor], repeats: int) -> float:
-    """Median time of `fn` in microseconds: CUDA events on a GPU, the wall clock elsewhere."""
-    on_gpu = torch.cuda.is_available()
+    """Median time of `fn` in microseconds: CUDA events on a GPU (gpu_bench.median_time), the
+    wall clock elsewhere."""
+    if torch.cuda.is_available():
+        from pdcluster.benchmarks.gpu_bench import median_time
+
+        return median_time(fn, repeats) * 1e6
+    fn()  # warm-up (the interpreter's first launch)
     times = []
-    for i in range(repeats + 2):
-        if on_gpu:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            elapsed = start.elapsed_time(end) * 1e3
-        else:
-            began = time.perf_counter()
-            fn()
-            elapsed = (time.perf_counter() - began) * 1e6
-        if i >= 2:  # the first two warm up (compilation, the allocator)
-            times.append(elapsed)
-    return sorted(times)[len(times) // 2]
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - began) * 1e6)
+    return statistics.median(times)
 
 
 def measure(case: Case, device: torch.device, repeats: int, copy_gb_s: float | None = None

@@ -92,15 +92,16 @@ def ceilings() -> dict:
 
     src = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
     dst = torch.empty_like(src)
-    copy_s = _median_time(lambda: dst.copy_(src), 20)
+    copy_s = median_time(lambda: dst.copy_(src), 20)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_s = _median_time(lambda: a @ b, 20)
+    mm_s = median_time(lambda: a @ b, 20)
     return {"copy_gb_s": round(2 * src.numel() * 2 / copy_s / 1e9, 1),
             "matmul_tflops": round(2 * 8192**3 / mm_s / 1e12, 1)}
 
 
-def _median_time(fn, repeats: int) -> float:
+def median_time(fn, repeats: int) -> float:
+    """Median seconds of `fn` on the current CUDA device (CUDA events), after 3 warm-ups."""
     import torch
 
     for _ in range(3):
