@@ -7,6 +7,8 @@ paths run for real in tests/engine/test_cuda.py."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from pdcluster.engine.runner import cuda_graphs
 from pdcluster.engine.runner.cuda_graphs import DecodeGraphs
 from tests.helpers import assert_pool_clean, count_calls
 from tests.models import random_prompts
-from tests.triton_kernels import triton_ops
+from tests.triton_kernels import kernel_launches, triton_ops
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="on a GPU machine tests/engine/test_cuda.py runs this path")
@@ -67,6 +69,36 @@ def test_decode_steps_through_the_graph_buffers_with_padding_match_transformers(
     scratch = runner.kv_cache._allocation[-1]
     assert scratch.abs().sum() > 0, "the padding row wrote nowhere visible"
     assert_pool_clean(llm.engine.block_pool)
+
+
+GEMMS = {"linear", "mm", "addmm", "_linear_pointwise"}
+
+
+def test_a_decode_step_launches_ten_kernels_a_layer(model_dirs, kernel_calls):
+    """The launch budget of a dense layer in a captured decode step: the input norm (with
+    the residual add), the q/k/v GEMM, RoPE with the cache write, attention (split, merge),
+    the output GEMM, the post-attention norm (with the add), the gate/up GEMM, SwiGLU, the down
+    GEMM. On a GPU each launch costs a few microseconds even inside a graph, about as long as
+    a small model's layer takes to read its weights: a stray elementwise op (a cast, a
+    rescale) shows up here before it shows up as time."""
+    llm = LLM(model_dirs["llama-gqa"], device="cpu", dtype="float32", num_kv_blocks=16,
+              block_size=8)
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch=2, max_model_len=64)
+    layers = runner.model.config.num_layers
+    with kernel_launches() as launched:
+        graphs._forward(2)
+    kinds = collections.Counter({("gemm" if name in GEMMS else name): n
+                                 for name, n in launched.items()})
+    per_layer = {"gemm": 4, "_rms_norm_kernel": 2, "_rope_and_cache_kernel": 1,
+                 "_decode_split_kernel": 1, "_decode_merge_kernel": 1,
+                 "_silu_and_mul_kernel": 1}
+    # around the layers: the embedding, the final norm, the LM head, the logits in float32
+    around = {"embedding": 1, "_rms_norm_kernel": 1, "gemm": 1, "to": 1}
+    want = collections.Counter({k: n * layers for k, n in per_layer.items()})
+    want.update(around)
+    assert kinds == want
+    assert sum(per_layer.values()) == 10
 
 
 def test_moe_through_the_grouped_experts_kernel_matches_transformers(

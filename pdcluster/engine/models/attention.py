@@ -103,7 +103,7 @@ def _kernel_decode_attention(ops, q, k_cache, v_cache, meta: AttentionMetadata,
     # a KV head's query heads as rows (q is a view into the fused q/k projection: the C++ op
     # takes a contiguous copy, the Triton kernel reads it through its strides)
     rows = q.reshape(n, kv_heads, heads // kv_heads, dim)
-    if not q.is_cuda:
+    if not gpu.serves(q, k_cache):
         rows = rows.contiguous()
     cascade = meta.cascade
     if cascade is None:

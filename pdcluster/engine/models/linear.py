@@ -82,6 +82,10 @@ def silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     With oneDNN both elementwise ops ride the GEMMs' epilogues (swish after the gate GEMM,
     a multiply by it after the up GEMM), so no `[T, I]` tensor is read back to apply them.
     One row (batch-1 decode): the engine's GEMV computes both halves and multiplies."""
+    if kernels.ENABLED and gpu.serves(x, weight):  # the GEMM, then one fused pass over it
+        gate_up = F.linear(x, weight, bias)
+        return gpu.ops().silu_and_mul(gate_up.view(-1, 2 * intermediate),
+                                      intermediate).view(*x.shape[:-1], intermediate)
     ops = _gemv_ops(x, weight)
     if ops is not None:
         return ops.gemv_swiglu(x, weight, bias, intermediate)
@@ -94,11 +98,7 @@ def silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.device.type == "cpu":  # two GEMMs, then silu and multiply in place: no [T, 2I] split
         gate = F.silu(F.linear(x, weight[:intermediate], gate_bias), inplace=True)
         return gate.mul_(F.linear(x, weight[intermediate:], up_bias))
-    gate_up = F.linear(x, weight, bias)
-    if kernels.ENABLED and gpu.serves(gate_up):  # one fused pass over the GEMM's output
-        return gpu.ops().silu_and_mul(gate_up.view(-1, 2 * intermediate),
-                                      intermediate).view(*x.shape[:-1], intermediate)
-    gate, up = gate_up.split(intermediate, dim=-1)
+    gate, up = F.linear(x, weight, bias).split(intermediate, dim=-1)
     return F.silu(gate) * up
 
 

@@ -10,9 +10,10 @@ signature (engine/kernels/csrc/paged_attention.cpp): `rows [S, Hkv, R, D]` are t
 rows that share KV head h of sequence s (a GQA group; or every sequence's group when S = 1
 reads blocks they all share: cascade attention). Each program scores one tile of keys against
 all R rows at once, so a key is read once per group. The context is split into `num_splits`
-pieces, each a program writing its partial output and log-sum-exp; a second kernel merges
-them. The split count depends only on shapes (never on `lens`), so a CUDA graph captured once
-replays for any context length.
+pieces, each a program writing its partial output and log-sum-exp (base 2); a second kernel
+merges them. Whichever kernel writes the final log-sum-exp stores it in natural log, so no
+third launch rescales it. The split count depends only on shapes (never on `lens`), so a
+CUDA graph captured once replays for any context length.
 
 Float32 inputs are multiplied in IEEE float32 (not TF32): with greedy sampling the engine must
 give transformers' tokens exactly, and only summation order may differ.
@@ -33,7 +34,7 @@ _LN2 = 0.6931471805599453
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, TABLE, LENS, OUT, LSE,
-    scale_log2,
+    scale_log2, lse_scale,
     stride_qs, stride_qh, stride_qr,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -85,7 +86,7 @@ def _decode_split_kernel(
 
     empty = l_sum == 0.0
     out = acc / tl.where(empty, 1.0, l_sum)[:, None]
-    lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l_sum)))
+    lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l_sum))) * lse_scale
     base = seq * stride_os + head * stride_oh + split * stride_osplit
     tl.store(OUT + base + rows[:, None] * stride_or + dims[None, :],
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -100,7 +101,7 @@ def _decode_merge_kernel(
     stride_pls, stride_plh, stride_plsplit,
     stride_os, stride_oh, stride_or,
     stride_ls, stride_lh,
-    num_kv_heads, num_rows, head_dim, num_splits,
+    num_kv_heads, num_rows, head_dim, num_splits, lse_scale,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     seq_head = tl.program_id(0)
@@ -130,6 +131,7 @@ def _decode_merge_kernel(
     empty = total == 0.0
     out = acc / tl.where(empty, 1.0, total)[:, None]
     lse = tl.where(empty, float("-inf"), safe_top + tl.log2(tl.where(empty, 1.0, total)))
+    lse = lse * lse_scale
     tl.store(OUT + seq * stride_os + head * stride_oh + rows[:, None] * stride_or + dims[None, :],
              out.to(OUT.dtype.element_ty), mask=mask)
     tl.store(LSE + seq * stride_ls + head * stride_lh + rows, lse, mask=row_ok)
@@ -197,7 +199,7 @@ def paged_attention(rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     row_tiles = -(-num_rows // block_r)
     _decode_split_kernel[(seqs * kv_heads, splits, row_tiles)](
         rows, k_cache, v_cache, block_table, lens, part, part_lse,
-        scale * LOG2E,
+        scale * LOG2E, _LN2 if splits == 1 else 1.0,
         rows.stride(0), rows.stride(1), rows.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -214,6 +216,6 @@ def paged_attention(rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
-            kv_heads, num_rows, dim, splits,
+            kv_heads, num_rows, dim, splits, _LN2,
             BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
-    return out, lse.mul_(_LN2)
+    return out, lse
