@@ -143,9 +143,12 @@ def test_rms_norm_and_the_fused_residual_add(dtype, rows, size):
     _close(got_x, ref.rms_norm(residual + x, weight, 1e-5), dtype)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 64), (9, 3, 64), (8, 1, 128)])
-def test_rope_and_cache_write_match_the_reference(dtype, heads, kv_heads, dim):
+def test_rope_and_cache_write_match_the_reference(dtype, heads, kv_heads, dim, qk_norm):
+    """With `qk_norm` (Qwen3) each q and k head is RMS-normalised with its own weight before
+    it is rotated."""
     ops = triton_ops()
     gen = torch.Generator().manual_seed(heads * dim)
     layers, block_size, num_blocks, tokens = 3, 4, 6, 9
@@ -163,10 +166,18 @@ def test_rope_and_cache_write_match_the_reference(dtype, heads, kv_heads, dim):
     slot_rows = ((slots // block_size) * per_block + slots % block_size).to(DEVICE)
     layer = 1
     original = qkv.clone()
-    ops.rope_and_cache_(qkv, positions, cos, sin, heads, kv_heads, cache_rows, slot_rows,
-                        2 * layer * block_size, block_size, head_stride)
     n_rot = heads + kv_heads
-    want = ref.rope(original[:, : n_rot * dim].view(tokens, n_rot, dim), positions, cos, sin)
+    heads_in = original[:, : n_rot * dim].view(tokens, n_rot, dim)
+    norms = None
+    if qk_norm:
+        norms = tuple((1 + 0.3 * torch.randn(dim, generator=gen)).to(dtype).to(DEVICE)
+                      for _ in "qk")
+        heads_in = torch.cat((ref.rms_norm(heads_in[:, :heads], norms[0], 1e-6),
+                              ref.rms_norm(heads_in[:, heads:], norms[1], 1e-6)), 1)
+    ops.rope_and_cache_(qkv, positions, cos, sin, heads, kv_heads, cache_rows, slot_rows,
+                        2 * layer * block_size, block_size, head_stride, qk_norm=norms,
+                        eps=1e-6)
+    want = ref.rope(heads_in, positions, cos, sin)
     rotated = qkv[:, : n_rot * dim].view(tokens, n_rot, dim)
     _close(rotated, want, dtype)
     key_rows = (slot_rows[:, None] + 2 * layer * block_size

@@ -36,10 +36,12 @@ def kernel_calls(monkeypatch):
                          "add_rms_norm_")}
 
 
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-headdim"])
 def test_chunked_prefill_and_decode_through_the_gpu_kernels_match_transformers(
-        model_dirs, hf_reference, kernel_calls):
-    """Small on purpose: the interpreter runs each kernel program in Python."""
-    model = model_dirs["llama-gqa"]
+        model_dirs, hf_reference, kernel_calls, variant):
+    """Small on purpose: the interpreter runs each kernel program in Python. Qwen3's q/k
+    norms run inside the RoPE kernel."""
+    model = model_dirs[variant]
     llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4,
               max_num_batched_tokens=16)
     prefix = random_prompts(1, 13, 13, seed=21)[0]  # 3 blocks and a bit: hits start mid-block
@@ -74,14 +76,16 @@ def test_decode_steps_through_the_graph_buffers_with_padding_match_transformers(
 GEMMS = {"linear", "mm", "addmm", "_linear_pointwise"}
 
 
-def test_a_decode_step_launches_ten_kernels_a_layer(model_dirs, kernel_calls):
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-headdim"])
+def test_a_decode_step_launches_ten_kernels_a_layer(model_dirs, kernel_calls, variant):
     """The launch budget of a dense layer in a captured decode step: the input norm (with
     the residual add), the q/k/v GEMM, RoPE with the cache write, attention (split, merge),
     the output GEMM, the post-attention norm (with the add), the gate/up GEMM, SwiGLU, the down
     GEMM. On a GPU each launch costs a few microseconds even inside a graph, about as long as
     a small model's layer takes to read its weights: a stray elementwise op (a cast, a
-    rescale) shows up here before it shows up as time."""
-    llm = LLM(model_dirs["llama-gqa"], device="cpu", dtype="float32", num_kv_blocks=16,
+    rescale) shows up here before it shows up as time. Qwen3's q/k norms are in the RoPE
+    kernel's launch."""
+    llm = LLM(model_dirs[variant], device="cpu", dtype="float32", num_kv_blocks=16,
               block_size=8)
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch=2, max_model_len=64)

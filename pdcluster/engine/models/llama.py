@@ -11,10 +11,10 @@ each); RMSNorm follows the reference formula (float32 statistics) so outputs mat
 With the engine's kernels (engine.kernels: the C++ ops on CPU for float32, the Triton kernels on
 CUDA, one signature each) a layer's small steps are one op each: the residual add and the next
 RMSNorm (`add_rms_norm_`, which is why a layer returns its output and the residual stream
-separately), RoPE of q and k together with the cache write of k and v (`rope_and_cache_`; not
-for Qwen3's q/k norms, which take the torch path). A batch-1 decode step of plain dense layers
-goes further: the whole stack is one op (`DecodeStack`, `decode_layers_`), the same kernels in
-the same order without returning to Python between them.
+separately), RoPE of q and k together with the cache write of k and v (`rope_and_cache_`; on
+CUDA Qwen3's q/k norms too, which on CPU take the torch path). A batch-1 decode step of plain
+dense layers goes further: the whole stack is one op (`DecodeStack`, `decode_layers_`), the
+same kernels in the same order without returning to Python between them.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pdcluster.engine import kernels
+from pdcluster.engine.kernels import gpu
 from pdcluster.engine.kv.kv_cache import PagedKVCache
 from pdcluster.engine.models.attention import paged_attention
 from pdcluster.engine.models.attention_meta import AttentionMetadata
@@ -98,13 +99,19 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
-        ops = None if self.q_norm is not None else kernels.layer_ops_for(qkv, kv_cache.tensor)
+        ops = kernels.layer_ops_for(qkv, kv_cache.tensor)
+        norms = {}
+        if ops is not None and self.q_norm is not None and self.k_norm is not None:
+            # the Triton kernel normalises q and k heads too; the CPU C++ op does not
+            ops = ops if gpu.serves(qkv, kv_cache.tensor) else None
+            norms = {"qk_norm": (self.q_norm.weight, self.k_norm.weight),
+                     "eps": self.q_norm.eps}
         if ops is not None:
-            # RoPE on q and k in place and k, v into their cache slots: one op.
+            # (q/k norms,) RoPE on q and k in place and k, v into their cache slots: one op.
             ops.rope_and_cache_(qkv, positions, self.rope.cos, self.rope.sin, self.num_heads,
                                 self.num_kv_heads, kv_cache.rows, meta.slot_rows,
                                 kv_cache.key_row_offset(self.layer), kv_cache.spec.block_size,
-                                kv_cache.head_stride)
+                                kv_cache.head_stride, **norms)
             q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : qk_size].view(-1, self.num_kv_heads, self.head_dim)
             out = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale,

@@ -7,6 +7,7 @@
 - `rope_and_cache_(qkv, positions, cos, sin, heads, kv_heads, cache_rows, slot_rows,
   row_offset, block_size, head_stride)`: RoPE on q and k in place inside the fused qkv
   projection's output, and each KV head's k and v stored into its cache rows, in one pass;
+  here (not in the C++ op) optionally after Qwen3's RMSNorm of each q and k head;
 - `silu_and_mul(gate_up, intermediate)`: SwiGLU's `silu(gate) * up` from the fused projection.
 
 Roundings follow the reference modules: the residual sum is rounded to the activation dtype
@@ -59,9 +60,27 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _rope_and_cache_kernel(QKV, POS, COS, SIN, ROWS, SLOTS, stride_t, stride_pos, stride_row,
-                           heads, kv_heads, head_dim, row_offset, value_offset, head_stride,
-                           BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _head_rms_norm(lo, hi, is_q, Q_W, K_W, cols, col_ok, half, head_dim, eps):
+    """Each row (one head) of `lo`/`hi` (its two halves) normalised over the head, times the
+    q or the k weight: Qwen3's RMSNorm of every head before RoPE, rounded as RMSNorm is."""
+    dtype = lo.dtype
+    lo32, hi32 = lo.to(tl.float32), hi.to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(lo32 * lo32, 1) + tl.sum(hi32 * hi32, 1)) / head_dim + eps)
+    w_lo = tl.where(is_q[:, None], tl.load(Q_W + cols, mask=col_ok, other=0.0)[None, :],
+                    tl.load(K_W + cols, mask=col_ok, other=0.0)[None, :]).to(tl.float32)
+    w_hi = tl.where(is_q[:, None], tl.load(Q_W + half + cols, mask=col_ok, other=0.0)[None, :],
+                    tl.load(K_W + half + cols, mask=col_ok, other=0.0)[None, :]).to(tl.float32)
+    lo = (w_lo * (lo32 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
+    hi = (w_hi * (hi32 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
+    return lo, hi
+
+
+@triton.jit
+def _rope_and_cache_kernel(QKV, POS, COS, SIN, ROWS, SLOTS, Q_W, K_W, stride_t, stride_pos,
+                           stride_row, heads, kv_heads, head_dim, row_offset, value_offset,
+                           head_stride, eps,
+                           BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                           QK_NORM: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     half = head_dim // 2
     hs = tl.arange(0, BLOCK_H)
@@ -77,6 +96,8 @@ def _rope_and_cache_kernel(QKV, POS, COS, SIN, ROWS, SLOTS, stride_t, stride_pos
     base = QKV + tok * stride_t + hs[:, None] * head_dim + cols[None, :]
     lo = tl.load(base, mask=mask, other=0.0)
     hi = tl.load(base + half, mask=mask, other=0.0)
+    if QK_NORM:
+        lo, hi = _head_rms_norm(lo, hi, hs < heads, Q_W, K_W, cols, col_ok, half, head_dim, eps)
     dtype = lo.dtype
     # x * cos + rotate_half(x) * sin, each product rounded to x's dtype as torch does
     c_lo, c_hi = cos_lo.to(dtype)[None, :], cos_hi.to(dtype)[None, :]
@@ -107,18 +128,24 @@ def _rope_and_cache_kernel(QKV, POS, COS, SIN, ROWS, SLOTS, stride_t, stride_pos
 def rope_and_cache_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, heads: int, kv_heads: int, cache_rows: torch.Tensor,
                     slot_rows: torch.Tensor, row_offset: int, block_size: int,
-                    head_stride: int) -> None:
+                    head_stride: int, qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    eps: float = 0.0) -> None:
     """`qkv [T, (heads + 2 kv_heads) * D]`: rotate q and k in place (rotate-half RoPE at
     `positions`, tables `[max_pos, D]`), store KV head h's k of token t into `cache_rows
     [slot_rows[t] + row_offset + h * head_stride]` (`cache_rows [R, D]`) and its v
-    `block_size` rows further (engine/kv/kv_cache.py's layout)."""
+    `block_size` rows further (engine/kv/kv_cache.py's layout). `qk_norm`: the q and k
+    RMSNorm weights `[D]` (Qwen3), each head normalised (with `eps`) before it is rotated.
+    The CPU C++ op has no `qk_norm`."""
     dim = cos.shape[-1]
     assert qkv.stride(-1) == 1 and cache_rows.is_contiguous(), "rows are contiguous"
+    q_weight, k_weight = qk_norm if qk_norm is not None else (qkv, qkv)  # unread without
     _rope_and_cache_kernel[(qkv.shape[0],)](
-        qkv, positions, cos, sin, cache_rows, slot_rows, qkv.stride(0), cos.stride(0),
-        cache_rows.stride(0), heads, kv_heads, dim, row_offset, block_size, head_stride,
+        qkv, positions, cos, sin, cache_rows, slot_rows, q_weight, k_weight, qkv.stride(0),
+        cos.stride(0), cache_rows.stride(0), heads, kv_heads, dim, row_offset, block_size,
+        head_stride, eps,
         BLOCK_H=triton.next_power_of_2(heads + kv_heads),
-        BLOCK_HALF=max(2, triton.next_power_of_2(dim // 2)), num_warps=4)
+        BLOCK_HALF=max(2, triton.next_power_of_2(dim // 2)), QK_NORM=qk_norm is not None,
+        num_warps=4)
 
 
 @triton.jit
