@@ -238,9 +238,52 @@ def test_moe_experts_match_the_reference(dtype, tokens, hidden, intermediate, ex
         assert not got.cpu()[~here].any()
 
 
-def test_moe_layout_gives_each_expert_whole_tiles_and_each_pair_one_row():
-    from pdcluster.engine.kernels.gpu.fused_moe import moe_layout
+@pytest.mark.parametrize("tokens, top_k, experts, first, local, block_m, skewed", [
+    (23, 3, 12, 4, 6, 8, False),     # a tensor-parallel rank's slice of the experts
+    (1, 2, 8, 0, 8, 16, False),      # batch-1 decode
+    (150, 4, 64, 0, 64, 16, False),  # more pairs than one pass of the kernel takes
+    (90, 2, 128, 0, 128, 64, True),  # most pairs on one expert, many experts
+])
+def test_moe_layout_equals_the_torch_definition(tokens, top_k, experts, first, local,
+                                                block_m, skewed):
+    ops_module = _fused_moe()
+    gen = torch.Generator().manual_seed(tokens)
+    ids, _ = _routing(tokens, experts, top_k, gen, skewed)
+    got = ops_module.moe_layout(ids.to(DEVICE), first, local, block_m)
+    want = ref.moe_layout(ids, first, local, block_m)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hidden, experts, top_k, renormalize, scale", [
+    (1, 64, 8, 2, True, 1.0),      # Mixtral's batch-1 decode
+    (37, 96, 128, 8, True, 1.0),   # Qwen3-MoE's 128 experts, hidden off the tiles
+    (5, 32, 6, 1, False, 2.5),     # top-1 without renormalisation, scaled
+    (70, 200, 60, 3, False, 1.0),  # experts and top-k off a power of two
+])
+def test_the_router_kernel_picks_the_reference_experts(dtype, tokens, hidden, experts, top_k,
+                                                        renormalize, scale):
+    ops = triton_ops()
+    gen = torch.Generator().manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(experts, hidden, generator=gen) / hidden ** 0.5).to(dtype).to(DEVICE)
+    ids, weights = ops.route_softmax_topk(x, weight, top_k, renormalize, scale)
+    want_ids, want_weights = ref.route_softmax_topk(x.cpu(), weight.cpu(), top_k,
+                                                    renormalize, scale)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype
+    assert torch.equal(ids.cpu(), want_ids)
+    _close(weights.cpu(), want_weights, dtype)
+
+
+def _fused_moe():
+    triton_ops()  # the kernel modules imported (interpreted off a GPU)
+    from pdcluster.engine.kernels.gpu import fused_moe
+
+    return fused_moe
+
+
+def test_moe_layout_gives_each_expert_whole_tiles_and_each_pair_one_row():
+    moe_layout = _fused_moe().moe_layout
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 12, (23, 3), generator=gen)
     row_pair, tile_expert = moe_layout(ids.to(DEVICE), 4, 6, 8)

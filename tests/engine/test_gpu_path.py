@@ -74,17 +74,27 @@ def test_decode_steps_through_the_graph_buffers_with_padding_match_transformers(
 
 
 GEMMS = {"linear", "mm", "addmm", "_linear_pointwise"}
+ATTENTION_LAUNCHES = {"gemm": 2, "_rms_norm_kernel": 2, "_rope_and_cache_kernel": 1,
+                      "_decode_split_kernel": 1, "_decode_merge_kernel": 1}
+DENSE_LAUNCHES = {"gemm": 2, "_silu_and_mul_kernel": 1}
+# the router, the pairs' layout, the experts' two kernels, the pairs' rows zeroed (a pair on
+# another rank's experts adds nothing) and summed per token
+MOE_LAUNCHES = {"_route_kernel": 1, "_layout_kernel": 1, "_gate_up_kernel": 1, "zeros": 1,
+                "_down_kernel": 1, "sum": 1}
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-headdim"])
-def test_a_decode_step_launches_ten_kernels_a_layer(model_dirs, kernel_calls, variant):
-    """The launch budget of a dense layer in a captured decode step: the input norm (with
-    the residual add), the q/k/v GEMM, RoPE with the cache write, attention (split, merge),
-    the output GEMM, the post-attention norm (with the add), the gate/up GEMM, SwiGLU, the down
-    GEMM. On a GPU each launch costs a few microseconds even inside a graph, about as long as
-    a small model's layer takes to read its weights: a stray elementwise op (a cast, a
-    rescale) shows up here before it shows up as time. Qwen3's q/k norms are in the RoPE
-    kernel's launch."""
+@pytest.mark.parametrize(("variant", "mlp", "per_layer"), [
+    ("llama-gqa", DENSE_LAUNCHES, 10), ("qwen3-headdim", DENSE_LAUNCHES, 10),
+    ("mixtral-4x2", MOE_LAUNCHES, 13)])
+def test_a_decode_step_keeps_to_its_launch_budget(model_dirs, kernel_calls, variant, mlp,
+                                                  per_layer):
+    """The launch budget of a layer in a captured decode step: the input norm (with the
+    residual add), the q/k/v GEMM, RoPE with the cache write, attention (split, merge), the
+    output GEMM, the post-attention norm (with the add), then a dense MLP's gate/up GEMM,
+    SwiGLU and down GEMM, or an MoE layer's six. On a GPU each launch costs a few
+    microseconds even inside a graph, about as long as a small model's layer takes to read
+    its weights: a stray elementwise op (a cast, a rescale) shows up here before it shows up
+    as time. Qwen3's q/k norms are in the RoPE kernel's launch."""
     llm = LLM(model_dirs[variant], device="cpu", dtype="float32", num_kv_blocks=16,
               block_size=8)
     runner = llm.engine.runner
@@ -94,15 +104,12 @@ def test_a_decode_step_launches_ten_kernels_a_layer(model_dirs, kernel_calls, va
         graphs._forward(2)
     kinds = collections.Counter({("gemm" if name in GEMMS else name): n
                                  for name, n in launched.items()})
-    per_layer = {"gemm": 4, "_rms_norm_kernel": 2, "_rope_and_cache_kernel": 1,
-                 "_decode_split_kernel": 1, "_decode_merge_kernel": 1,
-                 "_silu_and_mul_kernel": 1}
+    layer = collections.Counter(ATTENTION_LAUNCHES) + collections.Counter(mlp)
+    assert layer.total() == per_layer
+    want = collections.Counter({k: n * layers for k, n in layer.items()})
     # around the layers: the embedding, the final norm, the LM head, the logits in float32
-    around = {"embedding": 1, "_rms_norm_kernel": 1, "gemm": 1, "to": 1}
-    want = collections.Counter({k: n * layers for k, n in per_layer.items()})
-    want.update(around)
+    want.update({"embedding": 1, "_rms_norm_kernel": 1, "gemm": 1, "to": 1})
     assert kinds == want
-    assert sum(per_layer.values()) == 10
 
 
 def test_moe_through_the_grouped_experts_kernel_matches_transformers(

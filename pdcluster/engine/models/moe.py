@@ -51,6 +51,12 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(x, proj.weight, proj.bias, self.intermediate))
 
 
+# The one-launch router (kernels/gpu/fused_moe.py) reads the whole router weight once per
+# token: for a decode batch that is a few small reads instead of eight launches; for a long
+# prefill, cuBLAS's GEMM reads it once for all tokens (a choice by arithmetic, not measured).
+ROUTE_KERNEL_MAX_TOKENS = 256
+
+
 class Router(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden: int) -> None:
         super().__init__()
@@ -63,6 +69,11 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (expert ids [T, k], weights [T, k] in x's dtype)."""
         cfg = self.cfg
+        if (kernels.ENABLED and cfg.scoring == "softmax" and cfg.num_groups == 1
+                and not cfg.score_bias and x.shape[0] <= ROUTE_KERNEL_MAX_TOKENS
+                and gpu.serves(x, self.weight)):
+            return gpu.ops().route_softmax_topk(x.contiguous(), self.weight, cfg.top_k,
+                                                cfg.norm_topk_prob, cfg.routed_scaling_factor)
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(-1) if cfg.scoring == "softmax" else logits.sigmoid()
         choice = scores

@@ -34,7 +34,7 @@ def serves(*tensors: torch.Tensor) -> bool:
 @cache
 def ops() -> SimpleNamespace:
     """The kernels: `paged_attention`, `prefill_attention`, `rms_norm`, `add_rms_norm_`,
-    `rope_and_cache_`, `silu_and_mul`, `moe_experts` (see each module)."""
+    `rope_and_cache_`, `silu_and_mul`, `moe_experts`, `route_softmax_topk` (see each module)."""
     from pdcluster.engine.kernels.gpu import (
         decode_attention,
         fused_moe,
@@ -51,4 +51,5 @@ def ops() -> SimpleNamespace:
         rope_and_cache_=layer_ops.rope_and_cache_,
         silu_and_mul=layer_ops.silu_and_mul,
         moe_experts=fused_moe.moe_experts,
+        route_softmax_topk=fused_moe.route_softmax_topk,
     )

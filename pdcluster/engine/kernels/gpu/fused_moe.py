@@ -5,10 +5,11 @@ The torch path (engine/models/moe.py `Experts`) groups a step's (token, expert) 
 expert, and loops over the experts on the host. So it must read the per-expert counts back
 first: a sync, which no CUDA graph can hold. Here the grouping stays on the device:
 
-1. `moe_layout` sorts the pairs by expert and places each expert's pairs in a segment of
-   whole BLOCK_M-row tiles (`row_pair`: the pair a row computes, -1 for padding), and names
-   each tile's expert (`tile_expert`; `num_local` past the last used tile). Every size is
-   bounded by the shapes alone: `tiles = cdiv(pairs, BLOCK_M) + experts`.
+1. `moe_layout` (one program) groups the pairs by expert and places each expert's pairs in
+   a segment of whole BLOCK_M-row tiles (`row_pair`: the pair a row computes, -1 for
+   padding), and names each tile's expert (`tile_expert`; `num_local` past the last used
+   tile). Every size is bounded by the shapes alone: `tiles = cdiv(pairs, BLOCK_M) +
+   experts`.
 2. `_gate_up_kernel`: a program takes one tile and BLOCK_N columns of the intermediate, and
    computes `silu(x @ gate.T) * (x @ up.T)` of its expert for the tile's rows (their tokens'
    rows of `x`, gathered as it loads them).
@@ -21,7 +22,12 @@ Tiles past the used ones, and pairs routed to another tensor-parallel rank's exp
 early exit. Each program reads only its own expert's weights: batch-1 decode reads the top-k
 experts, not all of them.
 
-API: `moe_experts(x, ids, weights, w13, w2, first_expert)`, `moe_layout(...)`.
+The router before them is one launch too (`route_softmax_topk`, for softmax scoring
+without groups or a score bias: Mixtral, Qwen3-MoE): logits, softmax, top-k and the
+weights' renormalisation and scale, per token.
+
+API: `moe_experts(x, ids, weights, w13, w2, first_expert)`, `moe_layout(...)`,
+`route_softmax_topk(x, weight, top_k, renormalize, scale)`.
 """
 
 from __future__ import annotations
@@ -33,32 +39,114 @@ import triton.language as tl
 from pdcluster.engine.kernels.gpu.decode_attention import precision
 
 
+@triton.jit
+def _route_kernel(X, W, IDS, WEIGHTS, stride_x, stride_w, hidden, num_experts, scale,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One token: its router logits in float32, their softmax, the top-k, then (optionally)
+    renormalised over the k and scaled."""
+    tok = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    e_ok = experts < num_experts
+    acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        h_ok = hs < hidden
+        x = tl.load(X + tok * stride_x + hs, mask=h_ok, other=0.0).to(tl.float32)
+        w = tl.load(W + experts[:, None].to(tl.int64) * stride_w + hs[None, :],
+                    mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    logits = tl.where(e_ok, tl.sum(acc, 1), float("-inf"))
+    p = tl.exp(logits - tl.max(logits, 0))
+    p = p / tl.sum(p, 0)
+    left = tl.where(e_ok, p, -1.0)  # probabilities are >= 0: -1 is never picked
+    picks = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int64)
+    vals = tl.zeros([BLOCK_K], tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(left, 0)
+        at = tl.min(tl.where(left == best, experts, BLOCK_E), 0)  # the lowest id of a tie
+        ids = tl.where(picks == j, at.to(tl.int64), ids)
+        vals = tl.where(picks == j, best, vals)
+        left = tl.where(experts == at, -1.0, left)
+    if RENORMALIZE:
+        vals = vals / tl.sum(vals, 0)
+    tl.store(IDS + tok * TOP_K + picks, ids, mask=picks < TOP_K)
+    tl.store(WEIGHTS + tok * TOP_K + picks, (vals * scale).to(WEIGHTS.dtype.element_ty),
+             mask=picks < TOP_K)
+
+
+def route_softmax_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A softmax router in one launch: `x [T, H]`, `weight [E, H]` -> `(ids [T, k] int64,
+    weights [T, k] in x's dtype)`: the top-k of `softmax(x @ weight.T)` (logits in float32),
+    renormalised over the k if asked, times `scale`; as engine/models/moe.py `Router` does
+    in torch ops for softmax scoring without groups or a score bias."""
+    tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1, "rows are contiguous"
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=x.device)
+    weights = torch.empty((tokens, top_k), dtype=x.dtype, device=x.device)
+    block_e = triton.next_power_of_2(num_experts)
+    _route_kernel[(tokens,)](x, weight, ids, weights, x.stride(0), weight.stride(0), hidden,
+                             num_experts, scale, TOP_K=top_k, RENORMALIZE=renormalize,
+                             BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e,
+                             BLOCK_H=max(16, min(128, 8192 // block_e)), num_warps=4)
+    return ids, weights
+
+
+@triton.jit
+def _layout_kernel(IDS, ROW_PAIR, TILE_EXPERT, pairs, first_expert, num_local, rows, tiles,
+                   BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program: `moe_layout`'s result in three passes over the pairs, BLOCK_P at a time.
+    An expert's pairs keep their order (as a stable sort keeps it)."""
+    experts = tl.arange(0, BLOCK_E)
+    local = experts < num_local
+    offs = tl.arange(0, BLOCK_P)
+    for r0 in range(0, rows, BLOCK_P):  # every row padding until a pair takes it
+        tl.store(ROW_PAIR + r0 + offs, tl.full([BLOCK_P], -1, tl.int32), mask=r0 + offs < rows)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, pairs, BLOCK_P):
+        e = tl.load(IDS + p0 + offs, mask=p0 + offs < pairs, other=-1) - first_expert
+        hot = (e[:, None] == experts[None, :]) & local[None, :]
+        counts += tl.sum(hot.to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    placed = ends - padded  # each expert's next free row
+    tl.debug_barrier()  # the padding is stored before any pair's row
+    for p0 in range(0, pairs, BLOCK_P):
+        ok = p0 + offs < pairs
+        e = tl.load(IDS + p0 + offs, mask=ok, other=-1) - first_expert
+        hot = ((e[:, None] == experts[None, :]) & local[None, :]).to(tl.int32)
+        before = tl.cumsum(hot, 0) - hot  # earlier pairs of the chunk on the same expert
+        row = tl.sum(hot * (placed[None, :] + before), 1)
+        mine = tl.sum(hot, 1) > 0
+        tl.store(ROW_PAIR + row, (p0 + offs).to(tl.int32), mask=ok & mine)
+        placed += tl.sum(hot, 0)
+    for t0 in range(0, tiles, BLOCK_P):
+        t = t0 + offs
+        done = (ends[None, :] <= (t * BLOCK_M)[:, None]) & local[None, :]
+        tl.store(TILE_EXPERT + t, tl.sum(done.to(tl.int32), 1), mask=t < tiles)
+
+
 def moe_layout(ids: torch.Tensor, first_expert: int, num_local: int, block_m: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(row_pair [tiles * block_m] int32, tile_expert [tiles] int32)` for the (token,
     expert) pairs `ids [T, k]` (global expert ids) on the experts `first_expert ..
-    first_expert + num_local - 1`. Device ops only, no sync."""
+    first_expert + num_local - 1`: expert e's pairs fill whole tiles from the end of expert
+    e - 1's, in their order; `row_pair` names each row's pair (-1: padding), `tile_expert`
+    each tile's expert (`num_local` past the last used tile). One launch, no sync
+    (`reference.moe_layout` is the same in torch ops)."""
     pairs = ids.numel()
-    device = ids.device
-    flat = ids.reshape(-1) - first_expert
-    flat = flat.masked_fill((flat < 0) | (flat >= num_local), num_local)  # another rank's
-    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_local] = 0
-    ends = padded.cumsum(0)
-    starts = ends - padded
-    order = torch.argsort(flat, stable=True)
-    expert_of = flat[order]
-    rank = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]
     tiles = -(-pairs // block_m) + num_local
-    dump = tiles * block_m  # where the other ranks' pairs go: one slot past the rows
-    row = torch.where(expert_of < num_local, starts[expert_of] + rank, dump)
-    row_pair = torch.full((dump + 1,), -1, dtype=torch.int32, device=device)
-    row_pair.scatter_(0, row, order.to(torch.int32))
-    tile_start = torch.arange(tiles, device=device) * block_m
-    tile_expert = torch.searchsorted(ends[:num_local], tile_start, right=True).to(torch.int32)
-    return row_pair[:dump], tile_expert
+    row_pair = torch.empty(tiles * block_m, dtype=torch.int32, device=ids.device)
+    tile_expert = torch.empty(tiles, dtype=torch.int32, device=ids.device)
+    block_e = triton.next_power_of_2(num_local + 1)
+    _layout_kernel[(1,)](ids.reshape(-1), row_pair, tile_expert, pairs, first_expert,
+                         num_local, tiles * block_m, tiles, BLOCK_M=block_m,
+                         BLOCK_P=max(16, min(64, 8192 // block_e)), BLOCK_E=block_e,
+                         num_warps=4)
+    return row_pair, tile_expert
 
 
 @triton.jit

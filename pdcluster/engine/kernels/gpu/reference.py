@@ -80,3 +80,38 @@ def moe_experts(x, ids, weights, w13, w2, first_expert):
                 hidden = silu_and_mul(x[t] @ w13[e].T, w2.shape[2])
                 out[t] += weights[t, j] * (hidden @ w2[e].T)
     return out
+
+
+def moe_layout(ids, first_expert, num_local, block_m):
+    """fused_moe.moe_layout in torch ops: the pairs sorted by expert (stably), each expert's
+    segment padded to whole tiles, then each tile's expert."""
+    pairs = ids.numel()
+    device = ids.device
+    flat = ids.reshape(-1) - first_expert
+    flat = flat.masked_fill((flat < 0) | (flat >= num_local), num_local)  # another rank's
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_local] = 0
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]
+    tiles = -(-pairs // block_m) + num_local
+    dump = tiles * block_m  # where the other ranks' pairs go: one slot past the rows
+    row = torch.where(expert_of < num_local, starts[expert_of] + rank, dump)
+    row_pair = torch.full((dump + 1,), -1, dtype=torch.int32, device=device)
+    row_pair.scatter_(0, row, order.to(torch.int32))
+    tile_start = torch.arange(tiles, device=device) * block_m
+    tile_expert = torch.searchsorted(ends[:num_local], tile_start, right=True).to(torch.int32)
+    return row_pair[:dump], tile_expert
+
+
+def route_softmax_topk(x, weight, top_k, renormalize, scale):
+    """A softmax router: `(ids [T, k], weights [T, k] in x's dtype)`."""
+    probs = torch.nn.functional.linear(x.float(), weight.float()).softmax(-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids, (weights * scale).to(x.dtype)
