@@ -70,19 +70,21 @@ def test_cuda_mla_runs_eagerly_and_matches(model_dirs, hf_reference):
     _assert_matches(llm, model_dirs[variant], hf_reference, random_prompts(4, 5, 40, seed=5))
 
 
+@pytest.mark.parametrize("variant", ["mixtral-4x2", "qwen3moe-8x3-norm-dense0"])
 def test_cuda_moe_decodes_in_graphs_with_its_experts_grouped_on_the_device(
-        model_dirs, hf_reference, monkeypatch):
-    """Mixtral: routing and experts without a host sync (engine/kernels/gpu/fused_moe.py), so
-    its decode steps replay graphs."""
+        model_dirs, hf_reference, monkeypatch, variant):
+    """Mixtral, and Qwen3-MoE (top-3, q/k norms, a dense first layer): routing and experts
+    without a host sync (engine/kernels/gpu/fused_moe.py), so its decode steps replay
+    graphs."""
     from pdcluster.engine.kernels import gpu
 
     grouped = count_calls(monkeypatch, gpu.ops(), "moe_experts")
     replays = count_calls(monkeypatch, DecodeGraphs, "replay")
-    llm = LLM(model_dirs["mixtral-4x2"], device="cuda", dtype="float32", num_kv_blocks=256,
+    llm = LLM(model_dirs[variant], device="cuda", dtype="float32", num_kv_blocks=256,
               max_num_seqs=8)
     assert llm.engine.uses_cuda_graphs
     grouped.clear()  # capture ran them
-    _assert_matches(llm, model_dirs["mixtral-4x2"], hf_reference,
+    _assert_matches(llm, model_dirs[variant], hf_reference,
                     random_prompts(4, 5, 40, seed=5))
     assert replays and grouped
 

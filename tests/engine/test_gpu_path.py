@@ -112,12 +112,15 @@ def test_a_decode_step_keeps_to_its_launch_budget(model_dirs, kernel_calls, vari
     assert kinds == want
 
 
+@pytest.mark.parametrize("variant", ["mixtral-4x2", "qwen3moe-8x3-norm-dense0"])
 def test_moe_through_the_grouped_experts_kernel_matches_transformers(
-        model_dirs, hf_reference, kernel_calls, monkeypatch):
-    """Mixtral's experts grouped on the device (engine/kernels/gpu/fused_moe.py), prefill and
-    decode steps, the latter through the graphs' buffers."""
-    model = model_dirs["mixtral-4x2"]
+        model_dirs, hf_reference, kernel_calls, monkeypatch, variant):
+    """Mixtral's and Qwen3-MoE's experts grouped on the device, each decode batch routed in
+    one launch (engine/kernels/gpu/fused_moe.py), prefill and decode steps, the latter
+    through the graphs' buffers."""
+    model = model_dirs[variant]
     grouped = count_calls(monkeypatch, triton_ops(), "moe_experts")
+    routed = count_calls(monkeypatch, triton_ops(), "route_softmax_topk")
     llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, block_size=8)
     runner = llm.engine.runner
     runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch=4, max_model_len=128)
@@ -126,6 +129,7 @@ def test_moe_through_the_grouped_experts_kernel_matches_transformers(
     for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
         assert out.token_ids == hf_reference(model, prompt, 4)
     assert grouped, "no step grouped its experts on the device"
+    assert routed, "no step routed its tokens in one launch"
     assert_pool_clean(llm.engine.block_pool)
 
 
