@@ -176,7 +176,9 @@ def run_shape(shape: str, folder: Path, sizes: GpuSizes, limits: dict, with_hf: 
         replay_s = graphs.replay_seconds(1)
         out.update(decode_replay_ms=round(replay_s * 1e3, 3),
                    decode_replay_vs_floor=round(replay_s / floor_s, 3))
-    out["decode_kernels"] = _decode_kernels(llm, rng)
+    out["decode_kernels"], out["decode_device_ops_per_step"] = _decode_kernels(llm, rng)
+    out["decode_device_ops_per_layer"] = round(out["decode_device_ops_per_step"]
+                                               / mc.num_layers, 1)
     ttft = _ttft(llm, sizes, rng)
     out.update(ttft_2k_ms=round(ttft * 1e3, 2),
                ttft_2k_mfu=round(prefill_flops(mc, sizes.ttft_len) / ttft
@@ -217,10 +219,11 @@ def _decode_step(llm, sizes: GpuSizes, rng: random.Random) -> float:
     return statistics.median(times[2:])
 
 
-def _decode_kernels(llm, rng: random.Random, steps: int = 4) -> list[list]:
+def _decode_kernels(llm, rng: random.Random, steps: int = 4) -> tuple[list[list], int]:
     """Where a batch-1 decode step's device time goes: [kernel, us per step, launches per
-    step] for the 12 largest, from torch's profiler over eager steps (a graph replays the same
-    kernels, without the launch gaps)."""
+    step] for the 12 largest, and how many device operations (kernels and copies) a step
+    runs in all, from torch's profiler over eager steps (a graph replays the same kernels,
+    without the launch gaps; tests/engine/test_gpu_path.py holds a layer to its budget)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -244,7 +247,8 @@ def _decode_kernels(llm, rng: random.Random, steps: int = 4) -> list[list]:
     rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
             if e.self_device_time_total > 0]
     rows.sort(key=lambda row: -row[1])
-    return [[name[:60], round(us / steps, 1), count // steps] for name, us, count in rows[:12]]
+    top = [[name[:60], round(us / steps, 1), count // steps] for name, us, count in rows[:12]]
+    return top, sum(count for _, _, count in rows) // steps
 
 
 def _ttft(llm, sizes: GpuSizes, rng: random.Random) -> float:
