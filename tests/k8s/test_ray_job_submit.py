@@ -45,6 +45,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+WORKER_PORTS = 200
+
+
+def head_ports() -> tuple[list[int], int]:
+    """Four distinct free ports (GCS, dashboard, client server, dashboard agent) and the first of
+    a worker-port range that holds none of them: `ray start` refuses to start when one of its
+    ports falls inside the worker range, which independently drawn free ports sometimes do."""
+    while True:
+        singles = [free_port() for _ in range(4)]
+        workers = free_port()
+        if (len(set(singles)) == len(singles) and workers + WORKER_PORTS <= 65535
+                and not any(workers <= port <= workers + WORKER_PORTS for port in singles)):
+            return singles, workers
+
+
 def ray_env(install: Installed, token: str, secret_file: Path) -> dict[str, str]:
     return install.env(
         # Keeps every Ray listener on 127.0.0.1 (pdcluster/cluster/ray_cluster.py says why).
@@ -54,12 +69,14 @@ def ray_env(install: Installed, token: str, secret_file: Path) -> dict[str, str]
 
 
 def wait_for_dashboard(address: str, env: dict[str, str], head: subprocess.Popen,
-                       cwd: str) -> None:
+                       cwd: str, log: Path) -> None:
     probe = ("from ray.job_submission import JobSubmissionClient as C; "
              f"C({address!r}).list_jobs()")
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        assert head.poll() is None, "ray start --head exited"
+        if head.poll() is not None:
+            raise AssertionError(f"ray start --head exited ({head.returncode}):\n"
+                                 + log.read_text(errors="replace")[-4000:])
         if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                           cwd=cwd, timeout=60).returncode == 0:
             return
@@ -83,21 +100,22 @@ def ray_head(install: Installed):
     secret_file.write_text(secrets.token_hex(32))  # what the chart's Secret holds
     secret_file.chmod(0o400)
     env = ray_env(install, token, secret_file)
-    dashboard = free_port()
-    workers = free_port()
+    (gcs, dashboard, client_server, agent), workers = head_ports()
     # `python -m` the Ray CLI of this install's interpreter: Ray starts the workers with it.
     command = [str(install.python), "-m", "ray.scripts.scripts", "start", "--head", "--block",
                "--node-ip-address", "127.0.0.1",
-               "--port", str(free_port()), "--dashboard-host", "127.0.0.1",
-               "--dashboard-port", str(dashboard), "--ray-client-server-port", str(free_port()),
-               "--dashboard-agent-listen-port", str(free_port()),
-               "--min-worker-port", str(workers), "--max-worker-port", str(workers + 200),
+               "--port", str(gcs), "--dashboard-host", "127.0.0.1",
+               "--dashboard-port", str(dashboard), "--ray-client-server-port", str(client_server),
+               "--dashboard-agent-listen-port", str(agent),
+               "--min-worker-port", str(workers), "--max-worker-port", str(workers + WORKER_PORTS),
                "--num-cpus", "4", "--temp-dir", temp_dir, "--disable-usage-stats"]
-    head = subprocess.Popen(command, env=env, cwd=temp_dir, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = Path(temp_dir) / "ray-start.log"
+    with log.open("wb") as out:
+        head = subprocess.Popen(command, env=env, cwd=temp_dir, start_new_session=True,
+                                stdout=out, stderr=subprocess.STDOUT)
     address = f"http://127.0.0.1:{dashboard}"
     try:
-        wait_for_dashboard(address, env, head, temp_dir)
+        wait_for_dashboard(address, env, head, temp_dir, log)
         yield address, env, temp_dir
     finally:
         stop_group(head)
