@@ -79,27 +79,59 @@ def served(real_model_dir, tmp_path_factory):
         stop_serve(proc)
 
 
+class OfflineReplies:
+    """Reply text by vLLM's offline `LLM` for every chat of the module, keyed by chat: computed
+    by offline_reference.py in a process of its own, started at once so that it runs while the
+    cluster starts, and waited for at the first lookup. vLLM's engine core runs inside that
+    process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the same model runner, without the two
+    processes that would each import vLLM again."""
+
+    def __init__(self, model_dir: str, reference, folder: Path) -> None:
+        self.conversations = chats() + chats(LONG_SYSTEM)
+        self.reference, self.folder = reference, folder
+        job = {"prompts": [reference.chat_ids(m) for m in self.conversations],
+               "max_tokens": MAX_TOKENS, "block_size": BLOCK}
+        (folder / "in.json").write_text(json.dumps(job))
+        self.log = (folder / "offline.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(OFFLINE), model_dir, str(folder / "in.json"),
+             str(folder / "out.json")], cwd=folder, stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                 "VLLM_LOGGING_LEVEL": "WARNING"})
+        self._replies: dict[str, str] | None = None
+
+    def __getitem__(self, key: str) -> str:
+        if self._replies is None:
+            self._replies = self._wait()
+        return self._replies[key]
+
+    def _wait(self) -> dict[str, str]:
+        returncode = self.proc.wait(timeout=900)
+        self.log.close()
+        assert returncode == 0, (self.folder / "offline.log").read_text()[-4000:]
+        tokens = json.loads((self.folder / "out.json").read_text())["tokens"]
+        eos = self.reference.eos_token_id
+        return {json.dumps(m): self.reference.tokenizer.decode(
+            t[:t.index(eos)] if eos in t else t, skip_special_tokens=True)
+            for m, t in zip(self.conversations, tokens, strict=True)}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
 @pytest.fixture(scope="module")
 def vllm_offline(real_model_dir, real_reference, tmp_path_factory):
-    """Reply text by vLLM's offline `LLM` for every chat of the module, keyed by chat."""
-    conversations = chats() + chats(LONG_SYSTEM)
-    folder = tmp_path_factory.mktemp("offline")
-    job = {"prompts": [real_reference.chat_ids(m) for m in conversations],
-           "max_tokens": MAX_TOKENS, "block_size": BLOCK}
-    (folder / "in.json").write_text(json.dumps(job))
-    proc = subprocess.run([sys.executable, str(OFFLINE), real_model_dir,
-                           str(folder / "in.json"), str(folder / "out.json")],
-                          cwd=folder, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    tokens = json.loads((folder / "out.json").read_text())["tokens"]
-    eos = real_reference.eos_token_id
-    return {json.dumps(m): real_reference.tokenizer.decode(
-        t[:t.index(eos)] if eos in t else t, skip_special_tokens=True)
-        for m, t in zip(conversations, tokens, strict=True)}
+    """Requested before `served` by the tests that use both: the reference runs meanwhile."""
+    replies = OfflineReplies(real_model_dir, real_reference, tmp_path_factory.mktemp("offline"))
+    yield replies
+    replies.stop()
 
 
 @pytest.mark.parametrize("path", ["local_prefill", "remote_prefill"])
-def test_chats_equal_vllm_offline(served, vllm_offline, path) -> None:
+def test_chats_equal_vllm_offline(vllm_offline, served, path) -> None:
     conversations = chats() if path == "local_prefill" else chats(LONG_SYSTEM)
     before = decisions(served.port, f'reason="{path}",role="decode"')
     for i, messages in enumerate(conversations):
@@ -111,7 +143,7 @@ def test_chats_equal_vllm_offline(served, vllm_offline, path) -> None:
         == len(conversations)
 
 
-def test_streaming_equals_vllm_offline(served, vllm_offline) -> None:
+def test_streaming_equals_vllm_offline(vllm_offline, served) -> None:
     messages = chats(LONG_SYSTEM)[2]
     stream = served.client.chat.completions.create(
         model=served.name, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
