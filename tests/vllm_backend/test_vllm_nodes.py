@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import psutil
@@ -51,17 +52,28 @@ class Pair:
 
     def __init__(self, model: str, metadata_address: str, tp: tuple[int, int] = (1, 1),
                  kv_timeout_s: float = KV_TIMEOUT_S) -> None:
-        self.nodes = {}
         self.fatal: dict[str, list[Exception]] = {"p0": [], "d0": []}
-        for (node_id, role), tp_size in zip((("p0", "prefill"), ("d0", "decode")), tp,
-                                            strict=True):
+
+        def start(node_id: str, role: str, tp_size: int) -> NodeRuntime:
             engine = EngineConfig(model, backend="vllm", block_size=BLOCK, num_kv_blocks=192,
                                   max_num_seqs=8, tensor_parallel_size=tp_size)
-            self.nodes[node_id] = NodeRuntime(NodeConfig(
+            return NodeRuntime(NodeConfig(
                 node_id=node_id, role=role, engine=engine, metadata_address=metadata_address,
                 lease_ttl_s=5, publish_interval_s=0.02, bootstrap_token=node_token(node_id),
                 kv_timeout_s=kv_timeout_s), on_fatal=self.fatal[node_id].append,
             ).start(registration_timeout_s=30)
+
+        # Both at once, as a cluster starts its node actors: each vLLM start is mostly its
+        # engine-core and worker processes importing vLLM.
+        with ThreadPoolExecutor(2) as pool:
+            starting = {node_id: pool.submit(start, node_id, role, tp_size)
+                        for (node_id, role), tp_size
+                        in zip((("p0", "prefill"), ("d0", "decode")), tp, strict=True)}
+        self.nodes = {n: f.result() for n, f in starting.items() if f.exception() is None}
+        failed = [f.exception() for f in starting.values() if f.exception() is not None]
+        if failed:
+            self.close_nodes()
+            raise failed[0]
         self.p, self.d = self.nodes["p0"], self.nodes["d0"]
         # each node with its own keys, the test a registered router (as in a cluster)
         clients = router_clients(metadata_address, TEST_SECRET,
@@ -118,6 +130,9 @@ class Pair:
     def close(self) -> None:
         self.to_p.close()
         self.to_d.close()
+        self.close_nodes()
+
+    def close_nodes(self) -> None:
         for node in self.nodes.values():
             node.stop(drain=False)
 
