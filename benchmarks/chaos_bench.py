@@ -144,14 +144,15 @@ async def _measured(cluster: ChaosCluster, spec: LoadSpec, model: str, vocab_siz
 
 def fault_load(base: LoadSpec, name: str, lease_ttl_s: int) -> tuple[LoadSpec, float]:
     """The load for fault `name` and when the fault begins on its clock: a quarter of `base`
-    before it (the baseline), then long enough for the fault itself and as long again after.
-    Its prompts are its own (seeded by the fault): a load repeating an earlier fault's
-    prompts would find them cached on the decode nodes and move no KV at all."""
+    before it (the baseline), then long enough for the fault itself and half of `base` after;
+    a fault that outlasts its estimate gets that half after it all the same. Its prompts are
+    its own (seeded by the fault): a load repeating an earlier fault's prompts would find them
+    cached on the decode nodes and move no KV at all."""
     at_s = base.duration_s / 4
     need_s = at_s + fault_seconds(name, lease_ttl_s) + base.duration_s / 2
     count = max(base.count, int(need_s * base.rate))
     seed = base.seed + zlib.crc32(name.encode())
-    return replace(base, count=count, seed=seed), at_s
+    return replace(base, count=count, seed=seed, after_side_s=base.duration_s / 2), at_s
 
 
 async def run_fault(cluster: ChaosCluster, name: str, spec: LoadSpec, model: str,

@@ -2,9 +2,13 @@
 
 `LoadSpec` fixes the rate and the count: request i leaves at `i / rate` seconds whatever the
 state of the earlier ones (open loop, so a fault shows up as latency and errors, not as a
-quieter client). Prompts are token ids (`/v1/completions`): most start with one of a few
-shared prefixes, so prefill nodes hit their prefix cache, decode nodes receive KV from them
-and nodes pull prefixes from each other; with `unique=True` every prompt is new (cache churn).
+quieter client). With `after_side_s`, a load with a fault beside it goes on at its rate past
+`count` until that long after the fault has ended: a fault slower than its estimate (a node
+restart on a busy machine) still has requests sent after it.
+
+Prompts are token ids (`/v1/completions`): most start with one of a few shared prefixes, so
+prefill nodes hit their prefix cache, decode nodes receive KV from them and nodes pull
+prefixes from each other; with `unique=True` every prompt is new (cache churn).
 Every other request streams. With `abort_after_s=(lo, hi)` the client disconnects from a
 share (`abort_share`) of the requests after a random delay in that range (the abort storm).
 
@@ -14,16 +18,17 @@ also keeps when its first token came (`first_token`). With
 `token_ids=True` it also keeps the token ids it received (asked for as logprobs shown as
 "token_id:N"), for tests that compare a fault's replies with a reference.
 
-API: `LoadSpec`, `Outcome`, `run_load`, `make_prompts`.
+API: `LoadSpec`, `Outcome`, `run_load`, `make_prompts`, `prompt_stream`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 _FIRST_TOKEN_ID = 10  # below it: special tokens of the usual vocabularies
@@ -44,6 +49,7 @@ class LoadSpec:
     timeout_s: float = 120.0
     seed: int = 0
     token_ids: bool = False  # keep each reply's token ids (Outcome.token_ids)
+    after_side_s: float | None = None  # with a fault: send on until this long after it ends
 
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.count < 1:
@@ -75,6 +81,12 @@ class Outcome:
 
 
 def make_prompts(spec: LoadSpec, vocab_size: int) -> list[list[int]]:
+    """The load's first `spec.count` prompts."""
+    return list(itertools.islice(prompt_stream(spec, vocab_size), spec.count))
+
+
+def prompt_stream(spec: LoadSpec, vocab_size: int) -> Iterator[list[int]]:
+    """The load's prompts, one per request, without end (seeded by `spec.seed`)."""
     rng = random.Random(spec.seed)
 
     def tokens(n: int, r: random.Random) -> list[int]:
@@ -82,14 +94,19 @@ def make_prompts(spec: LoadSpec, vocab_size: int) -> list[list[int]]:
 
     prefixes = [tokens(spec.prefix_tokens, random.Random(1000 + p))
                 for p in range(spec.num_prefixes)]
-    prompts = []
-    for _ in range(spec.count):
+    while True:
         if spec.unique:
-            prompts.append(tokens(spec.prefix_tokens + spec.suffix_tokens, rng))
+            yield tokens(spec.prefix_tokens + spec.suffix_tokens, rng)
         else:
-            prompts.append(prefixes[rng.randrange(spec.num_prefixes)]
-                           + tokens(spec.suffix_tokens, rng))
-    return prompts
+            yield prefixes[rng.randrange(spec.num_prefixes)] + tokens(spec.suffix_tokens, rng)
+
+
+def _abort_stream(spec: LoadSpec) -> Iterator[float | None]:
+    """Per request: after how many seconds the client walks away (None: never)."""
+    rng = random.Random(spec.seed + 1)
+    while True:
+        yield (rng.uniform(*spec.abort_after_s)
+               if spec.abort_after_s and rng.random() < spec.abort_share else None)
 
 
 async def run_load(base_url: str, model: str, spec: LoadSpec, vocab_size: int,
@@ -98,18 +115,32 @@ async def run_load(base_url: str, model: str, spec: LoadSpec, vocab_size: int,
     beside it, from the moment the first request leaves (`time.monotonic()` = t0)."""
     import aiohttp
 
-    prompts = make_prompts(spec, vocab_size)
-    rng = random.Random(spec.seed + 1)
-    aborts = [rng.uniform(*spec.abort_after_s)
-              if spec.abort_after_s and rng.random() < spec.abort_share else None
-              for _ in prompts]
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         t0 = time.monotonic()
         side = asyncio.ensure_future(on_start(t0)) if on_start is not None else None
-        outcomes = await asyncio.gather(*(
-            _one(session, base_url, model, spec, i, prompt, t0, aborts[i])
-            for i, prompt in enumerate(prompts)))
+        side_ended: list[float] = []
+        if side is not None:
+            side.add_done_callback(lambda _: side_ended.append(time.monotonic()))
+
+        after_side_s = spec.after_side_s if side is not None else None
+        extend = after_side_s is not None
+
+        def more(index: int) -> bool:
+            return index < spec.count or after_side_s is not None and (
+                not side_ended or time.monotonic() < side_ended[0] + after_side_s)
+
+        requests = []
+        for index, (prompt, abort_s) in enumerate(zip(prompt_stream(spec, vocab_size),
+                                                      _abort_stream(spec), strict=True)):
+            if index >= spec.count and not extend:
+                break
+            await asyncio.sleep(max(0.0, t0 + index / spec.rate - time.monotonic()))
+            if not more(index):
+                break
+            requests.append(asyncio.ensure_future(
+                _one(session, base_url, model, spec, index, prompt, t0, abort_s)))
+        outcomes = await asyncio.gather(*requests)
         if side is not None:
             await side
     return list(outcomes)
@@ -117,7 +148,6 @@ async def run_load(base_url: str, model: str, spec: LoadSpec, vocab_size: int,
 
 async def _one(session, base_url: str, model: str, spec: LoadSpec, index: int,
                prompt: list[int], t0: float, abort_after_s: float | None) -> Outcome:
-    await asyncio.sleep(max(0.0, t0 + index / spec.rate - time.monotonic()))
     stream = index % 2 == 0
     out = Outcome(index, stream, time.monotonic() - t0)
     body = {"model": model, "prompt": prompt, "max_tokens": spec.max_tokens,

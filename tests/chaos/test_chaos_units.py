@@ -4,12 +4,16 @@ no packet filter touched outside the benchmark's own network namespace."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+
 import pytest
 
 from benchmarks.__main__ import main
 from benchmarks.chaos_bench import RESUME_GOAL_S, fault_load, goals, inflight_figures
 from benchmarks.chaos_cluster import ChaosSettings
-from benchmarks.chaos_load import LoadSpec, Outcome, make_prompts
+from benchmarks.chaos_load import LoadSpec, Outcome, make_prompts, run_load
 from benchmarks.chaos_netns import IN_NETNS_ENV, LinkFault
 from benchmarks.chaos_procs import descendants, kill_tree
 from benchmarks.chaos_stats import quantile, summarize
@@ -149,3 +153,55 @@ def test_no_packet_filter_is_touched_outside_the_benchmarks_namespace(monkeypatc
     monkeypatch.delenv(IN_NETNS_ENV, raising=False)
     with pytest.raises(RuntimeError, match="outside the benchmark's own network namespace"):
         LinkFault([1234])
+
+
+class _Completions:
+    """A real HTTP server answering /v1/completions at once with one token (a stand-in for
+    the router: the load's own schedule is under test, not the cluster)."""
+
+    async def __aenter__(self) -> str:
+        from aiohttp import web
+
+        async def complete(request: web.Request) -> web.StreamResponse:
+            choice = {"text": "x", "finish_reason": "length"}
+            if not (await request.json())["stream"]:
+                return web.json_response({"choices": [choice],
+                                          "usage": {"completion_tokens": 1}})
+            reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await reply.prepare(request)
+            await reply.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+            await reply.write(b"data: [DONE]\n\n")
+            return reply
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", complete)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc) -> None:
+        await self.runner.cleanup()
+
+
+def test_a_fault_that_outlasts_the_load_still_gets_requests_sent_after_it():
+
+    ended = []
+
+    async def slow_fault(t0: float) -> None:  # lasts well past the load's 4 requests
+        await asyncio.sleep(1.0)
+        ended.append(time.monotonic() - t0)
+
+    async def load(spec: LoadSpec) -> list[Outcome]:
+        async with _Completions() as url:
+            return await run_load(url, "m", spec, 1000, on_start=slow_fault)
+
+    fixed = asyncio.run(load(LoadSpec(rate=20.0, count=4, max_tokens=1)))
+    assert len(fixed) == 4  # without after_side_s the count is the count
+    extended = asyncio.run(load(LoadSpec(rate=20.0, count=4, max_tokens=1, after_side_s=0.3)))
+    after = [o for o in extended if o.sent > ended[-1]]
+    assert all(o.ok for o in fixed + extended)
+    assert len(after) >= 3 and max(o.sent for o in after) >= ended[-1] + 0.2
+    assert max(o.sent for o in extended) < ended[-1] + 0.3 + 0.1  # and then it stops
