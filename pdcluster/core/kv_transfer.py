@@ -163,6 +163,8 @@ class PrefixPullRequest:
 @dataclass(frozen=True, slots=True)
 class XferAbort:
     transfer_id: Id
+    # why the requester gave up, when it timed out waiting: the source logs what it lacked
+    reason: Annotated[str, MaxLen(MAX_ERROR_CHARS)] | None = None
 
 
 @dataclass(frozen=True, slots=True)

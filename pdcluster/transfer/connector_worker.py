@@ -44,6 +44,7 @@ from pdcluster.core.kv_transfer import (
     XferDone,
     XferRequest,
 )
+from pdcluster.core.throttle import Throttle
 from pdcluster.transfer.errors import error_text
 from pdcluster.transfer.group_writer import Destination, GroupWriter, destination
 from pdcluster.transfer.peer_rules import PeerRules
@@ -74,6 +75,7 @@ class ConnectorWorker(KVConnectorWorker):
         self._lock = self._state.lock
         self._sends = SendTable(self._state.budget)
         self._pool = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
+        self._unsent_log = Throttle()
         self._writer: GroupWriter | None = None
         self._pulls = PullWorker(self._state, self._pool, self._write, self._flush)
         # Called (side-channel thread) when a peer's pull waits for the engine to look it up:
@@ -323,10 +325,13 @@ class ConnectorWorker(KVConnectorWorker):
         elif isinstance(msg, XferAbort):
             outbox: list[tuple[str, SideChannelMessage]] = []
             with self._lock:
-                self._cancel(msg.transfer_id, outbox)
+                self._cancel(msg.transfer_id, outbox, msg.reason)
             self._flush(outbox)
 
-    def _cancel(self, tid: TransferId, outbox) -> None:
+    def _cancel(self, tid: TransferId, outbox, timed_out: str | None = None) -> None:
+        """Cancel `tid` here (D: ask P to stop; P: release its blocks unless the write is
+        under way). `timed_out`: the requester's reason when it gave up waiting, which P
+        logs with what it lacked."""
         recv = self._state.recvs.get(tid)
         if recv is not None:  # D: ask P to stop; blocks stay pinned until P answers
             outbox.append((recv.source_addr, XferAbort(tid)))
@@ -334,6 +339,9 @@ class ConnectorWorker(KVConnectorWorker):
         if self._pulls.cancel(tid, outbox):
             return
         entry = self._sends.get(tid)
+        if timed_out is not None and tid not in self._state.finished:
+            self._log_unsent(tid, f"its requester gave up ({timed_out}); here "
+                             + _stalled_at(entry))
         if entry is not None and entry.started:
             return  # the write is under way: it releases the blocks when done
         self._sends.pop(tid)
@@ -346,13 +354,23 @@ class ConnectorWorker(KVConnectorWorker):
         for tid, recv in [(t, r) for t, r in recvs.items() if r.deadline <= now]:
             del recvs[tid]
             self.stats.timeouts += 1
-            self._finish_recv(recv, False, error=f"no KV within {self.timeout_s:g} s")
-            outbox.append((recv.source_addr, XferAbort(tid)))
+            reason = f"no KV within {self.timeout_s:g} s"
+            self._finish_recv(recv, False, error=reason)
+            outbox.append((recv.source_addr, XferAbort(tid, reason)))
         for tid, entry in self._sends.expired(now):
             self.stats.timeouts += 1
             self._state.remember(tid, "transfer expired on the prefill node")
+            self._log_unsent(tid, "it expired here; " + _stalled_at(entry))
             self._release_unsent(tid, entry, "transfer expired on the prefill node", outbox)
         self._pulls.expire(now, outbox)
+
+    def _log_unsent(self, tid: TransferId, why: str) -> None:
+        """A send that ends without its write (its requester gave up, or it expired here):
+        which half never came says where a transfer stalled. Throttled: an abort storm
+        ends many sends at once."""
+        if self._unsent_log.ready():
+            logger.warning("KV send %s ended before its write finished: %s (%d similar not "
+                           "logged)", tid, why, self._unsent_log.take_suppressed())
 
     def _release_unsent(self, tid: TransferId, entry: Send, reason: str, outbox) -> None:
         if entry.job is not None:
@@ -384,3 +402,13 @@ class ConnectorWorker(KVConnectorWorker):
                 self.stats.sources_unreachable += 1
             self._finish_recv(recv, False, error=f"KV source unreachable: {reason}")
 
+
+def _stalled_at(entry: Send | None) -> str:
+    """Where a send stood when it ended unwritten."""
+    if entry is None:
+        return "neither its request nor this node's blocks had come"
+    if entry.started:
+        return "its write was under way"
+    if entry.request is None:
+        return "its request never came"
+    return "this node's engine had not handed over the blocks"

@@ -9,6 +9,7 @@ node."""
 from __future__ import annotations
 
 import os
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -35,10 +36,24 @@ def _received(metadata_address: str) -> dict[str, float]:
     return counts
 
 
+def _warnings(log: Path) -> str:
+    """The cluster's warnings, for a failure message: the serve log's, and the transfer
+    lines of its node actors' logs (this Ray session's, under the folder `serve` gives Ray)."""
+    lines = [line for line in log.read_text(errors="replace").splitlines()
+             if "WARN" in line or "ERROR" in line or "Traceback" in line]
+    session = Path(tempfile.gettempdir()) / "pdcluster-ray" / "session_latest" / "logs"
+    for worker_log in sorted(session.glob("worker-*.err")):
+        lines += [f"{worker_log.name[:14]}: {line}"
+                  for line in worker_log.read_text(errors="replace").splitlines()
+                  if "KV " in line or "side channel" in line or "refused" in line]
+    return "\n".join(lines)[-8000:]
+
+
 @pytest.mark.parametrize(("engine", "prefill_tp", "decode_tp"), [
     ("pdcluster", 2, 1), ("pdcluster", 1, 2),
     pytest.param("vllm", 2, 1, marks=pytest.mark.slow)])
-def test_disaggregated_between_tensor_parallel_sizes(engine, prefill_tp, decode_tp, model_dirs):
+def test_disaggregated_between_tensor_parallel_sizes(engine, prefill_tp, decode_tp, model_dirs,
+                                                    tmp_path):
     """`engine` vllm: vLLM's own ranks in each node actor (its multiprocessing executor, gloo),
     pdcluster's connector in every rank."""
     model_dir = model_dirs["llama-gqa" if engine == "pdcluster" else "llama-vllm"]
@@ -53,7 +68,8 @@ def test_disaggregated_between_tensor_parallel_sizes(engine, prefill_tp, decode_
                               "--decode-tensor-parallel-size", str(decode_tp)],
                              env={**os.environ, SECRET_ENV: TEST_SECRET.to_text(),
                                   "VLLM_LOGGING_LEVEL": "WARNING"},
-                             timeout_s=300 if engine == "pdcluster" else 900)
+                             timeout_s=300 if engine == "pdcluster" else 900,
+                             log_path=tmp_path / "serve.log")
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                max_retries=0, timeout=120)
@@ -65,6 +81,8 @@ def test_disaggregated_between_tensor_parallel_sizes(engine, prefill_tp, decode_
         assert out.choices[0].text == hf_text(model_dir, prompt, 10)
         assert decisions(port, "remote_prefill") >= 1, "the prompt did not cross P -> D"
         metadata_address = line.rsplit("metadata service at ", 1)[1].rstrip(")\n")
-        assert _received(metadata_address) == {"ok": 1.0, "failed": 0.0}  # moved, not redone
+        received = _received(metadata_address)
+        assert received == {"ok": 1.0, "failed": 0.0}, (  # moved, not redone
+            received, _warnings(tmp_path / "serve.log"))
     finally:
         assert stop_serve(proc), "pdcluster serve did not exit within 60 s of SIGINT"

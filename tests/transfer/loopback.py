@@ -28,6 +28,7 @@ class LoopbackFabric:
         self._queue: queue.Queue = queue.Queue()
         self.drop_messages_to: set[str] = set()
         self.refuse_messages_to: set[str] = set()
+        self.drop_kinds: tuple[type, ...] = ()  # messages of these types are lost silently
         # the failure handlers of dropped messages, to report them late (a sender's deadline)
         self.dropped_handlers: list[Callable[[str], None]] = []
         self.fail_writes = False
@@ -70,7 +71,9 @@ class LoopbackFabric:
                 self.dropped_handlers.append(on_failure)
             if node is None or address in self.drop_messages_to or node.closed:
                 continue
-            node.deliver(decode(encoded))
+            msg = decode(encoded)
+            if not isinstance(msg, self.drop_kinds):
+                node.deliver(msg)
 
 
 class LoopbackTransport(Transport):

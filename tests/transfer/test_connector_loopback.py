@@ -5,6 +5,8 @@ check on both engines after every scenario."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from pdcluster.core.kv_transfer import RemoteDecode, RemotePrefill, XferDone, XferRequest
@@ -108,6 +110,29 @@ def test_prefill_never_answers_then_decode_recomputes(model_dirs, fabric, hf_ref
     assert final[run.decode_id].token_ids == hf_reference(model_dirs["llama-gqa"], prompt, 8)
     assert decode.connector.worker.stats.timeouts == 1
     assert prefill.connector.worker.stats.timeouts == 1
+    assert_clean(prefill, decode)
+
+
+def test_a_lost_request_is_named_in_the_prefill_nodes_log(model_dirs, fabric, hf_reference,
+                                                          caplog):
+    """D's request never reaches P: D gives up at its timeout and recomputes, and its abort
+    tells P why, so P's log says where the transfer stalled (its request never came)."""
+    clock = FakeClock()
+    p_transport, d_transport = fabric.transport(), fabric.transport()
+    fabric.drop_kinds = (XferRequest,)
+    prefill = make_engine(model_dirs["llama-gqa"], p_transport, clock=clock, timeout_s=10)
+    decode = make_engine(model_dirs["llama-gqa"], d_transport, clock=clock, timeout_s=2)
+    prompt = random_prompts(1, 25, 25, seed=27)[0]
+    run = submit(prefill, decode, prompt, GREEDY, p_transport.reply_address)
+    drive([prefill, decode], lambda: prefill.has_pinned_blocks())
+    clock.now += 3  # D times out, P does not
+    with caplog.at_level(logging.WARNING, logger="pdcluster.transfer.connector_worker"):
+        final = finish_all(prefill, decode)
+    assert final[run.decode_id].token_ids == hf_reference(model_dirs["llama-gqa"], prompt, 8)
+    assert (decode.connector.worker.stats.timeouts, prefill.connector.worker.stats.timeouts) \
+        == (1, 0)
+    assert "its requester gave up (no KV within 2 s); here its request never came" \
+        in caplog.text
     assert_clean(prefill, decode)
 
 
