@@ -124,7 +124,6 @@ async def run_load(base_url: str, model: str, spec: LoadSpec, vocab_size: int,
             side.add_done_callback(lambda _: side_ended.append(time.monotonic()))
 
         after_side_s = spec.after_side_s if side is not None else None
-        extend = after_side_s is not None
 
         def more(index: int) -> bool:
             return index < spec.count or after_side_s is not None and (
@@ -133,7 +132,7 @@ async def run_load(base_url: str, model: str, spec: LoadSpec, vocab_size: int,
         requests = []
         for index, (prompt, abort_s) in enumerate(zip(prompt_stream(spec, vocab_size),
                                                       _abort_stream(spec), strict=True)):
-            if index >= spec.count and not extend:
+            if index >= spec.count and after_side_s is None:
                 break
             await asyncio.sleep(max(0.0, t0 + index / spec.rate - time.monotonic()))
             if not more(index):

@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # all three load only when the cluster starts
     from pdcluster.node.actor import NodeActor
 
 logger = logging.getLogger(__name__)
+# Where a Ray that `serve` starts itself keeps its sessions (and the node actors' logs).
+RAY_TEMP_DIR = os.path.join(tempfile.gettempdir(), "pdcluster-ray")
 
 
 class RayCluster:
@@ -102,7 +104,7 @@ class RayCluster:
         if self.ray_address is None:
             cpus = max(os.cpu_count() or 1, self._num_nodes() * self.config.node_cpus + 1)
             ray.init(num_cpus=int(cpus), include_dashboard=False, _node_ip_address="127.0.0.1",
-                     _temp_dir=os.path.join(tempfile.gettempdir(), "pdcluster-ray"),
+                     _temp_dir=RAY_TEMP_DIR,
                      logging_level="WARNING", log_to_driver=False)
             self._started_ray = True
         else:

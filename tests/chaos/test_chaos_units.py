@@ -177,17 +177,15 @@ class _Completions:
         app.router.add_post("/v1/completions", complete)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        host, port = self.runner.addresses[0][:2]
+        return f"http://{host}:{port}"
 
     async def __aexit__(self, *exc) -> None:
         await self.runner.cleanup()
 
 
 def test_a_fault_that_outlasts_the_load_still_gets_requests_sent_after_it():
-
     ended = []
 
     async def slow_fault(t0: float) -> None:  # lasts well past the load's 4 requests

@@ -9,13 +9,13 @@ node."""
 from __future__ import annotations
 
 import os
-import tempfile
 import urllib.request
 from pathlib import Path
 
 import openai
 import pytest
 
+from pdcluster.cluster.ray_cluster import RAY_TEMP_DIR
 from pdcluster.core.credentials import SECRET_ENV
 from pdcluster.metadata_service.client import MetadataClient
 from tests.cluster.test_serve_e2e import decisions, free_port, hf_text
@@ -38,10 +38,10 @@ def _received(metadata_address: str) -> dict[str, float]:
 
 def _warnings(log: Path) -> str:
     """The cluster's warnings, for a failure message: the serve log's, and the transfer
-    lines of its node actors' logs (this Ray session's, under the folder `serve` gives Ray)."""
+    lines of its node actors' logs (the latest session of the Ray `serve` started)."""
     lines = [line for line in log.read_text(errors="replace").splitlines()
              if "WARN" in line or "ERROR" in line or "Traceback" in line]
-    session = Path(tempfile.gettempdir()) / "pdcluster-ray" / "session_latest" / "logs"
+    session = Path(RAY_TEMP_DIR) / "session_latest" / "logs"
     for worker_log in sorted(session.glob("worker-*.err")):
         lines += [f"{worker_log.name[:14]}: {line}"
                   for line in worker_log.read_text(errors="replace").splitlines()
