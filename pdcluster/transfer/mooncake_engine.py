@@ -244,10 +244,18 @@ class MooncakeTransferEngine:
                 self._executor = ThreadPoolExecutor(self._async_workers,
                                                     thread_name_prefix="mooncake-write")
             batch_id = next(self._batch_ids)
-            future = self._executor.submit(self._run, "write", *args)
+            future = self._executor.submit(self._write_logged, batch_id, *args)
             self._batches[batch_id] = future
-        future.add_done_callback(lambda f: _log_failure(batch_id, f))
         return batch_id
+
+    def _write_logged(self, batch_id: int, peer: str, src_addrs: list[int],
+                      dst_addrs: list[int], lengths: list[int]) -> None:
+        # Logged inside the batch, so the error is in the log before `status` can say "failed".
+        try:
+            self._run("write", peer, src_addrs, dst_addrs, lengths)
+        except Exception as exc:
+            logger.error("async write batch %s failed: %s", batch_id, exc)
+            raise
 
     def status(self, batch_id: int) -> BatchStatus:
         """"pending", "done" or "failed" (the error was logged at ERROR). A terminal status is
@@ -352,8 +360,3 @@ def _host_part(hostname: str) -> str:
         return hostname
     return hostname.rsplit(":", 1)[0] if ":" in hostname else hostname
 
-
-def _log_failure(batch_id: int, future: Future[None]) -> None:
-    exc = future.exception()
-    if exc is not None:
-        logger.error("async write batch %s failed: %s", batch_id, exc)

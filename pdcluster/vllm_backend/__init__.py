@@ -8,7 +8,8 @@
 - `events`, `stats`, `sampling`, `settings`, `handshake`, `lost`: what crosses between the
   node and vLLM (KV events, load figures, sampling options, engine arguments, the private
   folder, the router's word that a transfer's prefill node is lost); `failures`: vLLM's
-  death as the node's `EngineFailure`.
+  death as the node's `EngineFailure`; `async_llm`: vLLM's `AsyncLLM`, stopped again when
+  its start fails part-way.
 
 Nothing here is imported unless a node runs vLLM; `make setup-vllm` installs it
 (docs/engines.md).

@@ -53,7 +53,11 @@ from pdcluster.vllm_backend.handshake import Handshake, endpoint
 from pdcluster.vllm_backend.lost import LostNotifier
 from pdcluster.vllm_backend.sampling import to_node_output, to_vllm_params
 from pdcluster.vllm_backend.settings import ConnectorSettings, check_supported, engine_args
-from pdcluster.vllm_backend.stats import EngineStats, logger_factory
+from pdcluster.vllm_backend.stats import (
+    EngineStats,
+    SerializedPrometheusStatLogger,
+    logger_factory,
+)
 from pdcluster.vllm_backend.wake import Waker
 
 logger = logging.getLogger(__name__)
@@ -125,11 +129,13 @@ class VllmEngine(NodeEngine):
 
     async def _start(self, args: dict[str, Any]) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from pdcluster.vllm_backend.async_llm import NodeAsyncLLM
 
         # Constructed on the loop, so that its output handler starts on it.
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args),
-                                         stat_loggers=[logger_factory(self._stats)])
+        return NodeAsyncLLM.from_engine_args(
+            AsyncEngineArgs(**args),
+            stat_loggers=[logger_factory(self._stats), SerializedPrometheusStatLogger])
 
     def _poke(self) -> None:
         """Make vLLM's engine core look at its input (a cheap utility call): an idle engine

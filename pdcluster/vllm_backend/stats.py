@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
 from pdcluster.core.kv_connector import TransferTiming
 
@@ -79,3 +79,18 @@ def logger_factory(stats: EngineStats):
             return
 
     return NodeStatLogger
+
+
+_PROMETHEUS_LOCK = threading.Lock()
+
+
+class SerializedPrometheusStatLogger(PrometheusStatLogger):
+    """vLLM's Prometheus logger, built under a process-wide lock: it unregisters every
+    `vllm:` metric from the global registry and then registers its own, so two engines built
+    at once in one process (a test's pair of nodes) could each register the same name and the
+    second would fail with `DuplicateTimeseries`. Passed as a custom logger, it replaces
+    vLLM's default one."""
+
+    def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+        with _PROMETHEUS_LOCK:
+            super().__init__(vllm_config, engine_indexes)

@@ -314,3 +314,42 @@ def test_every_sampling_field_reaches_vllm() -> None:
         to_vllm_params(SamplingSpec(logprobs=30), None, 20)
     with pytest.raises(ValueError):
         to_vllm_params(SamplingSpec(temperature=-1.0), None, 20)  # vLLM's own range check
+
+
+# ---- vLLM's stat loggers ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("serialized", [False, True])
+def test_two_engines_built_at_once_in_one_process_register_their_metrics_in_turn(
+        model_dirs, tmp_path, monkeypatch, serialized) -> None:
+    """vLLM's Prometheus logger unregisters every `vllm:` metric, then registers its own: two
+    built at once (a test's pair of nodes starting together) race, and the second fails with
+    `DuplicateTimeseries` -- unless built under the node's lock, as VllmEngine builds them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prometheus_client.registry import DuplicateTimeseries
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.metrics import loggers
+
+    from pdcluster.vllm_backend.settings import engine_args
+    from pdcluster.vllm_backend.stats import SerializedPrometheusStatLogger
+
+    config = EngineConfig(model_dirs["llama-vllm"], backend="vllm", block_size=BLOCK)
+    vllm_config = AsyncEngineArgs(**engine_args(
+        config, ConnectorSettings(handshake_dir=str(tmp_path)), tmp_path,
+        with_connector=False)).create_engine_config()
+    unregister = loggers.unregister_vllm_metrics
+
+    def slow_unregister() -> None:  # widens the window between unregistering and registering
+        unregister()
+        time.sleep(0.2)
+
+    monkeypatch.setattr(loggers, "unregister_vllm_metrics", slow_unregister)
+    logger_class = SerializedPrometheusStatLogger if serialized else loggers.PrometheusStatLogger
+    with ThreadPoolExecutor(2) as pool:
+        built = [pool.submit(logger_class, vllm_config, [0]) for _ in range(2)]
+    errors = [f.exception() for f in built if f.exception() is not None]
+    if serialized:
+        assert errors == []
+    else:
+        assert errors and isinstance(errors[0], DuplicateTimeseries), errors
