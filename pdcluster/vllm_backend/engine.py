@@ -104,6 +104,7 @@ class VllmEngine(NodeEngine):
         self._thread.start()
         args = engine_args(config, settings, self._handshake.dir,
                            with_connector=connector is not None)
+        self._llm: Any = None
         self._wake = Waker(endpoint(self._handshake.dir, "wake"), self._poke)
         try:
             self._llm = self._run(self._start(args), start_timeout_s)
@@ -111,6 +112,8 @@ class VllmEngine(NodeEngine):
                                if connector is not None else "")
             self.kv_session = self._handshake.kv_session()
         except BaseException:
+            if self._llm is not None:  # vLLM is up, the rest of the start failed
+                self._llm.shutdown()
             self._wake.close()
             self._shutdown_loop()
             self._handshake.close()

@@ -3,7 +3,7 @@ engine-core and worker processes and opens its ZMQ sockets before it builds its 
 and a half-built one left to the garbage collector kept those processes running and blocked
 the collecting thread for good (a test process hung at a random allocation, every test after
 a failed start timing out). Here the stat logger's build fails, as a real registry clash
-(`DuplicateTimeseries`) made it fail."""
+(`DuplicateTimeseries`) made it fail, or the node's own part of the start once vLLM is up."""
 
 from __future__ import annotations
 
@@ -18,25 +18,30 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
 
 from pdcluster.engine.config import EngineConfig  # noqa: E402
 from pdcluster.vllm_backend.engine import VllmEngine  # noqa: E402
+from pdcluster.vllm_backend.handshake import Handshake  # noqa: E402
 from pdcluster.vllm_backend.stats import SerializedPrometheusStatLogger  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.parametrize("fails", ["while_vllm_builds", "after_vllm_is_up"])
 def test_a_failed_vllm_start_stops_its_processes_and_leaves_nothing_to_block_the_collector(
-        model_dirs, monkeypatch) -> None:
+        model_dirs, monkeypatch, fails) -> None:
     ours = psutil.Process()
     before = {p.pid for p in ours.children(recursive=True)}
     started: dict[psutil.Process, str] = {}  # vLLM's, as the failure comes: their commands
 
-    def refuse(self, vllm_config, engine_indexes=None) -> None:
+    def refuse(*args, **kwargs) -> None:
         # multiprocessing's resource tracker, started on the way, serves the process for good
         started.update({p: _cmdline(p) for p in ours.children(recursive=True)
                         if p.pid not in before and "resource_tracker" not in _cmdline(p)})
-        raise RuntimeError("the metrics registry refused vLLM's metrics")
+        raise RuntimeError(f"refused {fails}")
 
-    monkeypatch.setattr(SerializedPrometheusStatLogger, "__init__", refuse)
-    assert "refused vLLM's metrics" in _start_failing(model_dirs["llama-vllm"])
+    if fails == "while_vllm_builds":  # vLLM's own part: its stat loggers
+        monkeypatch.setattr(SerializedPrometheusStatLogger, "__init__", refuse)
+    else:  # the node's part once vLLM is up: the connector's session
+        monkeypatch.setattr(Handshake, "kv_session", refuse)
+    assert f"refused {fails}" in _start_failing(model_dirs["llama-vllm"])
     assert any("EngineCore" in command for command in started.values()), started
     deadline = time.monotonic() + 15
     while (alive := [p for p in started if _running(p)]) and time.monotonic() < deadline:
