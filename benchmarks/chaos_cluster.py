@@ -9,7 +9,8 @@
   restarting a killed actor under the same node id), running the own engine or vLLM
   (`engine="vllm"`: every node, with vLLM's block size and hashes, which the router takes
   from their registrations);
-- the router, `pdcluster router serve`, as its own process.
+- the router, `pdcluster router serve`, as its own process, on a port picked as it starts
+  and found up when HTTP answers there.
 
 Processes are found by pid for signals and RSS (`pids()`); `stop()` ends what it started. The
 cluster secret is made here and handed to the subprocesses in their environment.
@@ -19,6 +20,7 @@ API: `ChaosSettings`, `ChaosCluster`, `free_port`.
 
 from __future__ import annotations
 
+import http.client
 import os
 import shutil
 import signal
@@ -27,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -97,7 +101,7 @@ class ChaosCluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="pdcluster-chaos-")
         self.tmp = Path(self._tmp.name)
         self.etcd_port, self.etcd_peer_port = free_port(), free_port()
-        self.metadata_port, self.router_port = free_port(), free_port()
+        self.metadata_port, self.router_port = free_port(), 0  # router: as it starts
         self.etcd: subprocess.Popen | None = None
         self.metadata: subprocess.Popen | None = None
         self.router: subprocess.Popen | None = None
@@ -161,16 +165,28 @@ class ChaosCluster:
                                          stdout=subprocess.DEVNULL, stderr=self._log("metadata"))
         _wait_port(self.metadata_port, self.metadata, "the metadata service")
 
-    def start_router(self) -> None:
+    def start_router(self, attempts: int = 3) -> None:
+        """Its port is picked as it starts, not with the others: Ray's processes, started
+        meanwhile, bind free ports of their own (once a Ray gRPC server answered on the
+        router's port, the router itself gone). It is ready when HTTP answers there; a port
+        taken before the router bound it means another port."""
         s = self.settings
-        args = ["router", "serve", "--port", str(self.router_port), "--model", s.model,
-                "--metadata", self.metadata_address,
-                "--local-prefill-threshold", str(s.local_prefill_threshold),
-                "--global-reuse-min-tokens", str(s.global_reuse_min_tokens),
-                "--max-migrations", "1"]
-        self.router = subprocess.Popen(_cli(*args), env=self._env(),
-                                       stdout=subprocess.DEVNULL, stderr=self._log("router"))
-        _wait_port(self.router_port, self.router, "the router")
+        for attempt in range(1, attempts + 1):
+            self.router_port = free_port()
+            args = ["router", "serve", "--port", str(self.router_port), "--model", s.model,
+                    "--metadata", self.metadata_address,
+                    "--local-prefill-threshold", str(s.local_prefill_threshold),
+                    "--global-reuse-min-tokens", str(s.global_reuse_min_tokens),
+                    "--max-migrations", "1"]
+            self.router = subprocess.Popen(_cli(*args), env=self._env(),
+                                           stdout=subprocess.DEVNULL, stderr=self._log("router"))
+            try:
+                _wait_http(f"{self.router_url}/health", self.router, "the router")
+                return
+            except RuntimeError:
+                taken = "address already in use" in self.log_tail("router").lower()
+                if not taken or attempt == attempts:
+                    raise
 
     def _log(self, name: str):
         return open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 (the child owns it)
@@ -223,6 +239,24 @@ def _kill(proc: subprocess.Popen | None) -> None:
         proc.send_signal(signal.SIGCONT)  # a stopped process cannot die until it runs
         proc.kill()
         proc.wait(timeout=30)
+
+
+def _wait_http(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 60.0) -> None:
+    """Until `proc` answers HTTP at `url` (any status); an error once it has exited."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return
+        except urllib.error.HTTPError:  # an HTTP answer all the same
+            return
+        except (OSError, http.client.HTTPException):  # not listening yet, or not HTTP
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer HTTP at {url} within {timeout_s} s")
+        time.sleep(0.05)
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 60.0) -> None:

@@ -203,3 +203,34 @@ def test_a_fault_that_outlasts_the_load_still_gets_requests_sent_after_it():
     assert all(o.ok for o in fixed + extended)
     assert len(after) >= 3 and max(o.sent for o in after) >= ended[-1] + 0.2
     assert max(o.sent for o in extended) < ended[-1] + 0.3 + 0.1  # and then it stops
+
+
+def test_a_router_port_another_server_took_before_the_router_bound_it_means_another_port(
+        model_dirs, monkeypatch):
+    """As a Ray gRPC server once did: something that is not the router listens on the port
+    picked for it. The router must be found answering HTTP on a port of its own, not taken
+    as up because something accepts connections there."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from benchmarks import chaos_cluster
+    from tests.chaos.conftest import MODEL
+
+    cluster = chaos_cluster.ChaosCluster(ChaosSettings(model=model_dirs[MODEL]))
+    with socket.socket() as taken:  # accepts connections, never answers
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks = iter([taken.getsockname()[1]])
+        free_port = chaos_cluster.free_port
+        monkeypatch.setattr(chaos_cluster, "free_port", lambda: next(picks, 0) or free_port())
+        try:
+            cluster.start_metadata()
+            cluster.start_router()
+            assert cluster.router_port != taken.getsockname()[1]
+            with pytest.raises(urllib.error.HTTPError) as answer:  # the router's, no node yet
+                urllib.request.urlopen(f"{cluster.router_url}/health", timeout=10)
+            assert answer.value.code == 503 and "nodes" in json.loads(answer.value.read())
+            assert "address already in use" in cluster.log_tail("router")
+        finally:
+            cluster.stop()
