@@ -31,6 +31,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -241,32 +242,37 @@ def _kill(proc: subprocess.Popen | None) -> None:
         proc.wait(timeout=30)
 
 
-def _wait_http(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 60.0) -> None:
-    """Until `proc` answers HTTP at `url` (any status); an error once it has exited."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with status {proc.returncode}")
+def _wait_http(url: str, proc: subprocess.Popen, what: str) -> None:
+    """Until `proc` answers HTTP at `url` (any status, not merely a connection)."""
+    def answers() -> bool:
         try:
             with urllib.request.urlopen(url, timeout=5):
-                return
+                return True
         except urllib.error.HTTPError:  # an HTTP answer all the same
-            return
+            return True
         except (OSError, http.client.HTTPException):  # not listening yet, or not HTTP
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not answer HTTP at {url} within {timeout_s} s")
-        time.sleep(0.05)
+            return False
+
+    _wait(answers, proc, what, f"answer HTTP at {url}")
 
 
-def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 60.0) -> None:
+def _wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
+    def listens() -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", port)) == 0
+
+    _wait(listens, proc, what, f"listen on port {port}")
+
+
+def _wait(ready: Callable[[], bool], proc: subprocess.Popen, what: str, doing: str,
+          timeout_s: float = 60.0) -> None:
+    """Until `ready()`; an error once `proc` has exited, or after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with status {proc.returncode}")
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
+        if ready():
+            return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not listen on port {port} within {timeout_s} s")
+            raise RuntimeError(f"{what} did not {doing} within {timeout_s} s")
         time.sleep(0.05)
