@@ -15,7 +15,7 @@
 Processes are found by pid for signals and RSS (`pids()`); `stop()` ends what it started. The
 cluster secret is made here and handed to the subprocesses in their environment.
 
-API: `ChaosSettings`, `ChaosCluster`, `free_port`.
+API: `ChaosSettings`, `ChaosCluster`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from benchmarks.chaos_procs import descendants, reap
+from benchmarks.ports import free_port
 from pdcluster.core.credentials import ROUTER_TOKEN_ENV, SECRET_ENV, SERVICE, ClusterSecret
 
 if TYPE_CHECKING:
@@ -83,12 +84,6 @@ class ChaosSettings:
         if self.engine != "pdcluster":
             options["backend"] = self.engine
         return options
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _cli(*args: str) -> list[str]:

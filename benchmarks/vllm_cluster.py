@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,13 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from benchmarks.ports import free_port
 from pdcluster.core.credentials import ROUTER_TOKEN_ENV, SECRET_ENV, SERVICE, ClusterSecret
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServedCluster:

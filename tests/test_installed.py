@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from benchmarks.ports import free_port
 from tests.installed import MODULE_REPORT, REPO_ROOT, Installed, editable_install
 
 pytestmark = pytest.mark.slow
@@ -81,12 +81,6 @@ def test_python_api_from_another_folder(install: Installed, tiny_model: Path,
     proc = install.run(["python", "-c", code], cwd=outside)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_one_name_per_module(install, loaded_modules(proc.stdout))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_answers_a_chat_from_another_folder(install: Installed, tiny_model: Path,

@@ -4,19 +4,13 @@ Greedy text must equal what `transformers` generates for the same prompt."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import openai
 import pytest
 
+from benchmarks.ports import free_port
 from tests.serve_process import start_serve, stop_serve, wait_until_answering
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

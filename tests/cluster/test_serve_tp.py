@@ -15,10 +15,11 @@ from pathlib import Path
 import openai
 import pytest
 
+from benchmarks.ports import free_port
 from pdcluster.cluster.ray_cluster import RAY_TEMP_DIR
 from pdcluster.core.credentials import SECRET_ENV
 from pdcluster.metadata_service.client import MetadataClient
-from tests.cluster.test_serve_e2e import decisions, free_port, hf_text
+from tests.cluster.test_serve_e2e import decisions, hf_text
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET
 from tests.serve_process import start_serve, stop_serve, wait_until_answering
 

@@ -19,7 +19,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,17 +31,12 @@ import pytest
 import yaml
 from ray.job_submission import JobSubmissionClient
 
+from benchmarks.ports import free_port
 from tests.installed import Installed, editable_install
 from tests.k8s.chart import CHART, REPO_ROOT, cluster_config_text, needs_helm, one, render
 
 pytestmark = [needs_helm, pytest.mark.slow]
 CONFIG_PATH = "/etc/pdcluster/cluster.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 WORKER_PORTS = 200

@@ -9,17 +9,12 @@ import subprocess
 import time
 from pathlib import Path
 
+from benchmarks.ports import free_port
 from pdcluster.core.events import BlockRemoved, BlockStored
 from pdcluster.core.types import BlockHash
 from pdcluster.metadata_service.client import make_node_info
 from pdcluster.metadata_service.config import MetadataConfig
 from pdcluster.metadata_service.publisher import NodePublisher
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_hash(*parts: object) -> BlockHash:

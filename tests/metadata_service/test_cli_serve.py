@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.ports import free_port
 from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, write_secret_file
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.metadata_service.errors import MetadataAuthError
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
-from tests.metadata_service.helpers import free_port, wait_until
+from tests.metadata_service.helpers import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

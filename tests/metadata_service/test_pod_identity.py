@@ -294,8 +294,8 @@ def test_the_cli_serves_pod_identity_with_the_kubernetes_settings_it_is_given(ap
     import subprocess
     import sys
 
+    from benchmarks.ports import free_port
     from pdcluster.core.credentials import SECRET_FILE_ENV, write_secret_file
-    from tests.metadata_service.helpers import free_port
 
     port = free_port()
     env = {**os.environ, SECRET_FILE_ENV: str(write_secret_file(TEST_SECRET,

@@ -6,11 +6,11 @@ transfer stats (what `NodeActor.transfer_stats` exports), and every pool is leak
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 
+from benchmarks.ports import free_port
 from pdcluster.core.node_wire import GenerateRequest, PrefixSource, SamplingSpec, TransferSpec
 from pdcluster.decode_node.actor import DecodeNodeActor
 from pdcluster.node.client import BlockingNodeClient, tokens_of
@@ -134,9 +134,7 @@ def test_stale_or_foreign_hint_computes_everything(cluster, model, hf_reference)
 def test_dead_holder_falls_back_to_compute_without_hanging(cluster, model, hf_reference):
     nodes, clients = cluster
     p = nodes["p"]
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        dead = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    dead = f"tcp://127.0.0.1:{free_port()}"  # a port nobody listens on
     prompt = random_prompts(1, 60, 60, seed=84)[0]
     before = stats(p)
     started = time.monotonic()

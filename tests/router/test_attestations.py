@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from benchmarks.ports import free_port
 from pdcluster.core.events import DEVICE, HOST
 from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, BlockExtra, hash_block_tokens
 from pdcluster.metadata_service.client import MetadataClient
@@ -21,7 +22,7 @@ from pdcluster.router.routing.attestations import (
     output_blocks,
 )
 from pdcluster.router.routing.metadata_link import MetadataLink
-from tests.metadata_service.helpers import free_port, make_chain, make_config, make_publisher
+from tests.metadata_service.helpers import make_chain, make_config, make_publisher
 from tests.router.test_metadata_link import until
 
 

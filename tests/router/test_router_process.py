@@ -13,14 +13,9 @@ import subprocess
 import sys
 import time
 
+from benchmarks.ports import free_port
 from tests.cluster_secret import SERVICE_TOKEN
 from tests.serve_process import ROOT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
@@ -43,11 +38,11 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 60) ->
 
 
 def test_health_is_503_when_the_router_knows_no_decode_node(model_dir) -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PDCLUSTER_ROUTER_TOKEN": SERVICE_TOKEN}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdcluster.cluster.cli", "router", "serve", "--model",
-         str(model_dir), "--port", str(port), "--metadata", f"127.0.0.1:{_free_port()}"],
+         str(model_dir), "--port", str(port), "--metadata", f"127.0.0.1:{free_port()}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_listening(port, proc)

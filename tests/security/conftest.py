@@ -11,10 +11,10 @@ a vLLM node's region is one segment per layer tensor)."""
 from __future__ import annotations
 
 import importlib.util
-import socket
 
 import pytest
 
+from benchmarks.ports import free_port
 from tests.security.served import start_served
 
 ENGINES = [
@@ -28,15 +28,9 @@ MODELS = {"pdcluster": "llama-gqa", "vllm": "llama-vllm"}
 own_engine_only = pytest.mark.parametrize("served", ["pdcluster"], indirect=True, ids=["own"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session", params=ENGINES)
 def served(request, model_dirs):
     engine = request.param
-    cluster = start_served(model_dirs[MODELS[engine]], _free_port(), engine=engine)
+    cluster = start_served(model_dirs[MODELS[engine]], free_port(), engine=engine)
     yield cluster
     cluster.stop()

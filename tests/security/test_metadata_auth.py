@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from benchmarks.ports import free_port
 from pdcluster.core.credentials import (
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -35,7 +36,7 @@ from pdcluster.core.credentials import (
 )
 from pdcluster.proto import metadata_pb2 as pb
 from pdcluster.proto import metadata_pb2_grpc as pb_grpc
-from tests.metadata_service.helpers import free_port, wait_until
+from tests.metadata_service.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 ATTACKER = "tcp://127.0.0.1:6666"

@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from benchmarks.ports import free_port
 from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, SERVICE, write_secret_file
 from pdcluster.core.tls import ClientTLS
 from pdcluster.engine.config import EngineConfig
@@ -42,7 +43,7 @@ from pdcluster.proto import metadata_pb2 as pb
 from pdcluster.proto import metadata_pb2_grpc as pb_grpc
 from pdcluster.router.routing.metadata_link import MetadataLink
 from tests.cluster_secret import SERVICE_TOKEN, TEST_SECRET, node_token
-from tests.metadata_service.helpers import FakeNode, free_port, make_chain, wait_until
+from tests.metadata_service.helpers import FakeNode, make_chain, wait_until
 from tests.tls_certs import Pki, make_pki
 
 ROOT = Path(__file__).resolve().parents[2]
