@@ -42,7 +42,11 @@ def _own_engine(config: NodeConfig, keys: CurveKeys, directory: Directory | None
     connector = KVConnector(ConnectorScheduler(config.recompute_on_failure,
                                                config.min_pull_blocks), worker)
     engine_config = replace(config.engine, enable_kv_events=config.metadata_address is not None)
-    engine = LLMEngine(engine_config, connector)
+    try:
+        engine = LLMEngine(engine_config, connector)
+    except BaseException:  # a model that does not load: its transfer engine does not stay up
+        worker.close()
+        raise
     return engine, transport.reply_address, transport.session_id
 
 

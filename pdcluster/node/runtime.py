@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import ExitStack
 
 from pdcluster.core.credentials import CurveKeys, node_principal
 from pdcluster.core.curve import forget_directory
@@ -86,21 +87,32 @@ class NodeRuntime:
         self._credential = node_credential(config) if config.metadata_address else None
         self.keys = shared_keys or CurveKeys.generate()  # its own pair never leaves this node
         self.directory = None if shared_keys is not None else self._directory()
-        self.engine, self.kv_address, self.kv_session = make_engine(config, self.keys,
-                                                                    self.directory)
-        self.server = NodeServer(self.engine, config.node_id, config.role, config.host,
-                                 config.port, on_step=self._on_step, curve=self.keys,
-                                 directory=self.directory, port_span=config.port_span,
-                                 on_fatal=on_fatal)
-        if self.directory is not None:  # itself, before the metadata service says so
-            self.directory.grant(Peer(node_principal(config.node_id), self.keys.public,
-                                      self.server.address, self.kv_address, self.kv_session))
-        self.metrics = NodeMetrics(config.node_id, config.role)
-        self.metrics.observe(self.engine)  # the engine thread has not started yet
-        self.metrics_server = (None if config.metrics_port is None else
-                               MetricsServer(self.metrics.registry, config.host,
-                                             config.metrics_port))
-        self.events = self._publisher() if config.metadata_address else None
+        # A start that fails (a model that does not load, the node's port in use) leaves
+        # nothing running behind it: no engine (vLLM's processes, Mooncake), no open port, no
+        # admitted keys. Once it is whole, stop() ends each part.
+        with ExitStack() as undo:
+            undo.callback(self._close_directory)
+            self.engine, self.kv_address, self.kv_session = make_engine(config, self.keys,
+                                                                        self.directory)
+            undo.callback(self.engine.close)
+            self.server = NodeServer(self.engine, config.node_id, config.role, config.host,
+                                     config.port, on_step=self._on_step, curve=self.keys,
+                                     directory=self.directory, port_span=config.port_span,
+                                     on_fatal=on_fatal)
+            undo.callback(self.server.stop, drain=False, timeout_s=0)
+            if self.directory is not None:  # itself, before the metadata service says so
+                self.directory.grant(Peer(node_principal(config.node_id), self.keys.public,
+                                          self.server.address, self.kv_address,
+                                          self.kv_session))
+            self.metrics = NodeMetrics(config.node_id, config.role)
+            self.metrics.observe(self.engine)  # the engine thread has not started yet
+            self.metrics_server = (None if config.metrics_port is None else
+                                   MetricsServer(self.metrics.registry, config.host,
+                                                 config.metrics_port))
+            if self.metrics_server is not None:
+                undo.callback(self.metrics_server.stop)
+            self.events = self._publisher() if config.metadata_address else None
+            undo.pop_all()
 
     @property
     def metrics_address(self) -> str:
@@ -171,7 +183,10 @@ class NodeRuntime:
         if self.metrics_server is not None:
             self.metrics_server.stop()
         self.engine.close()
+        self._close_directory()
+        return drained
+
+    def _close_directory(self) -> None:
         if self.directory is not None:
             self.directory.close()
             forget_directory(self.directory)
-        return drained

@@ -134,10 +134,14 @@ class NodeServer:
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client is not an error
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self._connections: PeerConnections | None = None
-        if curve is not None:
-            secure_server(self._socket, curve, directory)
-            self._connections = PeerConnections(self._socket, directory)
-        port = _bind(self._socket, host, port, port_span)
+        try:
+            if curve is not None:
+                secure_server(self._socket, curve, directory)
+                self._connections = PeerConnections(self._socket, directory)
+            port = _bind(self._socket, host, port, port_span)
+        except BaseException:  # a port in use: nothing of this server stays open
+            self._close_sockets()
+            raise
         self.address = f"tcp://{host}:{port}"
         self._owners: dict[str, bytes] = {}  # request id -> client identity
         self._submitters: dict[str, str] = {}  # request id -> the principal that submitted it
@@ -175,11 +179,15 @@ class NodeServer:
                 break
             time.sleep(0.01)
         self._stop.set()
-        self._thread.join(timeout_s)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout_s)
+        self._close_sockets()
+        return drained
+
+    def _close_sockets(self) -> None:
         if self._connections is not None:
             self._connections.close()
         self._socket.close()
-        return drained
 
     def call(self, fn: Callable[[NodeEngine], Any], timeout_s: float = 30.0) -> Any:
         """`fn(engine)` on the server thread, between steps; its result (or exception)."""

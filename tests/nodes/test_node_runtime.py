@@ -4,10 +4,12 @@ their KV events so the global index names the nodes that hold each prompt's bloc
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
 
+from benchmarks.ports import free_port
 from pdcluster.core.hashing import hash_block_tokens
 from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
 from pdcluster.engine.config import EngineConfig
@@ -134,3 +136,36 @@ def test_a_node_without_an_identity_is_refused():
     with pytest.raises(ValueError, match="not a credential of principal node/x"):
         NodeConfig(node_id="x", role="prefill", engine=engine, metadata_address="m:1",
                    bootstrap_token=node_token("y"))
+
+
+def _listening_ports() -> set[int]:
+    import psutil
+    return {c.laddr.port for c in psutil.Process().net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def _node_config(model: str, **overrides) -> NodeConfig:
+    return NodeConfig(node_id="n", role="decode", engine=EngineConfig(model, **OPTIONS),
+                      **overrides)
+
+
+def test_a_node_whose_port_is_taken_fails_to_start_and_leaves_nothing_listening(model_dirs):
+    """Its engine was up (Mooncake's ports, the KV side channel) when the request port turned
+    out to be taken: the error goes on and every port the start opened is closed again."""
+    import zmq
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen()
+        before = _listening_ports()
+        config = _node_config(model_dirs["llama-gqa"], port=taken.getsockname()[1],
+                              metrics_port=0)
+        with pytest.raises(zmq.ZMQError, match="in use"):
+            NodeRuntime(config, shared_keys=TEST_CURVE)
+        assert _listening_ports() == before
+
+
+def test_a_node_whose_model_does_not_load_leaves_no_transfer_engine(tmp_path):
+    before = _listening_ports()
+    with pytest.raises(Exception, match="config.json|not a folder|No such|does not"):
+        NodeRuntime(_node_config(str(tmp_path / "no-model")), shared_keys=TEST_CURVE)
+    assert _listening_ports() == before
