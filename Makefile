@@ -20,7 +20,7 @@ PORT ?= 8000
 SERVE_ARGS ?=
 
 .PHONY: setup setup-serve setup-vllm run run-vllm test lint bench peers bench-client bench-peers \
-	bench-chaos bench-vllm clean distclean
+	bench-chaos bench-vllm gpu-carry clean distclean
 
 setup:
 	bash scripts/setup.sh test
@@ -91,6 +91,17 @@ bench-chaos: setup-serve
 # vLLM as the nodes' engine against vLLM offline on $(MODEL) (needs `make setup-vllm`).
 bench-vllm: setup-vllm
 	$(VENV)/bin/python -m benchmarks vllm --json --model $(MODEL)
+
+# What scripts/gpu_check.sh needs on the lent GPU machine, which has no network and lacks a few
+# small packages: their python 3.12 wheels in .whl/ and mistral-common's tokenizer file in
+# .gpu/ (the tests' tiny models are built with it). Both are git-ignored: carry them there.
+gpu-carry: setup
+	rm -rf .whl && mkdir -p .whl .gpu
+	$(VENV)/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 -d .whl cbor2 pyzmq 'llguidance>=1.0' 'gguf>=0.10'
+	cp "$$($(VENV)/bin/python -c 'import mistral_common, pathlib; \
+		print(pathlib.Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1")')" .gpu/
+	du -sh .whl .gpu
 
 clean:
 	rm -rf .cache build dist *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache

@@ -18,10 +18,10 @@
 #
 # The machine needs python3 with torch (CUDA), triton, transformers, safetensors, numpy,
 # msgpack, xxhash, pytest and pytest-timeout. What it lacks comes as wheels built beforehand
-# (WHEELS, default .whl/: cbor2, pyzmq, llguidance, gguf for python 3.12, e.g. `pip download
-# --no-deps --only-binary=:all: --python-version 3.12 ...`), and the tests' tokenizer file,
-# mistral-common's data/tokenizer.model.v1 (SENTENCEPIECE, default .gpu/tokenizer.model.v1;
-# a stand-in mistral_common package would not do: transformers then takes it for the real one).
+# (WHEELS, default .whl/: cbor2, pyzmq, llguidance, gguf for python 3.12) and the tests'
+# tokenizer file, mistral-common's data/tokenizer.model.v1 (SENTENCEPIECE, default
+# .gpu/tokenizer.model.v1; a stand-in mistral_common package would not do: transformers then
+# takes it for the real one). `make gpu-carry` builds both here; carry .whl and .gpu there.
 # Logs and the benchmark's JSON go to $OUT (default /tmp/gpu-check). Time limits per part:
 # KERNELS_S, BENCH_S, SUITE_S, MOE_S, ATTENTION_S seconds.
 set -uo pipefail
