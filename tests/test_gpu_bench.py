@@ -1,6 +1,7 @@
-"""The GPU benchmark's floors (pdcluster/benchmarks/gpu_bench.py), checked on CPU: the weight
-bytes a batch-1 decode step must read, for a dense shape and an MoE one, and its refusal of
-shapes it does not know."""
+"""The GPU benchmark (pdcluster/benchmarks/gpu_bench.py), checked on CPU: its floors (the weight
+bytes a batch-1 decode step must read, for a dense shape and an MoE one), its refusal of
+shapes it does not know, and one shape's whole run on a tiny shape, so that the GPU's few
+minutes are never the first time its steps run."""
 
 from __future__ import annotations
 
@@ -32,3 +33,26 @@ def test_an_moe_step_reads_the_router_and_its_top_k_experts_only(tmp_path):
 def test_unknown_shapes_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="llama-70b"):
         gpu_bench.gpu_fields(["llama-1b"], ["llama-70b"], True, tmp_path)
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=32000, tie_word_embeddings=False)
+TINY_SIZES = gpu_bench.GpuSizes(decode_steps=6, ttft_len=64, repeats=1, batch=4, prompt_len=32,
+                                output_len=4, shared_batch=3, shared_len=32, shared_tail=8,
+                                shared_output=4)
+
+
+def test_a_shapes_whole_run_reports_every_figure_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setitem(gpu_bench.SHAPES, "tiny", TINY)
+    limits = {"copy_gb_s": 10.0, "matmul_tflops": 1.0}
+    out = gpu_bench.run_shape("tiny", tmp_path, TINY_SIZES, limits, with_hf=True, device="cpu")
+    assert out["cuda_graphs"] is False and "decode_replay_ms" not in out  # no graphs on CPU
+    floor_ms = gpu_bench.weight_bytes_read(_config(tmp_path, "tiny")) / 10e9 * 1e3
+    assert out["decode_floor_ms"] == round(floor_ms, 3)
+    for rate in ("decode_ms", "decode_vs_floor", "decode_ms_without_overlap", "ttft_2k_ms", "ttft_2k_mfu",
+                 "batch_tok_s", "shared_prefix_tok_s", "hf_batch_tok_s",
+                 "hf_shared_prefix_tok_s", "batch_vs_hf", "shared_prefix_vs_hf"):
+        assert out[rate] > 0, rate
+    assert out["batch_steps_launched_ahead"] == [0, 0]  # look-ahead needs decode graphs
+    assert out["decode_kernels"] and out["decode_device_ops_per_step"] > 0
+    assert out["decode_device_ops_per_layer"] == round(out["decode_device_ops_per_step"] / 2, 1)

@@ -21,6 +21,8 @@ weights on the device, `load_format="dummy"`), in bfloat16, measures in one run:
   with the steps of the 64-request run launched ahead and those taken.
 
 Every figure is a ratio to something measured in the same run. Returns a flat dict.
+`run_shape(..., device="cpu")` runs the same steps on the CPU (tests/test_gpu_bench.py, on a
+tiny shape), so that a GPU's scarce minutes are not the first time this code runs.
 """
 
 from __future__ import annotations
@@ -149,7 +151,8 @@ def prefill_flops(mc, tokens: int) -> float:
     return linear + attention
 
 
-def run_shape(shape: str, folder: Path, sizes: GpuSizes, limits: dict, with_hf: bool) -> dict:
+def run_shape(shape: str, folder: Path, sizes: GpuSizes, limits: dict, with_hf: bool,
+              device: str = "cuda") -> dict:
     import torch
 
     from pdcluster.engine import LLM
@@ -158,7 +161,7 @@ def run_shape(shape: str, folder: Path, sizes: GpuSizes, limits: dict, with_hf: 
     model_dir = write_shape(folder / shape, shape)
     mc = ModelConfig.from_pretrained(str(model_dir))
     start = time.perf_counter()
-    llm = LLM(str(model_dir), **ENGINE_SETTINGS)
+    llm = LLM(str(model_dir), **{**ENGINE_SETTINGS, "device": device})
     out: dict[str, Any] = {"load_and_capture_s": round(time.perf_counter() - start, 1),
            "cuda_graphs": llm.engine.uses_cuda_graphs}
     rng = random.Random(0)
@@ -176,7 +179,7 @@ def run_shape(shape: str, folder: Path, sizes: GpuSizes, limits: dict, with_hf: 
         replay_s = graphs.replay_seconds(1)
         out.update(decode_replay_ms=round(replay_s * 1e3, 3),
                    decode_replay_vs_floor=round(replay_s / floor_s, 3))
-    out["decode_kernels"], out["decode_device_ops_per_step"] = _decode_kernels(llm, rng)
+    out["decode_kernels"], out["decode_device_ops_per_step"] = _decode_kernels(llm, rng, device)
     out["decode_device_ops_per_layer"] = round(out["decode_device_ops_per_step"]
                                                / mc.num_layers, 1)
     ttft = _ttft(llm, sizes, rng)
@@ -194,9 +197,10 @@ def run_shape(shape: str, folder: Path, sizes: GpuSizes, limits: dict, with_hf: 
     out["shared_prefix_tok_s"] = round(_generate_rate(llm, shared_prompts,
                                                       sizes.shared_output), 1)
     del llm
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     if with_hf:
-        out.update(_hf_rates(model_dir, batch_prompts, sizes, shared_prompts))
+        out.update(_hf_rates(model_dir, batch_prompts, sizes, shared_prompts, device))
         out["batch_vs_hf"] = round(out["batch_tok_s"] / out["hf_batch_tok_s"], 3)
         out["shared_prefix_vs_hf"] = round(out["shared_prefix_tok_s"]
                                            / out["hf_shared_prefix_tok_s"], 3)
@@ -219,11 +223,13 @@ def _decode_step(llm, sizes: GpuSizes, rng: random.Random) -> float:
     return statistics.median(times[2:])
 
 
-def _decode_kernels(llm, rng: random.Random, steps: int = 4) -> tuple[list[list], int]:
+def _decode_kernels(llm, rng: random.Random, device: str,
+                    steps: int = 4) -> tuple[list[list], int]:
     """Where a batch-1 decode step's device time goes: [kernel, us per step, launches per
     step] for the 12 largest, and how many device operations (kernels and copies) a step
     runs in all, from torch's profiler over eager steps (a graph replays the same kernels,
-    without the launch gaps; tests/engine/test_gpu_path.py holds a layer to its budget)."""
+    without the launch gaps; tests/engine/test_gpu_path.py holds a layer to its budget). On
+    the CPU: its operators and their CPU time."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -236,16 +242,20 @@ def _decode_kernels(llm, rng: random.Random, steps: int = 4) -> tuple[list[list]
         engine.add_request("profiled", _prompts(1, 128, rng)[0], params)
         engine.step()
         engine.step()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        cuda = device == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
+                     ) as prof:
             for _ in range(steps):
                 engine.step()
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
         while engine.has_unfinished_requests():
             engine.step()
     finally:
         engine.runner.graphs = graphs
-    rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
-            if e.self_device_time_total > 0]
+    rows = [(e.key, e.self_device_time_total if cuda else e.self_cpu_time_total, e.count)
+            for e in prof.key_averages()]
+    rows = [row for row in rows if row[1] > 0]
     rows.sort(key=lambda row: -row[1])
     top = [[name[:60], round(us / steps, 1), count // steps] for name, us, count in rows[:12]]
     return top, sum(count for _, _, count in rows) // steps
@@ -276,26 +286,27 @@ def _generate_rate(llm, prompts: list[list[int]], output_len: int) -> float:
     return len(prompts) * output_len / elapsed
 
 
-def _hf_rates(model_dir: Path, prompts, sizes: GpuSizes, shared_prompts) -> dict:
+def _hf_rates(model_dir: Path, prompts, sizes: GpuSizes, shared_prompts, device: str) -> dict:
     """transformers' batched greedy `generate` on the same ids, a random model of the shape."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_dir))
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def rate(batch: list[list[int]], new: int) -> float:
-        ids = torch.tensor(batch, device="cuda")
+        ids = torch.tensor(batch, device=device)
         model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=4,
                        do_sample=False)
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                              min_new_tokens=new, do_sample=False)
-        torch.cuda.synchronize()
+        sync()
         assert out.shape[1] == ids.shape[1] + new
         return len(batch) * new / (time.perf_counter() - start)
 
