@@ -18,23 +18,24 @@ import random
 import socket
 from pathlib import Path
 
+HOST = "127.0.0.1"
 LOWEST = 20_000
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _TRIES = 200
 _pick = random.SystemRandom()  # not `random`: a test that seeds it must not repeat our picks
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port on `host` that nothing holds now, outside the kernel's ephemeral range where the
-    range leaves room below it; inside it (the kernel's choice) otherwise."""
+def free_port() -> int:
+    """A port of 127.0.0.1 that nothing holds now, below the kernel's ephemeral range where
+    the range leaves room there; inside it (the kernel's choice) otherwise."""
     top = min(_ephemeral_start(), 65_536)
     if top - LOWEST < 1_000:
-        return _kernel_port(host)
+        return _kernel_port()
     for _ in range(_TRIES):
         port = _pick.randrange(LOWEST, top)
-        if _bindable(host, port):
+        if _bindable(port):
             return port
-    raise RuntimeError(f"no free port on {host} in {LOWEST}-{top - 1} after {_TRIES} tries")
+    raise RuntimeError(f"no free port on {HOST} in {LOWEST}-{top - 1} after {_TRIES} tries")
 
 
 def _ephemeral_start() -> int:
@@ -44,16 +45,16 @@ def _ephemeral_start() -> int:
         return 32_768  # Linux's default
 
 
-def _bindable(host: str, port: int) -> bool:
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
         try:
-            sock.bind((host, port))
+            sock.bind((HOST, port))
         except OSError:
             return False
         return True
 
 
-def _kernel_port(host: str) -> int:
+def _kernel_port() -> int:
     with socket.socket() as sock:
-        sock.bind((host, 0))
+        sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
