@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from tests.installed import MODULE_REPORT, REPO_ROOT, Installed, editable_install
 
 pytestmark = pytest.mark.slow

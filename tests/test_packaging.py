@@ -18,7 +18,7 @@ from tests.installed import PACKAGE_ROOMS, REPO_ROOT, Installed
 pytestmark = pytest.mark.slow
 # What `pdcluster bench`'s benchmarks import at run time besides their own modules.
 BENCHMARK_HELPERS = {"host_tier_bench", "spec_decode_bench", "gpu_bench", "trace_client",
-                     "trace_workload", "instant_node"}
+                     "trace_workload", "instant_node", "ports"}
 
 
 def test_the_wheel_installs_one_namespace_with_generated_stubs(built_wheel: Path) -> None:

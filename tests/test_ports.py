@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import socket
 
-from benchmarks import ports
-from benchmarks.ports import free_port
+from pdcluster.benchmarks import ports
+from pdcluster.benchmarks.ports import free_port
 
 
 def _ephemeral_start() -> int:

@@ -32,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.core.block_index import BlockIndex
 from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, node_principal
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
@@ -47,14 +48,6 @@ INGEST_THREADS = 4
 
 def _log(msg: str) -> None:
     print(f"[metadata-bench] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rss_bytes() -> int:

@@ -43,12 +43,12 @@ from pdcluster.benchmarks.instant_node import InstantNode
 from pdcluster.benchmarks.metadata_bench import (
     HASH,
     Population,
-    free_port,
     ingest,
     node_client,
     start_service,
     wait_ready,
 )
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.core.credentials import (
     ROUTER_TOKEN_ENV,
     SECRET_ENV,

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from tests.serve_process import start_serve, stop_serve, wait_until_answering
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

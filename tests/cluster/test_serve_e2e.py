@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from tests.serve_process import start_serve, stop_serve, wait_until_answering
 
 

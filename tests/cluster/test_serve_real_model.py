@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from tests.cluster.test_serve_e2e import decisions
 from tests.real_model import LONG_SYSTEM, MAX_TOKENS, chats
 from tests.serve_process import start_serve, stop_serve, wait_until_answering

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.cluster.ray_cluster import RAY_TEMP_DIR
 from pdcluster.core.credentials import SECRET_ENV
 from pdcluster.metadata_service.client import MetadataClient

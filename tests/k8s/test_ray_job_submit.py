@@ -31,7 +31,7 @@ import pytest
 import yaml
 from ray.job_submission import JobSubmissionClient
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from tests.installed import Installed, editable_install
 from tests.k8s.chart import CHART, REPO_ROOT, cluster_config_text, needs_helm, one, render
 

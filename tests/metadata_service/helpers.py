@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.core.events import BlockRemoved, BlockStored
 from pdcluster.core.types import BlockHash
 from pdcluster.metadata_service.client import make_node_info

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, write_secret_file
 from pdcluster.metadata_service.client import MetadataClient, make_node_info
 from pdcluster.metadata_service.errors import MetadataAuthError

@@ -18,6 +18,7 @@ import etcd3aio
 import grpc
 import pytest
 
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.core.credentials import write_secret_file
 from pdcluster.core.tls import ClientTLS
 from pdcluster.metadata_service.client import MetadataClient
@@ -38,7 +39,6 @@ from tests.metadata_service.etcd_tls import (
     run_cli,
 )
 from tests.metadata_service.helpers import (
-    free_port,
     make_chain,
     make_config,
     make_publisher,

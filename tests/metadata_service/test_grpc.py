@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.metadata_service.client import AsyncMetadataClient, MetadataClient, make_node_info
 from pdcluster.metadata_service.errors import MetadataRequestError, MetadataUnavailable
 from pdcluster.metadata_service.publisher import AsyncNodePublisher, NodePublisher
@@ -14,7 +15,6 @@ from pdcluster.metadata_service.server import ServerThread
 from pdcluster.proto import metadata_pb2 as pb
 from tests.metadata_service.helpers import (
     FakeNode,
-    free_port,
     make_chain,
     make_config,
     make_publisher,

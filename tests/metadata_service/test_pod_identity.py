@@ -294,7 +294,7 @@ def test_the_cli_serves_pod_identity_with_the_kubernetes_settings_it_is_given(ap
     import subprocess
     import sys
 
-    from benchmarks.ports import free_port
+    from pdcluster.benchmarks.ports import free_port
     from pdcluster.core.credentials import SECRET_FILE_ENV, write_secret_file
 
     port = free_port()

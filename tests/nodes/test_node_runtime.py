@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.core.hashing import hash_block_tokens
 from pdcluster.core.node_wire import GenerateRequest, SamplingSpec, TransferSpec
 from pdcluster.engine.config import EngineConfig

@@ -106,7 +106,7 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(model_dirs):
 def test_nodes_of_one_pod_take_the_ports_of_its_fixed_range(model_dirs):
     """A range the chart's NetworkPolicy admits the router to: each node binds the first free
     port of [port, port + span); one more node than the span fails to start."""
-    from benchmarks.ports import free_port
+    from pdcluster.benchmarks.ports import free_port
 
     engine = LLMEngine.from_model(model_dirs["llama-gqa"], num_kv_blocks=16, block_size=8)
     first = free_port()

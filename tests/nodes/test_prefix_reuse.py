@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.core.node_wire import GenerateRequest, PrefixSource, SamplingSpec, TransferSpec
 from pdcluster.decode_node.actor import DecodeNodeActor
 from pdcluster.node.client import BlockingNodeClient, tokens_of

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.core.events import DEVICE, HOST
 from pdcluster.core.hashing import DEFAULT_HASH_CONFIG, BlockExtra, hash_block_tokens
 from pdcluster.metadata_service.client import MetadataClient

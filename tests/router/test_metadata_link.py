@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.core.events import BlockStored
 from pdcluster.core.hashing import DEFAULT_HASH_CONFIG
 from pdcluster.core.kv_identity import KVIdentity
@@ -30,7 +31,6 @@ from tests.cluster_secret import (
     node_token,
 )
 from tests.metadata_service.helpers import (
-    free_port,
     make_chain,
     make_config,
     make_publisher,

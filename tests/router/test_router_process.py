@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from tests.cluster_secret import SERVICE_TOKEN
 from tests.serve_process import ROOT
 

@@ -14,7 +14,7 @@ import importlib.util
 
 import pytest
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from tests.security.served import start_served
 
 ENGINES = [

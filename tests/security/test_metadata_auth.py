@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.core.credentials import (
     SECRET_ENV,
     SECRET_FILE_ENV,

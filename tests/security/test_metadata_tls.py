@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.core.credentials import SECRET_ENV, SECRET_FILE_ENV, SERVICE, write_secret_file
 from pdcluster.core.tls import ClientTLS
 from pdcluster.engine.config import EngineConfig

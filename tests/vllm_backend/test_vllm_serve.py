@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
 
-from benchmarks.ports import free_port
+from pdcluster.benchmarks.ports import free_port
 from pdcluster.core.credentials import SERVICE, ClusterSecret
 from tests.cluster.test_serve_e2e import decisions
 from tests.real_model import LONG_SYSTEM, MAX_TOKENS, chats

@@ -1,4 +1,4 @@
-"""A free port for a server that a harness (a benchmark or a test) starts and then addresses.
+"""A free port for a server that a benchmark or a test starts and then addresses.
 
 Such a port is picked before the server binds it, and in between any process may take it. A
 port the kernel hands out for `bind(..., 0)` comes from its ephemeral range, the same range
