@@ -63,11 +63,17 @@ def test_cuda_enforce_eager_takes_no_graphs_and_matches(model_dirs, hf_reference
     assert not replays
 
 
-def test_cuda_mla_runs_eagerly_and_matches(model_dirs, hf_reference):
-    variant = "deepseek-v2-qlora-grouped"
-    llm = LLM(model_dirs[variant], device="cuda", dtype="float32", num_kv_blocks=256)
-    assert not llm.engine.uses_cuda_graphs
+@pytest.mark.parametrize("variant", ["deepseek-v2-qlora-grouped", "deepseek-v3-yarn-shared2"])
+def test_cuda_mla_decodes_in_graphs_over_the_latent_cache_and_matches(model_dirs, hf_reference,
+                                                                      monkeypatch, variant):
+    """DeepSeek's absorbed decode reads the latent cache in place (the paged kernel, its
+    heads the rows of one KV head), so its decode steps replay graphs, launched ahead."""
+    replays = count_calls(monkeypatch, DecodeGraphs, "replay")
+    llm = LLM(model_dirs[variant], device="cuda", dtype="float32", num_kv_blocks=256,
+              max_num_seqs=8)
+    assert llm.engine.uses_cuda_graphs
     _assert_matches(llm, model_dirs[variant], hf_reference, random_prompts(4, 5, 40, seed=5))
+    assert replays and llm.engine.runner.lookahead.num_taken
 
 
 @pytest.mark.parametrize("variant", ["mixtral-4x2", "qwen3moe-8x3-norm-dense0"])

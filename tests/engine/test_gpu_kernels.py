@@ -61,6 +61,41 @@ def test_paged_decode_attention_matches_the_reference(block_size, kv_heads, grou
         _close(lse, want_lse, torch.float32)
 
 
+MLA_CASES = [
+    # block_size, heads, latent (the values), rope (the keys' tail), lens
+    (16, 16, 512, 64, [1, 16, 17, 40]),  # DeepSeek-V2-Lite's latent and heads
+    (4, 5, 32, 8, [3, 4, 5, 70]),  # a tail narrower than tl.dot's 16, an odd head count
+]
+if ON_GPU:
+    MLA_CASES += [(64, 128, 512, 64, [1, 1000, 4096])]  # DeepSeek-V3's 128 heads
+
+
+@pytest.mark.parametrize("block_size, heads, latent, rope, lens", MLA_CASES)
+def test_decode_attention_over_mlas_latent_cache_matches_the_reference(block_size, heads, latent,
+                                                                       rope, lens):
+    """MLA's absorbed decode: every head a row of the one KV head; the cache's entries are
+    the keys (latent, then RoPE part) and their latent the values, read from one view."""
+    ops = triton_ops()
+    blocks_per_seq = -(-max(lens) // block_size)
+    num_blocks = blocks_per_seq * len(lens) + 2
+    gen = torch.Generator().manual_seed(latent + rope)
+    planes = torch.randn(num_blocks, 1, block_size, 1, latent + rope, generator=gen)
+    cache = planes.to(DEVICE)[:, 0]  # [blocks, block_size, 1, latent + rope]
+    table = torch.stack([torch.randperm(num_blocks, generator=gen)[:blocks_per_seq]
+                         for _ in lens]).to(DEVICE)
+    rows = torch.randn(len(lens), 1, heads, latent + rope, generator=gen).to(DEVICE)
+    lens_t = torch.tensor(lens, device=DEVICE)
+    scale = (latent + rope) ** -0.5
+    want_out, want_lse = ref.paged_attention(rows.double(), cache.double(),
+                                             cache[..., :latent].double(), table, lens_t, scale)
+    for splits in (None, 1):
+        out, lse = ops.paged_attention(rows, cache, cache[..., :latent], table, lens_t, scale,
+                                       num_splits=splits)
+        assert out.shape == (len(lens), 1, heads, latent)
+        _close(out, want_out, torch.float32)
+        _close(lse, want_lse, torch.float32)
+
+
 def test_decode_attention_of_an_empty_context_is_zero_with_lse_minus_infinity():
     ops = triton_ops()
     k_cache, v_cache = _cache(4, 8, 2, 64, torch.float32, seed=1)

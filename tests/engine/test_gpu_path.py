@@ -14,6 +14,7 @@ import torch
 
 from pdcluster.engine import LLM, SamplingParams, kernels
 from pdcluster.engine.kernels import gpu
+from pdcluster.engine.models.mla import MLAttention
 from pdcluster.engine.runner import cuda_graphs
 from pdcluster.engine.runner.cuda_graphs import DecodeGraphs
 from tests.helpers import assert_pool_clean, count_calls
@@ -131,6 +132,38 @@ def test_moe_through_the_grouped_experts_kernel_matches_transformers(
     assert grouped, "no step grouped its experts on the device"
     assert routed, "no step routed its tokens in one launch"
     assert_pool_clean(llm.engine.block_pool)
+
+
+@pytest.mark.parametrize("variant", ["deepseek-v2-qlora-grouped",
+                                     "deepseek-v3-plain-topk-rotate-half"])
+def test_mla_decodes_read_the_latent_cache_in_place_through_the_graph_buffers(
+        model_dirs, hf_reference, kernel_calls, monkeypatch, variant):
+    """DeepSeek's absorbed decode on the GPU path: every head a row of the one latent KV
+    head, the cache's entries the keys and their latent the values, read in place by the
+    paged kernel (no gather, no mask), so its decode steps go through the graphs' buffers;
+    latents narrower than a power of two, RoPE parts narrower than tl.dot's 16."""
+    model = model_dirs[variant]
+    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4)
+    runner = llm.engine.runner
+    assert cuda_graphs.layers_blocker(runner.model) is None
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch=4, max_model_len=128)
+    replays = count_calls(monkeypatch, DecodeGraphs, "replay")
+    gathered = count_calls(monkeypatch, MLAttention, "_gathered_latent_attention")
+    prompts = random_prompts(3, 6, 14, seed=25)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+        assert out.token_ids == hf_reference(model, prompt, 5)
+    assert replays and kernel_calls["paged_attention"] and not gathered
+    assert_pool_clean(llm.engine.block_pool)
+
+
+def test_mla_that_expands_its_latent_for_decodes_stays_eager(model_dirs):
+    llm = LLM(model_dirs["deepseek-v2-qlora-grouped"], device="cpu", dtype="float32",
+              num_kv_blocks=8)
+    model = llm.engine.runner.model
+    for layer in model.layers:
+        layer.self_attn.absorb_decode = False  # gathers and expands per context token
+    assert "expand the latent" in cuda_graphs.layers_blocker(model)
 
 
 def test_a_failed_capture_leaves_decode_steps_eager(model_dirs, monkeypatch, caplog):

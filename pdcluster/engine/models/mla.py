@@ -12,7 +12,11 @@ de-interleaved first, then rotated rotate-half style — the same dot products).
 - decodes (the absorbed form, `absorb_decode=True`): `kv_b_proj`'s key half is folded into
   the query (`q_nope @ W_uk` per head) and its value half applied after attention, so a decode
   attends straight over the cached entries as one shared KV head — nothing is expanded per
-  context token. `absorb_decode=False` expands like prefill (for measurement and tests).
+  context token. On CUDA the paged Triton kernel (engine/kernels/gpu/decode_attention.py)
+  reads the entries in place, every head a row of that one KV head, the entries the keys and
+  their latent the values: no gather, no mask, so the step is a CUDA graph like a Llama's
+  (engine/runner/cuda_graphs.py). Elsewhere the context is gathered and masked.
+  `absorb_decode=False` expands like prefill (for measurement and tests).
 The token order and `AttentionMetadata` are those of `engine.models.attention`.
 """
 
@@ -24,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcluster.engine import kernels
+from pdcluster.engine.kernels import gpu
 from pdcluster.engine.kv.kv_cache import PagedKVCache
 from pdcluster.engine.models.attention_meta import AttentionMetadata, GatherWorkspace, PrefillChunk
 from pdcluster.engine.models.linear import Linear
@@ -163,16 +169,27 @@ class MLAttention(nn.Module):
         return out.squeeze(2)
 
     def _decode_absorbed(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Plain matmuls, not SDPA: SDPA's CPU path would copy the one shared latent head
-        out to every query head, undoing what absorption saves."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
         queries = torch.cat([q_latent, q_pe], dim=-1)  # [B, H, rank+rope]
+        if kernels.ENABLED and gpu.serves(queries, cache) and meta.decode_lens is not None:
+            assert meta.decode_block_table is not None, "a step with decodes has their table"
+            out, _ = gpu.ops().paged_attention(queries.unsqueeze(1), cache,
+                                               cache[..., : self.rank], meta.decode_block_table,
+                                               meta.decode_lens, self.scale)
+            out = out.squeeze(1)  # [B, H, rank]
+        else:
+            out = self._gathered_latent_attention(queries, cache, meta)
+        return torch.einsum("bhr,hvr->bhv", out, w_uv)
+
+    def _gathered_latent_attention(self, queries, cache, meta: AttentionMetadata
+                                   ) -> torch.Tensor:
+        """Plain matmuls, not SDPA: SDPA's CPU path would copy the one shared latent head
+        out to every query head, undoing what absorption saves."""
         block_table, mask = _decode_tables(meta, cache.shape[1])
         entries = meta.workspace.gather(cache, block_table, GatherWorkspace.KEYS)
         entries = entries.squeeze(1)  # [B, L, rank+rope]
         scores = torch.matmul(queries, entries.transpose(1, 2)) * self.scale  # [B, H, L]
         scores = scores.masked_fill(~mask[:, 0], float("-inf"))
-        out = torch.matmul(scores.softmax(-1), entries[..., : self.rank])  # [B, H, rank]
-        return torch.einsum("bhr,hvr->bhv", out, w_uv)
+        return torch.matmul(scores.softmax(-1), entries[..., : self.rank])  # [B, H, rank]

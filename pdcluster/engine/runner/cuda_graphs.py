@@ -14,11 +14,13 @@ never alive at once); capture runs at start-up, largest bucket first, and logs i
 the memory it took.
 
 What a graph cannot hold runs eagerly: prefill chunks and mixed steps, verification of
-proposed tokens, batches beyond the largest bucket, and models whose step gathers by
-data-dependent shapes (`graph_blocker`: MLA). MoE layers are held: their experts are grouped on
-the device (engine/kernels/gpu/fused_moe.py), without a host sync.
+proposed tokens, batches beyond the largest bucket, and layers whose step gathers by
+data-dependent shapes (`graph_blocker`: MLA expanding its latent, `absorb_decode=False`). MoE
+layers are held: their experts are grouped on the device (engine/kernels/gpu/fused_moe.py),
+without a host sync; so is MLA's absorbed decode, which reads the latent cache in place.
 
-API: `batch_buckets(max_batch)`, `graph_blocker(model, kv_cache)`, `DecodeGraphs`.
+API: `batch_buckets(max_batch)`, `graph_blocker(model, kv_cache)`, `layers_blocker(model)`,
+`DecodeGraphs`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pdcluster.engine.kernels import gpu
 from pdcluster.engine.kv.kv_cache import PagedKVCache
 from pdcluster.engine.models.attention_meta import AttentionMetadata, GatherWorkspace
 from pdcluster.engine.models.llama import Attention, CausalLM
+from pdcluster.engine.models.mla import MLAttention
 from pdcluster.engine.models.moe import MLP, SparseMoE
 from pdcluster.engine.runner.inputs import StepInputs, cdiv
 
@@ -58,9 +61,17 @@ def graph_blocker(model: CausalLM, kv_cache: PagedKVCache) -> str | None:
         return "the engine's kernels are turned off"
     if not gpu.serves(kv_cache.tensor):
         return "the GPU kernels are not available (triton is not installed)"
+    return layers_blocker(model)
+
+
+def layers_blocker(model: CausalLM) -> str | None:
+    """Why one of the model's layers cannot run in a CUDA graph, or None when all can."""
     for layer in model.layers:
-        if type(layer.self_attn) is not Attention:
-            return f"{type(layer.self_attn).__name__} layers run eagerly"
+        attention = layer.self_attn
+        if type(attention) is MLAttention and not attention.absorb_decode:
+            return "MLA layers that expand the latent for decodes run eagerly"
+        if type(attention) not in (Attention, MLAttention):
+            return f"{type(attention).__name__} layers run eagerly"
         if not isinstance(layer.mlp, MLP | SparseMoE):
             return f"{type(layer.mlp).__name__} layers run eagerly"
     return None

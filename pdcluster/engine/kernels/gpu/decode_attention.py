@@ -9,11 +9,15 @@ with the last one 1; engine/kv/kv_cache.py). A token `t` of a sequence lives in 
 signature (engine/kernels/csrc/paged_attention.cpp): `rows [S, Hkv, R, D]` are the R query
 rows that share KV head h of sequence s (a GQA group; or every sequence's group when S = 1
 reads blocks they all share: cascade attention). Each program scores one tile of keys against
-all R rows at once, so a key is read once per group. The context is split into `num_splits`
-pieces, each a program writing its partial output and log-sum-exp (base 2); a second kernel
-merges them. Whichever kernel writes the final log-sum-exp stores it in natural log, so no
-third launch rescales it. The split count depends only on shapes (never on `lens`), so a
-CUDA graph captured once replays for any context length.
+all R rows at once, so a key is read once per group. Values may be narrower than keys
+(`v_cache [..., Dv]`, Dv < D): MLA's absorbed decode (engine/models/mla.py) attends with all
+its heads as the rows of one KV head over the latent cache, whose entries are the keys (the
+latent, then the RoPE part: the "tail" past Dv) and whose latent alone is the values.
+
+The context is split into `num_splits` pieces, each a program writing its partial output and
+log-sum-exp (base 2); a second kernel merges them. Whichever kernel writes the final
+log-sum-exp stores it in natural log, so no third launch rescales it. The split count depends
+only on shapes (never on `lens`), so a CUDA graph captured once replays for any context length.
 
 Float32 inputs are multiplied in IEEE float32 (not TF32): with greedy sampling the engine must
 give transformers' tokens exactly, and only summation order may differ.
@@ -41,10 +45,12 @@ def _decode_split_kernel(
     stride_ts,
     stride_os, stride_oh, stride_osplit, stride_or,
     stride_ls, stride_lh, stride_lsplit,
-    num_kv_heads, num_rows, head_dim, num_splits,
+    num_kv_heads, num_rows, head_dim, tail_dim, num_splits,
     BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    # head_dim: the values' dims and the keys' first ones; tail_dim: the keys' dims past
+    # them (BLOCK_T = 0: none)
     seq_head = tl.program_id(0)
     split = tl.program_id(1)
     row_tile = tl.program_id(2)
@@ -59,8 +65,13 @@ def _decode_split_kernel(
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < num_rows
     dim_ok = dims < head_dim
-    q = tl.load(Q + seq * stride_qs + head * stride_qh + rows[:, None] * stride_qr
-                + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q_base = Q + seq * stride_qs + head * stride_qh + rows[:, None] * stride_qr
+    q = tl.load(q_base + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if BLOCK_T:
+        tail = tl.arange(0, BLOCK_T)
+        tail_ok = tail < tail_dim
+        q_tail = tl.load(q_base + head_dim + tail[None, :],
+                         mask=row_ok[:, None] & tail_ok[None, :], other=0.0)
 
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_R], tl.float32)
@@ -71,9 +82,15 @@ def _decode_split_kernel(
         block = tl.load(TABLE + seq * stride_ts + toks // BLOCK_SIZE, mask=tok_ok, other=0)
         slot = toks % BLOCK_SIZE
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        k = tl.load(K + block[:, None].to(tl.int64) * stride_kb + slot[:, None] * stride_kt
-                    + head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        k_base = K + block[:, None].to(tl.int64) * stride_kb + slot[:, None] * stride_kt \
+            + head * stride_kh
+        k = tl.load(k_base + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if BLOCK_T:
+            k_tail = tl.load(k_base + head_dim + tail[None, :],
+                             mask=tok_ok[:, None] & tail_ok[None, :], other=0.0)
+            s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+        s = s * scale_log2
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -143,10 +160,11 @@ def precision(dtype: torch.dtype) -> str:
 
 
 def _decode_tiles(num_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_D, BLOCK_N): rows padded to tl.dot's 16; keys per tile smaller for
-    float32 and wide heads, so a program's tiles fit in registers."""
-    block_r = min(max(16, triton.next_power_of_2(num_rows)), 64)
+    """(BLOCK_R, BLOCK_D, BLOCK_N): rows padded to tl.dot's 16, at most 8,192 accumulator
+    entries (64 rows of 128 dims; MLA's 512-dim latent takes 16 rows a program); keys per
+    tile smaller for float32 and wide heads, so a program's tiles fit in registers."""
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_r = min(max(16, triton.next_power_of_2(num_rows)), max(16, 8192 // block_d))
     wide = block_d > 128 or dtype == torch.float32
     return block_r, block_d, 32 if wide or block_r > 16 else 64
 
@@ -179,15 +197,21 @@ def paged_attention(rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                     max_len: int | None = None, num_splits: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention: `rows [S, Hkv, R, D]` against each sequence's `lens[s]` cached tokens
-    -> `(out [S, Hkv, R, D] in rows' dtype, lse [S, Hkv, R] float32, natural log)`; an empty
-    context gives out 0 and lse -inf. `max_len` (a host-side bound on `lens`, when known) only
-    trims the split count; `num_splits` fixes it."""
-    seqs, kv_heads, num_rows, dim = rows.shape
+    (keys `k_cache [..., D]`, values `v_cache [..., Dv]`, Dv <= D) -> `(out [S, Hkv, R, Dv]
+    in rows' dtype, lse [S, Hkv, R] float32, natural log)`; an empty context gives out 0 and
+    lse -inf. `max_len` (a host-side bound on `lens`, when known) only trims the split count;
+    `num_splits` fixes it."""
+    seqs, kv_heads, num_rows, key_dim = rows.shape
+    dim = v_cache.shape[-1]
+    assert k_cache.shape[-1] == key_dim >= dim, "keys as wide as the rows, values no wider"
     assert rows.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, \
         "the head dimension is contiguous"
     block_r, block_d, block_n = _decode_tiles(num_rows, dim, rows.dtype)
+    tail_dim = key_dim - dim
+    block_t = max(16, triton.next_power_of_2(tail_dim)) if tail_dim else 0  # tl.dot's least
     splits = num_splits or decode_splits(seqs, kv_heads, num_sms(rows.device), max_len, block_n)
-    out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)  # contiguous
+    out = torch.empty((seqs, kv_heads, num_rows, dim), dtype=rows.dtype,
+                      device=rows.device)  # contiguous
     lse = torch.empty((seqs, kv_heads, num_rows), dtype=torch.float32, device=rows.device)
     if splits == 1:
         part, part_lse = out.unsqueeze(2), lse.unsqueeze(2)
@@ -206,9 +230,9 @@ def paged_attention(rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         block_table.stride(0),
         part.stride(0), part.stride(1), part.stride(2), part.stride(3),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        kv_heads, num_rows, dim, splits,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n,
-        PRECISION=precision(rows.dtype), num_warps=4)
+        kv_heads, num_rows, dim, tail_dim, splits,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_T=block_t,
+        BLOCK_N=block_n, PRECISION=precision(rows.dtype), num_warps=4 if block_d <= 256 else 8)
     if splits > 1:
         _decode_merge_kernel[(seqs * kv_heads, row_tiles)](
             part, part_lse, out, lse,

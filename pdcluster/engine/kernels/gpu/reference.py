@@ -14,9 +14,9 @@ def gather_context(cache: torch.Tensor, table: torch.Tensor, length: int) -> tor
 
 
 def paged_attention(rows, k_cache, v_cache, block_table, lens, scale):
-    """`rows [S, Hkv, R, D]` -> `(out [S, Hkv, R, D], lse [S, Hkv, R])`, natural-log lse;
-    an empty context gives out 0 and lse -inf."""
-    out = torch.zeros_like(rows)
+    """`rows [S, Hkv, R, D]` -> `(out [S, Hkv, R, Dv], lse [S, Hkv, R])` (values `[..., Dv]`),
+    natural-log lse; an empty context gives out 0 and lse -inf."""
+    out = rows.new_zeros(*rows.shape[:3], v_cache.shape[-1])
     lse = torch.full(rows.shape[:3], float("-inf"), dtype=rows.dtype, device=rows.device)
     for s in range(rows.shape[0]):
         length = int(lens[s])
