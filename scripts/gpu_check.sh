@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine on a GPU machine, in one call of a few minutes, from the repository root:
 #
-#   bash scripts/gpu_check.sh [kernels] [bench] [suite] [moe] [attention]
+#   bash scripts/gpu_check.sh [kernels] [bench] [suite] [moe] [mla] [attention]
 #                                                          (default: the first three)
 #
 #   kernels  the Triton kernels against their torch definitions and the CUDA paths
@@ -12,6 +12,8 @@
 #   suite    the engine suite on CUDA in float32 (PDCLUSTER_TEST_DEVICE=cuda pytest tests/engine)
 #   moe      `bench engine --device cuda --shapes qwen3-30b-a3b --quick --json`: an MoE shape
 #            (61 GB of random weights), its experts grouped on the device (not in the default)
+#   mla      the same on DeepSeek-V2-Lite's shape (`--shapes deepseek-v2-lite`, 31 GB): MLA's
+#            absorbed decode over the latent cache in graphs, with an MoE (not in the default)
 #   attention  `python -m benchmarks attention --json`: the paged decode kernel against the KV
 #            bytes it reads / the copy rate, gather + SDPA, and FlashInfer / FlashAttention
 #            where their wheels are in WHEELS (not in the default)
@@ -23,7 +25,7 @@
 # .gpu/tokenizer.model.v1; a stand-in mistral_common package would not do: transformers then
 # takes it for the real one). `make gpu-carry` builds both here; carry .whl and .gpu there.
 # Logs and the benchmark's JSON go to $OUT (default /tmp/gpu-check). Time limits per part:
-# KERNELS_S, BENCH_S, SUITE_S, MOE_S, ATTENTION_S seconds.
+# KERNELS_S, BENCH_S, SUITE_S, MOE_S, MLA_S, ATTENTION_S seconds.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -76,11 +78,15 @@ for part in "${parts[@]}"; do
         timeout "${MOE_S:-240}" python3 -m pdcluster.cluster.cli bench engine --device cuda \
             --shapes qwen3-30b-a3b --hf-shapes '' --quick --json 2>&1 \
             | tee "$OUT/moe.log" | tail -5 ;;
+    mla)
+        timeout "${MLA_S:-240}" python3 -m pdcluster.cluster.cli bench engine --device cuda \
+            --shapes deepseek-v2-lite --hf-shapes '' --quick --json 2>&1 \
+            | tee "$OUT/mla.log" | tail -5 ;;
     attention)
         timeout "${ATTENTION_S:-180}" python3 -m benchmarks attention --json 2>&1 \
             | tee "$OUT/attention.log" | tail -5 ;;
     *)
-        echo "unknown part $part (kernels, bench, suite, moe, attention)" >&2; exit 2 ;;
+        echo "unknown part $part (kernels, bench, suite, moe, mla, attention)" >&2; exit 2 ;;
     esac
     rc=${PIPESTATUS[0]}
     echo "== $part: exit $rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"

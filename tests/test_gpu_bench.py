@@ -30,6 +30,16 @@ def test_an_moe_step_reads_the_router_and_its_top_k_experts_only(tmp_path):
     assert gpu_bench.weight_bytes_read(mc) == 2 * (48 * per_layer + 151936 * h + h)
 
 
+def test_an_mla_step_reads_its_low_rank_projections_and_its_top_k_experts(tmp_path):
+    mc = _config(tmp_path, "deepseek-v2-lite")
+    h, heads, rank = 2048, 16, 512
+    attention = (h * heads * (128 + 64) + h * (rank + 64) + rank + rank * heads * (128 + 128)
+                 + heads * 128 * h)
+    dense = attention + 3 * h * 10944 + 2 * h
+    sparse = attention + 64 * h + 3 * h * (6 * 1408 + 2 * 1408) + 2 * h
+    assert gpu_bench.weight_bytes_read(mc) == 2 * (dense + 26 * sparse + 102400 * h + h)
+
+
 def test_unknown_shapes_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="llama-70b"):
         gpu_bench.gpu_fields(["llama-1b"], ["llama-70b"], True, tmp_path)
@@ -42,8 +52,16 @@ TINY_SIZES = gpu_bench.GpuSizes(decode_steps=6, ttft_len=64, repeats=1, batch=4,
                                 shared_output=4)
 
 
-def test_a_shapes_whole_run_reports_every_figure_on_the_cpu(tmp_path, monkeypatch):
-    monkeypatch.setitem(gpu_bench.SHAPES, "tiny", TINY)
+TINY_MLA = dict(gpu_bench.SHAPES["deepseek-v2-lite"], hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, vocab_size=32000)
+
+
+@pytest.mark.parametrize("tiny", [TINY, TINY_MLA], ids=["llama", "deepseek"])
+def test_a_shapes_whole_run_reports_every_figure_on_the_cpu(tmp_path, monkeypatch, tiny):
+    monkeypatch.setitem(gpu_bench.SHAPES, "tiny", tiny)
     limits = {"copy_gb_s": 10.0, "matmul_tflops": 0.001}  # a tiny model: figures above 0
     out = gpu_bench.run_shape("tiny", tmp_path, TINY_SIZES, limits, with_hf=True, device="cpu")
     assert out["cuda_graphs"] is False and "decode_replay_ms" not in out  # no graphs on CPU

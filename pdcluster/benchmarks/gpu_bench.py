@@ -2,14 +2,16 @@
 [--quick] [--json]`.
 
 On random-weight models of the named shapes (Llama-3.2-1B's and Llama-3.1-8B's by default;
-Qwen3-30B-A3B's, an MoE, on request: only a config.json is written, the engine draws its
-weights on the device, `load_format="dummy"`), in bfloat16, measures in one run:
+on request Qwen3-30B-A3B's, an MoE, and DeepSeek-V2-Lite's, MLA with an MoE: only a
+config.json is written, the engine draws its weights on the device, `load_format="dummy"`),
+in bfloat16, measures in one run:
 
 - the machine's ceilings: device copy rate (bytes read + written, a 1 GiB device-to-device
   copy) and bf16 matmul rate (8192^3);
 - batch-1 decode ms/token (the median step of one request, scheduler and sampling included)
   and its ratio to the HBM floor: the weight bytes a step reads (of an MoE layer, the router
-  and the experts the token picks) / the copy rate; the same step
+  and the experts the token picks; of an MLA layer, its low-rank projections) / the copy
+  rate; the same step
   with the host and the GPU taking turns (`overlap_decode` off: no step launched ahead,
   engine/runner/lookahead.py); the device part alone (one replay of the batch-1 CUDA graph,
   timed with events), and the largest kernels of an eager step (torch's profiler);
@@ -50,6 +52,24 @@ SHAPES: dict[str, dict[str, Any]] = {
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                           head_dim=128, vocab_size=151936, tie_word_embeddings=False,
                           rope_theta=1000000.0, rope_scaling=None),
+    # DeepSeek-V2-Lite's shape: MLA (a 512-dim latent and a 64-dim RoPE key per token), 64
+    # routed experts, 6 per token, 2 shared, the first layer dense (31 GB of weights;
+    # `--shapes deepseek-v2-lite`)
+    "deepseek-v2-lite": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                             hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
+                             num_attention_heads=16, num_key_value_heads=16,
+                             kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=1408,
+                             n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                             first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy",
+                             n_group=1, topk_group=1, norm_topk_prob=False,
+                             routed_scaling_factor=1.0, scoring_func="softmax",
+                             vocab_size=102400, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                             rope_theta=10000.0, max_position_embeddings=163840,
+                             rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32,
+                                           "beta_slow": 1, "mscale": 0.707,
+                                           "mscale_all_dim": 0.707,
+                                           "original_max_position_embeddings": 4096}),
 }
 _COMMON = dict(architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5,
                rope_theta=500000.0, max_position_embeddings=131072, hidden_act="silu",
@@ -123,10 +143,24 @@ def _prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(3, 32000) for _ in range(length)] for _ in range(n)]
 
 
+def _attention_weights(mc) -> int:
+    """A layer's attention projections; of MLA: the query's (low-rank or full), the latent's
+    down-projection, its up-projection to every head's keys and values, and the output."""
+    m = mc.mla
+    if m is None:
+        return mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    query = (mc.hidden_size * mc.num_heads * qk if m.q_lora_rank is None else
+             m.q_lora_rank * (mc.hidden_size + mc.num_heads * qk + 1))  # with its norm
+    latent = mc.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+    up = m.kv_lora_rank * mc.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return query + latent + up + mc.num_heads * m.v_head_dim * mc.hidden_size
+
+
 def _layer_weights(mc, layer: int) -> int:
     """Weights of `layer` one token multiplies by: attention's projections, and the MLP (of an
     MoE layer: the router and the `top_k` experts the token picks, plus any shared one)."""
-    attention = mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)
+    attention = _attention_weights(mc)
     moe = mc.moe
     if moe is None or layer not in moe.moe_layers:
         return attention + 3 * mc.hidden_size * mc.intermediate_size
@@ -144,10 +178,13 @@ def weight_bytes_read(mc) -> int:
 
 
 def prefill_flops(mc, tokens: int) -> float:
-    """2 per weight per token (`_layer_weights`), the LM head for one row, causal attention."""
+    """2 per weight per token (`_layer_weights`), the LM head for one row, causal attention
+    (MLA's prefill: per head, keys of its q/k width and values of `v_head_dim`)."""
     linear = (2 * tokens * sum(_layer_weights(mc, layer) for layer in range(mc.num_layers))
               + 2 * mc.vocab_size * mc.hidden_size)
-    attention = 4 * mc.num_layers * mc.num_heads * mc.head_dim * tokens * (tokens + 1) / 2
+    value_dim = mc.head_dim if mc.mla is None else mc.mla.v_head_dim
+    attention = (2 * mc.num_layers * mc.num_heads * (mc.head_dim + value_dim)
+                 * tokens * (tokens + 1) / 2)
     return linear + attention
 
 

@@ -107,7 +107,8 @@ def _engine_bench_args(parser: argparse.ArgumentParser) -> None:
                         "model with a chat template (--model)")
     parser.add_argument("--shapes", default="llama-1b,llama-8b",
                         help="with --device cuda and no --model: random bf16 models of these "
-                        "shapes (llama-1b, llama-8b, qwen3-30b-a3b: an MoE), measured "
+                        "shapes (llama-1b, llama-8b, qwen3-30b-a3b: an MoE, deepseek-v2-lite: "
+                        "MLA with an MoE), measured "
                         "against the GPU's copy and matmul rates")
     parser.add_argument("--hf-shapes", default="llama-1b",
                         help="with --device cuda: the shapes also run through transformers' "
