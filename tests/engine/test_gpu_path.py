@@ -14,6 +14,7 @@ import torch
 
 from pdcluster.engine import LLM, SamplingParams, kernels
 from pdcluster.engine.kernels import gpu
+from pdcluster.engine.models import mla
 from pdcluster.engine.models.mla import MLAttention
 from pdcluster.engine.runner import cuda_graphs
 from pdcluster.engine.runner.cuda_graphs import DecodeGraphs
@@ -141,19 +142,24 @@ def test_mla_decodes_read_the_latent_cache_in_place_through_the_graph_buffers(
     """DeepSeek's absorbed decode on the GPU path: every head a row of the one latent KV
     head, the cache's entries the keys and their latent the values, read in place by the
     paged kernel (no gather, no mask), so its decode steps go through the graphs' buffers;
-    latents narrower than a power of two, RoPE parts narrower than tl.dot's 16."""
+    latents narrower than a power of two, RoPE parts narrower than tl.dot's 16. Prefill
+    chunks after a prefix hit or an earlier chunk attend through the lower-right causal bias
+    (no mask tensor)."""
     model = model_dirs[variant]
-    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4)
+    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4,
+              max_num_batched_tokens=16)
     runner = llm.engine.runner
     assert cuda_graphs.layers_blocker(runner.model) is None
     runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch=4, max_model_len=128)
     replays = count_calls(monkeypatch, DecodeGraphs, "replay")
     gathered = count_calls(monkeypatch, MLAttention, "_gathered_latent_attention")
-    prompts = random_prompts(3, 6, 14, seed=25)
+    lower_right = count_calls(monkeypatch, mla, "causal_lower_right")
+    prefix = random_prompts(1, 13, 13, seed=26)[0]
+    prompts = random_prompts(2, 6, 20, seed=25) + [prefix + [5, 6], prefix + [7, 8, 9]]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
         assert out.token_ids == hf_reference(model, prompt, 5)
-    assert replays and kernel_calls["paged_attention"] and not gathered
+    assert replays and kernel_calls["paged_attention"] and not gathered and lower_right
     assert_pool_clean(llm.engine.block_pool)
 
 

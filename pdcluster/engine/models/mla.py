@@ -8,7 +8,10 @@ no-position part and a RoPE part (decoupled RoPE; DeepSeek's interleaved pairs a
 de-interleaved first, then rotated rotate-half style — the same dot products).
 
 - prefill chunks (the naive form): `kv_b_proj` expands each context entry's latent into
-  per-head `k_nope` and `v`; keys are `[k_nope, k_pe]`, as in transformers.
+  per-head `k_nope` and `v`; keys are `[k_nope, k_pe]`, as in transformers. A chunk after
+  cached or earlier tokens attends causally from the bottom right (its last query sees every
+  key): on CUDA as torch's lower-right causal bias, which its fused attention kernels apply
+  without a mask tensor; elsewhere through the chunk's `key_pos <= query_pos` mask.
 - decodes (the absorbed form, `absorb_decode=True`): `kv_b_proj`'s key half is folded into
   the query (`q_nope @ W_uk` per head) and its value half applied after attention, so a decode
   attends straight over the cached entries as one shared KV head — nothing is expanded per
@@ -27,6 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from pdcluster.engine import kernels
 from pdcluster.engine.kernels import gpu
@@ -149,14 +153,16 @@ class MLAttention(nn.Module):
                  workspace: GatherWorkspace) -> torch.Tensor:
         s, e = chunk.start, chunk.end
         queries = torch.cat([q_nope[s:e], q_pe[s:e]], dim=-1).transpose(0, 1)
-        if chunk.mask is None:
-            entries = entry[s:e]
+        if chunk.context_len == e - s:  # from position 0: its own keys, causally
+            keys, values = self._expand(entry[s:e])
+            mask = None
         else:
             entries = workspace.gather(cache, chunk.block_ids, GatherWorkspace.KEYS)
-            entries = entries[0, : chunk.context_len]
-        keys, values = self._expand(entries)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask,
-                                             is_causal=chunk.mask is None, scale=self.scale)
+            keys, values = self._expand(entries[0, : chunk.context_len])
+            mask = (causal_lower_right(e - s, chunk.context_len) if gpu.serves(queries)
+                    else chunk.mask)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                             is_causal=mask is None, scale=self.scale)
         return out.transpose(0, 1)
 
     def _decode_expanded(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
