@@ -8,6 +8,12 @@ paged latent cache of 512 and 2,048 tokens each, in the absorbed form (queries f
 expanded form (every context latent expanded to per-head keys and values each step, as in
 prefill), medians of several steps. The engine decodes in the absorbed form.
 
+The absorbed form's attention over the latents, alone, two ways on the same queries: the
+engine's paged decode kernel reading the latent cache in place (engine/kernels, the C++ op on
+CPU: every head a row of the one latent KV head, the entries the keys and their latent the
+values) against gathering each sequence's entries and attending with matmuls under a mask
+(what the engine does without its kernels); with their largest difference.
+
 KV bytes per token (all layers, bf16 as served) come from `KVCacheSpec`, for DeepSeek-V2-Lite
 (27 layers) against an equal dense model: the same layers and 16 heads as MHA with
 head_dim 128 (what an MLA-less V2-Lite would cache), and for DeepSeek-V3 (61 layers, 128 heads).
@@ -93,6 +99,57 @@ def absorbed_vs_expanded(steps: int = 5) -> dict:
     return result
 
 
+def kernel_vs_gather(steps: int = 5) -> dict:
+    """The absorbed attention over the latents: the kernel in place against gather + matmuls
+    (medians, alternating; their largest difference)."""
+    from pdcluster.engine import kernels
+
+    ops = kernels.ops()
+    if ops is None:
+        return {"mla_kernel": "the engine's C++ kernels are not built (python -m "
+                              "pdcluster.engine.kernels)"}
+    layer, result = _layer(), {}
+    for batch, context in ((1, 512), (1, 2048), (8, 512), (8, 2048)):
+        key = f"b{batch}_ctx{context}"
+        kernel, gather, diff = _latent_attention_times(ops, layer, batch, context, steps)
+        result[f"mla_attention_ms_kernel_{key}"] = round(kernel * 1e3, 3)
+        result[f"mla_attention_ms_gather_{key}"] = round(gather * 1e3, 3)
+        result[f"mla_kernel_speedup_{key}"] = round(gather / kernel, 2)
+        result[f"mla_kernel_max_diff_{key}"] = diff
+    return result
+
+
+def _latent_attention_times(ops, layer, batch: int, context: int, steps: int
+                            ) -> tuple[float, float, float]:
+    import torch
+
+    from pdcluster.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
+
+    spec = KVCacheSpec(batch * context // BLOCK, 1, BLOCK, 1, RANK + ROPE, 4, num_planes=1)
+    cache = PagedKVCache(spec, torch.float32, torch.device("cpu"))
+    cache.tensor.normal_()
+    entries, meta = cache.layer_latent(0), _decode_meta(batch, context)
+    queries = torch.randn(batch, HEADS, RANK + ROPE)
+
+    def kernel():
+        return ops.paged_attention(queries.unsqueeze(1), entries, entries[..., :RANK],
+                                   meta.decode_block_table, meta.decode_lens,
+                                   layer.scale)[0].squeeze(1)
+
+    def gather():
+        return layer._gathered_latent_attention(queries, entries, meta)
+
+    times: dict[str, list[float]] = {"kernel": [], "gather": []}
+    outs = {}
+    for _ in range(steps + 1):
+        for way, fn in (("kernel", kernel), ("gather", gather)):
+            start = time.perf_counter()
+            outs[way] = fn()
+            times[way].append(time.perf_counter() - start)
+    kernel_s, gather_s = (statistics.median(times[way][1:]) for way in ("kernel", "gather"))
+    return kernel_s, gather_s, float((outs["kernel"] - outs["gather"]).abs().max())
+
+
 def kv_bytes_per_token() -> dict:
     from pdcluster.engine.kv.kv_cache import KVCacheSpec
 
@@ -109,7 +166,7 @@ def kv_bytes_per_token() -> dict:
 
 
 def mla_fields(steps: int) -> dict:
-    return {**absorbed_vs_expanded(steps), **kv_bytes_per_token()}
+    return {**absorbed_vs_expanded(steps), **kernel_vs_gather(steps), **kv_bytes_per_token()}
 
 
 def run(args: argparse.Namespace) -> dict:

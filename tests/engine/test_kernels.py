@@ -39,7 +39,8 @@ def _reference(q, k_cache, v_cache, table, lens, scale):
     """softmax(scale q k^T) v per sequence and KV head, from keys gathered one by one."""
     seqs, heads, rows, dim = q.shape
     bs = k_cache.shape[1]
-    out, lse = torch.zeros_like(q), torch.full((seqs, heads, rows), float("-inf"))
+    out = q.new_zeros(seqs, heads, rows, v_cache.shape[-1])
+    lse = torch.full((seqs, heads, rows), float("-inf"))
     for s in range(seqs):
         n = int(lens[s])
         if n == 0:
@@ -74,6 +75,30 @@ def test_paged_attention_equals_softmax_attention(ops, block_size, kv_heads, row
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_size, heads, latent, rope, lens", [
+    (16, 16, 512, 64, [1, 16, 40]),  # DeepSeek-V2-Lite's latent cache and heads
+    (4, 5, 24, 4, [3, 9]),  # widths not a multiple of 8: the scalar paths
+])
+def test_paged_attention_over_mlas_latent_cache(ops, block_size, heads, latent, rope,
+                                                lens) -> None:
+    """MLA's absorbed decode: all heads the rows of one KV head, the latent cache's entries
+    the keys and their first `latent` dims the values (one view each of one plane)."""
+    spec = KVCacheSpec(32, 2, block_size, 1, latent + rope, 4, num_planes=1)
+    cache = PagedKVCache(spec, torch.float32, torch.device("cpu"))
+    cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=torch.Generator().manual_seed(3)))
+    entries = cache.layer_latent(1)
+    width = -(-max(lens) // block_size)
+    gen = torch.Generator().manual_seed(4)
+    table = torch.stack([torch.randperm(32, generator=gen)[:width] for _ in lens])
+    q = torch.randn(len(lens), 1, heads, latent + rope, generator=gen)
+    lens_t, scale = torch.tensor(lens), (latent + rope) ** -0.5
+    out, lse = ops.paged_attention(q, entries, entries[..., :latent], table, lens_t, scale)
+    want_out, want_lse = _reference(q, entries, entries[..., :latent], table, lens_t, scale)
+    assert out.shape == (len(lens), 1, heads, latent)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_paged_attention_refuses_bad_inputs(ops) -> None:
     k_cache, v_cache = _cache(8, 4, 2, 16)
     q = torch.randn(1, 2, 2, 16)
@@ -86,6 +111,8 @@ def test_paged_attention_refuses_bad_inputs(ops) -> None:
         ops.paged_attention(q, k_cache, v_cache, table, torch.tensor([9]), 1.0)
     with pytest.raises(RuntimeError, match="disagree"):
         ops.paged_attention(torch.randn(1, 3, 2, 16), k_cache, v_cache, table, lens, 1.0)
+    with pytest.raises(RuntimeError, match="Dv <= D"):  # values wider than the keys
+        ops.paged_attention(q[..., :8].contiguous(), k_cache[..., :8], v_cache, table, lens, 1.0)
 
 
 @pytest.mark.parametrize("n, k", [(40, 48), (7, 576), (13, 20), (1, 8)])
@@ -214,17 +241,23 @@ def test_engine_through_the_kernels_matches_transformers(ops, model_dirs, hf_ref
                                                          monkeypatch, variant) -> None:
     """Decodes alone and behind a shared cached prefix (the cascade split) take the kernels;
     greedy tokens equal transformers' and the torch paths'. Qwen3 (q/k norms: the torch
-    RoPE), Mixtral (MoE) and DeepSeek-V3 (MLA: its own attention) share the layer's fused
-    norms and GEMVs."""
+    RoPE), Mixtral (MoE) and DeepSeek-V3 (MLA: its absorbed decode reads the latent cache
+    through the same kernel, values narrower than keys, instead of gathering it) share the
+    layer's fused norms and GEMVs."""
+    from pdcluster.engine.models.mla import MLAttention
     from tests.models import random_prompts
 
     calls = count_calls(monkeypatch, attention, "_kernel_decode_attention")
+    gathered = count_calls(monkeypatch, MLAttention, "_gathered_latent_attention")
     model = model_dirs[variant]
     prefix = random_prompts(1, 40, 40, seed=7)[0]
     batches = [[prefix + tail for tail in random_prompts(4, 1, 9, seed=8)],
                random_prompts(3, 3, 20, seed=9)]
     got = [_generate(model, prompts) for prompts in batches]
-    if not variant.startswith("deepseek"):  # MLA decodes through its own absorbed attention
+    mla = variant.startswith("deepseek")
+    if mla:
+        assert not gathered, "an MLA decode gathered its latents"
+    else:
         assert any(meta.cascade is not None for *_, meta, _ in calls), "no cascade step"
         assert any(meta.cascade is None for *_, meta, _ in calls), "no plain decode step"
     for prompts, outs in zip(batches, got, strict=True):
@@ -232,6 +265,7 @@ def test_engine_through_the_kernels_matches_transformers(ops, model_dirs, hf_ref
             assert tokens == hf_reference(model, prompt, 10)
     monkeypatch.setattr(kernels, "ENABLED", False)
     assert [_generate(model, prompts) for prompts in batches] == got
+    assert bool(gathered) == mla  # the torch path gathers
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-tied-bias-mha", "mixtral-4x2"])

@@ -15,10 +15,11 @@ de-interleaved first, then rotated rotate-half style — the same dot products).
 - decodes (the absorbed form, `absorb_decode=True`): `kv_b_proj`'s key half is folded into
   the query (`q_nope @ W_uk` per head) and its value half applied after attention, so a decode
   attends straight over the cached entries as one shared KV head — nothing is expanded per
-  context token. On CUDA the paged Triton kernel (engine/kernels/gpu/decode_attention.py)
-  reads the entries in place, every head a row of that one KV head, the entries the keys and
-  their latent the values: no gather, no mask, so the step is a CUDA graph like a Llama's
-  (engine/runner/cuda_graphs.py). Elsewhere the context is gathered and masked.
+  context token. The engine's paged decode kernel (the Triton one on CUDA, the C++ one for
+  float32 on CPU: engine/kernels) reads the entries in place, every head a row of that one KV
+  head, the entries the keys and their latent the values: no gather, no mask, so on CUDA the
+  step is a CUDA graph like a Llama's (engine/runner/cuda_graphs.py). Without the kernels the
+  context is gathered and masked.
   `absorb_decode=False` expands like prefill (for measurement and tests).
 The token order and `AttentionMetadata` are those of `engine.models.attention`.
 """
@@ -179,11 +180,11 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
         queries = torch.cat([q_latent, q_pe], dim=-1)  # [B, H, rank+rope]
-        if kernels.ENABLED and gpu.serves(queries, cache) and meta.decode_lens is not None:
+        ops = kernels.layer_ops_for(queries, cache)
+        if ops is not None and meta.decode_lens is not None:
             assert meta.decode_block_table is not None, "a step with decodes has their table"
-            out, _ = gpu.ops().paged_attention(queries.unsqueeze(1), cache,
-                                               cache[..., : self.rank], meta.decode_block_table,
-                                               meta.decode_lens, self.scale)
+            out, _ = ops.paged_attention(queries.unsqueeze(1), cache, cache[..., : self.rank],
+                                         meta.decode_block_table, meta.decode_lens, self.scale)
             out = out.squeeze(1)  # [B, H, rank]
         else:
             out = self._gathered_latent_attention(queries, cache, meta)

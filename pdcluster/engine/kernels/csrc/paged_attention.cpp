@@ -4,16 +4,21 @@
 //   q            [S, Hkv, R, D]  contiguous: R query rows share each KV head (the GQA group of
 //                                one sequence, or every sequence's group when S = 1 reads
 //                                blocks all of them share: cascade attention)
-//   k/v_cache    [NB, BS, Hkv, D] any strides with the last one 1: one layer's view of the
+//   k_cache      [NB, BS, Hkv, D] any strides with the last one 1: one layer's view of the
 //                                block-contiguous region (engine/kv/kv_cache.py)
+//   v_cache      [NB, BS, Hkv, Dv], Dv <= D, likewise (Dv < D: MLA's latent cache, whose
+//                                entries are the keys and their first Dv dims the values)
 //   block_table  [S, MB] int64, context_lens [S] int64 (tokens attended; 0 allowed)
-//   -> (out [S, Hkv, R, D], lse [S, Hkv, R]): softmax(scale * q k^T) v and the natural-log
+//   -> (out [S, Hkv, R, Dv], lse [S, Hkv, R]): softmax(scale * q k^T) v and the natural-log
 //      sum-exp of each row's scaled scores (-inf, out 0, for an empty context), which is what
 //      merging two partial attentions over disjoint keys needs.
 //
 // One task per (sequence, KV head, chunk of rows): it walks the sequence's blocks once, scoring
 // a block's keys against every row of the chunk (each key read once for the GQA group), and
 // keeps a running max / sum / weighted value per row (online softmax). No gather, no padding.
+// With fewer (sequence, KV head) pairs than threads (MLA's one latent head, at batch 1), the
+// rows are cut into smaller chunks so that every thread takes a share; a row's arithmetic
+// does not depend on its chunk.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -34,7 +39,7 @@ namespace {
 
 constexpr int64_t kMaxRows = 16;  // rows per task: enough to reuse a key, small enough for L1
 constexpr int64_t kTile = 16;     // keys scored together: one transposed tile of the cache
-constexpr int64_t kMaxDim = 256;
+constexpr int64_t kMaxDim = 576;  // DeepSeek's MLA: a 512-dim latent and a 64-dim RoPE key
 
 // exp(x) for x <= 0 (scores minus their running max), branch-free so that it vectorizes:
 // Cephes' expf (range reduction by ln 2, degree-5 polynomial, 2^n from the exponent bits);
@@ -127,8 +132,10 @@ inline __m128 dot4(const float* q, const float* const* keys, int64_t dim) {
 }
 #endif
 
-// Scores of every row against the tile's n keys, then the online-softmax update.
-void score_tile(RowState& st, const float* const* keys, int64_t rows, int64_t dim, int64_t n) {
+// Scores of every row against the tile's n keys (of `dim`), then the online-softmax update
+// (of accumulators of `vdim`).
+void score_tile(RowState& st, const float* const* keys, int64_t rows, int64_t dim, int64_t vdim,
+                int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* qr = st.q + r * dim;
     float s[kTile];
@@ -146,9 +153,9 @@ void score_tile(RowState& st, const float* const* keys, int64_t rows, int64_t di
     if (m_new > st.m[r]) {
       const float c = std::exp(st.m[r] - m_new);  // 0 on the first tile (m = -inf)
       st.l[r] *= c;
-      float* acc = st.acc + r * dim;
+      float* acc = st.acc + r * vdim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) acc[d] *= c;
+      for (int64_t d = 0; d < vdim; ++d) acc[d] *= c;
       st.m[r] = m_new;
     }
     float* p = st.p + r * kTile;
@@ -203,30 +210,28 @@ void accumulate_tile(RowState& st, const float* const* values, int64_t rows, int
 // Asks for the next tile's keys and values while this one computes: blocks sit anywhere in
 // the region, so the hardware prefetcher cannot guess the next one.
 inline void prefetch_tile(const Cache& k, const Cache& v, const int64_t* table, int64_t begin,
-                          int64_t end, int64_t block_size, int64_t head, int64_t dim) {
+                          int64_t end, int64_t block_size, int64_t head, int64_t dim,
+                          int64_t vdim) {
   for (int64_t pos = begin; pos < end; ++pos) {
     const int64_t block = table[pos / block_size], slot = pos % block_size;
     const char* key = reinterpret_cast<const char*>(k.at(block, slot, head));
     const char* value = reinterpret_cast<const char*>(v.at(block, slot, head));
-    for (int64_t off = 0; off < dim * 4; off += 64) {
-      __builtin_prefetch(key + off);
-      __builtin_prefetch(value + off);
-    }
+    for (int64_t off = 0; off < dim * 4; off += 64) __builtin_prefetch(key + off);
+    if (value != key)
+      for (int64_t off = 0; off < vdim * 4; off += 64) __builtin_prefetch(value + off);
   }
 }
 
 // Rows [r0, r1) of one sequence against KV head `head` over its `ctx` tokens.
 void attend_rows(const float* q, const Cache& k, const Cache& v, const int64_t* table,
                  int64_t ctx, int64_t block_size, int64_t head, int64_t rows, int64_t dim,
-                 float scale, float* out, float* lse) {
+                 int64_t vdim, float scale, float* out, float* lse) {
   thread_local RowState st;
   for (int64_t r = 0; r < rows; ++r) {
     st.m[r] = -std::numeric_limits<float>::infinity();
     st.l[r] = 0.f;
-    for (int64_t d = 0; d < dim; ++d) {
-      st.q[r * dim + d] = q[r * dim + d] * scale;
-      st.acc[r * dim + d] = 0.f;
-    }
+    for (int64_t d = 0; d < dim; ++d) st.q[r * dim + d] = q[r * dim + d] * scale;
+    for (int64_t d = 0; d < vdim; ++d) st.acc[r * vdim + d] = 0.f;
   }
   const float* keys[kTile];
   const float* values[kTile];
@@ -239,13 +244,13 @@ void attend_rows(const float* q, const Cache& k, const Cache& v, const int64_t* 
       values[t] = v.at(block, slot, head);
     }
     prefetch_tile(k, v, table, start + kTile, std::min(ctx, start + 2 * kTile), block_size,
-                  head, dim);
-    score_tile(st, keys, rows, dim, n);
-    accumulate_tile(st, values, rows, dim, n);
+                  head, dim, vdim);
+    score_tile(st, keys, rows, dim, vdim, n);
+    accumulate_tile(st, values, rows, vdim, n);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = st.l[r] > 0.f ? 1.f / st.l[r] : 0.f;
-    for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = st.acc[r * dim + d] * inv;
+    for (int64_t d = 0; d < vdim; ++d) out[r * vdim + d] = st.acc[r * vdim + d] * inv;
     lse[r] = st.l[r] > 0.f ? st.m[r] + std::log(st.l[r])
                            : -std::numeric_limits<float>::infinity();
   }
@@ -267,15 +272,18 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
                   q.is_contiguous(),
               "paged_attention: q must be a contiguous float32 CPU tensor [S, Hkv, R, D]");
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
-                  k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "paged_attention: k/v caches must be float32 [NB, BS, Hkv, D] with unit last stride");
+                  k_cache.dim() == 4 && v_cache.dim() == 4 &&
+                  k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3) &&
+                  v_cache.size(3) <= k_cache.size(3) && k_cache.stride(3) == 1 &&
+                  v_cache.stride(3) == 1,
+              "paged_attention: k/v caches must be float32 [NB, BS, Hkv, D] and [NB, BS, Hkv, "
+              "Dv <= D] with unit last stride");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 &&
                   block_table.is_contiguous() && context_lens.scalar_type() == at::kLong &&
                   context_lens.is_contiguous(),
               "paged_attention: block_table [S, MB] and context_lens [S] must be contiguous int64");
   const int64_t seqs = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
-  const int64_t block_size = k_cache.size(1);
+  const int64_t block_size = k_cache.size(1), vdim = v_cache.size(3);
   TORCH_CHECK(dim <= kMaxDim, "paged_attention: head_dim above ", kMaxDim, " is not supported");
   TORCH_CHECK(k_cache.size(2) == heads && k_cache.size(3) == dim && block_table.size(0) == seqs &&
                   context_lens.size(0) == seqs,
@@ -284,10 +292,14 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
   for (int64_t s = 0; s < seqs; ++s)
     TORCH_CHECK(lens[s] >= 0 && lens[s] <= block_table.size(1) * block_size,
                 "paged_attention: a context is longer than its block table");
-  auto out = at::empty_like(q);
+  auto out = at::empty({seqs, heads, rows, vdim}, q.options());
   auto lse = at::empty({seqs, heads, rows}, q.options());
   const Cache k = as_cache(k_cache), v = as_cache(v_cache);
-  const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t pairs = std::max<int64_t>(1, seqs * heads);
+  const int64_t shares = (at::get_num_threads() + pairs - 1) / pairs;  // chunks a pair wants
+  const int64_t chunk_rows =
+      std::max<int64_t>(1, std::min(kMaxRows, (rows + shares - 1) / shares));
+  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
@@ -296,10 +308,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
   at::parallel_for(0, seqs * heads * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / (heads * chunks), h = (task / chunks) % heads;
-      const int64_t r0 = (task % chunks) * kMaxRows, r1 = std::min(rows, r0 + kMaxRows);
+      const int64_t r0 = (task % chunks) * chunk_rows, r1 = std::min(rows, r0 + chunk_rows);
       const int64_t row = (s * heads + h) * rows + r0;
       attend_rows(qp + row * dim, k, v, tp + s * table_width, lens[s], block_size, h, r1 - r0,
-                  dim, static_cast<float>(scale), op + row * dim, lp + row);
+                  dim, vdim, static_cast<float>(scale), op + row * vdim, lp + row);
     }
   });
   return {out, lse};
