@@ -154,6 +154,11 @@ def _decode_merge_kernel(
     tl.store(LSE + seq * stride_ls + head * stride_lh + rows, lse, mask=row_ok)
 
 
+# MLA's 512-dim latent: twice the warps, and no software pipelining, whose extra stages of key
+# and value tiles (64 KB each in float32) would not fit in a multiprocessor's shared memory
+_WIDE_LAUNCH = {"num_warps": 8, "num_stages": 1}
+
+
 def precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: IEEE for float32 (exact parity), the default otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -232,7 +237,8 @@ def paged_attention(rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         kv_heads, num_rows, dim, tail_dim, splits,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_T=block_t,
-        BLOCK_N=block_n, PRECISION=precision(rows.dtype), num_warps=4 if block_d <= 256 else 8)
+        BLOCK_N=block_n, PRECISION=precision(rows.dtype),
+        **({"num_warps": 4} if block_d <= 256 else _WIDE_LAUNCH))
     if splits > 1:
         _decode_merge_kernel[(seqs * kv_heads, row_tiles)](
             part, part_lse, out, lse,
