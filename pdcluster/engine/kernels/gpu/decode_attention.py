@@ -165,11 +165,11 @@ def precision(dtype: torch.dtype) -> str:
 
 
 def _decode_tiles(num_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_D, BLOCK_N): rows padded to tl.dot's 16, at most 8,192 accumulator
-    entries (64 rows of 128 dims; MLA's 512-dim latent takes 16 rows a program); keys per
-    tile smaller for float32 and wide heads, so a program's tiles fit in registers."""
+    """(BLOCK_R, BLOCK_D, BLOCK_N): rows padded to tl.dot's 16, at most 64 and at most 8,192
+    accumulator entries (MLA's 512-dim latent takes 16 rows a program); keys per tile smaller
+    for float32 and wide heads, so a program's tiles fit in registers."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_r = min(max(16, triton.next_power_of_2(num_rows)), max(16, 8192 // block_d))
+    block_r = min(max(16, triton.next_power_of_2(num_rows)), 64, max(16, 8192 // block_d))
     wide = block_d > 128 or dtype == torch.float32
     return block_r, block_d, 32 if wide or block_r > 16 else 64
 
