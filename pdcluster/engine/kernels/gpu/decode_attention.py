@@ -154,24 +154,30 @@ def _decode_merge_kernel(
     tl.store(LSE + seq * stride_ls + head * stride_lh + rows, lse, mask=row_ok)
 
 
-# MLA's 512-dim latent: twice the warps, and no software pipelining, whose extra stages of key
-# and value tiles (64 KB each in float32) would not fit in a multiprocessor's shared memory
-_WIDE_LAUNCH = {"num_warps": 8, "num_stages": 1}
-
-
 def precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: IEEE for float32 (exact parity), the default otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _decode_tiles(num_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_D, BLOCK_N): rows padded to tl.dot's 16, at most 64 and at most 8,192
-    accumulator entries (MLA's 512-dim latent takes 16 rows a program); keys per tile smaller
-    for float32 and wide heads, so a program's tiles fit in registers."""
+def _decode_tiles(num_rows: int, head_dim: int, dtype: torch.dtype
+                  ) -> tuple[int, int, int, int, int]:
+    """(BLOCK_R, BLOCK_D, BLOCK_N, num_warps, num_stages). Rows padded to tl.dot's 16, at most
+    64 and at most 8,192 accumulator entries (MLA's 512-dim latent takes 16 rows a program);
+    fewer keys per tile for float32 and wide heads, so a program's tiles fit in registers.
+    float32's IEEE products run on the FMA units with their operands in registers: 8 warps
+    share them (at 4, ptxas spilled registers at head size 128, and at 64 rows of 64;
+    tests/sm90_build.py).
+    MLA's latent launches 8 warps and one pipeline stage: built for sm_90 in bfloat16, that
+    takes 52 KB of shared memory and 128 registers a thread (two programs a multiprocessor);
+    three stages fit too (87 KB) but take 160 registers (one program). Which runs faster is
+    not measured on a GPU yet."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_r = min(max(16, triton.next_power_of_2(num_rows)), 64, max(16, 8192 // block_d))
-    wide = block_d > 128 or dtype == torch.float32
-    return block_r, block_d, 32 if wide or block_r > 16 else 64
+    fp32 = dtype == torch.float32
+    block_n = 32 if block_d > 128 or fp32 or block_r > 16 else 64
+    if block_d > 256:
+        return block_r, block_d, 16 if fp32 else block_n, 8, 1
+    return block_r, block_d, block_n, 8 if fp32 else 4, 3
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_len: int | None,
@@ -211,7 +217,7 @@ def paged_attention(rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     assert k_cache.shape[-1] == key_dim >= dim, "keys as wide as the rows, values no wider"
     assert rows.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, \
         "the head dimension is contiguous"
-    block_r, block_d, block_n = _decode_tiles(num_rows, dim, rows.dtype)
+    block_r, block_d, block_n, warps, stages = _decode_tiles(num_rows, dim, rows.dtype)
     tail_dim = key_dim - dim
     block_t = max(16, triton.next_power_of_2(tail_dim)) if tail_dim else 0  # tl.dot's least
     splits = num_splits or decode_splits(seqs, kv_heads, num_sms(rows.device), max_len, block_n)
@@ -237,8 +243,7 @@ def paged_attention(rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         kv_heads, num_rows, dim, tail_dim, splits,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_T=block_t,
-        BLOCK_N=block_n, PRECISION=precision(rows.dtype),
-        **({"num_warps": 4} if block_d <= 256 else _WIDE_LAUNCH))
+        BLOCK_N=block_n, PRECISION=precision(rows.dtype), num_warps=warps, num_stages=stages)
     if splits > 1:
         _decode_merge_kernel[(seqs * kv_heads, row_tiles)](
             part, part_lse, out, lse,
