@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -153,14 +154,12 @@ class _Sm90Driver:
 Launch = tuple[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
-def _launches(name: str, dtype: torch.dtype) -> Iterator[Launch]:
-    """(what, wrapper, args, kwargs) for each wrapper call the engine makes on model `name`'s
-    shape. Tensors are of the engine's shapes and index dtypes on torch's meta device (no
-    memory): nothing runs."""
-    from pdcluster.engine.models.model_config import ModelConfig
-
+def _launches(model: str, dtype: torch.dtype) -> Iterator[Launch]:
+    """(what, wrapper, args, kwargs) for each wrapper call the engine makes on `model`'s shape
+    (one of MODELS, or a model folder). Tensors are of the engine's shapes and index dtypes,
+    on torch's meta device (no memory): nothing runs."""
     decode, prefill, layer_ops, fused_moe = _kernel_modules()
-    cfg = ModelConfig.from_hf(MODELS[name])
+    cfg = _config(model)
 
     def empty(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="meta")
@@ -235,10 +234,22 @@ def _ptxas_figures(log: str, kernel: str) -> dict[str, int]:
             "registers": int(used[1])}
 
 
-def cases(models: list[str] | None = None) -> list[tuple[str, str]]:
-    """(model, dtype) pairs: every model in bfloat16, FLOAT32_MODELS in float32 too."""
-    return [(m, "bfloat16") for m in models or MODELS] + [
-        (m, "float32") for m in models or MODELS if m in FLOAT32_MODELS]
+def cases(models: list[str] | None = None, model_dirs: tuple[str, ...] = ()
+          ) -> list[tuple[str, str]]:
+    """(model, dtype) pairs: every one of MODELS (or `models`) in bfloat16, FLOAT32_MODELS in
+    float32 too, and the model folders `model_dirs` in both."""
+    named = MODELS if models is None else models
+    return ([(m, "bfloat16") for m in named] + [(m, "float32") for m in named
+                                               if m in FLOAT32_MODELS]
+            + [(folder, dtype) for folder in model_dirs for dtype in DTYPES])
+
+
+def _config(model: str):
+    """A model's ModelConfig: one of MODELS, or a model folder's config.json."""
+    from pdcluster.engine.models.model_config import ModelConfig
+
+    return (ModelConfig.from_hf(MODELS[model]) if model in MODELS
+            else ModelConfig.from_pretrained(model))
 
 
 def build_all(pairs: list[tuple[str, str]]) -> list[Build]:
@@ -267,7 +278,7 @@ def build_all(pairs: list[tuple[str, str]]) -> list[Build]:
 
     with _as_on_sm90(compile_only):
         for model, dtype in pairs:
-            current.update(model=model, dtype=dtype)
+            current.update(model=model if model in MODELS else Path(model).name, dtype=dtype)
             for what, wrapper, args, kwargs in _launches(model, DTYPES[dtype]):
                 current["launch"] = what
                 wrapper(*args, **kwargs)
@@ -315,12 +326,14 @@ def _as_on_sm90(compile_only) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="*", choices=sorted(MODELS), default=None)
+    parser.add_argument("--model-dir", action="append", default=[],
+                        help="a model folder to build for as well (repeatable)")
     parser.add_argument("--shard", default="0/1", metavar="K/N",
                         help="build only every N-th (model, dtype) pair from the K-th")
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args(argv)
     shard, shards = (int(part) for part in args.shard.split("/"))
-    builds = build_all(cases(args.models)[shard::shards])
+    builds = build_all(cases(args.models, tuple(args.model_dir))[shard::shards])
     for b in sorted(builds, key=lambda b: (b.kernel, b.dtype, b.model)):
         print(f"{b.kernel:22} {b.model:16} {b.dtype:8} {b.launch:26} {b.num_warps} warps"
               f" {b.num_stages} stages {b.shared / 1024:6.1f} KB shared {b.registers:3} regs"
