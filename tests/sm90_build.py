@@ -9,14 +9,14 @@ CPU in `make test`. This module makes the launches the engine makes on the shape
 it serves (each wrapper in engine/kernels/gpu called as the engine calls it, with tensors of the
 model's dims) and, in place of each launch, compiles that kernel with its constants and launch
 options for sm_90 (Triton's own compiler and ptxas, no driver needed), then reads back the
-compiled program's shared memory (Triton's figure) and its registers, stack and local memory
-(cuobjdump's resource usage).
+program's shared memory (Triton's figure) and what ptxas's log says of it: registers a thread,
+stack frame, bytes spilled.
 
 The figures are this Triton's (the project's venv); a GPU image with another Triton version
 may lay out shared memory differently. tests/engine/test_sm90_build.py runs this in a process
 of its own (the tests' process imports Triton for its interpreter) and checks the limits.
 
-    python -m tests.sm90_build [--json]
+    python -m tests.sm90_build [--models NAME ...] [--model-dir FOLDER ...] [--json]
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import torch
 # cudaDevAttrMaxSharedMemoryPerBlockOptin on compute capability 9.0 (CUDA C++ Programming Guide,
 # "Technical Specifications per Compute Capability"): 227 KB of a multiprocessor's 228
 SM90_SHARED_PER_BLOCK = 227 * 1024
-SM90_REGISTERS_PER_THREAD = 255
 
 # Real models' shapes (Hugging Face config fields; parsed by the engine's own ModelConfig), chosen
 # so that every launch parameter the kernels derive from a shape takes the values production
@@ -325,7 +324,8 @@ def _as_on_sm90(compile_only) -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="*", choices=sorted(MODELS), default=None)
+    parser.add_argument("--models", nargs="*", choices=sorted(MODELS), default=None,
+                        help="these of MODELS only (none: only --model-dir's)")
     parser.add_argument("--model-dir", action="append", default=[],
                         help="a model folder to build for as well (repeatable)")
     parser.add_argument("--shard", default="0/1", metavar="K/N",
