@@ -163,13 +163,14 @@ def _decode_tiles(num_rows: int, head_dim: int, dtype: torch.dtype
                   ) -> tuple[int, int, int, int, int]:
     """(BLOCK_R, BLOCK_D, BLOCK_N, num_warps, num_stages). Rows padded to tl.dot's 16, at most
     64 and at most 8,192 accumulator entries (MLA's 512-dim latent takes 16 rows a program);
-    fewer keys per tile for wide heads, so a program's tiles fit in registers. float32's IEEE
-    products run on the FMA units with their operands in registers: 16 rows and 32 keys a tile
-    over 8 warps (larger tiles, or 4 warps, spilled registers in Triton 3.6's or 3.9's builds
-    for sm_90; tests/sm90_build.py). MLA's latent launches 8 warps and one pipeline stage:
-    built for sm_90 in bfloat16, that takes 52 KB of shared memory and 128 registers a thread
-    (two programs a multiprocessor); three stages fit too (87 KB) but take 160 registers (one
-    program). Which runs faster is not measured on a GPU yet."""
+    fewer keys per tile for wide heads, so a program's tiles fit in registers.
+    float32's IEEE products run on the FMA units with their operands in registers: 16 rows and
+    32 keys (16 of MLA's latent) a tile over 8 warps (larger tiles, or 4 warps, spilled
+    registers in Triton 3.6's or 3.9's builds for sm_90; tests/sm90_build.py).
+    MLA's latent launches 8 warps and one pipeline stage: built for sm_90 in bfloat16, that
+    takes 52 KB of shared memory and 128 registers a thread (two programs a multiprocessor);
+    three stages fit too (87 KB) but take 160 registers (one program). Which runs faster is
+    not measured on a GPU yet."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:
         return 16, block_d, 16 if block_d > 256 else 32, 8, 1 if block_d > 256 else 3
