@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import REGISTRY
 from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
 from pdcluster.core.kv_connector import TransferTiming
@@ -88,9 +89,18 @@ class SerializedPrometheusStatLogger(PrometheusStatLogger):
     """vLLM's Prometheus logger, built under a process-wide lock: it unregisters every
     `vllm:` metric from the global registry and then registers its own, so two engines built
     at once in one process (a test's pair of nodes) could each register the same name and the
-    second would fail with `DuplicateTimeseries`. Passed as a custom logger, it replaces
-    vLLM's default one."""
+    second would fail with `DuplicateTimeseries`. Once the engine is up it registers one more
+    metric, `vllm:cache_config_info`, without unregistering first: two engines built in turn and
+    then both up would register it twice, so it too goes under the lock, replacing an earlier
+    engine's. Passed as a custom logger, it replaces vLLM's default one."""
 
     def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
         with _PROMETHEUS_LOCK:
             super().__init__(vllm_config, engine_indexes)
+
+    def log_metrics_info(self, type: str, config_obj: Any) -> None:
+        with _PROMETHEUS_LOCK:
+            for collector in list(REGISTRY._collector_to_names):
+                if getattr(collector, "_name", None) == f"vllm:{type}_info":
+                    REGISTRY.unregister(collector)
+            super().log_metrics_info(type, config_obj)

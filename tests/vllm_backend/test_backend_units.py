@@ -353,3 +353,36 @@ def test_two_engines_built_at_once_in_one_process_register_their_metrics_in_turn
         assert errors == []
     else:
         assert errors and isinstance(errors[0], DuplicateTimeseries), errors
+
+
+@pytest.mark.parametrize("serialized", [False, True])
+def test_two_engines_up_in_one_process_both_log_their_cache_config(
+        model_dirs, tmp_path, serialized) -> None:
+    """Once up, an engine registers `vllm:cache_config_info` without unregistering first: two
+    loggers built in turn and then both logging (a pair of nodes whose starts interleave) meet
+    `DuplicateTimeseries` in vLLM's logger; the node's replaces the earlier engine's gauge."""
+    from prometheus_client import REGISTRY
+    from prometheus_client.registry import DuplicateTimeseries
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.metrics import loggers
+
+    from pdcluster.vllm_backend.settings import engine_args
+    from pdcluster.vllm_backend.stats import SerializedPrometheusStatLogger
+
+    config = EngineConfig(model_dirs["llama-vllm"], backend="vllm", block_size=BLOCK)
+    vllm_config = AsyncEngineArgs(**engine_args(
+        config, ConnectorSettings(handshake_dir=str(tmp_path)), tmp_path,
+        with_connector=False)).create_engine_config()
+    logger_class = SerializedPrometheusStatLogger if serialized else loggers.PrometheusStatLogger
+    first, second = logger_class(vllm_config, [0]), logger_class(vllm_config, [0])
+    first.log_engine_initialized()
+    if not serialized:
+        with pytest.raises(DuplicateTimeseries):
+            second.log_engine_initialized()
+        return
+    second.log_engine_initialized()
+    second.log_engine_initialized()  # and again: still one gauge of that name
+    assert REGISTRY.get_sample_value(
+        "vllm:cache_config_info", {**{k: str(v) for k, v in
+                                      vllm_config.cache_config.metrics_info().items()},
+                                   "engine": "0"}) == 1.0
