@@ -31,7 +31,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from pdcluster.engine import kernels
 from pdcluster.engine.kernels import gpu
@@ -160,7 +159,7 @@ class MLAttention(nn.Module):
         else:
             entries = workspace.gather(cache, chunk.block_ids, GatherWorkspace.KEYS)
             keys, values = self._expand(entries[0, : chunk.context_len])
-            mask = (causal_lower_right(e - s, chunk.context_len) if gpu.serves(queries)
+            mask = (_causal_lower_right(e - s, chunk.context_len) if gpu.serves(queries)
                     else chunk.mask)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
                                              is_causal=mask is None, scale=self.scale)
@@ -200,3 +199,12 @@ class MLAttention(nn.Module):
         scores = torch.matmul(queries, entries.transpose(1, 2)) * self.scale  # [B, H, L]
         scores = scores.masked_fill(~mask[:, 0], float("-inf"))
         return torch.matmul(scores.softmax(-1), entries[..., : self.rank])  # [B, H, rank]
+
+
+def _causal_lower_right(num_queries: int, num_keys: int) -> torch.Tensor:
+    """torch's lower-right causal bias, which SDPA turns into its flash kernel's causal flag.
+    Imported here, not at the top: `torch.nn.attention.bias` imports torch's compiler stack
+    (two seconds of CPU in every process that imports the engine)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(num_queries, num_keys)  # type: ignore[no-any-return]

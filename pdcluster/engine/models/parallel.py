@@ -138,7 +138,9 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel) -> None:
         local = tp.split(vocab_size, "vocab_size")
-        super().__init__(local, hidden)
+        # A weight given: nn.Embedding's random init is skipped (the loader fills every
+        # weight; on the meta device that init would import torch's compiler, two seconds).
+        super().__init__(local, hidden, _weight=torch.empty(local, hidden))
         self.tp, self.first = tp, tp.rank * local
         self.weight_shard = (0, self.first)
 

@@ -97,14 +97,20 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, cfg: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
+        # (positions, dtype, cos, sin) of the latest step
+        self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        if torch.empty(0).is_meta:  # built on the meta device (the loader): shapes only, and
+            # the loader computes the tables once the model has a device (`init_buffers`).
+            # Computing them on meta tensors would import torch's compiler (two seconds).
+            self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+            return
         inv_freq, scale = inv_freq_and_scale(cfg, head_dim)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
-        # (positions, dtype, cos, sin) of the latest step
-        self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
