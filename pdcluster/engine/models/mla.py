@@ -207,4 +207,4 @@ def _causal_lower_right(num_queries: int, num_keys: int) -> torch.Tensor:
     (two seconds of CPU in every process that imports the engine)."""
     from torch.nn.attention.bias import causal_lower_right
 
-    return causal_lower_right(num_queries, num_keys)  # type: ignore[no-any-return]
+    return causal_lower_right(num_queries, num_keys)
