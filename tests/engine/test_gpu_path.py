@@ -153,7 +153,7 @@ def test_mla_decodes_read_the_latent_cache_in_place_through_the_graph_buffers(
     runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch=4, max_model_len=128)
     replays = count_calls(monkeypatch, DecodeGraphs, "replay")
     gathered = count_calls(monkeypatch, MLAttention, "_gathered_latent_attention")
-    lower_right = count_calls(monkeypatch, mla, "causal_lower_right")
+    lower_right = count_calls(monkeypatch, mla, "_causal_lower_right")
     prefix = random_prompts(1, 13, 13, seed=26)[0]
     prompts = random_prompts(2, 6, 20, seed=25) + [prefix + [5, 6], prefix + [7, 8, 9]]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
