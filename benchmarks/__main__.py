@@ -9,6 +9,7 @@ table, then one JSON object as the last line of stdout; --model resolved the sam
   mla      MLA decode, absorbed vs expanded, and KV bytes per token
   grammar  structured-output grammar libraries on one tokenizer
   attention  paged decode attention on a GPU: the engine's kernel, its floor, FlashInfer
+  vllm-helpers  vLLM's compiled helpers on the CPU, compiled against eager
 
 API: `main(argv) -> int` (exit status), `HARNESSES`.
 """
@@ -111,6 +112,9 @@ HARNESSES: dict[str, tuple[str, str, AddArgs]] = {
     "grammar": ("grammar_bench", "Structured-output grammar libraries (llguidance, xgrammar, "
                 "outlines-core, those installed) on one tokenizer: compile times and the "
                 "per-token mask cost against the same run's argmax.", _grammar_args),
+    "vllm-helpers": ("vllm_helpers", "vLLM's torch.compile'd helpers on this CPU, compiled "
+                     "against eager (what pdcluster's vLLM workers run on the CPU): the first "
+                     "call and the later calls' median per helper and size.", lambda _: None),
     "attention": ("attention_bench", "Paged decode attention on a CUDA device: the engine's "
                   "Triton kernel against the KV bytes it reads / the copy rate, gather + SDPA, "
                   "and FlashInfer's and FlashAttention's paged kernels where installed.",

@@ -6,9 +6,14 @@ when it began and ended (`start`, `end`: seconds on that clock) and what else it
 (`extra`). Blocking calls (Ray, signals, waiting for a port) run in threads so the load's
 event loop keeps sending.
 
-- `prefill_kill`: a prefill node with requests in flight is frozen (SIGSTOP) until the router
-  shows it holds some — so their KV is surely in flight to a decode node that is waiting —
-  then SIGKILLed; Ray restarts it under the same id.
+- `prefill_kill`: a prefill node with requests in flight hangs, then dies. The node and its
+  child processes are frozen (SIGSTOP) until the router sends it one more request (at most
+  2 s): that request's KV surely cannot leave, and its decode node is waiting for it. Then the
+  node is SIGKILLed; Ray restarts it under the same id. A request the router counted in
+  flight when the freeze began is not enough: the node may have sent its KV and not yet its
+  reply. The children freeze too because a vLLM node's engine runs in them: with the node
+  process alone stopped, vLLM's engine core and worker moved the KV during the freeze.
+  `sent_while_frozen` says whether the kill caught such a request.
 
 Every node kill (`prefill_kill`, `decode_kill`, `node_restart`) also checks that the node's
 child processes (a vLLM node's engine core and worker) exit with it
@@ -83,16 +88,21 @@ async def prefill_kill(run: FaultRun, t0: float) -> None:
     pids = await asyncio.to_thread(run.cluster.node_pids)
     await _until(t0, run.at_s)
     victim = await _busiest(run.cluster, "prefill")
-    os.kill(pids[victim], signal.SIGSTOP)  # holds its requests' KV until the kill
-    frozen = time.monotonic()
-    inflight = 0
-    while time.monotonic() - frozen < 2.0 and not inflight:
-        inflight = (await router_health(run.cluster))["nodes"][victim]["inflight"]
-        await asyncio.sleep(0.05)
     children = descendants(pids[victim])
-    os.kill(pids[victim], signal.SIGKILL)
+    for pid in [pids[victim], *children]:  # holds its requests' KV until the kill
+        os.kill(pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    inflight = fewest = (await router_health(run.cluster))["nodes"][victim]["inflight"]
+    # Streams only end now if the router gives them up (their decode node finished): one
+    # more than the fewest seen is a request sent after the freeze.
+    while time.monotonic() - frozen < 2.0 and inflight <= fewest:
+        await asyncio.sleep(0.05)
+        inflight = (await router_health(run.cluster))["nodes"][victim]["inflight"]
+        fewest = min(fewest, inflight)
+    os.kill(pids[victim], signal.SIGKILL)  # its children die with it (a stopped one too)
     run.start = run.end = time.monotonic() - t0
     run.extra.update(victim=victim, inflight_at_kill=inflight,
+                     sent_while_frozen=inflight > fewest,
                      frozen_before_kill_s=round(time.monotonic() - frozen, 3))
     run.extra.update((await asyncio.to_thread(reap, children)).as_dict())
 

@@ -14,7 +14,8 @@ between the two in vLLM's metadata types:
 The worker's transfer counters and latencies travel in `TransferStats`, which vLLM hands to
 the node's stat logger (vllm_backend/stats.py). Either side, as it starts, ties its process's
 life to its parent's (vllm_backend/lifeline.py): a node that dies takes vLLM's engine core and
-worker with it.
+worker with it. A worker on the CPU also turns torch.compile off (vllm_backend/eager.py): vLLM's
+few compiled helpers would otherwise compile during the node's first requests.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from vllm.v1.request import RequestStatus
 from pdcluster.core.kv_connector import ConnectorResults
 from pdcluster.vllm_backend.connector_scheduler import StepPlan, VllmSchedulerSide
 from pdcluster.vllm_backend.connector_worker import VllmRankSide, VllmWorkerSide, _merge
+from pdcluster.vllm_backend.eager import run_eager
 from pdcluster.vllm_backend.lifeline import die_with_parent
 from pdcluster.vllm_backend.settings import REQUIRED_LAYOUT, ConnectorSettings
 
@@ -95,6 +97,8 @@ class PdclusterConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = VllmSchedulerSide(settings, vllm_config.cache_config.block_size)
         else:
+            if vllm_config.device_config.device_type == "cpu":
+                run_eager()
             self._tp_rank = _tp_rank() if self._tp_size > 1 else 0
             if self._tp_rank:
                 self._rank = VllmRankSide(settings, self._tp_rank)

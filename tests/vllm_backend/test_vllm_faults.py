@@ -132,16 +132,20 @@ def test_a_prefill_node_killed_after_its_part_is_reported_and_recomputed_at_once
 
 
 def test_a_prefill_node_killed_mid_transfer_is_recomputed_exactly(chaos):
-    base = LoadSpec(rate=4.0, count=16, max_tokens=MAX_TOKENS, token_ids=True)
+    # Unique prompts: none is in the decode node's cache, so every request goes through the
+    # prefill node, and the router sends the frozen node one within the fault's wait.
+    base = LoadSpec(rate=4.0, count=16, max_tokens=MAX_TOKENS, token_ids=True, unique=True)
     spec, at_s = fault_load(base, "prefill_kill", LEASE_TTL_S)
     result, outcomes = asyncio.run(fault_outcomes(
         chaos.cluster, "prefill_kill", spec, chaos.model_name, chaos.vocab_size, at_s))
-    assert result["inflight_at_kill"] > 0  # the kill caught KV in flight to the decode node
+    shown = str(result)
+    # the kill caught KV in flight to the decode node: a request sent to the frozen node
+    assert result["inflight_at_kill"] > 0 and result["sent_while_frozen"], shown
     assert result["failed"] == 0 and result["truncated"] == 0, result["failed_by_cause"]
     assert result["leaked_blocks"] == 0, result["leaks_per_node"]
     assert result["index_exact_within_ttl"], result.get("index_problems")
     # told, not timed out: the decode node recomputed at once
-    assert result["router"]["router_prefill_lost_total"] >= 1
+    assert result["router"]["router_prefill_lost_total"] >= 1, shown
     # Never by waiting out the KV timeout (30 s): the requests in flight at the kill finish
     # well before it (a second or two on a quiet machine; 12 s seen under a load of 9).
     # (vLLM's worker reports its transfer counters with its steps' stats, which under load
