@@ -49,7 +49,7 @@ from pdcluster.vllm_backend.aborts import AbortTracker
 from pdcluster.vllm_backend.connector_scheduler import kv_transfer_params
 from pdcluster.vllm_backend.events import EventSubscriber
 from pdcluster.vllm_backend.failures import is_dead, raise_if_dead
-from pdcluster.vllm_backend.handshake import Handshake, endpoint
+from pdcluster.vllm_backend.handshake import DirectoryServer, Handshake, endpoint
 from pdcluster.vllm_backend.lost import LostNotifier
 from pdcluster.vllm_backend.sampling import to_node_output, to_vllm_params
 from pdcluster.vllm_backend.settings import ConnectorSettings, check_supported, engine_args
@@ -91,8 +91,10 @@ class VllmEngine(NodeEngine):
         self.config = config
         self._handshake = Handshake()
         self._handshake.write_curve(curve)
+        self._directory_server: DirectoryServer | None = None
         if directory is not None:  # the connector's processes admit whom the node admits
             directory.subscribe(self._handshake.write_peers)
+            self._directory_server = DirectoryServer(self._handshake.dir, directory)
         settings = connector or ConnectorSettings(str(self._handshake.dir))
         settings = ConnectorSettings(**{**settings.as_extra_config(),
                                         "handshake_dir": str(self._handshake.dir)})
@@ -115,6 +117,7 @@ class VllmEngine(NodeEngine):
             if self._llm is not None:  # vLLM is up, the rest of the start failed
                 self._llm.shutdown()
             self._wake.close()
+            self._close_directory_server()
             self._shutdown_loop()
             self._handshake.close()
             raise
@@ -334,10 +337,15 @@ class VllmEngine(NodeEngine):
             del llm  # its __del__ shuts down again: now, not at interpreter exit
         finally:
             self._wake.close()
+            self._close_directory_server()
             self._lost.close()
             self._events.close()
             self._shutdown_loop()
             self._handshake.close()
+
+    def _close_directory_server(self) -> None:
+        if self._directory_server is not None:
+            self._directory_server.close()
 
     # ---- the loop thread ---------------------------------------------------------------
 

@@ -20,7 +20,11 @@ connector through this folder (mode 0700, files 0600, removed when the engine cl
   node registers in the metadata service.
 - `peers`: the node's key directory (core.identity), rewritten whenever it changes: whom the
   connector's side channel admits and which principal may send what (absent: the shared-key
-  mode of `curve`).
+  mode of `curve`). `directory` (the node listens, `DirectoryServer`): the connector's copy
+  (`read_directory`) asks the node on a miss, and the node asks the metadata service, as
+  the own engine's connector does itself; the copy then reads the rewritten file. Without
+  it, a node registered after the node's last periodic refresh (every 2 s) stayed unknown
+  to the connector until the next one, and its KV was refused.
 - `kv-events`, `kv-replay`: the `ipc://` endpoints of vLLM's KV event publisher.
 - `wake` (the node listens) and `lookups` (the connector's scheduler side listens): the
   connector's worker announces a peer's prefix pull, which vLLM's scheduler must look up,
@@ -36,12 +40,17 @@ node's interpreter exits; a SIGKILLed node leaves it behind, holding no secret.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import zmq
 
 from pdcluster.core.credentials import CurveKeys
 from pdcluster.core.identity import Directory, Peer
@@ -50,6 +59,10 @@ _CURVE = "curve"
 _KV_ADDRESS = "kv-address"
 _KV_SESSION = "kv-session"
 _PEERS = "peers"
+_DIRECTORY = "directory"
+ASK_TIMEOUT_S = 2.0  # the connector's wait for the node's refresh (then it reads what is there)
+
+logger = logging.getLogger(__name__)
 
 
 class Handshake:
@@ -142,8 +155,8 @@ def write_kv_address(folder: str | Path, address: str, session: str = "") -> Non
 
 
 def read_directory(folder: str | Path) -> Directory | None:
-    """The connector's side: a key directory that follows the node's `peers` file (None when
-    the node runs in the shared-key mode)."""
+    """The connector's side: a key directory that follows the node's `peers` file and asks
+    the node on a miss (None when the node runs in the shared-key mode)."""
     path = Path(folder) / _PEERS
     if not path.is_file():
         return None
@@ -153,9 +166,69 @@ def read_directory(folder: str | Path) -> Directory | None:
                      p["kv_address"], p["kv_session"], bytes.fromhex(p.get("ticket_key", "")))
                 for p in json.loads(path.read_text())]
 
-    directory = Directory(refresh=peers, min_refresh_s=0.05)
+    directory = NodeCopy(peers, endpoint(folder, _DIRECTORY))
     directory.refresh_now(force=True)
     return directory.follow(0.5)
+
+
+class NodeCopy(Directory):
+    """The connector's copy of the node's directory. A lookup that misses asks the node to
+    ask the service (`DirectoryServer`), waits for its answer (at most `ASK_TIMEOUT_S`), then
+    reads the node's file again."""
+
+    def __init__(self, refresh: Callable[[], Iterable[Peer]], ask_address: str) -> None:
+        super().__init__(refresh=refresh, min_refresh_s=0.05)
+        self._ask_address = ask_address
+        self._ask_lock = threading.Lock()  # misses come from several threads; one socket
+
+    def refresh_since(self, missed_at: float) -> bool:
+        self._ask_node()
+        # read after the node's answer: a periodic read between the miss and the node's
+        # rewrite would otherwise count as fresh
+        return super().refresh_since(max(missed_at, self._clock()))
+
+    def _ask_node(self) -> None:
+        with self._ask_lock:
+            sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.connect(self._ask_address)
+                sock.send(b"refresh")
+                if not sock.poll(int(ASK_TIMEOUT_S * 1000)):
+                    logger.warning("the node did not refresh its key directory within %g s",
+                                   ASK_TIMEOUT_S)
+                    return
+                sock.recv()
+            finally:
+                sock.close()
+
+
+class DirectoryServer:
+    """The node's side of `NodeCopy`: a thread answering the connector's misses. Each asks the
+    service once more (`Directory.refresh_since`: at most one call per the directory's
+    `min_refresh_s`, so a flood of strangers' keys costs the service no more than the node's
+    own misses); the node's subscription has rewritten the `peers` file before the answer."""
+
+    def __init__(self, folder: str | Path, directory: Directory) -> None:
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint(folder, _DIRECTORY))
+        self._directory, self._stop = directory, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="vllm-directory")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            self._sock.recv()
+            refreshed = self._directory.refresh_since(time.monotonic())
+            self._sock.send(b"1" if refreshed else b"0")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
 
 
 def _write_private(path: Path, text: str) -> None:
