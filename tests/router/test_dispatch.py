@@ -4,6 +4,7 @@ injected clock) and routes on the decayed totals, against fake nodes over ZMQ.""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -87,3 +88,36 @@ def test_remote_prefill_charges_the_prompt_to_p_and_the_output_to_d(make_node) -
             await dispatcher.close()
 
     asyncio.run(scenario())
+
+
+def test_closing_right_after_a_node_re_registered_does_not_hang(make_node) -> None:
+    """A node that registers again (a restart: a new epoch, a new address) gets a new link;
+    the old one closes in the background. A router stopped in that instant used to cancel
+    that close before it ran, and the ZMQ context's termination then waited for the old
+    socket forever (CI saw the router's stop time out)."""
+    old, new = make_node("a"), make_node("a")
+    config = RouterConfig(model_dir="unused", nodes=(NodeSpec("a", "both", old.address),),
+                          load_interval_s=60.0, node_timeout_s=1.0, **ROUTER_CREDENTIALS)
+    outcome: list[BaseException | None] = []
+
+    async def scenario() -> None:
+        dispatcher = Dispatcher(config, RouterMetrics(), shared_keys=TEST_CURVE)
+        await dispatcher.start()
+        replaced = dispatcher.nodes["a"]
+        dispatcher._sync_nodes([NodeSpec("a", "both", new.address)])  # the refresh's path
+        assert dispatcher.nodes["a"] is not replaced
+        await dispatcher.close()  # at once: the old link's close has not run yet
+
+    def run() -> None:
+        try:
+            asyncio.run(scenario())
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            outcome.append(exc)
+
+    # a hang blocks the event loop itself (a synchronous ZMQ call), so watch from outside
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(15)
+    assert not thread.is_alive(), "Dispatcher.close hung on a replaced node's socket"
+    assert outcome == [None]

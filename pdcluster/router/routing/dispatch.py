@@ -412,12 +412,17 @@ class Dispatcher:
     async def close(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
-        for task in list(self._background):
+        background = list(self._background)
+        for task in background:
             task.cancel()
+        # a replaced node's link may be closing in one of them: let it finish closing
+        await asyncio.gather(*background, return_exceptions=True)
         await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
         if self.metadata is not None:
             await self.metadata.close()
-        self._context.term()
+        # every socket is closed by now; `destroy` closes any that is not, where `term` would
+        # block the event loop for good
+        self._context.destroy(linger=0)
 
 
 async def _race(stream: NodeStream, failure: asyncio.Future) -> AsyncGenerator[TokenDelta, None]:

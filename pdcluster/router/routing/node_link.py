@@ -266,7 +266,10 @@ class NodeLink:
         self.fail_streams(f"node {self.node_id} left the router's view")
         self._receiver.cancel()
         self._watcher.cancel()
-        await asyncio.gather(self._receiver, self._watcher, return_exceptions=True)
-        self._socket.disable_monitor()
-        self._monitor.close(0)
-        self._socket.close(0)
+        try:
+            await asyncio.gather(self._receiver, self._watcher, return_exceptions=True)
+        finally:  # even when the close itself is cancelled: an open socket blocks the
+            # context's termination (`Dispatcher.close`)
+            self._socket.disable_monitor()
+            self._monitor.close(0)
+            self._socket.close(0)
