@@ -415,13 +415,15 @@ class Dispatcher:
         background = list(self._background)
         for task in background:
             task.cancel()
-        # a replaced node's link may be closing in one of them: let it finish closing
+        # a replaced node's link may be closing in one of them: once they end, a close that
+        # had started has closed its sockets (`NodeLink.close`); one cancelled before it ran
+        # has not, which `destroy` below covers
         await asyncio.gather(*background, return_exceptions=True)
         await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
         if self.metadata is not None:
             await self.metadata.close()
-        # every socket is closed by now; `destroy` closes any that is not, where `term` would
-        # block the event loop for good
+        # `destroy` closes any socket still open, where `term` would block the event loop for
+        # good waiting on it
         self._context.destroy(linger=0)
 
 
